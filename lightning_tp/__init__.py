@@ -1,0 +1,3 @@
+"""lightning-tp: Megatron-class parallelism for unchanged Lightning projects."""
+
+__version__ = "0.1.0"
