@@ -1,0 +1,226 @@
+"""Pipeline-parallel schedules as pure data.
+
+A schedule is ``list[list[Action]]``: one ordered action list per pipeline
+rank. Nothing here touches processes or ``torch.distributed``; an executor
+walks a rank's list and performs each action, and :mod:`.simulate` replays
+all lists to check them and measure bubbles.
+
+Why point-to-point transfers are explicit actions rather than implied by
+F/B: the executor batches every run of adjacent SEND_*/RECV_* actions into
+one ``batch_isend_irecv`` call (e.g. 1F1B's "send activation, receive
+gradient" pair). Where those actions sit in the list therefore decides which
+transfers overlap and whether two ranks can wait on each other. Keeping them
+in the data makes that choice visible, testable and simulatable instead of
+hiding it in executor control flow.
+
+Conventions:
+
+* Model chunk ``c`` on rank ``s`` is virtual stage ``k = c * p + s``
+  (Megatron's interleaved layout); with ``v == 1`` chunk is always 0 and the
+  virtual stage is the rank.
+* The forward neighbour of virtual stage ``k`` is ``k + 1`` on rank
+  ``(k + 1) % p``, chunk ``(k + 1) // p``; backward goes to ``k - 1``.
+* ``chunk`` on a SEND/RECV is the *local* chunk on the rank that executes
+  it: ``SEND_F(mb, c)`` ships the output of this rank's chunk ``c``;
+  ``RECV_F(mb, c)`` fetches the input of this rank's chunk ``c``.
+* Every non-first virtual stage does RECV_F right before its F; every
+  non-last one does SEND_F right after it. Backward mirrors this:
+  RECV_B before B unless last, SEND_B after B unless first.
+* "B" is the full backward in GPipe/1F1B/interleaved; in ZB-H1 it is the
+  input-gradient half only and "W" is the weight-gradient half.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+COMPUTE_KINDS = ("F", "B", "W")
+P2P_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
+KINDS = COMPUTE_KINDS + P2P_KINDS
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
+
+
+@dataclass(frozen=True)
+class Action:
+    """One step of one rank: a compute pass or one half of a P2P transfer."""
+
+    kind: str
+    microbatch: int
+    chunk: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown action kind {self.kind!r}; expected one of {KINDS}")
+        if self.microbatch < 0 or self.chunk < 0:
+            raise ValueError(f"microbatch and chunk must be >= 0, got {self}")
+
+    def __str__(self) -> str:
+        return f"{self.kind}(mb={self.microbatch}, chunk={self.chunk})"
+
+
+Schedule = list[list[Action]]
+
+
+def _check_positive(**values: int) -> None:
+    for name, value in values.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+class _RankOps:
+    """Appends compute actions for one rank with their P2P neighbours attached."""
+
+    def __init__(self, rank: int, p: int, v: int) -> None:
+        self.rank, self.p, self.last = rank, p, p * v - 1
+        self.ops: list[Action] = []
+
+    def _stage(self, chunk: int) -> int:
+        return chunk * self.p + self.rank
+
+    def forward(self, mb: int, chunk: int = 0) -> None:
+        k = self._stage(chunk)
+        if k > 0:
+            self.ops.append(Action("RECV_F", mb, chunk))
+        self.ops.append(Action("F", mb, chunk))
+        if k < self.last:
+            self.ops.append(Action("SEND_F", mb, chunk))
+
+    def backward(self, mb: int, chunk: int = 0) -> None:
+        k = self._stage(chunk)
+        if k < self.last:
+            self.ops.append(Action("RECV_B", mb, chunk))
+        self.ops.append(Action("B", mb, chunk))
+        if k > 0:
+            self.ops.append(Action("SEND_B", mb, chunk))
+
+    def weight(self, mb: int, chunk: int = 0) -> None:
+        self.ops.append(Action("W", mb, chunk))
+
+
+def gpipe(p: int, m: int) -> Schedule:
+    """All forwards, then all backwards: simplest, but holds m activations."""
+    _check_positive(p=p, m=m)
+    schedule = []
+    for s in range(p):
+        r = _RankOps(s, p, 1)
+        for mb in range(m):
+            r.forward(mb)
+        for mb in range(m):
+            r.backward(mb)
+        schedule.append(r.ops)
+    return schedule
+
+
+def one_f_one_b(p: int, m: int) -> Schedule:
+    """PipeDream-flush 1F1B: same bubble as GPipe, at most p - s activations.
+
+    Rank s runs min(p - s - 1, m) warmup forwards, which is exactly how many
+    microbatches are still travelling downstream when its first gradient can
+    come back; after that each new forward is paired with the oldest backward.
+    """
+    _check_positive(p=p, m=m)
+    schedule = []
+    for s in range(p):
+        r = _RankOps(s, p, 1)
+        warmup = min(p - s - 1, m)
+        for mb in range(warmup):
+            r.forward(mb)
+        for i in range(m - warmup):
+            r.forward(warmup + i)
+            r.backward(i)
+        for mb in range(m - warmup, m):
+            r.backward(mb)
+        schedule.append(r.ops)
+    return schedule
+
+
+def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
+    """Megatron's interleaved 1F1B with v model chunks per rank.
+
+    Work proceeds in groups of p microbatches per chunk, so the order needs
+    m % p == 0. Each rank's bubble shrinks by v because every pass is 1/v as
+    long, at the price of v times more P2P traffic. The warmup count
+    ``2 * (p - s - 1) + (v - 1) * p`` and the all-warmup special case m == p
+    follow Megatron-LM's ``forward_backward_pipelining_with_interleaving``.
+    """
+    _check_positive(p=p, m=m, v=v)
+    if m % p != 0:
+        raise ValueError(
+            f"interleaved_1f1b needs the number of microbatches ({m}) to be a "
+            f"multiple of the pipeline size ({p}), as in Megatron-LM"
+        )
+    total = m * v
+    group = p * v
+
+    def chunk_of(k: int, forward: bool) -> int:
+        c = (k % group) // p
+        return c if forward else v - 1 - c
+
+    def mb_of(k: int) -> int:
+        return (k // group) * p + k % p
+
+    schedule = []
+    for s in range(p):
+        r = _RankOps(s, p, v)
+        warmup = total if m == p else min(2 * (p - s - 1) + (v - 1) * p, total)
+        for k in range(warmup):
+            r.forward(mb_of(k), chunk_of(k, True))
+        for i in range(total - warmup):
+            r.forward(mb_of(warmup + i), chunk_of(warmup + i, True))
+            r.backward(mb_of(i), chunk_of(i, False))
+        for k in range(total - warmup, total):
+            r.backward(mb_of(k), chunk_of(k, False))
+        schedule.append(r.ops)
+    return schedule
+
+
+def zb_h1(p: int, m: int) -> Schedule:
+    """ZB-H1 (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", section 2.1).
+
+    Same F/B order and warmup as 1F1B, so the same number of in-flight
+    activations (F done, B not yet). Splitting the backward lets B hurry the
+    gradient upstream; rank s defers its first s W passes, and the backlog
+    of W then fills the cooldown where 1F1B would idle. With T_F = T_B = T_W
+    the paper's bubble is (p - 1)(T_F + T_B - T_W), a third of 1F1B's
+    (p - 1)(T_F + T_B + T_W).
+    """
+    _check_positive(p=p, m=m)
+    schedule = []
+    for s in range(p):
+        r = _RankOps(s, p, 1)
+        warmup = min(p - s - 1, m)
+        pending_w: deque[int] = deque()
+
+        def backward_then_maybe_w(mb: int, index: int) -> None:
+            r.backward(mb)
+            pending_w.append(mb)
+            if index >= s:  # the (index)th backward on rank s; delay the first s W
+                r.weight(pending_w.popleft())
+
+        for mb in range(warmup):
+            r.forward(mb)
+        for i in range(m - warmup):
+            r.forward(warmup + i)
+            backward_then_maybe_w(i, i)
+        for mb in range(m - warmup, m):
+            backward_then_maybe_w(mb, mb)
+        while pending_w:
+            r.weight(pending_w.popleft())
+        schedule.append(r.ops)
+    return schedule
+
+
+def build_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
+    """Dispatch by name; v (chunks per rank) only applies to interleaved_1f1b."""
+    if name in SCHEDULE_NAMES and name != "interleaved_1f1b" and v != 1:
+        raise ValueError(f"schedule {name!r} has one chunk per rank; got v={v}")
+    if name == "gpipe":
+        return gpipe(p, m)
+    if name == "1f1b":
+        return one_f_one_b(p, m)
+    if name == "interleaved_1f1b":
+        return interleaved_1f1b(p, m, v)
+    if name == "zb_h1":
+        return zb_h1(p, m)
+    raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULE_NAMES)}")

@@ -1,0 +1,160 @@
+"""Discrete-event replay of a pipeline schedule, without processes.
+
+Each rank walks its action list in order with its own clock. Compute actions
+advance the clock by their cost. Sends are non-blocking: they stamp the
+transfer with the sender's clock and move on. A RECV blocks until the
+matching SEND on the neighbouring virtual stage has executed, then sets the
+receiver's clock to max(own clock, send time). Because ranks only interact
+through RECVs, the resulting times do not depend on the order in which the
+simulator advances ranks. If no rank can advance and some lists are not
+finished, that is a deadlock.
+
+Cost convention: ``cost["B"]`` is always the *full* backward. In a schedule
+with W actions (zero bubble), B is only the input-gradient half and costs
+``cost["B"] - cost["W"]``; W costs ``cost["W"]``. With the default
+``{"F": 1, "B": 2, "W": 1}`` a ZB schedule runs B = W = 1, so every schedule
+does the same total work and bubbles compare fairly. Costs are per action,
+i.e. per chunk: for interleaved schedules pass F/v and B/v (e.g. Fractions).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from numbers import Real
+
+from .schedules import Action, Schedule
+
+DEFAULT_COST = {"F": 1, "B": 2, "W": 1}
+
+
+class ScheduleError(ValueError):
+    """The schedule is malformed (missing dependency, duplicate, bad peer)."""
+
+
+class DeadlockError(ScheduleError):
+    """Every unfinished rank is blocked on a RECV whose SEND never runs."""
+
+
+@dataclass
+class SimResult:
+    makespan: Real
+    busy: list[Real]
+    peak_inflight: list[int]
+    # per rank: (start, end, action) for each compute action, in order
+    timelines: list[list[tuple[Real, Real, Action]]] = field(repr=False)
+
+    @property
+    def idle(self) -> list[Real]:
+        """Per-rank bubble time: time inside the makespan spent not computing."""
+        return [self.makespan - b for b in self.busy]
+
+    @property
+    def rank_bubble_fraction(self) -> list[float]:
+        return [float(i / self.makespan) if self.makespan else 0.0 for i in self.idle]
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle share of all ranks' time: 1 - sum(busy) / (p * makespan)."""
+        if not self.makespan:
+            return 0.0
+        return float(sum(self.idle) / (len(self.busy) * self.makespan))
+
+
+class _Rank:
+    def __init__(self, rank: int, actions: list[Action]) -> None:
+        self.rank, self.actions = rank, actions
+        self.pc = 0
+        self.clock: Real = 0
+        self.busy: Real = 0
+        self.done: set[tuple[str, int, int]] = set()  # (kind, mb, chunk) incl. RECVs
+        self.inflight = 0
+        self.peak = 0
+        self.timeline: list[tuple[Real, Real, Action]] = []
+
+
+def simulate(schedule: Schedule, p: int, v: int = 1, cost: dict | None = None) -> SimResult:
+    """Replay ``schedule`` on p ranks with v chunks each; see module docstring."""
+    if len(schedule) != p:
+        raise ScheduleError(f"schedule has {len(schedule)} rank lists, expected p={p}")
+    cost = {**DEFAULT_COST, **(cost or {})}
+    has_w = any(a.kind == "W" for ops in schedule for a in ops)
+    duration = {
+        "F": cost["F"],
+        "B": cost["B"] - cost["W"] if has_w else cost["B"],
+        "W": cost["W"],
+    }
+    if any(d < 0 for d in duration.values()):
+        raise ValueError(f"negative action cost from {cost} (B must cover W in ZB)")
+    last = p * v - 1
+    sent: dict[tuple[str, int, int], Real] = {}  # (direction, mb, dest vstage) -> time
+    consumed: set[tuple[str, int, int]] = set()
+    ranks = [_Rank(r, list(ops)) for r, ops in enumerate(schedule)]
+
+    def fail(r: _Rank, a: Action, why: str) -> None:
+        raise ScheduleError(f"rank {r.rank} action #{r.pc} {a}: {why}")
+
+    def step(r: _Rank, a: Action) -> bool:
+        """Run one action; False means blocked on a RECV."""
+        if a.chunk >= v:
+            fail(r, a, f"chunk out of range for v={v}")
+        k = a.chunk * p + r.rank
+        key = (a.kind, a.microbatch, a.chunk)
+        if key in r.done:
+            fail(r, a, "duplicate action")
+        if a.kind in ("SEND_F", "SEND_B"):
+            fwd = a.kind == "SEND_F"
+            dest = k + 1 if fwd else k - 1
+            if not 0 <= dest <= last:
+                fail(r, a, f"virtual stage {k} has no {'next' if fwd else 'previous'} stage")
+            if ("F" if fwd else "B", a.microbatch, a.chunk) not in r.done:
+                fail(r, a, "sends a result that has not been computed yet")
+            sent[(a.kind[-1], a.microbatch, dest)] = r.clock
+        elif a.kind in ("RECV_F", "RECV_B"):
+            if (a.kind == "RECV_F" and k == 0) or (a.kind == "RECV_B" and k == last):
+                fail(r, a, f"virtual stage {k} has no peer to receive from")
+            tkey = (a.kind[-1], a.microbatch, k)
+            if tkey not in sent:
+                return False
+            consumed.add(tkey)
+            r.clock = max(r.clock, sent[tkey])
+        else:
+            need = {
+                "F": [("RECV_F", k > 0)],
+                "B": [("F", True), ("RECV_B", k < last)],
+                "W": [("B", True)],
+            }[a.kind]
+            for dep, applies in need:
+                if applies and (dep, a.microbatch, a.chunk) not in r.done:
+                    fail(r, a, f"runs before its {dep}")
+            start, r.clock = r.clock, r.clock + duration[a.kind]
+            r.busy += duration[a.kind]
+            r.timeline.append((start, r.clock, a))
+            if a.kind == "F":
+                r.inflight += 1
+                r.peak = max(r.peak, r.inflight)
+            elif a.kind == "B":
+                r.inflight -= 1
+        r.done.add(key)
+        return True
+
+    progressed = True
+    while progressed:
+        progressed = False
+        for r in ranks:
+            while r.pc < len(r.actions) and step(r, r.actions[r.pc]):
+                r.pc += 1
+                progressed = True
+
+    stuck = [r for r in ranks if r.pc < len(r.actions)]
+    if stuck:
+        detail = "; ".join(f"rank {r.rank} stuck at #{r.pc} {r.actions[r.pc]}" for r in stuck)
+        raise DeadlockError(f"deadlock: {detail}")
+    unmatched = set(sent) - consumed
+    if unmatched:
+        raise ScheduleError(f"sends never received (dir, mb, dest stage): {sorted(unmatched)}")
+    return SimResult(
+        makespan=max((r.clock for r in ranks), default=0),
+        busy=[r.busy for r in ranks],
+        peak_inflight=[r.peak for r in ranks],
+        timelines=[r.timeline for r in ranks],
+    )

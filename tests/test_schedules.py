@@ -1,0 +1,251 @@
+"""Pure-data checks of pipeline schedules and the replay simulator.
+
+Expected bubbles come from closed forms, never from recorded simulator output:
+* GPipe and 1F1B: bubble time (p-1)(T_F+T_B), fraction (p-1)/(m+p-1).
+* Interleaved with per-chunk costs F/v, B/v: fraction (p-1)/(v*m+p-1)
+  (Narayanan et al. 2021, bubble shrinks by v).
+* ZB-H1 with T_F = T_B = T_W: bubble time (p-1)(T_F+T_B-T_W), i.e. one third
+  of 1F1B's (p-1)(T_F+T_B+T_W) (Qi et al. 2024, sec. 2.1); as a fraction
+  (p-1)/(3m+p-1) when m >= p.
+"""
+
+from collections import Counter
+from fractions import Fraction
+
+import pytest
+
+from lightning_tp.pipeline.schedules import (
+    SCHEDULE_NAMES,
+    Action,
+    build_schedule,
+    gpipe,
+    interleaved_1f1b,
+    one_f_one_b,
+    zb_h1,
+)
+from lightning_tp.pipeline.simulate import DeadlockError, ScheduleError, simulate
+
+PM = [(1, 1), (1, 3), (2, 1), (2, 2), (2, 5), (3, 7), (4, 3), (4, 4), (4, 8), (4, 16), (8, 8)]
+PMV = [(1, 3, 2), (2, 4, 2), (3, 6, 2), (4, 4, 2), (4, 8, 1), (4, 8, 2), (4, 16, 3), (8, 16, 2)]
+CASES = [(n, p, m, 1) for n in ("gpipe", "1f1b", "zb_h1") for p, m in PM] + [
+    ("interleaved_1f1b", p, m, v) for p, m, v in PMV
+]
+CASE_IDS = [f"{n}-p{p}-m{m}-v{v}" for n, p, m, v in CASES]
+
+
+def unit_cost(v=1):
+    """F=1, full B=2 per microbatch, spread over v chunks; ZB splits B as 1+1."""
+    return {"F": Fraction(1, v), "B": Fraction(2, v), "W": Fraction(1, v)}
+
+
+def stage(rank, chunk, p):
+    return chunk * p + rank
+
+
+def order_peak_inflight(ops):
+    """Peak (F done, B not yet) count from list order alone, independent of the simulator."""
+    live = peak = 0
+    for a in ops:
+        live += {"F": 1, "B": -1}.get(a.kind, 0)
+        peak = max(peak, live)
+    return peak
+
+
+@pytest.mark.parametrize("name,p,m,v", CASES, ids=CASE_IDS)
+def test_schedule_is_deadlock_free_and_keeps_every_rank_equally_busy(name, p, m, v):
+    res = simulate(build_schedule(name, p, m, v), p, v, cost=unit_cost(v))
+    # same total work everywhere: m microbatches * (F + full B) = 3m
+    assert res.busy == [3 * m] * p
+    assert res.makespan >= 3 * m
+
+
+@pytest.mark.parametrize("name,p,m,v", CASES, ids=CASE_IDS)
+def test_each_compute_kind_runs_exactly_once_per_microbatch_and_chunk_on_every_rank(name, p, m, v):
+    kinds = ("F", "B", "W") if name == "zb_h1" else ("F", "B")
+    expected = Counter((k, mb, c) for k in kinds for mb in range(m) for c in range(v))
+    for ops in build_schedule(name, p, m, v):
+        got = Counter((a.kind, a.microbatch, a.chunk) for a in ops if a.kind in ("F", "B", "W"))
+        assert got == expected
+
+
+@pytest.mark.parametrize("name,p,m,v", CASES, ids=CASE_IDS)
+def test_forward_precedes_backward_precedes_weight_per_microbatch_and_chunk(name, p, m, v):
+    for ops in build_schedule(name, p, m, v):
+        pos = {(a.kind, a.microbatch, a.chunk): i for i, a in enumerate(ops)}
+        for mb in range(m):
+            for c in range(v):
+                assert pos[("F", mb, c)] < pos[("B", mb, c)]
+                if name == "zb_h1":
+                    assert pos[("B", mb, c)] < pos[("W", mb, c)]
+
+
+@pytest.mark.parametrize("name,p,m,v", CASES, ids=CASE_IDS)
+def test_p2p_wraps_each_pass_and_every_send_has_a_neighbour_recv(name, p, m, v):
+    last = p * v - 1
+    sched = build_schedule(name, p, m, v)
+    sends, recvs = Counter(), Counter()
+    for rank, ops in enumerate(sched):
+        pos = {(a.kind, a.microbatch, a.chunk): i for i, a in enumerate(ops)}
+        assert len(pos) == len(ops), "an action appears twice on one rank"
+        for mb in range(m):
+            for c in range(v):
+                k = stage(rank, c, p)
+                f, b = pos[("F", mb, c)], pos[("B", mb, c)]
+                assert (("RECV_F", mb, c) in pos) == (k > 0)
+                assert (("SEND_F", mb, c) in pos) == (k < last)
+                assert (("RECV_B", mb, c) in pos) == (k < last)
+                assert (("SEND_B", mb, c) in pos) == (k > 0)
+                if k > 0:
+                    assert pos[("RECV_F", mb, c)] < f and pos[("SEND_B", mb, c)] > b
+                    sends["B", mb, k - 1] += 1
+                    recvs["F", mb, k] += 1
+                if k < last:
+                    assert pos[("SEND_F", mb, c)] > f and pos[("RECV_B", mb, c)] < b
+                    sends["F", mb, k + 1] += 1
+                    recvs["B", mb, k] += 1
+    # a SEND to virtual stage k is matched by exactly one RECV on the rank/chunk owning k
+    assert sends == recvs
+
+
+@pytest.mark.parametrize("p,m", PM)
+def test_gpipe_holds_all_m_activations_and_1f1b_at_most_p_minus_s(p, m):
+    g, o = gpipe(p, m), one_f_one_b(p, m)
+    g_sim, o_sim = simulate(g, p), simulate(o, p)
+    assert [order_peak_inflight(ops) for ops in g] == g_sim.peak_inflight == [m] * p
+    assert [order_peak_inflight(ops) for ops in o] == o_sim.peak_inflight
+    for s, peak in enumerate(o_sim.peak_inflight):
+        assert peak <= p - s
+        assert peak == min(p - s, m)
+
+
+@pytest.mark.parametrize("p,m", PM)
+def test_zb_h1_has_the_same_peak_inflight_activations_as_1f1b(p, m):
+    assert simulate(zb_h1(p, m), p).peak_inflight == simulate(one_f_one_b(p, m), p).peak_inflight
+
+
+@pytest.mark.parametrize("p,m,v", [c for c in PMV if c[0] > 1])
+def test_interleaved_peak_inflight_is_megatron_warmup_plus_one(p, m, v):
+    # Megatron: warmup forwards 2(p-s-1) + (v-1)p, all m*v of them when m == p;
+    # the first steady-state forward then adds one more live activation
+    for s, peak in enumerate(simulate(interleaved_1f1b(p, m, v), p, v).peak_inflight):
+        expected = m * v if m == p else min(2 * (p - s - 1) + (v - 1) * p + 1, m * v)
+        assert peak == expected
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("p,m", PM)
+def test_gpipe_and_1f1b_bubble_equals_p_minus_1_over_m_plus_p_minus_1(name, p, m):
+    res = simulate(build_schedule(name, p, m), p, cost={"F": 1, "B": 2})
+    assert res.makespan == 3 * (m + p - 1)
+    assert res.bubble_fraction == pytest.approx((p - 1) / (m + p - 1), abs=1e-12)
+
+
+@pytest.mark.parametrize("p,m,v", PMV)
+def test_interleaved_bubble_equals_p_minus_1_over_vm_plus_p_minus_1(p, m, v):
+    res = simulate(interleaved_1f1b(p, m, v), p, v, cost=unit_cost(v))
+    assert res.bubble_fraction == pytest.approx((p - 1) / (v * m + p - 1), abs=1e-12)
+    assert all(i == Fraction(3 * (p - 1), v) for i in res.idle)
+
+
+@pytest.mark.parametrize("p,m", [(p, m) for p, m in PM if p > 1])
+def test_zb_h1_bubble_is_positive_and_at_most_40_percent_of_1f1b(p, m):
+    zb = simulate(zb_h1(p, m), p, cost=unit_cost())
+    base = simulate(one_f_one_b(p, m), p, cost=unit_cost())
+    assert 0 < max(zb.idle) < min(base.idle)
+    if m >= p:  # the paper's steady-state analysis assumes at least p microbatches
+        # compared as bubble time (the paper's "bubble size"): theory says exactly 1/3
+        assert max(zb.idle) <= Fraction(2, 5) * min(base.idle)
+        assert zb.idle == [p - 1] * p  # (p-1)(T_F + T_B - T_W) with all three = 1
+        assert zb.bubble_fraction == pytest.approx((p - 1) / (3 * m + p - 1), abs=1e-12)
+        if m >= 3 * (p - 1):  # only then is the *fraction* ratio (m+p-1)/(3m+p-1) <= 0.4
+            assert zb.bubble_fraction <= 0.4 * base.bubble_fraction
+
+
+@pytest.mark.parametrize("name,p,m,v", [c for c in CASES if c[1] == 1], ids=str)
+def test_single_stage_pipeline_has_no_bubble(name, p, m, v):
+    assert simulate(build_schedule(name, p, m, v), p, v, cost=unit_cost(v)).bubble_fraction == 0
+
+
+def test_zb_backward_costs_full_b_minus_w_so_total_work_matches_1f1b():
+    cost = {"F": 3, "B": 5, "W": 2}
+    zb = simulate(zb_h1(3, 6), 3, cost=cost)
+    durations = {a.kind: end - start for tl in zb.timelines for start, end, a in tl}
+    assert durations == {"F": 3, "B": 3, "W": 2}
+    assert zb.busy == simulate(one_f_one_b(3, 6), 3, cost=cost).busy == [6 * 8] * 3
+
+
+def test_missing_send_is_reported_as_deadlock_naming_the_stuck_recv():
+    sched = one_f_one_b(2, 2)
+    sched[0].remove(Action("SEND_F", 1))
+    with pytest.raises(DeadlockError, match=r"rank 1 stuck at #\d+ RECV_F\(mb=1, chunk=0\)"):
+        simulate(sched, 2)
+
+
+def test_circular_wait_is_reported_as_deadlock_on_both_ranks():
+    # rank 0 waits for a gradient before sending the activation rank 1 needs first
+    sched = [
+        [Action("F", 0), Action("RECV_B", 0), Action("SEND_F", 0), Action("B", 0)],
+        [Action("RECV_F", 0), Action("F", 0), Action("B", 0), Action("SEND_B", 0)],
+    ]
+    with pytest.raises(DeadlockError) as err:
+        simulate(sched, 2)
+    assert "rank 0 stuck at #1 RECV_B" in str(err.value)
+    assert "rank 1 stuck at #0 RECV_F" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "sched,msg",
+    [
+        ([[Action("F", 0), Action("B", 0), Action("B", 0)]], "duplicate"),
+        ([[Action("B", 0), Action("F", 0)]], "before its F"),
+        ([[Action("F", 0), Action("SEND_F", 0)]], "no next stage"),
+        ([[Action("F", 0), Action("W", 0), Action("B", 0)]], "before its B"),
+        ([[Action("F", 0, chunk=1), Action("B", 0, chunk=1)]], "chunk out of range"),
+    ],
+)
+def test_malformed_schedule_is_rejected(sched, msg):
+    with pytest.raises(ScheduleError, match=msg):
+        simulate(sched, 1)
+
+
+def test_send_that_is_never_received_is_rejected():
+    sched = [[Action("F", 0), Action("SEND_F", 0)], []]
+    with pytest.raises(ScheduleError, match=r"never received.*\('F', 0, 1\)"):
+        simulate(sched, 2)
+
+
+def test_interleaved_rejects_microbatches_not_divisible_by_pipeline_size():
+    with pytest.raises(ValueError, match=r"microbatches \(6\).*multiple of the pipeline size \(4\)"):
+        interleaved_1f1b(4, 6, 2)
+
+
+def test_unknown_schedule_name_lists_the_choices():
+    with pytest.raises(ValueError) as err:
+        build_schedule("pipedream", 2, 2)
+    for name in SCHEDULE_NAMES:
+        assert name in str(err.value)
+
+
+@pytest.mark.parametrize("name", SCHEDULE_NAMES)
+@pytest.mark.parametrize("p,m,v", [(0, 4, 1), (2, 0, 1), (-1, 4, 1), (2, 2, 0), (2, 2.0, 1)])
+def test_nonpositive_or_non_int_sizes_raise_value_error(name, p, m, v):
+    if v == 0 and name != "interleaved_1f1b":
+        v = 2  # other schedules reject any v != 1
+    with pytest.raises(ValueError):
+        build_schedule(name, p, m, v)
+
+
+def test_build_schedule_dispatches_to_each_builder():
+    assert build_schedule("gpipe", 3, 4) == gpipe(3, 4)
+    assert build_schedule("1f1b", 3, 4) == one_f_one_b(3, 4)
+    assert build_schedule("interleaved_1f1b", 3, 6, 2) == interleaved_1f1b(3, 6, 2)
+    assert build_schedule("zb_h1", 3, 4) == zb_h1(3, 4)
+
+
+def test_action_rejects_unknown_kind_and_negative_indices():
+    with pytest.raises(ValueError):
+        Action("X", 0)
+    with pytest.raises(ValueError):
+        Action("F", -1)
+    with pytest.raises(ValueError):
+        Action("F", 0, chunk=-1)
