@@ -1,0 +1,34 @@
+"""Triton fused kernels (with pure-torch twins) for the hot elementwise/row-wise ops of a transformer.
+
+Each op is an autograd Function with a Triton forward and backward, a functional entry point that
+picks the Triton or torch path (see ``_utils``), and, where a module is replaced, an ``nn.Module``
+with a ``from_module`` classmethod that takes over the original's parameters.
+"""
+
+from ._utils import HAS_TRITON, INTERPRET, torch_path
+from .cross_entropy import FusedCrossEntropyLoss, fused_cross_entropy
+from .dropout_add import bias_dropout_add, dropout_keep_mask
+from .gelu import FusedBiasGeLU, bias_gelu
+from .layernorm import FusedLayerNorm, layer_norm
+from .rmsnorm import FusedRMSNorm, rms_norm
+from .rotary import apply_rotary, apply_rotary_pos_emb
+from .softmax import fused_softmax
+
+__all__ = [
+    "HAS_TRITON",
+    "INTERPRET",
+    "torch_path",
+    "layer_norm",
+    "FusedLayerNorm",
+    "rms_norm",
+    "FusedRMSNorm",
+    "fused_softmax",
+    "bias_gelu",
+    "FusedBiasGeLU",
+    "bias_dropout_add",
+    "dropout_keep_mask",
+    "apply_rotary",
+    "apply_rotary_pos_emb",
+    "fused_cross_entropy",
+    "FusedCrossEntropyLoss",
+]
