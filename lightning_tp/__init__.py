@@ -1,3 +1,18 @@
-"""lightning-tp: Megatron-class parallelism for unchanged Lightning projects."""
+"""lightning-tp: Megatron-class parallelism for unchanged Lightning projects.
+
+    Trainer(strategy=MegaStrategy(tp=2, sp=True))    # or strategy="mega" after `import lightning_tp`
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from .checkpoint import consolidate
+from .mesh import ParallelMesh, build_mesh
+from .plans import STYLES, Plan, register_plan
+from .strategy import MegaStrategy
 
 __version__ = "0.1.0"
+
+if "mega" not in StrategyRegistry:
+    MegaStrategy.register_strategies(StrategyRegistry)
+
+__all__ = ["MegaStrategy", "Plan", "STYLES", "register_plan", "consolidate", "ParallelMesh", "build_mesh"]

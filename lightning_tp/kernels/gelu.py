@@ -21,10 +21,7 @@ from torch import nn
 
 from ._utils import tl, triton, use_triton
 
-BLOCK = 1024
-_SQRT_2_OVER_PI = 0.7978845608028654
-_INV_SQRT_2 = 0.7071067811865476
-_INV_SQRT_2PI = 0.3989422804014327
+BLOCK = 1024  # elements per program; constants below: sqrt(2/pi), 1/sqrt(2), 1/sqrt(2*pi), 3*0.044715
 
 
 @triton.jit
@@ -32,12 +29,14 @@ def _gelu_grad_parts(z, EXACT: tl.constexpr):
     """Returns (gelu(z), d gelu / dz) in fp32."""
     if EXACT:
         cdf = 0.5 * (1.0 + tl.erf(z * 0.7071067811865476))
-        return z * cdf, cdf + z * 0.3989422804014327 * tl.exp(-0.5 * z * z)
+        y = z * cdf
+        dy = cdf + z * 0.3989422804014327 * tl.exp(-0.5 * z * z)
     else:
         u = 0.7978845608028654 * (z + 0.044715 * z * z * z)
         t = 2.0 * tl.sigmoid(2.0 * u) - 1.0  # tanh(u)
-        du = 0.7978845608028654 * (1.0 + 0.134145 * z * z)
-        return 0.5 * z * (1.0 + t), 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * du
+        y = 0.5 * z * (1.0 + t)
+        dy = 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 0.134145 * z * z)
+    return y, dy
 
 
 @triton.jit

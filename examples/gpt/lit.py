@@ -1,0 +1,69 @@
+"""The LightningModule and DataModule of the example: ordinary single-device Lightning code."""
+
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from .model import GPT, GPTConfig
+
+CORPUS = Path(__file__).parent / "data" / "shakespeare.txt"
+
+
+class LitGPT(L.LightningModule):
+    def __init__(self, vocab_size: int = 256, block_size: int = 64, n_layer: int = 2, n_head: int = 4,
+                 n_embd: int = 64, dropout: float = 0.0, tie_weights: bool = False, lr: float = 3e-3,
+                 weight_decay: float = 0.0):
+        super().__init__()
+        self.save_hyperparameters()
+        self.model = GPT(GPTConfig(vocab_size, block_size, n_layer, n_head, n_embd, dropout, True, tie_weights))
+
+    def forward(self, idx):
+        return self.model(idx)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        _, loss = self.model(x, y)
+        self.log("train_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        _, loss = self.model(x, y)
+        self.log("val_loss", loss, prog_bar=True, sync_dist=True)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
+
+
+class ByteWindows(Dataset):
+    """Non-overlapping windows of a byte string: x is a window, y the same window shifted by one."""
+
+    def __init__(self, data: torch.Tensor, block_size: int):
+        self.data, self.block_size = data, block_size
+
+    def __len__(self):
+        return (len(self.data) - 1) // self.block_size
+
+    def __getitem__(self, i):
+        chunk = self.data[i * self.block_size: (i + 1) * self.block_size + 1].long()
+        return chunk[:-1], chunk[1:]
+
+
+class ShakespeareData(L.LightningDataModule):
+    def __init__(self, block_size: int = 64, batch_size: int = 16, path: str = str(CORPUS)):
+        super().__init__()
+        self.block_size, self.batch_size, self.path = block_size, batch_size, path
+
+    def setup(self, stage=None):
+        data = torch.frombuffer(bytearray(Path(self.path).read_bytes()), dtype=torch.uint8)
+        cut = int(len(data) * 0.9)
+        self.train_set = ByteWindows(data[:cut], self.block_size)
+        self.val_set = ByteWindows(data[cut:], self.block_size)
+
+    def train_dataloader(self):
+        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=True)
+
+    def val_dataloader(self):
+        return DataLoader(self.val_set, batch_size=self.batch_size, drop_last=True)

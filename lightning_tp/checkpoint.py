@@ -1,0 +1,104 @@
+"""Sharded checkpoints: one directory per checkpoint, one file per model-parallel rank.
+
+    epoch=0-step=10.ckpt/
+        meta.pt              trainer state (loops, callbacks, schedulers, hparams) + layout + shard specs
+        model_tp0_pp0.pt     this shard's state_dict and optimizer states
+        model_tp1_pp0.pt     ...
+
+Data-parallel replicas hold the same shards, so only dp rank 0 writes. The directory is written
+under a temporary name and renamed into place, so a crash mid-save leaves the previous checkpoint
+as it was.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import torch
+
+from .layers.shard import ShardSpec, spec_of, unshard
+
+META = "meta.pt"
+FORMAT = 1
+
+
+def shard_file(tp_rank: int, pp_rank: int) -> str:
+    return f"model_tp{tp_rank}_pp{pp_rank}.pt"
+
+
+def shard_specs(module: torch.nn.Module) -> dict:
+    """state-dict key -> ShardSpec as a dict, for every sharded parameter (tied names included)."""
+    return {name: spec_of(p).as_dict() for name, p in module.named_parameters(remove_duplicate=False)
+            if spec_of(p) is not None}
+
+
+def save(checkpoint: dict, path, mesh, module, barrier, broadcast) -> None:
+    """Called on every rank with the same ``path``; ``barrier``/``broadcast`` are the strategy's."""
+    path = Path(path)
+    token = broadcast(uuid.uuid4().hex[:8])
+    tmp = path.with_name(f"{path.name}.tmp-{token}")
+    checkpoint = dict(checkpoint)
+    shard = {"state_dict": checkpoint.pop("state_dict", {}),
+             "optimizer_states": checkpoint.pop("optimizer_states", [])}
+    if mesh.rank == 0:
+        tmp.mkdir(parents=True, exist_ok=False)
+    barrier()
+    if mesh.dp_rank == 0:
+        torch.save(shard, tmp / shard_file(mesh.tp_rank, mesh.pp_rank))
+    if mesh.rank == 0:
+        checkpoint["lightning_tp"] = {"format": FORMAT, "tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp,
+                                      "specs": shard_specs(module)}
+        torch.save(checkpoint, tmp / META)
+    barrier()
+    if mesh.rank == 0:
+        old = path.with_name(f"{path.name}.old-{token}")
+        if path.exists():
+            os.replace(path, old) if path.is_dir() else path.rename(old)
+        os.replace(tmp, path)
+        if old.is_dir():
+            shutil.rmtree(old)
+        elif old.exists():
+            old.unlink()
+    barrier()
+
+
+def is_sharded(path) -> bool:
+    return Path(path).is_dir() and (Path(path) / META).is_file()
+
+
+def load(path, mesh) -> dict:
+    """This rank's view of a sharded checkpoint: trainer state plus its own shard."""
+    path = Path(path)
+    meta = torch.load(path / META, map_location="cpu", weights_only=False)
+    layout = meta.get("lightning_tp", {})
+    if (layout.get("tp"), layout.get("pp")) != (mesh.tp, mesh.pp):
+        raise ValueError(
+            f"checkpoint {path} was saved with tp={layout.get('tp')}, pp={layout.get('pp')} but this run has "
+            f"tp={mesh.tp}, pp={mesh.pp}. Resume with the same layout, or turn it into a plain state_dict with "
+            f"lightning_tp.consolidate({str(path)!r}).")
+    shard = torch.load(path / shard_file(mesh.tp_rank, mesh.pp_rank), map_location="cpu", weights_only=False)
+    meta.update(shard)
+    return meta
+
+
+def consolidate(path) -> dict:
+    """Merge a sharded checkpoint into a plain state_dict for the original single-device module."""
+    path = Path(path)
+    if not is_sharded(path):
+        raise ValueError(f"{path} is not a lightning_tp checkpoint directory (no {META} in it).")
+    meta = torch.load(path / META, map_location="cpu", weights_only=False)
+    layout = meta["lightning_tp"]
+    specs = {k: ShardSpec(**v) for k, v in layout["specs"].items()}
+    merged: dict = {}
+    for pp_rank in range(layout["pp"]):
+        shards = [torch.load(path / shard_file(t, pp_rank), map_location="cpu", weights_only=False)["state_dict"]
+                  for t in range(layout["tp"])]
+        for key, value in shards[0].items():
+            if key in specs:
+                merged[key] = unshard([s[key] for s in shards], specs[key])
+            elif key not in merged:
+                merged[key] = value
+    return merged

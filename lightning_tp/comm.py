@@ -1,0 +1,214 @@
+"""Collectives of the tensor-parallel region, each an autograd Function with its backward twin.
+
+Megatron's mappings, restated for batch-first activations:
+
+    copy_to_tp         fwd identity         bwd all-reduce      (enter TP region, input replicated)
+    reduce_from_tp     fwd all-reduce       bwd identity        (leave TP region, partial sums)
+    gather_from_tp     fwd all-gather(-1)   bwd split(-1)       (full output of a column layer)
+    scatter_to_tp      fwd split(-1)        bwd all-gather(-1)
+    scatter_to_sp      fwd split(seq)       bwd all-gather(seq) (enter the sequence-parallel region)
+    gather_from_sp     fwd all-gather(seq)  bwd reduce-scatter  (SP -> TP region, before column layers)
+    reduce_scatter_sp  fwd reduce-scatter   bwd all-gather      (TP -> SP region, after row layers)
+    gather_to_full_sp  fwd all-gather(seq)  bwd split(seq)      (leave SP, replicated consumer follows)
+
+Every collective goes through the four primitives below, which :func:`count_collectives` can
+record: that is how the tests count Megatron's "4 all-reduces per layer".
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+_RECORDS: Optional[list] = None
+
+
+@contextlib.contextmanager
+def count_collectives():
+    """Record ``(op, numel, group)`` for every collective issued inside the block."""
+    global _RECORDS
+    previous, _RECORDS = _RECORDS, []
+    try:
+        yield _RECORDS
+    finally:
+        _RECORDS = previous
+
+
+def group_size(group) -> int:
+    if group is None or not dist.is_initialized():
+        return 1
+    return dist.get_world_size(group)
+
+
+def group_rank(group) -> int:
+    if group is None or not dist.is_initialized():
+        return 0
+    return dist.get_rank(group)
+
+
+def _record(op: str, t: torch.Tensor, group) -> None:
+    if _RECORDS is not None:
+        _RECORDS.append((op, t.numel(), group))
+
+
+# ---------------------------------------------------------------- primitives (no autograd)
+
+
+def all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """In place when ``t`` is contiguous; returns the reduced tensor either way."""
+    if group_size(group) == 1:
+        return t
+    t = t.contiguous()
+    _record("all_reduce", t, group)
+    dist.all_reduce(t, op=op, group=group)
+    return t
+
+
+def all_gather(t: torch.Tensor, dim: int, group) -> torch.Tensor:
+    world = group_size(group)
+    if world == 1:
+        return t
+    x = t.movedim(dim, 0).contiguous()
+    out = x.new_empty((world * x.shape[0],) + tuple(x.shape[1:]))
+    _record("all_gather", x, group)
+    dist.all_gather_single(out, x, group=group)
+    return out.movedim(0, dim).contiguous()
+
+
+def reduce_scatter(t: torch.Tensor, dim: int, group) -> torch.Tensor:
+    world = group_size(group)
+    if world == 1:
+        return t
+    size = t.shape[dim]
+    if size % world:
+        raise ValueError(
+            f"sequence parallelism splits dimension {dim} of size {size} over tp={world}: it must be divisible. "
+            f"Use a sequence length that is a multiple of {world}, or sp=False."
+        )
+    x = t.movedim(dim, 0).contiguous()
+    out = x.new_empty((x.shape[0] // world,) + tuple(x.shape[1:]))
+    _record("reduce_scatter", x, group)
+    dist.reduce_scatter_single(out, x, group=group)
+    return out.movedim(0, dim).contiguous()
+
+
+def split(t: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """This rank's contiguous slice along ``dim`` (no communication)."""
+    world = group_size(group)
+    if world == 1:
+        return t
+    size = t.shape[dim]
+    if size % world:
+        raise ValueError(
+            f"cannot split dimension {dim} of size {size} evenly over {world} tensor-parallel ranks; "
+            f"make it a multiple of {world}."
+        )
+    return t.narrow(dim, group_rank(group) * (size // world), size // world).contiguous()
+
+
+# ---------------------------------------------------------------- autograd twins
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return all_reduce(g.clone(), ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return all_reduce(x.clone(), group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return all_gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return split(g, ctx.dim, ctx.group), None, None
+
+
+class _Split(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return split(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return all_gather(g, ctx.dim, ctx.group), None, None
+
+
+class _GatherFromSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return all_gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return reduce_scatter(g, ctx.dim, ctx.group), None, None
+
+
+class _ReduceScatterToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return reduce_scatter(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return all_gather(g, ctx.dim, ctx.group), None, None
+
+
+def _active(group) -> bool:
+    return group_size(group) > 1
+
+
+def copy_to_tp(x, group):
+    return _CopyToTP.apply(x, group) if _active(group) else x
+
+
+def reduce_from_tp(x, group):
+    return _ReduceFromTP.apply(x, group) if _active(group) else x
+
+
+def gather_from_tp(x, group, dim: int = -1):
+    return _GatherFromTP.apply(x, dim, group) if _active(group) else x
+
+
+def scatter_to_tp(x, group, dim: int = -1):
+    return _Split.apply(x, dim, group) if _active(group) else x
+
+
+def scatter_to_sp(x, group, dim: int = 1):
+    return _Split.apply(x, dim, group) if _active(group) else x
+
+
+def gather_to_full_sp(x, group, dim: int = 1):
+    """Leave the SP region for a replicated consumer: each rank's grad is the full-sequence grad."""
+    return _GatherFromTP.apply(x, dim, group) if _active(group) else x
+
+
+def gather_from_sp(x, group, dim: int = 1):
+    return _GatherFromSP.apply(x, dim, group) if _active(group) else x
+
+
+def reduce_scatter_to_sp(x, group, dim: int = 1):
+    return _ReduceScatterToSP.apply(x, dim, group) if _active(group) else x

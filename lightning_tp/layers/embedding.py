@@ -1,0 +1,53 @@
+"""Vocab-parallel embedding: each rank holds a contiguous slice of the vocabulary.
+
+Tokens outside this rank's slice look up row 0 and are zeroed; one all-reduce sums the slices. A
+vocabulary that tp does not divide is padded with zero rows (never looked up, trimmed on export).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import comm
+from .linear import TPContext, _shard_param
+from .shard import ShardSpec, padded_size
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, weight, ctx: TPContext, num_embeddings: int, padding_idx=None, sp_output=False):
+        super().__init__()
+        self.weight, self.ctx = weight, ctx
+        self.num_embeddings, self.embedding_dim = num_embeddings, weight.shape[1]
+        self.per_rank = weight.shape[0]
+        self.vocab_start = ctx.rank * self.per_rank
+        self.padding_idx = padding_idx
+        self.sp_output = sp_output  # reduce-scatter along the sequence instead of all-reduce
+
+    @classmethod
+    def from_embedding(cls, emb: nn.Embedding, ctx: TPContext, name: str, memo: dict, sp_output=False):
+        if emb.max_norm is not None or emb.scale_grad_by_freq or emb.sparse:
+            raise ValueError(f"{name}: nn.Embedding with max_norm, scale_grad_by_freq or sparse=True cannot be "
+                             f"vocab-parallel; leave it replicated (style 'replicate') or drop the option.")
+        vocab = emb.weight.shape[0]
+        padded = padded_size(vocab, ctx.world)
+        spec = ShardSpec(dim=0, world=ctx.world, full=vocab, padded=padded if padded != vocab else 0)
+        weight = _shard_param(emb.weight, spec, ctx, memo)
+        return cls(weight, ctx, vocab, emb.padding_idx, sp_output=sp_output)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.per_rank)
+        local = local.masked_fill(outside, 0)
+        pad = None
+        if self.padding_idx is not None and 0 <= self.padding_idx - self.vocab_start < self.per_rank:
+            pad = self.padding_idx - self.vocab_start
+        out = F.embedding(local, self.weight, pad)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sp_output and self.ctx.sp:
+            return comm.reduce_scatter_to_sp(out, self.ctx.group, self.ctx.seq_dim)
+        return comm.reduce_from_tp(out, self.ctx.group)
+
+    def extra_repr(self):
+        return f"{self.per_rank}/{self.num_embeddings}, {self.embedding_dim}, tp={self.ctx.world}"

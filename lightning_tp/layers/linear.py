@@ -1,0 +1,130 @@
+"""Column- and row-parallel linear layers built from the user's own ``nn.Linear``.
+
+Both keep the parameter names ``weight`` and ``bias`` so state-dict keys stay those of the user's
+model; each parameter carries a :class:`ShardSpec` that says how to rebuild the full tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import comm
+from .shard import ShardSpec, check_divisible, mark, padded_size, shard
+
+
+@dataclass
+class TPContext:
+    """What a parallel layer needs to know about its tensor-parallel group."""
+
+    group: object = None
+    world: int = 1
+    rank: int = 0
+    sp: bool = False
+    seq_dim: int = 1
+
+    def enter_region(self, x: torch.Tensor) -> torch.Tensor:
+        """Replicated (or SP-sharded) activation -> input of column-parallel work."""
+        if self.sp:
+            return comm.gather_from_sp(x, self.group, self.seq_dim)
+        return comm.copy_to_tp(x, self.group)
+
+
+def _shard_param(p: Optional[nn.Parameter], spec: ShardSpec, ctx: TPContext, memo: dict) -> Optional[nn.Parameter]:
+    """Cut ``p``; a parameter seen before (tied weights) returns the same sharded Parameter."""
+    if p is None:
+        return None
+    if id(p) in memo:
+        new = memo[id(p)]
+        if getattr(new, "_tp_spec", None) != spec:
+            raise ValueError(f"a tied parameter is sharded two different ways ({new._tp_spec} vs {spec}); untie it.")
+        return new
+    new = nn.Parameter(shard(p.detach(), spec, ctx.rank), requires_grad=p.requires_grad)
+    memo[id(p)] = mark(new, spec)
+    return new
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W split by output rows: this rank computes out_features/tp outputs.
+
+    ``input_comm``: enter the TP region here (copy, or all-gather under SP); False when a module
+    further out already did (one entry for q, k and v, Megatron's single all-reduce).
+    ``gather_output``: all-gather the outputs (and drop vocab padding) for a replicated consumer.
+    """
+
+    def __init__(self, weight, bias, ctx: TPContext, full_out: int, input_comm=True, gather_output=False):
+        super().__init__()
+        self.weight, self.bias, self.ctx = weight, bias, ctx
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.full_out, self.input_comm, self.gather_output = full_out, input_comm, gather_output
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, ctx: TPContext, name: str, memo: dict, *, input_comm=True,
+                    gather_output=False, chunks=1, pad=False) -> "ColumnParallelLinear":
+        out = linear.weight.shape[0]
+        padded = padded_size(out, ctx.world) if pad else 0
+        if not pad:
+            check_divisible("out_features", name, out // chunks, ctx.world,
+                            "Choose sizes divisible by tp, or leave this layer out of the plan.")
+        spec = ShardSpec(dim=0, world=ctx.world, full=out, chunks=chunks, padded=padded if padded != out else 0)
+        weight = _shard_param(linear.weight, spec, ctx, memo)
+        bias = _shard_param(linear.bias, spec, ctx, memo) if linear.bias is not None else None
+        return cls(weight, bias, ctx, out, input_comm=input_comm, gather_output=gather_output)
+
+    @property
+    def vocab_start(self) -> int:
+        return self.ctx.rank * self.out_features
+
+    def forward(self, x):
+        if self.input_comm:
+            x = self.ctx.enter_region(x)
+        y = F.linear(x, self.weight, self.bias)
+        if self.gather_output:
+            y = comm.gather_from_tp(y, self.ctx.group, -1)
+            if y.shape[-1] != self.full_out:
+                y = y[..., : self.full_out]
+        return y
+
+    def extra_repr(self):
+        return f"in={self.in_features}, out={self.out_features}/{self.full_out}, tp={self.ctx.world}"
+
+
+class RowParallelLinear(nn.Module):
+    """y = sum_r x_r W_r^T + b with W split by input columns; the partial sums meet in one all-reduce
+    (or a reduce-scatter along the sequence under SP). The bias is added once, after the reduction."""
+
+    def __init__(self, weight, bias, ctx: TPContext, input_is_parallel=True):
+        super().__init__()
+        self.weight, self.bias, self.ctx = weight, bias, ctx
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.input_is_parallel = input_is_parallel
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, ctx: TPContext, name: str, memo: dict) -> "RowParallelLinear":
+        check_divisible("in_features", name, linear.weight.shape[1], ctx.world,
+                        "Choose sizes divisible by tp, or leave this layer out of the plan.")
+        spec = ShardSpec(dim=1, world=ctx.world, full=linear.weight.shape[1])
+        weight = _shard_param(linear.weight, spec, ctx, memo)
+        bias = None
+        if linear.bias is not None:
+            bias = memo.get(id(linear.bias)) or nn.Parameter(linear.bias.detach().clone())
+            memo[id(linear.bias)] = bias
+            mark(bias, sp_partial=ctx.sp)
+        return cls(weight, bias, ctx)
+
+    def forward(self, x):
+        if not self.input_is_parallel:
+            x = comm.scatter_to_tp(x, self.ctx.group, -1)
+        y = F.linear(x, self.weight)
+        if self.ctx.sp:
+            y = comm.reduce_scatter_to_sp(y, self.ctx.group, self.ctx.seq_dim)
+        else:
+            y = comm.reduce_from_tp(y, self.ctx.group)
+        return y + self.bias if self.bias is not None else y
+
+    def extra_repr(self):
+        return f"in={self.in_features}/{self.in_features * self.ctx.world}, out={self.out_features}, tp={self.ctx.world}"

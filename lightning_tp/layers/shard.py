@@ -1,0 +1,73 @@
+"""How a local parameter relates to the user's full one, so it can be cut now and rebuilt later.
+
+A full tensor is viewed as ``chunks`` equal pieces along ``dim`` (3 for a fused q/k/v weight, 1
+otherwise); each piece is padded to ``padded`` rows in total, then cut into ``world`` contiguous
+slices. Rank r keeps slice r of every piece, concatenated. :func:`unshard` is the exact inverse,
+which is what :func:`lightning_tp.consolidate` relies on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    dim: int
+    world: int
+    full: int  # size of `dim` in the user's tensor (all chunks, no padding)
+    chunks: int = 1
+    padded: int = 0  # size of `dim` after padding (0: no padding)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def shard(full: torch.Tensor, spec: ShardSpec, rank: int) -> torch.Tensor:
+    pieces = full.chunk(spec.chunks, dim=spec.dim) if spec.chunks > 1 else (full,)
+    out = []
+    for piece in pieces:
+        size = piece.shape[spec.dim]
+        target = spec.padded // spec.chunks if spec.padded else size
+        if target > size:
+            pad_shape = list(piece.shape)
+            pad_shape[spec.dim] = target - size
+            piece = torch.cat([piece, piece.new_zeros(pad_shape)], dim=spec.dim)
+        step = target // spec.world
+        out.append(piece.narrow(spec.dim, rank * step, step))
+    return torch.cat(out, dim=spec.dim).clone()
+
+
+def unshard(locals_by_rank: list[torch.Tensor], spec: ShardSpec) -> torch.Tensor:
+    per_rank = [t.chunk(spec.chunks, dim=spec.dim) for t in locals_by_rank]
+    pieces = []
+    for c in range(spec.chunks):
+        piece = torch.cat([per_rank[r][c] for r in range(spec.world)], dim=spec.dim)
+        pieces.append(piece.narrow(spec.dim, 0, spec.full // spec.chunks))
+    return torch.cat(pieces, dim=spec.dim)
+
+
+def padded_size(size: int, world: int) -> int:
+    return -(-size // world) * world
+
+
+def mark(param: torch.nn.Parameter, spec: ShardSpec | None = None, sp_partial: bool = False):
+    """Tag a parameter: sharded (spec) or replicated; sp_partial means its grad is a per-rank partial sum."""
+    if spec is not None:
+        param._tp_spec = spec
+    if sp_partial:
+        param._tp_sp_partial = True
+    return param
+
+
+def spec_of(param) -> ShardSpec | None:
+    return getattr(param, "_tp_spec", None)
+
+
+def check_divisible(what: str, module_name: str, size: int, tp: int, hint: str) -> None:
+    if size % tp:
+        raise ValueError(
+            f"{module_name}: {what} = {size} is not divisible by tp = {tp}. {hint}"
+        )

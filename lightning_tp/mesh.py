@@ -1,0 +1,94 @@
+"""Process groups for tensor (tp), data (dp) and pipeline (pp) parallelism.
+
+Rank order is tp fastest, then dp, then pp: a TP group is consecutive ranks (it stays inside a
+node, where the bandwidth is), and pipeline stages are the slowest-varying index (they span nodes,
+where only point-to-point activations travel):
+
+    global_rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch.distributed as dist
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"MegaStrategy({name}={value!r}): {name} must be a positive integer.")
+    return value
+
+
+def data_parallel_size(world_size: int, tp: int = 1, pp: int = 1) -> int:
+    """dp = world // (tp * pp), with an error that says what to set when it does not divide."""
+    tp, pp = _positive_int("tp", tp), _positive_int("pp", pp)
+    if world_size % (tp * pp) != 0:
+        raise ValueError(
+            f"MegaStrategy(tp={tp}, pp={pp}) needs a world size divisible by tp*pp={tp * pp}, but the run has "
+            f"{world_size} processes (devices x num_nodes). Set devices/num_nodes to a multiple of {tp * pp} "
+            f"or change tp/pp."
+        )
+    return world_size // (tp * pp)
+
+
+@dataclass
+class ParallelMesh:
+    """Sizes, this rank's coordinates and the process groups of one run.
+
+    Groups are ``None`` when torch.distributed is not initialized (a plain single process); the
+    collectives in :mod:`lightning_tp.comm` treat ``None`` and size-1 groups as no-ops.
+    """
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    rank: int = 0
+    tp_group: Optional[dist.ProcessGroup] = None
+    dp_group: Optional[dist.ProcessGroup] = None
+    pp_group: Optional[dist.ProcessGroup] = None
+    mp_group: Optional[dist.ProcessGroup] = None  # tp x pp: one full copy of the model
+    device_mesh: object = field(default=None, repr=False)
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp
+
+    @property
+    def dp_rank(self) -> int:
+        return (self.rank // self.tp) % self.dp
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank // (self.tp * self.dp)
+
+    def global_rank(self, tp_rank: int = 0, dp_rank: int = 0, pp_rank: int = 0) -> int:
+        return pp_rank * self.dp * self.tp + dp_rank * self.tp + tp_rank
+
+
+def build_mesh(tp: int = 1, pp: int = 1, device_type: str = "cpu") -> ParallelMesh:
+    """Create the groups. Every rank must call this with the same arguments (new_group is collective)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        data_parallel_size(1, tp, pp)
+        return ParallelMesh()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    dp = data_parallel_size(world, tp, pp)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device_mesh = init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+    mesh = ParallelMesh(tp=tp, pp=pp, dp=dp, rank=rank, device_mesh=device_mesh)
+    mesh.tp_group = device_mesh.get_group("tp")
+    mesh.dp_group = device_mesh.get_group("dp")
+    mesh.pp_group = device_mesh.get_group("pp")
+    # Model-parallel group (tp x pp for one dp index): not a contiguous mesh slice, so built by hand.
+    for d in range(dp):
+        ranks = [mesh.global_rank(t, d, p) for p in range(pp) for t in range(tp)]
+        group = dist.new_group(ranks)
+        if d == mesh.dp_rank:
+            mesh.mp_group = group
+    return mesh

@@ -1,0 +1,210 @@
+"""Find the plans for a model, check them (no communication), then swap in the parallel layers.
+
+Two phases on purpose: :func:`resolve` raises every configuration error on every rank before any
+collective runs (all ranks hold the same model, so all raise the same error and none hangs);
+:func:`apply` then replaces modules, sharding the user's initialized weights.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from .. import comm
+from ..layers import (ColumnParallelLinear, RowParallelLinear, TPContext, TPMultiheadAttention,
+                      VocabParallelCrossEntropy, VocabParallelEmbedding)
+from ..layers.shard import check_divisible, mark
+from .base import Plan, path_matches
+from .registry import registered_plans
+
+_EXPECTED = {
+    "colwise": nn.Linear, "colwise_local": nn.Linear, "rowwise": nn.Linear, "lm_head": nn.Linear,
+    "vocab": nn.Embedding, "vocab_sp": nn.Embedding, "vocab_ce": nn.CrossEntropyLoss,
+    "mha": nn.MultiheadAttention,
+}
+
+
+@dataclass
+class Match:
+    """One plan applied at one place in the model, with its modules resolved."""
+
+    prefix: str
+    plan: Plan
+    entries: list = field(default_factory=list)  # (full path, style)
+    sp_start: str | None = None
+    sp_end: str | None = None
+
+
+def _join(prefix: str, path: str) -> str:
+    return f"{prefix}.{path}" if prefix and path else prefix or path
+
+
+def _find(model: nn.Module, plan) -> list:
+    if plan is None or plan == "auto":
+        found, taken = [], []
+        for name, module in model.named_modules():
+            if any(t == "" or name.startswith(t + ".") for t in taken):
+                continue  # inside a module a plan already covers
+            for candidate in registered_plans():
+                if candidate.matches(module):
+                    found.append((name, candidate))
+                    taken.append(name)
+                    break
+        return found
+    if isinstance(plan, dict):
+        plan = Plan.from_dict(plan)
+    if not isinstance(plan, Plan):
+        raise TypeError(f"MegaStrategy(plan=...) takes 'auto', a lightning_tp.Plan or a dict, got {type(plan).__name__}.")
+    return [("", plan)]
+
+
+def _unplanned_types(model: nn.Module) -> list:
+    holders = set()
+    for _, module in model.named_modules():
+        if any(isinstance(c, (nn.Linear, nn.Embedding, nn.MultiheadAttention)) for c in module.children()):
+            holders.add(type(module).__name__)
+    return sorted(holders)
+
+
+def resolve(model: nn.Module, tp: int, sp: bool, plan="auto") -> list:
+    """Match plans and check every size against tp. Raises ValueError with module names and numbers."""
+    matches = []
+    for prefix, p in _find(model, plan):
+        root = model.get_submodule(prefix) if prefix else model
+        m = Match(prefix, p)
+        for name, module in root.named_modules():
+            style = p.style_of(name)
+            if style is None or style == "replicate":
+                continue
+            full = _join(prefix, name)
+            expected = _EXPECTED.get(style)
+            if expected is not None and not isinstance(module, expected):
+                raise ValueError(f"plan {p.name!r} gives {full} the style {style!r}, which needs a "
+                                 f"{expected.__name__}, but it is a {type(module).__name__}.")
+            _check_sizes(full, module, style, tp)
+            m.entries.append((full, style))
+        for glob, rules in p.attrs.items():
+            for name, module in root.named_modules():
+                if path_matches(glob, name):
+                    for attr, rule in rules.items():
+                        check_divisible(attr, _join(prefix, name), getattr(module, attr), tp,
+                                        f"Set {attr} to a multiple of {tp}, or use a tp that divides it.")
+        names = [n for n, _ in root.named_modules()]
+        if p.sp_start is not None:
+            starts = [n for n in names if path_matches(p.sp_start, n)]
+            ends = [n for n in names if p.sp_end is not None and path_matches(p.sp_end, n)]
+            m.sp_start = _join(prefix, starts[0]) if starts else None
+            m.sp_end = _join(prefix, ends[-1]) if ends else None
+        if not m.entries:
+            warnings.warn(f"lightning_tp: plan {p.name!r} matched no module under {prefix or 'the model'}.")
+        matches.append(m)
+    if tp > 1 and not any(m.entries for m in matches):
+        raise ValueError(
+            f"MegaStrategy(tp={tp}): no parallelization plan matches {type(model).__name__}. Modules holding "
+            f"Linear/Embedding layers: {_unplanned_types(model)}. Pass plan=lightning_tp.Plan(...) (or a dict) that "
+            f"names their layers' styles; built-in plans: {[p.name for p in registered_plans()]}.")
+    if sp and tp > 1:
+        for m in matches:
+            if m.sp_start is None and m.entries:
+                warnings.warn(f"lightning_tp: plan {m.plan.name!r} has no sp_start; {m.prefix or 'the model'} runs "
+                              f"without sequence parallelism.")
+    return matches
+
+
+def _check_sizes(name: str, module: nn.Module, style: str, tp: int) -> None:
+    hint = "Use sizes divisible by tp, or a tp that divides them."
+    if style in ("colwise", "colwise_local"):
+        check_divisible("out_features", name, module.out_features, tp, hint)
+    elif style == "rowwise":
+        check_divisible("in_features", name, module.in_features, tp, hint)
+    elif style == "mha":
+        check_divisible("num_heads", name, module.num_heads, tp, hint)
+
+
+def apply(model: nn.Module, matches: list, group, tp: int, rank: int, sp: bool) -> dict:
+    """Replace the planned modules in place; returns {path: new module}."""
+    memo, replaced = {}, {}
+    for m in matches:
+        ctx = TPContext(group=group, world=tp, rank=rank, sp=sp and m.sp_start is not None, seq_dim=m.plan.seq_dim)
+        has_ce = any(style == "vocab_ce" for _, style in m.entries)
+        head = None
+        for path, style in m.entries:
+            module = model.get_submodule(path) if path else model
+            new = _build(module, style, ctx, path, memo, has_ce, head)
+            if style == "lm_head":
+                head = new
+            if style == "vocab_ce" and head is None:
+                raise ValueError(f"plan {m.plan.name!r}: {path} is 'vocab_ce' but no 'lm_head' precedes it.")
+            if new is not module:
+                _set_submodule(model, path, new)
+                replaced[path] = new
+        root = model.get_submodule(m.prefix) if m.prefix else model
+        for glob, rules in m.plan.attrs.items():
+            for name, module in root.named_modules():
+                if path_matches(glob, name):
+                    for attr in rules:
+                        setattr(module, attr, getattr(module, attr) // tp)
+        if ctx.sp:
+            _install_sp_boundaries(model, m, ctx)
+    return replaced
+
+
+def _build(module, style, ctx, path, memo, has_ce, head):
+    if style == "colwise":
+        return ColumnParallelLinear.from_linear(module, ctx, path, memo)
+    if style == "colwise_local":
+        return ColumnParallelLinear.from_linear(module, ctx, path, memo, input_comm=False)
+    if style == "rowwise":
+        return RowParallelLinear.from_linear(module, ctx, path, memo)
+    if style == "lm_head":
+        return ColumnParallelLinear.from_linear(module, ctx, path, memo, gather_output=not has_ce, pad=True)
+    if style in ("vocab", "vocab_sp"):
+        return VocabParallelEmbedding.from_embedding(module, ctx, path, memo, sp_output=style == "vocab_sp")
+    if style == "vocab_ce":
+        return VocabParallelCrossEntropy.from_module(module, head, path) if head is not None else module
+    if style == "mha":
+        return TPMultiheadAttention.from_module(module, ctx, path, memo)
+    if style == "region":
+        module.register_forward_pre_hook(_first_tensor_hook(ctx.enter_region), with_kwargs=True)
+        return module
+    if style == "sp_norm":
+        if ctx.sp:
+            for p in module.parameters(recurse=False):
+                mark(p, sp_partial=True)
+        return module
+    raise AssertionError(style)
+
+
+def _first_tensor_hook(fn):
+    def hook(module, args, kwargs):
+        if args:
+            return (fn(args[0]),) + tuple(args[1:]), kwargs
+        for key, value in kwargs.items():
+            if hasattr(value, "dim"):
+                return args, {**kwargs, key: fn(value)}
+        return None
+    return hook
+
+
+def _install_sp_boundaries(model, m: Match, ctx: TPContext) -> None:
+    def enter(x):
+        return comm.scatter_to_sp(x, ctx.group, ctx.seq_dim)
+
+    def leave(module, args, output):
+        if isinstance(output, tuple):
+            return (comm.gather_to_full_sp(output[0], ctx.group, ctx.seq_dim),) + output[1:]
+        return comm.gather_to_full_sp(output, ctx.group, ctx.seq_dim)
+
+    start = model.get_submodule(m.sp_start) if m.sp_start else model
+    start.register_forward_pre_hook(_first_tensor_hook(enter), with_kwargs=True)
+    if m.sp_end is not None:
+        end = model.get_submodule(m.sp_end) if m.sp_end else model
+        end.register_forward_hook(leave)
+
+
+def _set_submodule(model: nn.Module, path: str, new: nn.Module) -> None:
+    parent_path, _, leaf = path.rpartition(".")
+    parent = model.get_submodule(parent_path) if parent_path else model
+    setattr(parent, leaf, new)

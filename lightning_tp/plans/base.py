@@ -1,0 +1,98 @@
+"""A plan says, for one model family, which module gets which parallel style.
+
+Paths are dotted globs relative to the module the plan is applied to; each dot-separated segment
+is matched with fnmatch (``transformer.h.*.attn.q_proj``). A plan is plain data, so a user can
+write one in Python or in LightningCLI YAML.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+from typing import Optional
+
+STYLES = {
+    "colwise": "column-parallel Linear that enters the TP region itself (copy, or all-gather under SP)",
+    "colwise_local": "column-parallel Linear whose input is already in the region (inside a 'region' module)",
+    "rowwise": "row-parallel Linear: one all-reduce (reduce-scatter under SP) of its partial sums",
+    "region": "module whose first input enters the TP region once, for all its colwise_local layers",
+    "vocab": "vocab-parallel Embedding (vocab padded to a multiple of tp)",
+    "vocab_sp": "vocab-parallel Embedding whose output is reduce-scattered straight onto sequence shards",
+    "lm_head": "column-parallel Linear over the vocabulary; gathers logits unless a 'vocab_ce' loss is planned",
+    "vocab_ce": "nn.CrossEntropyLoss replaced by the vocab-parallel cross-entropy (no full logits)",
+    "sp_norm": "replicated module that runs on sequence shards under SP (its grads are summed over tp)",
+    "mha": "nn.MultiheadAttention replaced by a head-parallel TPMultiheadAttention",
+    "replicate": "left as it is (every tp rank holds the full module)",
+}
+ATTR_RULES = {"divide": "value // tp (must divide)"}
+
+
+def path_matches(pattern: str, path: str) -> bool:
+    if pattern == "":
+        return path == ""
+    pat, parts = pattern.split("."), path.split(".") if path else []
+    return len(pat) == len(parts) and all(fnmatchcase(p, q) for p, q in zip(parts, pat))
+
+
+@dataclass
+class Plan:
+    """How to parallelize one model family.
+
+    styles:   glob -> style (see STYLES); the first matching glob wins.
+    attrs:    glob -> {attribute: rule}: attributes the model's forward reads that must become
+              per-rank values, e.g. ``{"transformer.h.*.attn": {"n_head": "divide"}}``.
+    sp_start: glob; the first matching module's input is split along the sequence (SP begins).
+    sp_end:   glob; the last matching module's output is gathered (SP ends), if a replicated
+              consumer follows. Unneeded when an 'lm_head' gathers its input itself.
+    seq_dim:  the sequence dimension of activations (1 for batch-first).
+    blocks:   the repeated block list (for pipeline parallelism).
+    targets:  class names this plan is found by under ``plan="auto"``.
+    requires: submodule paths that must exist for an auto match (tells same-named classes apart).
+    """
+
+    name: str
+    styles: dict = field(default_factory=dict)
+    attrs: dict = field(default_factory=dict)
+    sp_start: Optional[str] = None
+    sp_end: Optional[str] = None
+    seq_dim: int = 1
+    blocks: Optional[str] = None
+    targets: tuple = ()
+    requires: tuple = ()
+
+    def __post_init__(self):
+        for glob, style in self.styles.items():
+            if style not in STYLES:
+                raise ValueError(f"plan {self.name!r}: unknown style {style!r} for {glob!r}; choose one of "
+                                 f"{sorted(STYLES)}.")
+        for glob, rules in self.attrs.items():
+            for attr, rule in rules.items():
+                if rule not in ATTR_RULES:
+                    raise ValueError(f"plan {self.name!r}: unknown rule {rule!r} for {glob}.{attr}; choose one of "
+                                     f"{sorted(ATTR_RULES)}.")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Plan":
+        d = dict(d)
+        d.setdefault("name", "user")
+        for key in ("targets", "requires"):
+            if key in d:
+                d[key] = tuple(d[key])
+        return cls(**d)
+
+    def style_of(self, path: str) -> Optional[str]:
+        for glob, style in self.styles.items():
+            if path_matches(glob, path):
+                return style
+        return None
+
+    def matches(self, module) -> bool:
+        names = {c.__name__ for c in type(module).__mro__}
+        if not names.intersection(self.targets):
+            return False
+        for path in self.requires:
+            try:
+                module.get_submodule(path)
+            except AttributeError:
+                return False
+        return True

@@ -1,0 +1,19 @@
+"""Built-in plans, searched in order by ``plan="auto"``; more specific families first."""
+
+from __future__ import annotations
+
+from .base import Plan
+
+_USER: list = []
+
+
+def register_plan(plan: Plan) -> Plan:
+    """Add a plan that ``plan="auto"`` finds by its ``targets`` (checked before the built-in ones)."""
+    _USER.insert(0, plan)
+    return plan
+
+
+def registered_plans() -> list:
+    from . import gpt, torch_transformer
+
+    return _USER + gpt.PLANS + torch_transformer.PLANS

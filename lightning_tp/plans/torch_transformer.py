@@ -1,0 +1,32 @@
+"""Plans for torch's own Transformer modules (and so Lightning's demo Transformer)."""
+
+from .base import Plan
+
+_LAYER = {
+    "self_attn": "mha",
+    "linear1": "colwise",
+    "linear2": "rowwise",
+    "norm1": "sp_norm",
+    "norm2": "sp_norm",
+}
+
+TRANSFORMER_ENCODER = Plan(
+    name="torch_transformer_encoder",
+    targets=("TransformerEncoder",),
+    styles={f"layers.*.{k}": v for k, v in _LAYER.items()},  # the final norm runs after sp_end: replicated
+    sp_start="layers.*",
+    sp_end="layers.*",
+    blocks="layers",
+)
+
+TRANSFORMER_ENCODER_LAYER = Plan(
+    name="torch_transformer_encoder_layer",
+    targets=("TransformerEncoderLayer",),
+    styles=dict(_LAYER),
+    sp_start="",
+    sp_end="",
+)
+
+MULTIHEAD_ATTENTION = Plan(name="torch_multihead_attention", targets=("MultiheadAttention",), styles={"": "mha"})
+
+PLANS = [TRANSFORMER_ENCODER, TRANSFORMER_ENCODER_LAYER, MULTIHEAD_ATTENTION]

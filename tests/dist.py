@@ -1,0 +1,60 @@
+"""Run a function on N local processes that look like torchrun's (RANK, LOCAL_RANK, WORLD_SIZE set),
+so Lightning inside them starts no launcher of its own. One launch should run many checks: starting
+a gloo group costs seconds on CPU."""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import time
+import traceback
+
+import torch
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world, port, outdir, fn, args):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),
+                      LOCAL_RANK=str(rank), NODE_RANK="0", PL_DISABLE_FORK="1")
+    torch.set_num_threads(1)
+    try:
+        result = fn(rank, world, *args)
+        torch.save({"ok": result}, os.path.join(outdir, f"{rank}.pt"))
+    except BaseException:
+        torch.save({"error": traceback.format_exc()}, os.path.join(outdir, f"{rank}.pt"))
+        raise
+
+
+def run(world: int, fn, *args, timeout: float = 600.0) -> list:
+    """fn(rank, world, *args) on every rank; returns the per-rank results, raises a worker's traceback."""
+    with tempfile.TemporaryDirectory() as outdir:
+        ctx = mp.start_processes(_worker, args=(world, free_port(), outdir, fn, args), nprocs=world, join=False,
+                                 start_method="spawn")
+        deadline = time.monotonic() + timeout
+        try:
+            while not ctx.join(timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"workers did not finish within {timeout} s")
+        except mp.ProcessException:  # a rank died: its saved traceback is reported below
+            pass
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+        results = []
+        for rank in range(world):
+            path = os.path.join(outdir, f"{rank}.pt")
+            if not os.path.exists(path):
+                raise RuntimeError(f"rank {rank} exited without a result (exit code {ctx.processes[rank].exitcode})")
+            out = torch.load(path, weights_only=False)
+            if "error" in out:
+                raise RuntimeError(f"rank {rank} failed:\n{out['error']}")
+            results.append(out["ok"])
+        return results

@@ -1,0 +1,125 @@
+"""Tiny seeded models, fixed data and a single-process reference run for the parity tests."""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from examples.gpt.lit import LitGPT
+
+SEQ = 16
+
+
+class Tokens(Dataset):
+    """Seeded arithmetic sequences (random start and stride): learnable in a few steps, so a parity
+    test compares runs that actually move, not noise around the initial loss."""
+
+    def __init__(self, n: int, vocab: int, seq: int = SEQ, seed: int = 1234):
+        g = torch.Generator().manual_seed(seed)
+        start = torch.randint(0, vocab, (n, 1), generator=g)
+        stride = torch.randint(1, 4, (n, 1), generator=g)
+        self.data = (start + stride * torch.arange(seq + 1)) % vocab
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        return self.data[i, :-1], self.data[i, 1:]
+
+
+class TokenData(L.LightningDataModule):
+    """Under a parallel strategy Lightning shuffles with DistributedSampler(seed=0) over dp ranks. The
+    reference (``single=True``) uses the same sampler with one replica, so its global batch k is the
+    union of the dp ranks' batches k."""
+
+    def __init__(self, n: int, vocab: int, batch_size: int, single: bool = False):
+        super().__init__()
+        self.n, self.vocab, self.batch_size, self.single = n, vocab, batch_size, single
+
+    def train_dataloader(self):
+        data = Tokens(self.n, self.vocab)
+        sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0) if self.single else None
+        return DataLoader(data, batch_size=self.batch_size, sampler=sampler)
+
+
+# Adam's eps: key-projection biases have an exactly-zero true gradient (softmax ignores a constant
+# shift of the scores), so their gradient is pure float32 rounding noise (~1e-9), which Adam with
+# eps=1e-8 turns into full-size steps that differ with any change of summation order. eps=1e-4 keeps
+# those parameters still while every real gradient (1e-3 and up) is stepped as usual.
+ADAM_EPS = 1e-4
+
+
+class ParityGPT(LitGPT):
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, eps=ADAM_EPS)
+
+
+class EncoderLM(L.LightningModule):
+    """A causal LM built from torch's nn.TransformerEncoder, as a user would write it."""
+
+    def __init__(self, vocab=64, d=32, heads=4, layers=2, ff=64, lr=3e-3):
+        super().__init__()
+        self.lr = lr
+        self.emb, self.pos = nn.Embedding(vocab, d), nn.Embedding(SEQ, d)
+        layer = nn.TransformerEncoderLayer(d, heads, ff, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, x):
+        t = x.shape[1]
+        h = self.emb(x) + self.pos(torch.arange(t))
+        mask = nn.Transformer.generate_square_subsequent_mask(t)
+        return self.head(self.encoder(h, mask=mask, is_causal=True))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self(x).flatten(0, 1), y.flatten())
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, eps=ADAM_EPS)
+
+
+GPT_SMALL = dict(vocab_size=64, block_size=SEQ, n_layer=2, n_head=4, n_embd=32)
+
+
+def make_model(kind: str, **kw):
+    L.seed_everything(0, verbose=False)
+    if kind == "gpt":
+        return ParityGPT(**{**GPT_SMALL, **kw})
+    if kind == "encoder":
+        return EncoderLM(**kw)
+    raise ValueError(kind)
+
+
+def vocab_of(model) -> int:
+    return model.hparams.vocab_size if isinstance(model, LitGPT) else model.head.out_features
+
+
+class LossRecorder(L.Callback):
+    def __init__(self):
+        self.losses = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(float(trainer.callback_metrics["train_loss"]))
+
+
+def trainer_kwargs(**kw):
+    base = dict(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                enable_model_summary=False, num_sanity_val_steps=0)
+    base.update(kw)
+    return base
+
+
+def reference_run(kind: str, model_kw: dict, steps: int, batch: int):
+    """The ground truth: the same seeded module trained by Lightning on one process."""
+    model = make_model(kind, **model_kw)
+    rec = LossRecorder()
+    trainer = L.Trainer(devices=1, max_steps=steps, callbacks=[rec], use_distributed_sampler=False,
+                        **trainer_kwargs())
+    trainer.fit(model, TokenData(steps * batch, vocab_of(model), batch, single=True))
+    return rec.losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
