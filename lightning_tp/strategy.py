@@ -17,7 +17,7 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
 from . import checkpoint as ckpt
@@ -50,8 +50,9 @@ class MegaStrategy(ParallelStrategy):
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
         data_parallel_size(tp * pp, tp, pp)  # validates the types now, the division once the world is known
-        if pp != 1:
-            raise NotImplementedError("MegaStrategy(pp>1): pipeline parallelism is not available yet; use pp=1.")
+        if sp and tp == 1:
+            rank_zero_warn("MegaStrategy(sp=True) needs tp > 1; sequence parallelism is off for tp=1.")
+            sp = False
         self.tp, self.pp, self.sp, self.plan, self.sync_init = tp, pp, bool(sp), plan, sync_init
         self._process_group_backend = process_group_backend
         self._timeout = timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout
@@ -100,6 +101,8 @@ class MegaStrategy(ParallelStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         data_parallel_size(self.num_nodes * self.num_processes, self.tp, self.pp)  # before any collective
+        if self.pp != 1:
+            raise NotImplementedError("MegaStrategy(pp>1): pipeline parallelism is not available yet; use pp=1.")
         reset_seed()
         self.set_world_ranks()
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import lightning as L
 import torch
 import torch.nn.functional as F
+import torchmetrics
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
@@ -53,8 +54,21 @@ ADAM_EPS = 1e-4
 
 
 class ParityGPT(LitGPT):
+    """The example GPT plus what a real project has: an LR schedule and a torchmetrics metric."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.tokens_seen = torchmetrics.SumMetric()
+
+    def training_step(self, batch, batch_idx):
+        self.tokens_seen.update(torch.tensor(float(batch[1].numel())))
+        self.log("tokens", self.tokens_seen, on_step=False, on_epoch=True)
+        return super().training_step(batch, batch_idx)
+
     def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, eps=ADAM_EPS)
+        opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, eps=ADAM_EPS)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1.0 + 0.1 * step))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
 class EncoderLM(L.LightningModule):
@@ -115,11 +129,13 @@ def trainer_kwargs(**kw):
     return base
 
 
-def reference_run(kind: str, model_kw: dict, steps: int, batch: int):
+def reference_run(kind: str, model_kw: dict, steps: int, batch: int, **trainer_kw):
     """The ground truth: the same seeded module trained by Lightning on one process."""
     model = make_model(kind, **model_kw)
     rec = LossRecorder()
     trainer = L.Trainer(devices=1, max_steps=steps, callbacks=[rec], use_distributed_sampler=False,
-                        **trainer_kwargs())
-    trainer.fit(model, TokenData(steps * batch, vocab_of(model), batch, single=True))
-    return rec.losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+                        **trainer_kwargs(**trainer_kw))
+    n = steps * batch * trainer_kw.get("accumulate_grad_batches", 1)
+    trainer.fit(model, TokenData(n, vocab_of(model), batch, single=True))
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    return rec.losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, metrics

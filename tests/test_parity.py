@@ -11,35 +11,42 @@ from models import LossRecorder, TokenData, make_model, reference_run, trainer_k
 
 STEPS, BATCH, TOL = 20, 4, 1e-5
 
-# name: (model kind, model kwargs, strategy kwargs)
+CLIP = dict(gradient_clip_val=0.05)  # small enough to clip every step: the global norm must be right
+ACCUMULATE = dict(accumulate_grad_batches=2)
+
+# name: (model kind, model kwargs, strategy kwargs, trainer kwargs)
 WORLD2 = {
-    "tp2": ("gpt", {}, dict(tp=2)),
-    "tp2_sp": ("gpt", {}, dict(tp=2, sp=True)),
-    "dp2": ("gpt", {}, dict(tp=1)),
-    "tp2_encoder": ("encoder", {}, dict(tp=2)),
-    "tp2_sp_encoder": ("encoder", {}, dict(tp=2, sp=True)),
-    "tp2_sp_tied_padded_vocab": ("gpt", dict(vocab_size=63, tie_weights=True), dict(tp=2, sp=True)),
+    "tp2": ("gpt", {}, dict(tp=2), {}),
+    "tp2_sp": ("gpt", {}, dict(tp=2, sp=True), {}),
+    "dp2": ("gpt", {}, dict(tp=1), {}),
+    "tp2_encoder": ("encoder", {}, dict(tp=2), {}),
+    "tp2_sp_encoder": ("encoder", {}, dict(tp=2, sp=True), {}),
+    "tp2_sp_tied_padded_vocab": ("gpt", dict(vocab_size=63, tie_weights=True), dict(tp=2, sp=True), {}),
+    "tp2_sp_clip": ("gpt", {}, dict(tp=2, sp=True), CLIP),
+    "dp2_accumulate": ("gpt", {}, dict(tp=1), ACCUMULATE),
 }
 WORLD4 = {
-    "tp2_dp2": ("gpt", {}, dict(tp=2)),
-    "tp2_dp2_sp": ("gpt", {}, dict(tp=2, sp=True)),
+    "tp2_dp2": ("gpt", {}, dict(tp=2), {}),
+    "tp2_dp2_sp": ("gpt", {}, dict(tp=2, sp=True), {}),
+    "tp2_dp2_sp_clip_accumulate": ("gpt", {}, dict(tp=2, sp=True), {**CLIP, **ACCUMULATE}),
 }
 
 
 def _train_all(rank, world, configs, ckdir):
     out = {}
-    for name, (kind, model_kw, strategy_kw) in configs.items():
+    for name, (kind, model_kw, strategy_kw, trainer_kw) in configs.items():
         model = make_model(kind, **model_kw)
         dp = world // strategy_kw.get("tp", 1)
         rec = LossRecorder()
         trainer = L.Trainer(devices=world, strategy=MegaStrategy(**strategy_kw, timeout=120), max_steps=STEPS,
-                            callbacks=[rec], **trainer_kwargs())
-        trainer.fit(model, TokenData(STEPS * BATCH * dp, vocab_of(model), BATCH))
+                            callbacks=[rec], **trainer_kwargs(**trainer_kw))
+        n = STEPS * BATCH * dp * trainer_kw.get("accumulate_grad_batches", 1)
+        trainer.fit(model, TokenData(n, vocab_of(model), BATCH))
         path = f"{ckdir}/{name}.ckpt"
         trainer.save_checkpoint(path)
         replicated = {n: p.detach().clone() for n, p in model.named_parameters() if not hasattr(p, "_tp_spec")}
         out[name] = dict(losses=rec.losses, weights=consolidate(path) if rank == 0 else None,
-                         replicated=replicated)
+                         replicated=replicated, metrics={k: float(v) for k, v in trainer.callback_metrics.items()})
     return out
 
 
@@ -54,11 +61,13 @@ def world4(tmp_path_factory):
 
 
 def _check(results, name, configs, world):
-    kind, model_kw, strategy_kw = configs[name]
+    kind, model_kw, strategy_kw, trainer_kw = configs[name]
     dp = world // strategy_kw.get("tp", 1)
-    ref_losses, ref_weights = reference_run(kind, model_kw, STEPS, BATCH * dp)
+    ref_losses, ref_weights, ref_metrics = reference_run(kind, model_kw, STEPS, BATCH * dp, **trainer_kw)
     got = results[0][name]
-    assert len(got["losses"]) == STEPS
+    assert len(got["losses"]) == len(ref_losses) == STEPS * trainer_kw.get("accumulate_grad_batches", 1)
+    if "tokens" in ref_metrics:  # a torchmetrics SumMetric: synced over dp only, not tp replicas
+        assert got["metrics"]["tokens"] == ref_metrics["tokens"]
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref_losses), atol=TOL, rtol=0)
     assert ref_losses[-1] < ref_losses[0] - 0.05, "the reference did not learn: the comparison would be vacuous"
     assert set(got["weights"]) == set(ref_weights)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from .. import comm
@@ -69,6 +70,8 @@ class VocabParallelCrossEntropy(nn.Module):
 
     def forward(self, logits, target):
         head = self._head[0]
+        if logits.shape[-1] == head.full_out != head.out_features:  # the head gathered (eval mode)
+            return F.cross_entropy(logits, target, ignore_index=self.ignore_index, reduction=self.reduction)
         if logits.dim() != 2 or logits.shape[-1] != head.out_features:
             raise ValueError(
                 f"vocab-parallel cross-entropy expects logits of shape (tokens, {head.out_features}) (this rank's "

@@ -53,7 +53,9 @@ class ColumnParallelLinear(nn.Module):
 
     ``input_comm``: enter the TP region here (copy, or all-gather under SP); False when a module
     further out already did (one entry for q, k and v, Megatron's single all-reduce).
-    ``gather_output``: all-gather the outputs (and drop vocab padding) for a replicated consumer.
+    ``gather_output``: all-gather the outputs (and drop vocab padding) for a replicated consumer;
+    ``"eval"`` gathers only outside training (an LM head whose training loss is vocab-parallel, but
+    whose logits validate/predict should see whole).
     """
 
     def __init__(self, weight, bias, ctx: TPContext, full_out: int, input_comm=True, gather_output=False):
@@ -83,7 +85,7 @@ class ColumnParallelLinear(nn.Module):
         if self.input_comm:
             x = self.ctx.enter_region(x)
         y = F.linear(x, self.weight, self.bias)
-        if self.gather_output:
+        if self.gather_output is True or (self.gather_output == "eval" and not self.training):
             y = comm.gather_from_tp(y, self.ctx.group, -1)
             if y.shape[-1] != self.full_out:
                 y = y[..., : self.full_out]

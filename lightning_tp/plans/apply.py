@@ -159,7 +159,7 @@ def _build(module, style, ctx, path, memo, has_ce, head):
     if style == "rowwise":
         return RowParallelLinear.from_linear(module, ctx, path, memo)
     if style == "lm_head":
-        return ColumnParallelLinear.from_linear(module, ctx, path, memo, gather_output=not has_ce, pad=True)
+        return ColumnParallelLinear.from_linear(module, ctx, path, memo, gather_output="eval" if has_ce else True, pad=True)
     if style in ("vocab", "vocab_sp"):
         return VocabParallelEmbedding.from_embedding(module, ctx, path, memo, sp_output=style == "vocab_sp")
     if style == "vocab_ce":
