@@ -5,13 +5,30 @@ anything imports triton). The interpreter's bf16 arithmetic is wrong, so only fp
 tested here; bf16 is exercised only as the dtype the interpreter path refuses (with a warning).
 References are written independently of the package (F.layer_norm, torch.softmax, F.gelu, ...).
 Shapes are tiny because every interpreted program instance costs milliseconds.
+
+Interpreter mode is confined to this module: the variable is restored after import and the
+kernels' dispatch flag is on only while these tests run, so other test modules keep the plain
+torch path on CPU. If triton was already imported in compiled mode (an earlier test module
+imported lightning), the interpreter cannot work in this process; the tests are then skipped and
+``test_kernels_in_fresh_process`` reruns this file in a new process.
 """
 
 import os
+import sys
 
-os.environ["TRITON_INTERPRET"] = "1"  # before importing triton / lightning_tp.kernels
+
+def _triton_interpreted():
+    """None: triton not imported yet; else whether it was imported in interpreter mode."""
+    rnd = sys.modules.get("triton.language.random")
+    return None if rnd is None else type(rnd.rand).__name__ == "InterpretedFunction"
+
+
+_ENV_BEFORE = os.environ.get("TRITON_INTERPRET")
+if _triton_interpreted() is None:
+    os.environ["TRITON_INTERPRET"] = "1"  # before importing triton / lightning_tp.kernels
 
 import socket  # noqa: E402
+import subprocess  # noqa: E402
 import warnings  # noqa: E402
 from datetime import timedelta  # noqa: E402
 
@@ -24,6 +41,13 @@ from torch import nn  # noqa: E402
 from lightning_tp import kernels as K  # noqa: E402
 from lightning_tp.kernels import _utils  # noqa: E402
 from lightning_tp.kernels import cross_entropy as ce_mod  # noqa: E402
+
+INTERPRETED = bool(_triton_interpreted()) and K.INTERPRET
+if _ENV_BEFORE is None:
+    os.environ.pop("TRITON_INTERPRET", None)
+else:
+    os.environ["TRITON_INTERPRET"] = _ENV_BEFORE
+_utils.INTERPRET = _ENV_BEFORE == "1" and K.INTERPRET  # switched on only while this module runs
 
 FP = [torch.float32, torch.float16]
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=1e-2, rtol=1e-2)}
@@ -42,9 +66,29 @@ def _grads(y, inputs, dy):
     return torch.autograd.grad(y, inputs, dy)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _interpreter_for_this_module():
+    mp = pytest.MonkeyPatch()
+    if INTERPRETED:
+        mp.setenv("TRITON_INTERPRET", "1")  # triton imports parts of itself lazily and checks it then
+        mp.setattr(_utils, "INTERPRET", True)
+    yield
+    mp.undo()
+
+
 @pytest.fixture(autouse=True)
-def _seed():
+def _seed(request):
+    if not INTERPRETED and request.node.name != "test_kernels_in_fresh_process":
+        pytest.skip("triton was imported in compiled mode before this module; see test_kernels_in_fresh_process")
     torch.manual_seed(0)
+
+
+def test_kernels_in_fresh_process():
+    if INTERPRETED:
+        pytest.skip("this process already runs the kernels in the Triton interpreter")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                       env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
 
 
 def test_interpreter_is_active():
@@ -314,6 +358,7 @@ def _ce_worker(rank, world, port, shards):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
     try:
+        _utils.INTERPRET = INTERPRETED  # this fresh process imported triton in interpreter mode
         ce_mod.MAX_BLOCK = 32
         torch.manual_seed(0)  # identical full logits / targets on both ranks
         full = torch.randn(6, shards[-1]) * 3
