@@ -12,6 +12,7 @@ as it was.
 
 from __future__ import annotations
 
+import glob
 import os
 import shutil
 import uuid
@@ -44,6 +45,8 @@ def save(checkpoint: dict, path, mesh, module, barrier, broadcast) -> None:
     shard = {"state_dict": checkpoint.pop("state_dict", {}),
              "optimizer_states": checkpoint.pop("optimizer_states", [])}
     if mesh.rank == 0:
+        for stale in path.parent.glob(f"{glob.escape(path.name)}.tmp-*"):  # left by an earlier crash
+            shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir(parents=True, exist_ok=False)
     barrier()
     if mesh.dp_rank == 0:

@@ -50,6 +50,8 @@ def _reduce(grads: list, group, scale: float = 1.0) -> None:
 
 def sync_gradients(params, mesh) -> None:
     """SP-partial grads summed over tp, then every grad averaged over dp."""
+    if mesh.world_size == 1:
+        return
     params = [p for p in params if p.grad is not None]
     _reduce([p.grad for p in params if getattr(p, "_tp_sp_partial", False)], mesh.tp_group)
     _reduce([p.grad for p in params], mesh.dp_group, scale=1.0 / mesh.dp)

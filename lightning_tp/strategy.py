@@ -21,6 +21,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
 from . import checkpoint as ckpt
+from . import comm
 from . import grads
 from .mesh import ParallelMesh, build_mesh, data_parallel_size
 from .plans import apply as planner
@@ -141,6 +142,10 @@ class MegaStrategy(ParallelStrategy):
             for ctx in done["contexts"]:
                 ctx.group = self.mesh.tp_group
             return
+        if self.tp == 1:  # nothing to shard: the user's modules run untouched
+            module._lightning_tp = {"tp": 1, "sp": False, "contexts": []}
+            self._set_metric_groups(module)
+            return
         matches = planner.resolve(module, self.tp, self.sp, self.plan)  # raises on every rank alike
         if self.sync_init and self.mesh.world_size > 1:
             for t in list(module.parameters()) + list(module.buffers()):
@@ -187,9 +192,9 @@ class MegaStrategy(ParallelStrategy):
 
     def reduce(self, tensor, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean"):
         """``self.log(..., sync_dist=True)`` lands here: reduce over data-parallel replicas only."""
-        if isinstance(tensor, torch.Tensor):
-            return _sync_ddp_if_available(tensor, group if group is not None else self.mesh.dp_group,
-                                          reduce_op=reduce_op)
+        group = group if group is not None else self.mesh.dp_group
+        if isinstance(tensor, torch.Tensor) and comm.group_size(group) > 1:
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:

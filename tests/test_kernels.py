@@ -6,11 +6,9 @@ tested here; bf16 is exercised only as the dtype the interpreter path refuses (w
 References are written independently of the package (F.layer_norm, torch.softmax, F.gelu, ...).
 Shapes are tiny because every interpreted program instance costs milliseconds.
 
-Interpreter mode is confined to this module: the variable is restored after import and the
-kernels' dispatch flag is on only while these tests run, so other test modules keep the plain
-torch path on CPU. If triton was already imported in compiled mode (an earlier test module
-imported lightning), the interpreter cannot work in this process; the tests are then skipped and
-``test_kernels_in_fresh_process`` reruns this file in a new process.
+Triton reads TRITON_INTERPRET when it is first imported (lightning imports it), so
+``tests/conftest.py`` sets it before anything else; the kernels' dispatch flag is switched on only
+while these tests run, so other test modules keep the plain torch path on CPU.
 """
 
 import os
@@ -28,7 +26,6 @@ if _triton_interpreted() is None:
     os.environ["TRITON_INTERPRET"] = "1"  # before importing triton / lightning_tp.kernels
 
 import socket  # noqa: E402
-import subprocess  # noqa: E402
 import warnings  # noqa: E402
 from datetime import timedelta  # noqa: E402
 
@@ -78,17 +75,9 @@ def _interpreter_for_this_module():
 
 @pytest.fixture(autouse=True)
 def _seed(request):
-    if not INTERPRETED and request.node.name != "test_kernels_in_fresh_process":
-        pytest.skip("triton was imported in compiled mode before this module; see test_kernels_in_fresh_process")
+    assert INTERPRETED, ("triton was imported in compiled mode before TRITON_INTERPRET=1 was set; "
+                         "tests/conftest.py must set it before anything imports lightning or triton")
     torch.manual_seed(0)
-
-
-def test_kernels_in_fresh_process():
-    if INTERPRETED:
-        pytest.skip("this process already runs the kernels in the Triton interpreter")
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                       env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
 
 
 def test_interpreter_is_active():

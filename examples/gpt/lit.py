@@ -38,16 +38,16 @@ class LitGPT(L.LightningModule):
 
 
 class ByteWindows(Dataset):
-    """Non-overlapping windows of a byte string: x is a window, y the same window shifted by one."""
+    """Windows of a byte string every `stride` bytes: x is a window, y the same window shifted by one."""
 
-    def __init__(self, data: torch.Tensor, block_size: int):
-        self.data, self.block_size = data, block_size
+    def __init__(self, data: torch.Tensor, block_size: int, stride: int):
+        self.data, self.block_size, self.stride = data, block_size, stride
 
     def __len__(self):
-        return (len(self.data) - 1) // self.block_size
+        return (len(self.data) - self.block_size - 1) // self.stride + 1
 
     def __getitem__(self, i):
-        chunk = self.data[i * self.block_size: (i + 1) * self.block_size + 1].long()
+        chunk = self.data[i * self.stride: i * self.stride + self.block_size + 1].long()
         return chunk[:-1], chunk[1:]
 
 
@@ -59,8 +59,8 @@ class ShakespeareData(L.LightningDataModule):
     def setup(self, stage=None):
         data = torch.frombuffer(bytearray(Path(self.path).read_bytes()), dtype=torch.uint8)
         cut = int(len(data) * 0.9)
-        self.train_set = ByteWindows(data[:cut], self.block_size)
-        self.val_set = ByteWindows(data[cut:], self.block_size)
+        self.train_set = ByteWindows(data[:cut], self.block_size, stride=max(1, self.block_size // 4))
+        self.val_set = ByteWindows(data[cut:], self.block_size, stride=self.block_size)
 
     def train_dataloader(self):
         return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=True)

@@ -1,0 +1,56 @@
+"""Step-time overhead of MegaStrategy(tp=1, pp=1) against Lightning's single-device strategy.
+
+Both train the example GPT in this one process, in alternating rounds, so machine noise hits both
+alike; the figure is the ratio of median step times (target <= 1.03).
+"""
+
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+
+from examples.gpt.lit import LitGPT, ShakespeareData  # noqa: E402
+from lightning_tp import MegaStrategy  # noqa: E402
+
+STEPS, WARMUP, ROUNDS = 40, 5, 3
+
+
+class StepTimer(L.Callback):
+    def __init__(self):
+        self.times = []
+
+    def on_train_batch_start(self, *args):
+        self._t = time.perf_counter()
+
+    def on_train_batch_end(self, *args):
+        self.times.append(time.perf_counter() - self._t)
+
+
+def step_times(strategy) -> list:
+    L.seed_everything(0, verbose=False)
+    timer = StepTimer()
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=STEPS, callbacks=[timer],
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=0)
+    trainer.fit(LitGPT(n_layer=4, n_embd=128, block_size=64), ShakespeareData(block_size=64, batch_size=16))
+    return timer.times[WARMUP:]
+
+
+def main():
+    torch.set_num_threads(1)
+    single, mega = [], []
+    for _ in range(ROUNDS):
+        single += step_times("auto")
+        mega += step_times(MegaStrategy(tp=1, pp=1))
+    s, m = statistics.median(single), statistics.median(mega)
+    print(f"median step: single-device {s * 1e3:.2f} ms, MegaStrategy(tp=1,pp=1) {m * 1e3:.2f} ms")
+    print(f"overhead ratio (mega / single): {m / s:.3f}   (target <= 1.03)")
+
+
+if __name__ == "__main__":
+    main()

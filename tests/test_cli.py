@@ -1,0 +1,35 @@
+"""The strategy from LightningCLI YAML and from its registered name, without starting processes."""
+
+import os
+
+import lightning as L
+import yaml
+
+import lightning_tp
+from examples.gpt.train import main
+
+
+def test_yaml_config_builds_mega_strategy(tmp_path):
+    config = {
+        "trainer": {"accelerator": "cpu", "devices": 4, "max_steps": 1, "logger": False,
+                    "strategy": {"class_path": "lightning_tp.MegaStrategy", "init_args": {"tp": 2, "sp": True}}},
+        "model": {"n_layer": 1, "n_embd": 32},
+    }
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    cli = main(["--config", str(path)], run=False)
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, lightning_tp.MegaStrategy)
+    assert (strategy.tp, strategy.sp, strategy.num_processes) == (2, True, 4)
+    assert cli.model.hparams.n_layer == 1
+
+
+def test_example_config_parses():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cli = main(["--config", os.path.join(root, "examples", "gpt", "config.yaml")], run=False)
+    assert isinstance(cli.trainer.strategy, lightning_tp.MegaStrategy) and cli.trainer.strategy.tp == 2
+
+
+def test_registered_name():
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="mega", logger=False)
+    assert isinstance(trainer.strategy, lightning_tp.MegaStrategy)

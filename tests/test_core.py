@@ -1,0 +1,189 @@
+"""Structure checks in one 2-process launch: shard sizes, Megatron's collective counts, bad input
+raised on every rank within seconds, and validate/predict against a single process."""
+
+import time
+import warnings
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as torch_dist
+from torch import nn
+
+import dist
+from examples.gpt.model import GPT, GPTConfig
+from lightning_tp import MegaStrategy, comm
+from lightning_tp.mesh import build_mesh
+from lightning_tp.plans import apply as planner
+from models import SEQ, LossRecorder, TokenData, Tokens, make_model, reference_run, trainer_kwargs
+
+B, H = 2, 32
+
+
+def _parallelize(module, tp, sp, mesh):
+    planner.apply(module, planner.resolve(module, tp, sp), mesh.tp_group, tp, mesh.tp_rank, sp)
+    return module
+
+
+def _collectives(n_layer, sp, mesh):
+    torch.manual_seed(0)
+    model = _parallelize(GPT(GPTConfig(vocab_size=64, block_size=SEQ, n_layer=n_layer, n_embd=H)), 2, sp, mesh)
+    x, y = Tokens(B, 64)[0]
+    x, y = x.repeat(B, 1), y.repeat(B, 1)
+    with comm.count_collectives() as records:
+        model(x, y)[1].backward()
+    return [(op, numel, group is mesh.tp_group) for op, numel, group in records]
+
+
+def _per_layer(n_layer_2, n_layer_1):
+    """Collectives of one transformer layer: the 2-layer model's multiset minus the 1-layer one's."""
+    rest = list(n_layer_2)
+    for item in n_layer_1:
+        rest.remove(item)
+    return sorted(rest)
+
+
+class Unknown(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+
+    def training_step(self, batch, i):
+        return self.net(batch[0]).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _expect_error(world, model, strategy, data=None):
+    """Fit a bad configuration; return (message, seconds). Every rank must raise, none may hang."""
+    start = time.monotonic()
+    try:
+        trainer = L.Trainer(devices=world, strategy=strategy, max_steps=1, **trainer_kwargs())
+        trainer.fit(model, data or TokenData(8, 64, 2))
+    except Exception as e:  # noqa: BLE001 - we return it to the test
+        return f"{type(e).__name__}: {e}", time.monotonic() - start
+    return None, time.monotonic() - start
+
+
+def _checks(rank, world):
+    torch_dist.init_process_group("gloo")
+    mesh = build_mesh(tp=2)
+    out = {}
+
+    # 1. shard sizes: every sharded parameter holds 1/tp of the (padded) original
+    full = make_model("gpt", vocab_size=63)
+    part = _parallelize(make_model("gpt", vocab_size=63), 2, False, mesh)
+    ratios = {}
+    for name, p in part.named_parameters():
+        spec = getattr(p, "_tp_spec", None)
+        if spec is not None:
+            original = full.get_parameter(name)
+            padded = list(original.shape)
+            padded[spec.dim] = spec.padded or padded[spec.dim]
+            ratios[name] = (p.numel(), torch.Size(padded).numel())
+    out["ratios"] = ratios
+
+    # 2. Megatron's collective count for one layer, without and with sequence parallelism
+    out["layer_tp"] = _per_layer(_collectives(2, False, mesh), _collectives(1, False, mesh))
+    out["layer_sp"] = _per_layer(_collectives(2, True, mesh), _collectives(1, True, mesh))
+
+    # 3. bad input: raised on every rank before any collective
+    strict = dict(timeout=30)
+    out["bad"] = {
+        "tp_world": _expect_error(world, make_model("gpt"), MegaStrategy(tp=3, **strict)),
+        "pp_world": _expect_error(world, make_model("gpt"), MegaStrategy(pp=3, **strict)),
+        "heads": _expect_error(world, make_model("gpt", n_head=3, n_embd=30), MegaStrategy(tp=2, **strict)),
+        "hidden": _expect_error(world, make_model("gpt", n_head=3, n_embd=33), MegaStrategy(tp=2, **strict)),
+        "ffn": _expect_error(world, make_model("encoder", ff=33), MegaStrategy(tp=2, **strict)),
+        "unknown": _expect_error(world, Unknown(), MegaStrategy(tp=2, **strict),
+                                 TokenData(8, 64, 2)),
+    }
+
+    # 4. sp=True with tp=1: a warning, then a normal run
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        strategy = MegaStrategy(tp=1, sp=True)
+    out["sp_tp1"] = (strategy.sp, [str(w.message) for w in caught])
+
+    # 5. validate and predict after fit (the LM head gathers whole logits outside training)
+    model = make_model("gpt")
+    trainer = L.Trainer(devices=world, strategy=MegaStrategy(tp=2, sp=True), max_steps=3, **trainer_kwargs())
+    data = TokenData(3 * 4, 64, 4)
+    trainer.fit(model, data)
+    val_loader = torch.utils.data.DataLoader(Tokens(8, 64), batch_size=4)
+    out["val"] = trainer.validate(model, val_loader, verbose=False)[0]["val_loss"]
+    pred = trainer.predict(model, torch.utils.data.DataLoader([Tokens(2, 64)[i][0] for i in range(2)],
+                                                              batch_size=2))
+    out["pred_shape"] = tuple(pred[0].shape)
+
+    # 6. bf16-mixed: autocast around the user's step, collectives on bf16 activations
+    model, rec = make_model("gpt"), LossRecorder()
+    trainer = L.Trainer(devices=world, strategy=MegaStrategy(tp=2, sp=True), max_steps=5, precision="bf16-mixed",
+                        callbacks=[rec], **trainer_kwargs())
+    trainer.fit(model, TokenData(5 * 4, 64, 4))
+    out["bf16"] = rec.losses
+    return out
+
+
+@pytest.fixture(scope="module")
+def checks():
+    return dist.run(2, _checks)
+
+
+def test_sharded_parameters_hold_one_tp_th(checks):
+    ratios = checks[0]["ratios"]
+    assert len(ratios) >= 10
+    for name, (local, full) in ratios.items():
+        assert local * 2 == full, name
+
+
+def test_one_layer_issues_megatrons_four_all_reduces(checks):
+    bsh = B * SEQ * H
+    assert checks[0]["layer_tp"] == [("all_reduce", bsh, True)] * 4
+
+
+def test_one_layer_with_sp_issues_all_gathers_and_reduce_scatters(checks):
+    bsh = B * SEQ * H
+    expected = sorted([("all_gather", bsh // 2, True)] * 4 + [("reduce_scatter", bsh, True)] * 4)
+    assert checks[0]["layer_sp"] == expected
+
+
+@pytest.mark.parametrize("case, words", [
+    ("tp_world", ["tp=3", "divisible", "2 processes"]),
+    ("pp_world", ["pp=3", "divisible"]),
+    ("heads", ["transformer.h.0.attn", "n_head = 3", "tp = 2"]),
+    ("hidden", ["transformer.h.0.attn.q_proj", "out_features = 33", "tp = 2"]),
+    ("ffn", ["linear1", "out_features = 33"]),
+    ("unknown", ["no parallelization plan", "Sequential", "plan="]),
+])
+def test_bad_input_raises_on_every_rank_quickly(checks, case, words):
+    for rank_result in checks:
+        message, seconds = rank_result["bad"][case]
+        assert message is not None, f"{case}: no error"
+        for w in words:
+            assert w in message, f"{case}: {w!r} not in {message!r}"
+        assert seconds < 20, f"{case}: took {seconds:.1f}s (a hang would take the 30s timeout)"
+
+
+def test_sp_with_tp1_warns_and_is_ignored(checks):
+    sp, messages = checks[0]["sp_tp1"]
+    assert sp is False
+    assert any("sp=True" in m for m in messages)
+
+
+def test_validate_and_predict_match_single_process(checks):
+    model = make_model("gpt")
+    trainer = L.Trainer(devices=1, max_steps=3, use_distributed_sampler=False, **trainer_kwargs())
+    trainer.fit(model, TokenData(3 * 4, 64, 4, single=True))
+    val_loader = torch.utils.data.DataLoader(Tokens(8, 64), batch_size=4)
+    ref = trainer.validate(model, val_loader, verbose=False)[0]["val_loss"]
+    assert abs(checks[0]["val"] - ref) < 1e-5
+    assert checks[0]["pred_shape"] == (2, SEQ, 64)
+
+
+def test_bf16_mixed_tracks_the_single_process_bf16_run(checks):
+    ref, _, _ = reference_run("gpt", {}, 5, 4, precision="bf16-mixed")
+    got = checks[0]["bf16"]
+    assert len(got) == 5
+    assert max(abs(a - b) for a, b in zip(got, ref)) < 2e-2  # bf16 rounding, not a layout error
