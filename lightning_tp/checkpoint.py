@@ -1,8 +1,8 @@
 """Sharded checkpoints: one directory per checkpoint, one file per model-parallel rank.
 
     epoch=0-step=10.ckpt/
-        meta.pt              trainer state (loops, callbacks, schedulers, hparams) + layout + shard specs
-        model_tp0_pp0.pt     this shard's state_dict and optimizer states
+        meta.pt              trainer state (loops, callbacks, schedulers, hparams) + layout
+        model_tp0_pp0.pt     this shard's state_dict, optimizer states and shard specs
         model_tp1_pp0.pt     ...
 
 Data-parallel replicas hold the same shards, so only dp rank 0 writes. The directory is written
@@ -43,7 +43,8 @@ def save(checkpoint: dict, path, mesh, module, barrier, broadcast) -> None:
     tmp = path.with_name(f"{path.name}.tmp-{token}")
     checkpoint = dict(checkpoint)
     shard = {"state_dict": checkpoint.pop("state_dict", {}),
-             "optimizer_states": checkpoint.pop("optimizer_states", [])}
+             "optimizer_states": checkpoint.pop("optimizer_states", []),
+             "specs": shard_specs(module)}
     if mesh.rank == 0:
         for stale in path.parent.glob(f"{glob.escape(path.name)}.tmp-*"):  # left by an earlier crash
             shutil.rmtree(stale, ignore_errors=True)
@@ -52,8 +53,7 @@ def save(checkpoint: dict, path, mesh, module, barrier, broadcast) -> None:
     if mesh.dp_rank == 0:
         torch.save(shard, tmp / shard_file(mesh.tp_rank, mesh.pp_rank))
     if mesh.rank == 0:
-        checkpoint["lightning_tp"] = {"format": FORMAT, "tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp,
-                                      "specs": shard_specs(module)}
+        checkpoint["lightning_tp"] = {"format": FORMAT, "tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp}
         torch.save(checkpoint, tmp / META)
     barrier()
     if mesh.rank == 0:
@@ -83,6 +83,7 @@ def load(path, mesh) -> dict:
             f"tp={mesh.tp}, pp={mesh.pp}. Resume with the same layout, or turn it into a plain state_dict with "
             f"lightning_tp.consolidate({str(path)!r}).")
     shard = torch.load(path / shard_file(mesh.tp_rank, mesh.pp_rank), map_location="cpu", weights_only=False)
+    shard.pop("specs", None)
     meta.update(shard)
     return meta
 
@@ -94,11 +95,12 @@ def consolidate(path) -> dict:
         raise ValueError(f"{path} is not a lightning_tp checkpoint directory (no {META} in it).")
     meta = torch.load(path / META, map_location="cpu", weights_only=False)
     layout = meta["lightning_tp"]
-    specs = {k: ShardSpec(**v) for k, v in layout["specs"].items()}
     merged: dict = {}
     for pp_rank in range(layout["pp"]):
-        shards = [torch.load(path / shard_file(t, pp_rank), map_location="cpu", weights_only=False)["state_dict"]
-                  for t in range(layout["tp"])]
+        files = [torch.load(path / shard_file(t, pp_rank), map_location="cpu", weights_only=False)
+                 for t in range(layout["tp"])]
+        specs = {k: ShardSpec(**v) for k, v in files[0]["specs"].items()}
+        shards = [f["state_dict"] for f in files]
         for key, value in shards[0].items():
             if key in specs:
                 merged[key] = unshard([s[key] for s in shards], specs[key])

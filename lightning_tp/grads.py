@@ -49,10 +49,13 @@ def _reduce(grads: list, group, scale: float = 1.0) -> None:
 
 
 def sync_gradients(params, mesh) -> None:
-    """SP-partial grads summed over tp, then every grad averaged over dp."""
+    """Tied first/last-stage weights summed over their two stages, SP-partial grads summed over tp,
+    then every grad averaged over dp."""
     if mesh.world_size == 1:
         return
     params = [p for p in params if p.grad is not None]
+    if mesh.emb_group is not None and mesh.pp_rank in (0, mesh.pp - 1):
+        _reduce([p.grad for p in params if getattr(p, "_pp_tied", False)], mesh.emb_group)
     _reduce([p.grad for p in params if getattr(p, "_tp_sp_partial", False)], mesh.tp_group)
     _reduce([p.grad for p in params], mesh.dp_group, scale=1.0 / mesh.dp)
 
@@ -60,7 +63,8 @@ def sync_gradients(params, mesh) -> None:
 def global_grad_norm(params, mesh, norm_type: float = 2.0) -> torch.Tensor:
     """Norm of the full model's gradient: each shard counted once, tp replicas counted once."""
     params = [p for p in params if p.grad is not None]
-    counted = [p.grad.detach() for p in params if spec_of(p) is not None or mesh.tp_rank == 0]
+    counted = [p.grad.detach() for p in params if (spec_of(p) is not None or mesh.tp_rank == 0)
+               and not (getattr(p, "_pp_tied", False) and mesh.pp_rank > 0)]  # a tied copy counts once
     device = params[0].grad.device if params else torch.device("cpu")
     if math.isinf(norm_type):
         local = max((g.abs().max().float() for g in counted), default=torch.zeros((), device=device))

@@ -49,6 +49,7 @@ class ParallelMesh:
     dp_group: Optional[dist.ProcessGroup] = None
     pp_group: Optional[dist.ProcessGroup] = None
     mp_group: Optional[dist.ProcessGroup] = None  # tp x pp: one full copy of the model
+    emb_group: Optional[dist.ProcessGroup] = None  # first + last stage: tied input/output embeddings
     device_mesh: object = field(default=None, repr=False)
 
     @property
@@ -91,4 +92,10 @@ def build_mesh(tp: int = 1, pp: int = 1, device_type: str = "cpu") -> ParallelMe
         group = dist.new_group(ranks)
         if d == mesh.dp_rank:
             mesh.mp_group = group
+    if pp > 1:
+        for d in range(dp):
+            for t in range(tp):
+                group = dist.new_group([mesh.global_rank(t, d, 0), mesh.global_rank(t, d, pp - 1)])
+                if (t, d) == (mesh.tp_rank, mesh.dp_rank):
+                    mesh.emb_group = group
     return mesh

@@ -24,6 +24,10 @@ from . import checkpoint as ckpt
 from . import comm
 from . import grads
 from .mesh import ParallelMesh, build_mesh, data_parallel_size
+from .pipeline.executor import PipelineRunner
+from .pipeline.schedules import build_schedule
+from .pipeline.split import apply_split, plan_stages
+from .pipeline.stage import install as install_stages
 from .plans import apply as planner
 
 
@@ -32,8 +36,13 @@ class MegaStrategy(ParallelStrategy):
 
     Args:
         tp: tensor-parallel size (ranks that split each layer).
-        pp: pipeline-parallel size.
+        pp: pipeline-parallel size (stages of contiguous blocks).
         sp: sequence parallelism inside the TP region (needs tp > 1).
+        microbatches: microbatches per batch under pp (default: pp); must divide the batch size.
+        schedule: ``"1f1b"``, ``"gpipe"``, ``"interleaved_1f1b"`` or ``"zb_h1"``.
+        virtual_stages: model chunks per rank for the interleaved schedule.
+        pipeline_blocks: path of the repeated block list, when the plan or the search cannot find it.
+        stage_layers: blocks per (virtual) stage, instead of the parameter-balanced split.
         plan: ``"auto"`` (find a built-in plan by module class), or a :class:`lightning_tp.Plan`/dict.
         sync_init: broadcast rank 0's initial weights before sharding, so unseeded models agree.
         start_method: ``"popen"`` (re-run the script, like DDP) or ``"spawn"``/``"fork"``.
@@ -41,7 +50,9 @@ class MegaStrategy(ParallelStrategy):
 
     strategy_name = "mega"
 
-    def __init__(self, tp: int = 1, pp: int = 1, sp: bool = False, plan: Any = "auto", sync_init: bool = True,
+    def __init__(self, tp: int = 1, pp: int = 1, sp: bool = False, plan: Any = "auto",
+                 microbatches: Optional[int] = None, schedule: str = "1f1b", virtual_stages: int = 1,
+                 pipeline_blocks: Optional[str] = None, stage_layers: Optional[list] = None, sync_init: bool = True,
                  process_group_backend: Optional[str] = None,
                  timeout: Optional[Union[timedelta, float]] = default_pg_timeout,
                  start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -55,6 +66,13 @@ class MegaStrategy(ParallelStrategy):
             rank_zero_warn("MegaStrategy(sp=True) needs tp > 1; sequence parallelism is off for tp=1.")
             sp = False
         self.tp, self.pp, self.sp, self.plan, self.sync_init = tp, pp, bool(sp), plan, sync_init
+        self.microbatches = microbatches if microbatches is not None else pp
+        self.schedule, self.virtual_stages = schedule, virtual_stages
+        self.pipeline_blocks, self.stage_layers = pipeline_blocks, stage_layers
+        self._pipelined = pp > 1 or self.microbatches > 1
+        if self._pipelined:  # names and counts checked now, on every rank, before any process starts
+            build_schedule(schedule, pp, self.microbatches, virtual_stages)
+        self._runner = None
         self._process_group_backend = process_group_backend
         self._timeout = timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout
         self._start_method = start_method
@@ -102,8 +120,6 @@ class MegaStrategy(ParallelStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         data_parallel_size(self.num_nodes * self.num_processes, self.tp, self.pp)  # before any collective
-        if self.pp != 1:
-            raise NotImplementedError("MegaStrategy(pp>1): pipeline parallelism is not available yet; use pp=1.")
         reset_seed()
         self.set_world_ranks()
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
@@ -136,23 +152,38 @@ class MegaStrategy(ParallelStrategy):
     def _parallelize(self, module) -> None:
         done = getattr(module, "_lightning_tp", None)
         if done is not None:
-            if (done["tp"], done["sp"]) != (self.tp, self.sp):
+            if (done["tp"], done["sp"], done["pp"]) != (self.tp, self.sp, self.pp):
                 raise ValueError(f"{type(module).__name__} was already parallelized with tp={done['tp']}, "
-                                 f"sp={done['sp']}; build a fresh module for tp={self.tp}, sp={self.sp}.")
+                                 f"sp={done['sp']}, pp={done['pp']}; build a fresh module for this layout.")
             for ctx in done["contexts"]:
                 ctx.group = self.mesh.tp_group
+            self._runner = done["runner"]
+            if self._runner is not None:
+                self._runner.mesh = self.mesh
             return
-        if self.tp == 1:  # nothing to shard: the user's modules run untouched
-            module._lightning_tp = {"tp": 1, "sp": False, "contexts": []}
-            self._set_metric_groups(module)
-            return
-        matches = planner.resolve(module, self.tp, self.sp, self.plan)  # raises on every rank alike
+        # 1. every check, on every rank alike, before any collective
+        matches = planner.resolve(module, self.tp, self.sp, self.plan) if self.tp > 1 else []
+        layout = None
+        if self.pp > 1:
+            blocks = self.pipeline_blocks or planner.blocks_path(module, self.plan)
+            layout = plan_stages(module, self.pp, self.virtual_stages, blocks, self.stage_layers,
+                                 interleaved=self.schedule == "interleaved_1f1b")
+        # 2. one set of initial weights, then keep this rank's stage and shards
         if self.sync_init and self.mesh.world_size > 1:
             for t in list(module.parameters()) + list(module.buffers()):
                 dist.broadcast(t.data, src=0)
+        if layout is not None:
+            apply_split(module, layout, self.mesh.pp_rank)
         replaced = planner.apply(module, matches, self.mesh.tp_group, self.tp, self.mesh.tp_rank, self.sp)
+        self._runner = None
+        if self._pipelined:
+            if layout is None:  # microbatching without stages: one stage holding every block
+                layout = plan_stages(module, 1, 1, self.pipeline_blocks or planner.blocks_path(module, self.plan))
+            state = install_stages(module.get_submodule(layout.blocks_path), layout, self.mesh.pp_rank)
+            self._runner = PipelineRunner(module, self.mesh, layout, state, self.schedule, self.microbatches)
         contexts = {id(m.ctx): m.ctx for m in replaced.values() if hasattr(m, "ctx")}
-        module._lightning_tp = {"tp": self.tp, "sp": self.sp, "contexts": list(contexts.values())}
+        module._lightning_tp = {"tp": self.tp, "sp": self.sp, "pp": self.pp, "contexts": list(contexts.values()),
+                                "runner": self._runner}
         self._set_metric_groups(module)
 
     def _set_metric_groups(self, module) -> None:
@@ -169,6 +200,46 @@ class MegaStrategy(ParallelStrategy):
         self.model.to(self.root_device)
 
     # ------------------------------------------------------------------ gradients
+
+    # ------------------------------------------------------------------ pipeline steps
+
+    def training_step(self, *args, **kwargs):
+        if self._runner is None:
+            return super().training_step(*args, **kwargs)
+        if not self.lightning_module.automatic_optimization:
+            raise ValueError("MegaStrategy(pp>1 or microbatches>1) needs automatic optimization.")
+        batch, batch_idx = args[0], args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+        scale = 1.0 / (self._runner.m * self.lightning_module.trainer.accumulate_grad_batches)
+        with self.precision_plugin.train_step_context():
+            loss = self._runner.train_step(batch, batch_idx, scale)
+        return torch.tensor(loss, device=self.root_device)
+
+    def _eval_step(self, hook, context, *args, **kwargs):
+        if self._runner is None:
+            return getattr(super(), hook)(*args, **kwargs)
+        batch, batch_idx = args[0], args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+        with context():
+            return self._runner.eval_step(hook, batch, batch_idx)
+
+    def validation_step(self, *args, **kwargs):
+        return self._eval_step("validation_step", self.precision_plugin.val_step_context, *args, **kwargs)
+
+    def test_step(self, *args, **kwargs):
+        return self._eval_step("test_step", self.precision_plugin.test_step_context, *args, **kwargs)
+
+    def predict_step(self, *args, **kwargs):
+        return self._eval_step("predict_step", self.precision_plugin.predict_step_context, *args, **kwargs)
+
+    def backward(self, closure_loss, optimizer, *args, **kwargs):
+        """Under a pipeline the backward already ran inside the step: hand over its gradients."""
+        if self._runner is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        PipelineRunner.merge_grads(self.lightning_module)
+        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+        self.post_backward(closure_loss)
+        return closure_loss
 
     @contextmanager
     def block_backward_sync(self):
@@ -238,4 +309,4 @@ class MegaStrategy(ParallelStrategy):
 
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:
-        strategy_registry.register("mega", cls, description="lightning-tp: tensor/sequence/data parallelism")
+        strategy_registry.register("mega", cls, description="lightning-tp: tensor, sequence, pipeline, data parallelism")

@@ -16,6 +16,7 @@ from .. import comm
 from ..layers import (ColumnParallelLinear, RowParallelLinear, TPContext, TPMultiheadAttention,
                       VocabParallelCrossEntropy, VocabParallelEmbedding)
 from ..layers.shard import check_divisible, mark
+from ..pipeline.split import PipelinePlaceholder
 from .base import Plan, path_matches
 from .registry import registered_plans
 
@@ -131,7 +132,9 @@ def apply(model: nn.Module, matches: list, group, tp: int, rank: int, sp: bool) 
         has_ce = any(style == "vocab_ce" for _, style in m.entries)
         head = None
         for path, style in m.entries:
-            module = model.get_submodule(path) if path else model
+            module = _held(model, path)
+            if module is None:
+                continue  # on another pipeline stage
             new = _build(module, style, ctx, path, memo, has_ce, head)
             if style == "lm_head":
                 head = new
@@ -143,7 +146,7 @@ def apply(model: nn.Module, matches: list, group, tp: int, rank: int, sp: bool) 
         root = model.get_submodule(m.prefix) if m.prefix else model
         for glob, rules in m.plan.attrs.items():
             for name, module in root.named_modules():
-                if path_matches(glob, name):
+                if path_matches(glob, name) and not isinstance(module, PipelinePlaceholder):
                     for attr in rules:
                         setattr(module, attr, getattr(module, attr) // tp)
         if ctx.sp:
@@ -197,11 +200,33 @@ def _install_sp_boundaries(model, m: Match, ctx: TPContext) -> None:
             return (comm.gather_to_full_sp(output[0], ctx.group, ctx.seq_dim),) + output[1:]
         return comm.gather_to_full_sp(output, ctx.group, ctx.seq_dim)
 
-    start = model.get_submodule(m.sp_start) if m.sp_start else model
-    start.register_forward_pre_hook(_first_tensor_hook(enter), with_kwargs=True)
+    start = _held(model, m.sp_start) if m.sp_start else model
+    if start is not None:
+        start.register_forward_pre_hook(_first_tensor_hook(enter), with_kwargs=True)
     if m.sp_end is not None:
-        end = model.get_submodule(m.sp_end) if m.sp_end else model
-        end.register_forward_hook(leave)
+        end = _held(model, m.sp_end) if m.sp_end else model
+        if end is not None:
+            end.register_forward_hook(leave)
+
+
+def _held(model: nn.Module, path: str):
+    """The module at ``path``, or None where a pipeline placeholder stands on the way."""
+    module = model
+    for part in path.split(".") if path else []:
+        if isinstance(module, PipelinePlaceholder):
+            return None
+        module = getattr(module, part, None)
+        if module is None:
+            return None
+    return None if isinstance(module, PipelinePlaceholder) else module
+
+
+def blocks_path(model: nn.Module, plan) -> str | None:
+    """The block list a plan names (for pipeline parallelism), if any."""
+    for prefix, p in _find(model, plan):
+        if p.blocks:
+            return _join(prefix, p.blocks)
+    return None
 
 
 def _set_submodule(model: nn.Module, path: str, new: nn.Module) -> None:

@@ -1,0 +1,191 @@
+"""Run a schedule's action list inside one Lightning training step.
+
+Each forward calls the user's own ``training_step`` on one microbatch (see :mod:`.stage` for how
+it runs a single stage), each backward is plain autograd. What Lightning expects around the step
+is kept: the gradients this step computed are set aside from ``p.grad`` until Lightning's
+backward call (Lightning zeroes grads between its training_step and backward), values logged in
+``training_step`` are averaged over microbatches on the last stage and logged on every stage, and
+the step returns the true loss everywhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+from .p2p import Mailbox, tag
+from .schedules import build_schedule
+from .stage import StageDone
+
+
+def split_batch(batch, m: int, path: str = "batch") -> list:
+    """``m`` microbatches along dim 0 of every tensor in the batch."""
+    if m == 1:
+        return [batch]
+    if isinstance(batch, torch.Tensor):
+        if batch.dim() == 0 or batch.shape[0] % m:
+            size = "a scalar" if batch.dim() == 0 else f"size {batch.shape[0]} along dim 0"
+            raise ValueError(f"microbatches={m} must divide the batch, but {path} has {size}; "
+                             f"set MegaStrategy(microbatches=...) to a divisor of the batch size.")
+        return list(batch.chunk(m))
+    if isinstance(batch, Mapping):
+        parts = {k: split_batch(v, m, f"{path}[{k!r}]") for k, v in batch.items()}
+        return [type(batch)({k: parts[k][i] for k in batch}) for i in range(m)]
+    if isinstance(batch, (list, tuple)):
+        parts = [split_batch(v, m, f"{path}[{i}]") for i, v in enumerate(batch)]
+        rows = [[p[i] for p in parts] for i in range(m)]
+        return [type(batch)(*r) if hasattr(batch, "_fields") else type(batch)(r) for r in rows]
+    raise ValueError(f"{path} is a {type(batch).__name__}, which cannot be split along dim 0 into microbatches; "
+                     f"make the batch tensors (or lists/dicts of tensors), or use microbatches=1.")
+
+
+@contextmanager
+def captured_logs(module, sink: list):
+    """Collect self.log calls instead of sending them to Lightning (once per microbatch)."""
+    module.log = lambda name, value, *args, **kwargs: sink.append((name, value, args, kwargs))
+    try:
+        yield
+    finally:
+        del module.log
+
+
+def _mean(values):
+    if all(isinstance(v, (torch.Tensor, int, float)) for v in values):
+        return float(sum(float(v) for v in values) / len(values))
+    return None  # torchmetrics objects and the like: logged by the last stage only
+
+
+class PipelineRunner:
+    def __init__(self, module, mesh, layout, state, schedule: str, microbatches: int):
+        self.module, self.mesh, self.layout, self.state = module, mesh, layout, state
+        self.schedule, self.m = schedule, microbatches
+        self.n_vstages = layout.pp * layout.v
+        self.actions = build_schedule(schedule, layout.pp, microbatches, layout.v)[mesh.pp_rank]
+        self.zero_bubble = any(a.kind == "W" for a in self.actions)
+
+    # ---------------------------------------------------------------- helpers
+
+    def _rank_of(self, vstage: int) -> int:
+        return self.mesh.global_rank(self.mesh.tp_rank, self.mesh.dp_rank, vstage % self.layout.pp)
+
+    def _vstage(self, chunk: int) -> int:
+        return chunk * self.layout.pp + self.mesh.pp_rank
+
+    def _run(self, hook: str, micro, batch_idx, vstage, received, logs):
+        self.state.active, self.state.received = vstage, received
+        try:
+            with captured_logs(self.module, logs):
+                return True, getattr(self.module, hook)(micro, batch_idx)
+        except StageDone as done:
+            return False, done.output
+        finally:
+            self.state.received = None
+
+    def _publish(self, logs_per_mb: list, result):
+        """Average the last stage's logs over microbatches, share them and the result with every stage."""
+        last = self.mesh.global_rank(self.mesh.tp_rank, self.mesh.dp_rank, self.layout.pp - 1)
+        records = None
+        if self.mesh.pp_rank == self.layout.pp - 1:
+            by_name = {}
+            for sink in logs_per_mb:
+                for name, value, args, kwargs in sink:
+                    by_name.setdefault(name, [[], args, kwargs])[0].append(value)
+            records = [(n, _mean(v), a, k, v[-1]) for n, (v, a, k) in by_name.items()]
+        box = [[(n, m, a, k) for n, m, a, k, _ in records] if records is not None else None, result]
+        if self.layout.pp > 1:
+            dist.broadcast_object_list(box, src=last, group=self.mesh.pp_group)
+        shared, result = box
+        for i, (name, mean, args, kwargs) in enumerate(shared):
+            if mean is not None:
+                self.module.log(name, mean, *args, **kwargs)
+            elif records is not None:
+                self.module.log(name, records[i][4], *args, **kwargs)
+        return result
+
+    # ---------------------------------------------------------------- training
+
+    def train_step(self, batch, batch_idx, scale: float):
+        micro = split_batch(batch, self.m)
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        saved = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        inputs, outputs, grads, input_grads, deferred = {}, {}, {}, {}, {}
+        logs, losses, box = [[] for _ in range(self.m)], [], Mailbox()
+        device = next(iter(params)).device if params else torch.device("cpu")
+        for a in self.actions:
+            key, k = (a.microbatch, a.chunk), self._vstage(a.chunk)
+            if a.kind == "RECV_F":
+                t = tag(0, a.microbatch, k, self.n_vstages)
+                inputs[key] = box.recv(self._rank_of(k - 1), t, device).requires_grad_()
+            elif a.kind == "F":
+                finished, out = self._run("training_step", micro[a.microbatch], batch_idx, k, inputs.get(key),
+                                          logs[a.microbatch])
+                if finished:
+                    out = out["loss"] if isinstance(out, Mapping) else out
+                    losses.append(out.detach().float())
+                    out = out * scale
+                outputs[key] = out
+            elif a.kind == "SEND_F":
+                box.send(outputs[key], self._rank_of(k + 1), tag(0, a.microbatch, k + 1, self.n_vstages))
+            elif a.kind == "RECV_B":
+                grads[key] = box.recv(self._rank_of(k + 1), tag(1, a.microbatch, k, self.n_vstages), device)
+            elif a.kind == "B":
+                self._backward(key, k, outputs.pop(key), grads.pop(key, None), inputs, input_grads, deferred)
+            elif a.kind == "SEND_B":
+                g = input_grads.pop(key) if key in input_grads else inputs[key].grad
+                box.send(g, self._rank_of(k - 1), tag(1, a.microbatch, k - 1, self.n_vstages))
+                inputs.pop(key)
+            elif a.kind == "W":
+                target, grad = deferred.pop(key)
+                torch.autograd.backward(target, grad, inputs=params)
+        box.wait()
+        for p, old in zip(params, saved):
+            p._pp_fresh_grad, p.grad = p.grad, old
+        mean_loss = float(sum(losses) / len(losses)) if losses else None
+        return self._publish(logs, mean_loss)
+
+    def _backward(self, key, k, out, grad, inputs, input_grads, deferred):
+        if not self.zero_bubble:
+            torch.autograd.backward(out, grad)
+            return
+        # ZB: B computes only the input gradient now; W (weights) runs later, from the kept graph.
+        if k > 0:
+            (input_grads[key],) = torch.autograd.grad(out, inputs[key], grad, retain_graph=True)
+        deferred[key] = (out, grad)
+
+    @staticmethod
+    def merge_grads(module) -> None:
+        """Hand the step's gradients to Lightning, after its zero_grad (adds to accumulated ones)."""
+        for p in module.parameters():
+            fresh = getattr(p, "_pp_fresh_grad", None)
+            if fresh is not None:
+                p.grad = fresh if p.grad is None else p.grad + fresh
+                p._pp_fresh_grad = None
+
+    # ---------------------------------------------------------------- forward only
+
+    def eval_step(self, hook: str, batch, batch_idx):
+        micro = split_batch(batch, self.m)
+        logs, results, box = [[] for _ in range(self.m)], [], Mailbox()
+        device = next((b.device for b in self.module.buffers()), None) or next(self.module.parameters()).device
+        with torch.no_grad():
+            for mb in range(self.m):
+                for c in range(self.layout.v):
+                    k = self._vstage(c)
+                    received = None
+                    if k > 0:
+                        received = box.recv(self._rank_of(k - 1), tag(2, mb, k, self.n_vstages), device)
+                    finished, out = self._run(hook, micro[mb], batch_idx, k, received, logs[mb])
+                    if finished:
+                        results.append(out)
+                    else:
+                        box.send(out, self._rank_of(k + 1), tag(2, mb, k + 1, self.n_vstages))
+        box.wait()
+        merged = None
+        if results and all(isinstance(r, torch.Tensor) for r in results):
+            merged = torch.cat([r.reshape(1) if r.dim() == 0 else r for r in results]).cpu()
+        return self._publish(logs, merged)
