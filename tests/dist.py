@@ -12,6 +12,7 @@ import traceback
 
 import torch
 import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessException
 
 
 def free_port() -> int:
@@ -42,7 +43,7 @@ def run(world: int, fn, *args, timeout: float = 600.0) -> list:
             while not ctx.join(timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"workers did not finish within {timeout} s")
-        except mp.ProcessException:  # a rank died: its saved traceback is reported below
+        except ProcessException:  # a rank died: its saved traceback is reported below
             pass
         finally:
             for p in ctx.processes:

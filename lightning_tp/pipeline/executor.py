@@ -52,6 +52,20 @@ def captured_logs(module, sink: list):
         del module.log
 
 
+@contextmanager
+def muted_metrics(module, mute: bool):
+    """With several chunks per rank the user's step runs once per chunk; torchmetrics updates
+    count in the last chunk's run only, so a metric sees every sample once."""
+    metrics = [m for m in module.modules() if hasattr(m, "update") and hasattr(m, "compute")] if mute else []
+    for m in metrics:
+        m.update = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        for m in metrics:
+            del m.update
+
+
 def _mean(values):
     if all(isinstance(v, (torch.Tensor, int, float)) for v in values):
         return float(sum(float(v) for v in values) / len(values))
@@ -76,8 +90,9 @@ class PipelineRunner:
 
     def _run(self, hook: str, micro, batch_idx, vstage, received, logs):
         self.state.active, self.state.received = vstage, received
+        mute = vstage // self.layout.pp < self.layout.v - 1
         try:
-            with captured_logs(self.module, logs):
+            with captured_logs(self.module, logs), muted_metrics(self.module, mute):
                 return True, getattr(self.module, hook)(micro, batch_idx)
         except StageDone as done:
             return False, done.output
@@ -85,24 +100,24 @@ class PipelineRunner:
             self.state.received = None
 
     def _publish(self, logs_per_mb: list, result):
-        """Average the last stage's logs over microbatches, share them and the result with every stage."""
+        """Average the last stage's logs over microbatches, share them and the result with every stage.
+
+        Values that cannot be averaged (torchmetrics objects) are logged by each stage from its own
+        module, where its step reached the log call before stopping; elsewhere they are skipped."""
         last = self.mesh.global_rank(self.mesh.tp_rank, self.mesh.dp_rank, self.layout.pp - 1)
-        records = None
-        if self.mesh.pp_rank == self.layout.pp - 1:
-            by_name = {}
-            for sink in logs_per_mb:
-                for name, value, args, kwargs in sink:
-                    by_name.setdefault(name, [[], args, kwargs])[0].append(value)
-            records = [(n, _mean(v), a, k, v[-1]) for n, (v, a, k) in by_name.items()]
-        box = [[(n, m, a, k) for n, m, a, k, _ in records] if records is not None else None, result]
+        own = {}
+        for sink in logs_per_mb:
+            for name, value, args, kwargs in sink:
+                own.setdefault(name, [[], args, kwargs])[0].append(value)
+        box = [[(n, _mean(v), a, k) for n, (v, a, k) in own.items()], result]
         if self.layout.pp > 1:
             dist.broadcast_object_list(box, src=last, group=self.mesh.pp_group)
         shared, result = box
-        for i, (name, mean, args, kwargs) in enumerate(shared):
+        for name, mean, args, kwargs in shared:
             if mean is not None:
                 self.module.log(name, mean, *args, **kwargs)
-            elif records is not None:
-                self.module.log(name, records[i][4], *args, **kwargs)
+            elif name in own:
+                self.module.log(name, own[name][0][-1], *args, **kwargs)
         return result
 
     # ---------------------------------------------------------------- training

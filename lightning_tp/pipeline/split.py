@@ -18,31 +18,42 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 
+def meta_twin(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` whose parameters and buffers live on the meta device (no memory)."""
+    memo = {id(t): torch.empty_like(t, device="meta") for t in list(module.parameters()) + list(module.buffers())}
+    memo.update({id(p): nn.Parameter(memo[id(p)], requires_grad=False) for p in module.parameters()})
+    return copy.deepcopy(module, memo)
+
+
 class PipelinePlaceholder(nn.Module):
-    """Marks a module this rank does not hold (no parameters, no buffers)."""
+    """Stands in for a module another stage holds: no parameters, no buffers. Attribute reads the
+    user's code makes (``layers[0].self_attn.batch_first``) are answered by a meta twin."""
 
-
-class SkippedBlock(PipelinePlaceholder):
-    def __init__(self, name: str):
+    def __init__(self, module: nn.Module, name: str):
         super().__init__()
+        self._twin = [meta_twin(module)]  # a list: not a registered submodule
         self.skipped = name
 
-    def forward(self, *args, **kwargs):
-        return args[0] if args else next(iter(kwargs.values()))
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            twin = self.__dict__.get("_twin")
+            if twin is None:
+                raise
+            return getattr(twin[0], name)
 
     def extra_repr(self):
         return f"{self.skipped} (on another stage)"
 
 
-class ShapeOnly(PipelinePlaceholder):
-    """Runs a parameter-free meta twin of the original to return zeros of the true output shape."""
+class SkippedBlock(PipelinePlaceholder):
+    def forward(self, *args, **kwargs):
+        return args[0] if args else next(iter(kwargs.values()))
 
-    def __init__(self, module: nn.Module, name: str):
-        super().__init__()
-        memo = {id(t): torch.empty_like(t, device="meta") for t in list(module.parameters()) + list(module.buffers())}
-        memo.update({id(p): nn.Parameter(memo[id(p)], requires_grad=False) for p in module.parameters()})
-        self._twin = [copy.deepcopy(module, memo)]  # a list: not a registered submodule
-        self.skipped = name
+
+class ShapeOnly(PipelinePlaceholder):
+    """Runs the meta twin of the original to return zeros of the true output shape."""
 
     def forward(self, *args, **kwargs):
         device = next((t.device for t in _tensors(args, kwargs)), torch.device("cpu"))
@@ -50,9 +61,6 @@ class ShapeOnly(PipelinePlaceholder):
         out = self._twin[0](*meta_args, **meta_kwargs)
         return tree_map(lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device)
                         if isinstance(t, torch.Tensor) else t, out)
-
-    def extra_repr(self):
-        return f"{self.skipped} (on another stage)"
 
 
 def _to_meta(t):
@@ -170,7 +178,7 @@ def apply_split(model: nn.Module, layout: StageLayout, pp_rank: int) -> dict:
     tied = [p for _, m in after for p in m.parameters() if id(p) in params_before]
     for i in range(len(blocks)):
         if i not in mine:
-            blocks[i] = SkippedBlock(f"{layout.blocks_path}.{i}")
+            blocks[i] = SkippedBlock(blocks[i], f"{layout.blocks_path}.{i}")
     for owned, group in ((first, before), (last, after)):
         if not owned:
             for name, m in group:

@@ -130,11 +130,14 @@ def apply(model: nn.Module, matches: list, group, tp: int, rank: int, sp: bool) 
     for m in matches:
         ctx = TPContext(group=group, world=tp, rank=rank, sp=sp and m.sp_start is not None, seq_dim=m.plan.seq_dim)
         has_ce = any(style == "vocab_ce" for _, style in m.entries)
-        head = None
+        head, head_elsewhere = None, False
         for path, style in m.entries:
             module = _held(model, path)
-            if module is None:
-                continue  # on another pipeline stage
+            if module is None:  # on another pipeline stage
+                head_elsewhere = head_elsewhere or style == "lm_head"
+                continue
+            if style == "vocab_ce" and head_elsewhere:
+                continue  # the loss only runs on the stage that holds the head
             new = _build(module, style, ctx, path, memo, has_ce, head)
             if style == "lm_head":
                 head = new

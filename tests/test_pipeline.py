@@ -1,0 +1,151 @@
+"""Pipeline layouts against the single-process ground truth (fp32, 20 AdamW steps, per-step loss and
+consolidated weights within 1e-5), one launch per world size, plus pipeline bad input."""
+
+import time
+
+import lightning as L
+import pytest
+import torch
+
+import dist
+from lightning_tp import MegaStrategy
+from models import LossRecorder, TokenData, Tokens, make_model, trainer_kwargs
+from test_parity import BATCH, STEPS, _check, _train_all
+
+SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1"]
+
+
+def _pp(pp, schedule, m=4, **kw):
+    v = 2 if schedule == "interleaved_1f1b" else 1
+    return dict(pp=pp, schedule=schedule, microbatches=m, virtual_stages=v, **kw)
+
+
+WORLD2 = {f"pp2_{s}": ("gpt", dict(n_layer=4), _pp(2, s), {}) for s in SCHEDULES}
+WORLD2.update({
+    "pp2_tied_embeddings": ("gpt", dict(n_layer=4, tie_weights=True), _pp(2, "1f1b"), {}),
+    "pp2_encoder": ("encoder", dict(layers=4), _pp(2, "1f1b"), {}),
+    "pp2_clip_accumulate": ("gpt", dict(n_layer=4, tie_weights=True), _pp(2, "zb_h1"),
+                            dict(gradient_clip_val=0.05, accumulate_grad_batches=2)),
+})
+WORLD4 = {f"pp4_uneven_{s}": ("gpt", dict(n_layer=6), _pp(4, s), {}) for s in ("gpipe", "1f1b", "zb_h1")}
+WORLD4.update({
+    "pp4_interleaved_1f1b": ("gpt", dict(n_layer=8), _pp(4, "interleaved_1f1b"), {}),
+    "tp2_sp_pp2": ("gpt", dict(n_layer=4), dict(tp=2, sp=True, **_pp(2, "1f1b")), {}),
+    "tp2_pp2_tied_interleaved": ("gpt", dict(n_layer=4, tie_weights=True), dict(tp=2, **_pp(2, "interleaved_1f1b")),
+                                 {}),
+    "pp2_dp2": ("gpt", dict(n_layer=4), _pp(2, "1f1b"), {}),
+})
+
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory):
+    return dist.run(2, _train_all, WORLD2, str(tmp_path_factory.mktemp("pp2")))
+
+
+@pytest.fixture(scope="module")
+def world4(tmp_path_factory):
+    return dist.run(4, _train_all, WORLD4, str(tmp_path_factory.mktemp("pp4")))
+
+
+@pytest.mark.parametrize("name", list(WORLD2))
+def test_pipeline_parity_world2(world2, name):
+    _check(world2, name, WORLD2, 2)
+
+
+@pytest.mark.parametrize("name", list(WORLD4))
+def test_pipeline_parity_world4(world4, name):
+    _check(world4, name, WORLD4, 4)
+
+
+def test_every_stage_reports_the_true_loss(world2, world4):
+    for results, configs in ((world2, WORLD2), (world4, WORLD4)):
+        for name in configs:
+            first = results[0][name]["losses"]
+            assert all(r[name]["losses"] == first for r in results), name
+
+
+# ------------------------------------------------------------------------------ bad input
+
+
+def _expect_error(world, model, strategy, data):
+    start = time.monotonic()
+    try:
+        L.Trainer(devices=world, strategy=strategy, max_steps=1, **trainer_kwargs()).fit(model, data)
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}", time.monotonic() - start
+    return None, time.monotonic() - start
+
+
+class DictBatch(torch.utils.data.Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        x, y = Tokens(8, 64)[i]
+        return {"x": x, "y": y, "name": "sample"}
+
+
+class DictGPT(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.inner = make_model("gpt", n_layer=2)
+
+    def training_step(self, batch, i):
+        return self.inner.training_step((batch["x"], batch["y"]), i)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class NoBlocks(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def training_step(self, batch, i):
+        return self.b(self.a(batch[0].float())).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _bad_inputs(rank, world):
+    data = TokenData(16, 64, 4)
+    dicts = torch.utils.data.DataLoader(DictBatch(), batch_size=4)
+    return {
+        "pp_gt_blocks": _expect_error(world, make_model("gpt", n_layer=1), MegaStrategy(pp=2, timeout=30), data),
+        "m_not_dividing": _expect_error(world, make_model("gpt", n_layer=2), MegaStrategy(pp=2, microbatches=3,
+                                                                                          timeout=30), data),
+        "interleaved_blocks": _expect_error(world, make_model("gpt", n_layer=6),
+                                            MegaStrategy(pp=2, virtual_stages=2, schedule="interleaved_1f1b",
+                                                         microbatches=2, timeout=30), data),
+        "no_blocks": _expect_error(world, NoBlocks(), MegaStrategy(pp=2, timeout=30), data),
+        "unsplittable": _expect_error(world, DictGPT(), MegaStrategy(pp=2, timeout=30), dicts),
+    }
+
+
+@pytest.fixture(scope="module")
+def bad(world2):  # after the parity launch: two launches never overlap
+    return dist.run(2, _bad_inputs)
+
+
+@pytest.mark.parametrize("case, words", [
+    ("pp_gt_blocks", ["pp=2", "only 1 blocks"]),
+    ("m_not_dividing", ["microbatches=3", "batch[0]", "size 4"]),
+    ("interleaved_blocks", ["interleaved", "6 blocks", "pp*virtual_stages = 4"]),
+    ("no_blocks", ["block list", "pipeline_blocks="]),
+    ("unsplittable", ["batch['name']", "str", "cannot be split"]),
+])
+def test_pipeline_bad_input_raises_on_every_rank(bad, case, words):
+    for rank_result in bad:
+        message, seconds = rank_result[case]
+        assert message is not None, f"{case}: no error"
+        for w in words:
+            assert w in message, f"{case}: {w!r} not in {message!r}"
+        assert seconds < 20, f"{case}: {seconds:.1f}s"
+
+
+def test_unknown_schedule_is_refused_at_construction():
+    with pytest.raises(ValueError, match="gpipe"):
+        MegaStrategy(pp=2, schedule="bogus")
