@@ -1,0 +1,214 @@
+"""Symmetric fake quantization with straight-through gradients (the QAT building blocks).
+
+Grid: narrow-range symmetric integers ``[-qmax, qmax]`` with ``qmax = 2**(bits-1) - 1`` (127 for
+int8, 7 for int4). Zero is exact and the grid is symmetric, so an int8 GEMM needs no zero-point
+correction terms, which is what makes the converted layers a plain ``int8 x int8 -> int32`` matmul.
+
+* Weights: one scale per output row, ``absmax(row) / qmax``. Rows never clip (the scale comes from
+  the row's own max), so the straight-through estimator passes the gradient unchanged.
+* Activations: one scale per tensor from a clip range ``amax``. Two ways to get it:
+
+  - ``"ema"`` (default): an exponential moving average of the batch absmax, a buffer updated in
+    training and frozen in eval. Why default: no extra hyper-parameters or learning-rate coupling,
+    it starts from the calibrated PTQ range, it needs only a scalar MAX all-reduce to stay identical
+    across tensor-parallel ranks, and at 8 bits (our activations are always 8-bit) clipping
+    outliers buys little, which is the regime LightSeq's int8 training runs in.
+  - ``"learned"``: an LSQ-style trainable clip ``alpha`` (scale ``alpha / qmax``), initialized from
+    the first batch (or from :func:`lightning_tp.quant.calibrate`). Worth it when activations are
+    narrow (<= 6 bits) or heavy-tailed. Its gradient is a sum over activation elements, so under
+    tensor parallelism each rank holds a partial sum: the backward all-reduces it (SUM) over tp.
+
+STE for activations: gradient passes where ``|x| <= amax`` and is zero where the value was clipped.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .. import comm
+
+EPS = 1e-8  # smallest scale: an all-zero row or tensor (padding, dead units) quantizes to zeros
+RANGE_MODES = ("ema", "learned")
+
+
+def qmax_of(bits: int) -> int:
+    return 2 ** (bits - 1) - 1
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor, qmax: int) -> torch.Tensor:
+    """Integer codes (still float) of ``x`` on the grid ``scale * [-qmax, qmax]``; round half to even."""
+    return torch.clamp(torch.round(x / scale), -qmax, qmax)
+
+
+def reduce_max(t: torch.Tensor, *groups) -> torch.Tensor:
+    """MAX all-reduce over each group given (``None`` groups are skipped; exact, order-free)."""
+    for g in groups:
+        if g is not None and comm.group_size(g) > 1:
+            t = comm.all_reduce(t.contiguous(), g, op=dist.ReduceOp.MAX)
+    return t
+
+
+def weight_scale(w: torch.Tensor, bits: int, group=None) -> torch.Tensor:
+    """Per-output-row scale ``absmax / qmax``, shape (out,). ``group``: the tp group of a row-parallel
+    weight, whose rows are split along the input dim, so the row absmax is a MAX over ranks."""
+    amax = reduce_max(w.detach().abs().amax(dim=1).float(), group)
+    return (amax / qmax_of(bits)).clamp_min(EPS).to(w.dtype)
+
+
+class _FakeQuant(torch.autograd.Function):
+    """q = clamp(round(x / s), -Q, Q) * s. Backward (STE): with ``clip_mask`` the gradient passes
+    where |x / s| <= Q and is zero outside; without it, everywhere. Weights use no mask: their
+    scale is their own absmax, and ``absmax / (absmax / Q)`` can land a hair above Q in float, which
+    would silently freeze each row's largest weight. The scale gets no gradient."""
+
+    @staticmethod
+    def forward(ctx, x, scale, qmax, clip_mask):
+        if clip_mask:
+            ctx.save_for_backward(x, scale)
+        ctx.qmax, ctx.clip_mask = qmax, clip_mask
+        return quantize(x, scale, qmax) * scale
+
+    @staticmethod
+    def backward(ctx, g):
+        if not ctx.clip_mask:
+            return g, None, None, None
+        x, scale = ctx.saved_tensors
+        inside = (x / scale).abs() <= ctx.qmax
+        return g * inside, None, None, None
+
+
+def fake_quant(x: torch.Tensor, scale: torch.Tensor, qmax: int, clip_mask: bool = True) -> torch.Tensor:
+    return _FakeQuant.apply(x, scale.detach(), qmax, clip_mask)
+
+
+def fake_quant_weight(w: torch.Tensor, bits: int, group=None) -> torch.Tensor:
+    """Per-row symmetric fake quant of a (out, in) weight; see :func:`weight_scale` for ``group``."""
+    return fake_quant(w, weight_scale(w, bits, group)[:, None], qmax_of(bits), clip_mask=False)
+
+
+class _LSQ(torch.autograd.Function):
+    """Fake quant with a learned clip ``alpha`` (scale alpha / Q), LSQ gradient for alpha:
+
+        dq/dalpha = (round(x/s) - x/s) / Q  inside the range,  sign(x)  outside,
+
+    times ``grad_scale`` (LSQ's 1/sqrt(numel * Q), which keeps alpha's step comparable to the
+    weights'), summed over elements, then SUM all-reduced over ``group`` (partial sums under tp).
+    """
+
+    @staticmethod
+    def forward(ctx, x, alpha, qmax, grad_scale, group):
+        scale = alpha / qmax
+        ctx.save_for_backward(x, scale)
+        ctx.qmax, ctx.grad_scale, ctx.group = qmax, grad_scale, group
+        return quantize(x, scale, qmax) * scale
+
+    @staticmethod
+    def backward(ctx, g):
+        x, scale = ctx.saved_tensors
+        v = x / scale
+        inside = v.abs() <= ctx.qmax
+        d_alpha = torch.where(inside, (torch.round(v) - v) / ctx.qmax, torch.sign(v))
+        g_alpha = (g * d_alpha).sum().float() * ctx.grad_scale
+        if ctx.group is not None:
+            g_alpha = comm.all_reduce(g_alpha.reshape(1), ctx.group).reshape(())
+        return g * inside, g_alpha.to(scale.dtype), None, None, None
+
+
+class ActQuantizer(nn.Module):
+    """Per-tensor activation fake quant with an EMA or learned clip range (see the module docstring).
+
+    ``tp_ctx``: an object with a ``.group`` attribute (the layer's TPContext), read at call time so a
+    strategy that re-binds groups is followed. ``sharded``: this activation is split over tp (a
+    row-parallel input, or a replicated Linear under SP), so its absmax is MAX all-reduced over tp.
+    ``partial_grad``: the learned clip's gradient is a per-rank partial sum (any tp-parallel layer).
+    ``dp_group``: data-parallel replicas see different batches; their EMA is taken over the MAX of
+    all of them, which keeps replicas identical and equals the single-device global-batch absmax.
+
+    ``observing`` (set by :func:`~lightning_tp.quant.calibrate`): record the range, pass x unchanged.
+    """
+
+    def __init__(self, bits: int = 8, range_mode: str = "ema", momentum: float = 0.95, tp_ctx=None,
+                 sharded: bool = False, partial_grad: bool = False, dp_group=None):
+        super().__init__()
+        if range_mode not in RANGE_MODES:
+            raise ValueError(f"unknown activation range mode {range_mode!r}; choose one of {list(RANGE_MODES)}.")
+        self.bits, self.qmax, self.range_mode, self.momentum = bits, qmax_of(bits), range_mode, momentum
+        self.tp_ctx, self.sharded, self.partial_grad, self.dp_group = tp_ctx, sharded, partial_grad, dp_group
+        self.register_buffer("amax", torch.zeros(()))
+        self.register_buffer("initialized", torch.zeros((), dtype=torch.bool))
+        self.clip = nn.Parameter(torch.ones(())) if range_mode == "learned" else None
+        self.observing = False
+        self._observed = 0
+        self._known_init = False  # host-side cache of `initialized`: no device sync per forward
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        """Loading a plain fp32 checkpoint into a QAT model is allowed: the ranges then start unset."""
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        for key in ("amax", "initialized", "clip"):
+            if prefix + key in missing_keys:
+                missing_keys.remove(prefix + key)
+        self._known_init = False
+
+    @property
+    def is_initialized(self) -> bool:
+        if not self._known_init:
+            self._known_init = bool(self.initialized)
+        return self._known_init
+
+    @property
+    def _tp_group(self):
+        return getattr(self.tp_ctx, "group", None)
+
+    def batch_amax(self, x: torch.Tensor) -> torch.Tensor:
+        local = x.detach().abs().amax().float().reshape(1)
+        return reduce_max(local, self._tp_group if self.sharded else None, self.dp_group).reshape(())
+
+    @torch.no_grad()
+    def _set_range(self, value: torch.Tensor) -> None:
+        self.amax.copy_(value)
+        self.initialized.fill_(True)
+        self._known_init = True
+        if self.clip is not None:
+            self.clip.copy_(value.clamp_min(EPS))
+
+    def scale(self) -> torch.Tensor:
+        """The inference scale (what :func:`~lightning_tp.quant.convert` bakes in)."""
+        if not self.is_initialized:
+            raise RuntimeError("activation range never set: train with QAT or run quant.calibrate() first.")
+        if self.clip is not None:  # the same arithmetic as the forward's, so int8 == fake quant
+            return self.clip.detach().abs().clamp_min(EPS).float() / self.qmax
+        return (self.amax.float() / self.qmax).clamp_min(EPS)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.observing:  # PTQ calibration: the range is the mean of the batches' absmax
+            with torch.no_grad():
+                m = self.batch_amax(x)
+                self._set_range((self.amax * self._observed + m) / (self._observed + 1) if self._observed else m)
+                self._observed += 1
+            return x
+        if not self.is_initialized and not self.training:  # uncalibrated, in eval: this batch's range
+            return fake_quant(x, (self.batch_amax(x) / self.qmax).clamp_min(EPS).to(x.dtype), self.qmax)
+        if self.clip is not None:
+            if not self.is_initialized:
+                self._set_range(self.batch_amax(x))
+            group = self._tp_group if self.partial_grad else None
+            numel = x.numel() * (comm.group_size(self._tp_group) if self.sharded else 1)
+            alpha = self.clip.abs().clamp_min(EPS)
+            return _LSQ.apply(x, alpha, self.qmax, 1.0 / math.sqrt(numel * self.qmax), group)
+        if self.training:  # update first, then quantize with the updated range (frozen in eval)
+            with torch.no_grad():
+                m = self.batch_amax(x)
+                if self.is_initialized:
+                    self.amax.mul_(self.momentum).add_(m * (1.0 - self.momentum))
+                else:
+                    self._set_range(m)
+        return fake_quant(x, (self.amax / self.qmax).clamp_min(EPS).to(x.dtype), self.qmax)
+
+    def extra_repr(self) -> str:
+        return f"bits={self.bits}, range={self.range_mode}, sharded={self.sharded}"

@@ -1,0 +1,135 @@
+"""QAT linear layers: plain, column-parallel and row-parallel, with results equal to one device's.
+
+Each layer takes over the original's ``weight`` and ``bias`` Parameter objects (same names, same
+tensors, same shard tags), so state-dict keys, optimizer references and checkpoint consolidation
+are unchanged; the quantizer adds ``act_quant.amax`` / ``act_quant.initialized`` (and
+``act_quant.clip`` for learned ranges).
+
+Why each tensor-parallel layer quantizes where it does (so that tp=N equals tp=1 exactly):
+
+* Column-parallel: the weight is split by output rows, so per-row weight scales are local. The
+  activation is quantized *after* entering the TP region: then it is replicated (under SP, already
+  all-gathered along the sequence), so its per-tensor absmax is the full tensor's with no extra
+  collective, and identical on every tp rank (the EMA buffers stay identical).
+* Row-parallel: the weight is split along the input dim, so each output row's absmax is a MAX
+  all-reduce of the per-shard row absmax; the input is feature-sharded, so its per-tensor absmax is
+  a MAX all-reduce too.
+* Learned clip ranges: the clip's gradient is a sum over activation elements, which every tp rank
+  holds only in part (local output rows for column layers, local features for row layers), so it
+  is SUM all-reduced over tp in backward.
+
+The forward bodies repeat those of :mod:`lightning_tp.layers.linear` with the quantizers spliced
+in before the matmul (the parallel layers have no hook for it).
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import nn
+
+from .. import comm
+from ..layers.linear import ColumnParallelLinear, RowParallelLinear, TPContext
+from .fake_quant import ActQuantizer, fake_quant_weight
+
+
+class _QATMixin:
+    """Shared bits: bit widths, the activation quantizer, the observe-only switch."""
+
+    def _init_quant(self, w_bits: int, a_bits: int, range_mode: str, **act_kw) -> None:
+        self.w_bits, self.a_bits = w_bits, a_bits
+        self.act_quant = ActQuantizer(a_bits, range_mode, **act_kw)
+
+    def _weight_group(self):
+        return None
+
+    def quant_weight(self):
+        """The fake-quantized weight, or the float one while calibrating (PTQ observes fp32)."""
+        if self.act_quant.observing:
+            return self.weight
+        return fake_quant_weight(self.weight, self.w_bits, self._weight_group())
+
+    def quant_extra_repr(self) -> str:
+        return f"w{self.w_bits}a{self.a_bits}"
+
+
+class QATLinear(_QATMixin, nn.Module):
+    """``nn.Linear`` with fake-quantized weight (per row) and input (per tensor).
+
+    ``tp_group``: pass it when the layer may sit inside a sequence-parallel region with a replicated
+    weight (its input is then sequence-sharded): the absmax is MAX all-reduced over tp, which is
+    harmless when the input is replicated. A learned clip's gradient is *not* reduced over tp here:
+    a replicated layer's gradients are complete on every rank unless the strategy marks them partial.
+    """
+
+    def __init__(self, weight, bias, w_bits=8, a_bits=8, range_mode="ema", tp_group=None, dp_group=None,
+                 momentum=0.95):
+        super().__init__()
+        self.weight, self.bias = weight, bias
+        self.out_features, self.in_features = weight.shape
+        ctx = TPContext(group=tp_group) if tp_group is not None else None
+        self._init_quant(w_bits, a_bits, range_mode, momentum=momentum, tp_ctx=ctx, sharded=ctx is not None,
+                         dp_group=dp_group)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, w_bits=8, a_bits=8, range_mode="ema", **kw) -> "QATLinear":
+        return cls(linear.weight, linear.bias, w_bits, a_bits, range_mode, **kw)
+
+    def forward(self, x):
+        return F.linear(self.act_quant(x), self.quant_weight(), self.bias)
+
+    def extra_repr(self):
+        return f"in={self.in_features}, out={self.out_features}, {self.quant_extra_repr()}"
+
+
+class QATColumnParallelLinear(_QATMixin, ColumnParallelLinear):
+    """Column-parallel QAT: quantize the input after the region entry (replicated / SP-gathered)."""
+
+    @classmethod
+    def from_parallel(cls, layer: ColumnParallelLinear, w_bits=8, a_bits=8, range_mode="ema", dp_group=None,
+                      momentum=0.95) -> "QATColumnParallelLinear":
+        new = cls(layer.weight, layer.bias, layer.ctx, layer.full_out, input_comm=layer.input_comm,
+                  gather_output=layer.gather_output)
+        new._init_quant(w_bits, a_bits, range_mode, momentum=momentum, tp_ctx=layer.ctx, sharded=False,
+                        partial_grad=layer.ctx.world > 1, dp_group=dp_group)
+        return new
+
+    def forward(self, x):
+        if self.input_comm:
+            x = self.ctx.enter_region(x)
+        y = F.linear(self.act_quant(x), self.quant_weight(), self.bias)
+        if self.gather_output is True or (self.gather_output == "eval" and not self.training):
+            y = comm.gather_from_tp(y, self.ctx.group, -1)
+            if y.shape[-1] != self.full_out:
+                y = y[..., : self.full_out]
+        return y
+
+    def extra_repr(self):
+        return f"{super().extra_repr()}, {self.quant_extra_repr()}"
+
+
+class QATRowParallelLinear(_QATMixin, RowParallelLinear):
+    """Row-parallel QAT: weight row absmax and input absmax are MAX all-reduced over tp."""
+
+    @classmethod
+    def from_parallel(cls, layer: RowParallelLinear, w_bits=8, a_bits=8, range_mode="ema", dp_group=None,
+                      momentum=0.95) -> "QATRowParallelLinear":
+        new = cls(layer.weight, layer.bias, layer.ctx, input_is_parallel=layer.input_is_parallel)
+        new._init_quant(w_bits, a_bits, range_mode, momentum=momentum, tp_ctx=layer.ctx, sharded=True,
+                        partial_grad=layer.ctx.world > 1, dp_group=dp_group)
+        return new
+
+    def _weight_group(self):
+        return self.ctx.group
+
+    def forward(self, x):
+        if not self.input_is_parallel:
+            x = comm.scatter_to_tp(x, self.ctx.group, -1)
+        y = F.linear(self.act_quant(x), self.quant_weight())
+        if self.ctx.sp:
+            y = comm.reduce_scatter_to_sp(y, self.ctx.group, self.ctx.seq_dim)
+        else:
+            y = comm.reduce_from_tp(y, self.ctx.group)
+        return y + self.bias if self.bias is not None else y
+
+    def extra_repr(self):
+        return f"{super().extra_repr()}, {self.quant_extra_repr()}"
