@@ -15,8 +15,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q -c .ci/constraints.txt -e '.[test,hf]'
 	touch $(STAMP)
 
+# extra LightningCLI flags, e.g. make demo ARGS="--trainer.strategy.init_args.pp=2"
 demo: $(STAMP)
-	$(PY) examples/gpt/demo.py
+	$(PY) examples/gpt/demo.py $(ARGS)
 
 # pytest exits 5 when it collects nothing; that is not a failure of the suite.
 test: $(STAMP)

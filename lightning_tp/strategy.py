@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
@@ -119,6 +120,10 @@ class MegaStrategy(ParallelStrategy):
 
     def setup_environment(self) -> None:
         super().setup_environment()
+        if self.root_device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+            # like torchrun: N processes on one machine share its cores (idle pipeline stages would
+            # otherwise spin their thread pools against the busy ones)
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, self.num_processes)))
         data_parallel_size(self.num_nodes * self.num_processes, self.tp, self.pp)  # before any collective
         reset_seed()
         self.set_world_ranks()
