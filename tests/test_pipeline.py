@@ -110,10 +110,24 @@ class NoBlocks(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
+def _eval_after_fit(world, strategy):
+    """fit 3 steps, then validate and predict through the pipeline."""
+    model = make_model("gpt", n_layer=4)
+    trainer = L.Trainer(devices=world, strategy=strategy, max_steps=3, **trainer_kwargs())
+    trainer.fit(model, TokenData(3 * 4, 64, 4))
+    val = torch.utils.data.DataLoader(Tokens(8, 64), batch_size=4)
+    out = {"val": trainer.validate(model, val, verbose=False)[0]["val_loss"]}
+    inputs = torch.utils.data.DataLoader([Tokens(4, 64)[i][0] for i in range(4)], batch_size=4)
+    out["pred"] = trainer.predict(model, inputs)[0]
+    return out
+
+
 def _bad_inputs(rank, world):
     data = TokenData(16, 64, 4)
     dicts = torch.utils.data.DataLoader(DictBatch(), batch_size=4)
     return {
+        "eval": _eval_after_fit(world, MegaStrategy(pp=2, microbatches=2, schedule="interleaved_1f1b",
+                                                    virtual_stages=2, timeout=60)),
         "pp_gt_blocks": _expect_error(world, make_model("gpt", n_layer=1), MegaStrategy(pp=2, timeout=30), data),
         "m_not_dividing": _expect_error(world, make_model("gpt", n_layer=2), MegaStrategy(pp=2, microbatches=3,
                                                                                           timeout=30), data),
@@ -144,6 +158,19 @@ def test_pipeline_bad_input_raises_on_every_rank(bad, case, words):
         for w in words:
             assert w in message, f"{case}: {w!r} not in {message!r}"
         assert seconds < 20, f"{case}: {seconds:.1f}s"
+
+
+def test_validate_and_predict_through_the_pipeline(bad):
+    model = make_model("gpt", n_layer=4)
+    trainer = L.Trainer(devices=1, max_steps=3, use_distributed_sampler=False, **trainer_kwargs())
+    trainer.fit(model, TokenData(3 * 4, 64, 4, single=True))
+    val = torch.utils.data.DataLoader(Tokens(8, 64), batch_size=4)
+    ref_val = trainer.validate(model, val, verbose=False)[0]["val_loss"]
+    inputs = torch.utils.data.DataLoader([Tokens(4, 64)[i][0] for i in range(4)], batch_size=4)
+    ref_pred = trainer.predict(model, inputs)[0]
+    for rank_result in bad:  # every stage gets the last stage's outputs
+        assert abs(rank_result["eval"]["val"] - ref_val) < 1e-5
+        torch.testing.assert_close(rank_result["eval"]["pred"], ref_pred, atol=1e-5, rtol=0)
 
 
 def test_unknown_schedule_is_refused_at_construction():
