@@ -24,6 +24,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from . import checkpoint as ckpt
 from . import comm
 from . import grads
+from .kernels.inject import apply_kernels, kernel_names
 from .mesh import ParallelMesh, build_mesh, data_parallel_size
 from .pipeline.executor import PipelineRunner
 from .pipeline.schedules import build_schedule
@@ -44,6 +45,8 @@ class MegaStrategy(ParallelStrategy):
         virtual_stages: model chunks per rank for the interleaved schedule.
         pipeline_blocks: path of the repeated block list, when the plan or the search cannot find it.
         stage_layers: blocks per (virtual) stage, instead of the parameter-balanced split.
+        kernels: swap norms, GeLU and the loss for fused Triton modules (``True`` or a list of
+            :data:`lightning_tp.kernels.inject.KERNELS`); torch code with the same numbers off-GPU.
         plan: ``"auto"`` (find a built-in plan by module class), or a :class:`lightning_tp.Plan`/dict.
         sync_init: broadcast rank 0's initial weights before sharding, so unseeded models agree.
         start_method: ``"popen"`` (re-run the script, like DDP) or ``"spawn"``/``"fork"``.
@@ -53,7 +56,8 @@ class MegaStrategy(ParallelStrategy):
 
     def __init__(self, tp: int = 1, pp: int = 1, sp: bool = False, plan: Any = "auto",
                  microbatches: Optional[int] = None, schedule: str = "1f1b", virtual_stages: int = 1,
-                 pipeline_blocks: Optional[str] = None, stage_layers: Optional[list] = None, sync_init: bool = True,
+                 pipeline_blocks: Optional[str] = None, stage_layers: Optional[list] = None,
+                 kernels: Union[bool, list, None] = False, sync_init: bool = True,
                  process_group_backend: Optional[str] = None,
                  timeout: Optional[Union[timedelta, float]] = default_pg_timeout,
                  start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -74,6 +78,7 @@ class MegaStrategy(ParallelStrategy):
         if self._pipelined:  # names and counts checked now, on every rank, before any process starts
             build_schedule(schedule, pp, self.microbatches, virtual_stages)
         self._runner = None
+        self.kernels = kernel_names(kernels)
         self._process_group_backend = process_group_backend
         self._timeout = timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout
         self._start_method = start_method
@@ -180,6 +185,7 @@ class MegaStrategy(ParallelStrategy):
         if layout is not None:
             apply_split(module, layout, self.mesh.pp_rank)
         replaced = planner.apply(module, matches, self.mesh.tp_group, self.tp, self.mesh.tp_rank, self.sp)
+        apply_kernels(module, self.kernels)
         self._runner = None
         if self._pipelined:
             if layout is None:  # microbatching without stages: one stage holding every block

@@ -1,12 +1,15 @@
 """Every layout against the single-process ground truth: fp32, 20 AdamW steps, per-step loss and
 consolidated final weights within 1e-5."""
 
+import contextlib
+
 import lightning as L
 import pytest
 import torch
 
 import dist
 from lightning_tp import MegaStrategy, consolidate
+from lightning_tp.kernels import torch_path
 from models import LossRecorder, TokenData, make_model, reference_run, trainer_kwargs, vocab_of
 
 STEPS, BATCH, TOL = 20, 4, 1e-5
@@ -24,6 +27,8 @@ WORLD2 = {
     "tp2_sp_tied_padded_vocab": ("gpt", dict(vocab_size=63, tie_weights=True), dict(tp=2, sp=True), {}),
     "tp2_sp_clip": ("gpt", {}, dict(tp=2, sp=True), CLIP),
     "dp2_accumulate": ("gpt", {}, dict(tp=1), ACCUMULATE),
+    "tp2_sp_kernels": ("gpt", {}, dict(tp=2, sp=True, kernels=True), {}),  # torch twins of the fused modules
+    "dp2_kernels": ("gpt", {}, dict(tp=1, kernels=True), {}),
 }
 WORLD4 = {
     "tp2_dp2": ("gpt", {}, dict(tp=2), {}),
@@ -41,7 +46,11 @@ def _train_all(rank, world, configs, ckdir):
         trainer = L.Trainer(devices=world, strategy=MegaStrategy(**strategy_kw, timeout=120), max_steps=STEPS,
                             callbacks=[rec], **trainer_kwargs(**trainer_kw))
         n = STEPS * BATCH * dp * trainer_kw.get("accumulate_grad_batches", 1)
-        trainer.fit(model, TokenData(n, vocab_of(model), BATCH))
+        with torch_path() if strategy_kw.get("kernels") else contextlib.nullcontext():
+            trainer.fit(model, TokenData(n, vocab_of(model), BATCH))
+        if strategy_kw.get("kernels"):
+            fused = [type(m).__name__ for m in model.modules() if type(m).__name__.startswith("Fused")]
+            assert {"FusedLayerNorm", "FusedBiasGeLU"} <= set(fused), fused
         path = f"{ckdir}/{name}.ckpt"
         trainer.save_checkpoint(path)
         replicated = {n: p.detach().clone() for n, p in model.named_parameters() if not hasattr(p, "_tp_spec")}

@@ -60,6 +60,7 @@ class VocabParallelCrossEntropy(nn.Module):
         super().__init__()
         self._head = [head]  # a list, so the head is not registered twice as a submodule
         self.ignore_index, self.reduction = ignore_index, reduction
+        self.fused = False  # MegaStrategy(kernels=...) routes to the fused Triton kernel
 
     @classmethod
     def from_module(cls, loss: nn.CrossEntropyLoss, head, name: str):
@@ -76,6 +77,11 @@ class VocabParallelCrossEntropy(nn.Module):
             raise ValueError(
                 f"vocab-parallel cross-entropy expects logits of shape (tokens, {head.out_features}) (this rank's "
                 f"vocab shard), got {tuple(logits.shape)}. Flatten with logits.view(-1, logits.size(-1)).")
+        if self.fused and head.full_out == head.out_features * head.ctx.world:  # no vocab padding to mask
+            from ..kernels import fused_cross_entropy
+
+            return fused_cross_entropy(logits, target, self.ignore_index, self.reduction, head.vocab_start,
+                                       head.ctx.group)
         loss = vocab_parallel_cross_entropy(logits, target, head.vocab_start, head.full_out, head.ctx.group,
                                             self.ignore_index)
         if self.reduction == "none":
