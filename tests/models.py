@@ -98,6 +98,37 @@ class EncoderLM(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.lr, eps=ADAM_EPS)
 
 
+class HFCausalLM(L.LightningModule):
+    """A minimal LightningModule around a Hugging Face causal LM built from a config (no download)."""
+
+    def __init__(self, family: str, layers: int = 2):
+        super().__init__()
+        import transformers as T
+
+        common = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ * 2,
+                      attention_dropout=0.0, tie_word_embeddings=False)
+        configs = {
+            "gpt2": lambda: T.GPT2Config(vocab_size=64, n_positions=SEQ * 2, n_embd=32, n_layer=layers, n_head=4,
+                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+            "llama": lambda: T.LlamaConfig(**common),
+            "qwen2": lambda: T.Qwen2Config(**common),
+            "mistral": lambda: T.MistralConfig(**common),
+        }
+        config = configs[family]()
+        config._attn_implementation = "sdpa"
+        self.model = T.AutoModelForCausalLM.from_config(config)
+
+    def training_step(self, batch, batch_idx):
+        x, _ = batch
+        loss = self.model(input_ids=x, labels=x, use_cache=False).loss
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=3e-3, eps=ADAM_EPS)
+
+
 GPT_SMALL = dict(vocab_size=64, block_size=SEQ, n_layer=2, n_head=4, n_embd=32)
 
 
@@ -107,11 +138,17 @@ def make_model(kind: str, **kw):
         return ParityGPT(**{**GPT_SMALL, **kw})
     if kind == "encoder":
         return EncoderLM(**kw)
+    if kind.startswith("hf_"):
+        return HFCausalLM(kind[3:], **kw)
     raise ValueError(kind)
 
 
 def vocab_of(model) -> int:
-    return model.hparams.vocab_size if isinstance(model, LitGPT) else model.head.out_features
+    if isinstance(model, LitGPT):
+        return model.hparams.vocab_size
+    if isinstance(model, HFCausalLM):
+        return model.model.config.vocab_size
+    return model.head.out_features
 
 
 class LossRecorder(L.Callback):

@@ -34,6 +34,11 @@ class TPContext:
         return comm.copy_to_tp(x, self.group)
 
 
+def is_conv1d(module: nn.Module) -> bool:
+    """Hugging Face's Conv1D (GPT-2): a linear layer whose weight is stored as (in, out)."""
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
+
+
 def _shard_param(p: Optional[nn.Parameter], spec: ShardSpec, ctx: TPContext, memo: dict) -> Optional[nn.Parameter]:
     """Cut ``p``; a parameter seen before (tied weights) returns the same sharded Parameter."""
     if p is None:
@@ -60,24 +65,32 @@ class ColumnParallelLinear(nn.Module):
     whose logits validate/predict should see whole).
     """
 
-    def __init__(self, weight, bias, ctx: TPContext, full_out: int, input_comm=True, gather_output=False):
+    def __init__(self, weight, bias, ctx: TPContext, full_out: int, input_comm=True, gather_output=False,
+                 transposed=False):
         super().__init__()
-        self.weight, self.bias, self.ctx = weight, bias, ctx
-        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.weight, self.bias, self.ctx, self.transposed = weight, bias, ctx, transposed
+        self.out_features, self.in_features = weight.shape[::-1] if transposed else weight.shape
         self.full_out, self.input_comm, self.gather_output = full_out, input_comm, gather_output
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, ctx: TPContext, name: str, memo: dict, *, input_comm=True,
+    def from_linear(cls, linear: nn.Module, ctx: TPContext, name: str, memo: dict, *, input_comm=True,
                     gather_output=False, chunks=1, pad=False) -> "ColumnParallelLinear":
-        out = linear.weight.shape[0]
+        """``linear``: an nn.Linear, or a GPT-2 style Conv1D (weight stored as in x out)."""
+        transposed = is_conv1d(linear)
+        out = linear.weight.shape[1 if transposed else 0]
         padded = padded_size(out, ctx.world) if pad else 0
         if not pad:
             check_divisible("out_features", name, out // chunks, ctx.world,
                             "Choose sizes divisible by tp, or leave this layer out of the plan.")
-        spec = ShardSpec(dim=0, world=ctx.world, full=out, chunks=chunks, padded=padded if padded != out else 0)
+        padded = padded if padded != out else 0
+        spec = ShardSpec(dim=1 if transposed else 0, world=ctx.world, full=out, chunks=chunks, padded=padded)
         weight = _shard_param(linear.weight, spec, ctx, memo)
-        bias = _shard_param(linear.bias, spec, ctx, memo) if linear.bias is not None else None
-        return cls(weight, bias, ctx, out, input_comm=input_comm, gather_output=gather_output)
+        bias = None
+        if linear.bias is not None:
+            bias_spec = ShardSpec(dim=0, world=ctx.world, full=out, chunks=chunks, padded=padded)
+            bias = _shard_param(linear.bias, bias_spec, ctx, memo)
+        return cls(weight, bias, ctx, out, input_comm=input_comm, gather_output=gather_output,
+                   transposed=transposed)
 
     @property
     def vocab_start(self) -> int:
@@ -86,7 +99,7 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x):
         if self.input_comm:
             x = self.ctx.enter_region(x)
-        y = F.linear(x, self.weight, self.bias)
+        y = F.linear(x, self.weight.t() if self.transposed else self.weight, self.bias)
         if self.gather_output is True or (self.gather_output == "eval" and not self.training):
             y = comm.gather_from_tp(y, self.ctx.group, -1)
             if y.shape[-1] != self.full_out:
@@ -101,29 +114,31 @@ class RowParallelLinear(nn.Module):
     """y = sum_r x_r W_r^T + b with W split by input columns; the partial sums meet in one all-reduce
     (or a reduce-scatter along the sequence under SP). The bias is added once, after the reduction."""
 
-    def __init__(self, weight, bias, ctx: TPContext, input_is_parallel=True):
+    def __init__(self, weight, bias, ctx: TPContext, input_is_parallel=True, transposed=False):
         super().__init__()
-        self.weight, self.bias, self.ctx = weight, bias, ctx
-        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.weight, self.bias, self.ctx, self.transposed = weight, bias, ctx, transposed
+        self.out_features, self.in_features = weight.shape[::-1] if transposed else weight.shape
         self.input_is_parallel = input_is_parallel
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, ctx: TPContext, name: str, memo: dict) -> "RowParallelLinear":
-        check_divisible("in_features", name, linear.weight.shape[1], ctx.world,
+    def from_linear(cls, linear: nn.Module, ctx: TPContext, name: str, memo: dict) -> "RowParallelLinear":
+        transposed = is_conv1d(linear)
+        full_in = linear.weight.shape[0 if transposed else 1]
+        check_divisible("in_features", name, full_in, ctx.world,
                         "Choose sizes divisible by tp, or leave this layer out of the plan.")
-        spec = ShardSpec(dim=1, world=ctx.world, full=linear.weight.shape[1])
+        spec = ShardSpec(dim=0 if transposed else 1, world=ctx.world, full=full_in)
         weight = _shard_param(linear.weight, spec, ctx, memo)
         bias = None
         if linear.bias is not None:
             bias = memo.get(id(linear.bias)) or nn.Parameter(linear.bias.detach().clone())
             memo[id(linear.bias)] = bias
             mark(bias, sp_partial=ctx.sp)
-        return cls(weight, bias, ctx)
+        return cls(weight, bias, ctx, transposed=transposed)
 
     def forward(self, x):
         if not self.input_is_parallel:
             x = comm.scatter_to_tp(x, self.ctx.group, -1)
-        y = F.linear(x, self.weight)
+        y = F.linear(x, self.weight.t() if self.transposed else self.weight)
         if self.ctx.sp:
             y = comm.reduce_scatter_to_sp(y, self.ctx.group, self.ctx.seq_dim)
         else:

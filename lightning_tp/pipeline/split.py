@@ -48,8 +48,22 @@ class PipelinePlaceholder(nn.Module):
 
 
 class SkippedBlock(PipelinePlaceholder):
+    """Passes the hidden states through, in the structure the real block returns (a tensor, or a
+    tuple whose first element is the hidden states, as Hugging Face blocks return)."""
+
     def forward(self, *args, **kwargs):
-        return args[0] if args else next(iter(kwargs.values()))
+        hidden = args[0] if args else next(iter(kwargs.values()))
+        if not hasattr(self, "_structure"):
+            try:
+                meta_args, meta_kwargs = tree_map(_to_meta, (args, kwargs))
+                out = self._twin[0](*meta_args, **meta_kwargs)
+            except Exception:  # noqa: BLE001 - a block that cannot run on meta: assume it returns a tensor
+                out = hidden
+            self._structure = None if isinstance(out, torch.Tensor) else (type(out), len(out))
+        if self._structure is None:
+            return hidden
+        kind, n = self._structure
+        return kind((hidden,) + (None,) * (n - 1))
 
 
 class ShapeOnly(PipelinePlaceholder):

@@ -56,7 +56,7 @@ def _wrap(block, index: int, state: StageState) -> None:
                 kwargs = {**kwargs, key: state.received}
         out = original(*args, **kwargs)
         if index == hi and state.active < state.last_vstage:
-            raise StageDone(out)
+            raise StageDone(out if isinstance(out, torch.Tensor) else out[0])  # (hidden, ...) tuples
         return out
 
     block.forward = forward

@@ -7,6 +7,7 @@ collective runs (all ranks hold the same model, so all raise the same error and 
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass, field
 
@@ -15,6 +16,7 @@ from torch import nn
 from .. import comm
 from ..layers import (ColumnParallelLinear, RowParallelLinear, TPContext, TPMultiheadAttention,
                       VocabParallelCrossEntropy, VocabParallelEmbedding)
+from ..layers.linear import is_conv1d
 from ..layers.shard import check_divisible, mark
 from ..pipeline.split import PipelinePlaceholder
 from .base import Plan, path_matches
@@ -50,7 +52,7 @@ def _find(model: nn.Module, plan) -> list:
                 continue  # inside a module a plan already covers
             for candidate in registered_plans():
                 if candidate.matches(module):
-                    found.append((name, candidate))
+                    found.append((name, candidate.build(module) if hasattr(candidate, "build") else candidate))
                     taken.append(name)
                     break
         return found
@@ -76,16 +78,17 @@ def resolve(model: nn.Module, tp: int, sp: bool, plan="auto") -> list:
         root = model.get_submodule(prefix) if prefix else model
         m = Match(prefix, p)
         for name, module in root.named_modules():
-            style = p.style_of(name)
+            style, options = p.style_of(name)
             if style is None or style == "replicate":
                 continue
             full = _join(prefix, name)
             expected = _EXPECTED.get(style)
-            if expected is not None and not isinstance(module, expected):
+            if expected is not None and not (isinstance(module, expected) or
+                                             (expected is nn.Linear and is_conv1d(module))):
                 raise ValueError(f"plan {p.name!r} gives {full} the style {style!r}, which needs a "
                                  f"{expected.__name__}, but it is a {type(module).__name__}.")
-            _check_sizes(full, module, style, tp)
-            m.entries.append((full, style))
+            _check_sizes(full, module, style, tp, options)
+            m.entries.append((full, style, options))
         for glob, rules in p.attrs.items():
             for name, module in root.named_modules():
                 if path_matches(glob, name):
@@ -114,12 +117,19 @@ def resolve(model: nn.Module, tp: int, sp: bool, plan="auto") -> list:
     return matches
 
 
-def _check_sizes(name: str, module: nn.Module, style: str, tp: int) -> None:
+def _check_sizes(name: str, module: nn.Module, style: str, tp: int, options: dict) -> None:
     hint = "Use sizes divisible by tp, or a tp that divides them."
+    conv = is_conv1d(module)
     if style in ("colwise", "colwise_local"):
-        check_divisible("out_features", name, module.out_features, tp, hint)
+        out = module.weight.shape[1 if conv else 0] // options.get("chunks", 1)
+        unit = options.get("unit", 1)
+        if out % unit == 0 and (out // unit) % tp and unit > 1:
+            raise ValueError(f"{name}: out_features = {out} holds {out // unit} heads of {unit}, which tp = {tp} "
+                             f"cannot split into whole heads. Use a tp dividing {out // unit} (more ranks than "
+                             f"key/value heads, i.e. replicated kv heads, is not supported yet).")
+        check_divisible("out_features", name, out, tp, hint)
     elif style == "rowwise":
-        check_divisible("in_features", name, module.in_features, tp, hint)
+        check_divisible("in_features", name, module.weight.shape[0 if conv else 1], tp, hint)
     elif style == "mha":
         check_divisible("num_heads", name, module.num_heads, tp, hint)
 
@@ -129,16 +139,17 @@ def apply(model: nn.Module, matches: list, group, tp: int, rank: int, sp: bool) 
     memo, replaced = {}, {}
     for m in matches:
         ctx = TPContext(group=group, world=tp, rank=rank, sp=sp and m.sp_start is not None, seq_dim=m.plan.seq_dim)
-        has_ce = any(style == "vocab_ce" for _, style in m.entries)
+        has_ce = any(style == "vocab_ce" for _, style, _ in m.entries)
         head, head_elsewhere = None, False
-        for path, style in m.entries:
+        for path, style, options in m.entries:
             module = _held(model, path)
             if module is None:  # on another pipeline stage
                 head_elsewhere = head_elsewhere or style == "lm_head"
                 continue
             if style == "vocab_ce" and head_elsewhere:
                 continue  # the loss only runs on the stage that holds the head
-            new = _build(module, style, ctx, path, memo, has_ce, head)
+            local_ctx = dataclasses.replace(ctx, sp=False) if options.get("full_input") and ctx.sp else ctx
+            new = _build(module, style, local_ctx, path, memo, has_ce, head, options.get("chunks", 1))
             if style == "lm_head":
                 head = new
             if style == "vocab_ce" and head is None:
@@ -157,15 +168,16 @@ def apply(model: nn.Module, matches: list, group, tp: int, rank: int, sp: bool) 
     return replaced
 
 
-def _build(module, style, ctx, path, memo, has_ce, head):
+def _build(module, style, ctx, path, memo, has_ce, head, chunks):
     if style == "colwise":
-        return ColumnParallelLinear.from_linear(module, ctx, path, memo)
+        return ColumnParallelLinear.from_linear(module, ctx, path, memo, chunks=chunks)
     if style == "colwise_local":
-        return ColumnParallelLinear.from_linear(module, ctx, path, memo, input_comm=False)
+        return ColumnParallelLinear.from_linear(module, ctx, path, memo, input_comm=False, chunks=chunks)
     if style == "rowwise":
         return RowParallelLinear.from_linear(module, ctx, path, memo)
     if style == "lm_head":
-        return ColumnParallelLinear.from_linear(module, ctx, path, memo, gather_output="eval" if has_ce else True, pad=True)
+        gather = "eval" if has_ce else True
+        return ColumnParallelLinear.from_linear(module, ctx, path, memo, gather_output=gather, pad=True)
     if style in ("vocab", "vocab_sp"):
         return VocabParallelEmbedding.from_embedding(module, ctx, path, memo, sp_output=style == "vocab_sp")
     if style == "vocab_ce":

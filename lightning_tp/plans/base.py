@@ -25,6 +25,11 @@ STYLES = {
     "replicate": "left as it is (every tp rank holds the full module)",
 }
 ATTR_RULES = {"divide": "value // tp (must divide)"}
+STYLE_OPTIONS = {
+    "chunks": "the weight is that many equal blocks along its output (a fused q/k/v: 3); each is split",
+    "unit": "outputs come in units of this size (a head's head_dim): each rank must get whole units",
+    "full_input": "the input is whole along the sequence even under SP (the module runs after sp_end)",
+}
 
 
 def path_matches(pattern: str, path: str) -> bool:
@@ -34,11 +39,19 @@ def path_matches(pattern: str, path: str) -> bool:
     return len(pat) == len(parts) and all(fnmatchcase(p, q) for p, q in zip(parts, pat))
 
 
+def split_style(value) -> tuple:
+    if isinstance(value, str):
+        return value, {}
+    value = dict(value)
+    return value.pop("style", None), value
+
+
 @dataclass
 class Plan:
     """How to parallelize one model family.
 
-    styles:   glob -> style (see STYLES); the first matching glob wins.
+    styles:   glob -> style (see STYLES), or {"style": ..., **options} (see STYLE_OPTIONS);
+              the first matching glob wins.
     attrs:    glob -> {attribute: rule}: attributes the model's forward reads that must become
               per-rank values, e.g. ``{"transformer.h.*.attn": {"n_head": "divide"}}``.
     sp_start: glob; the first matching module's input is split along the sequence (SP begins).
@@ -61,10 +74,15 @@ class Plan:
     requires: tuple = ()
 
     def __post_init__(self):
-        for glob, style in self.styles.items():
+        for glob, value in self.styles.items():
+            style, options = split_style(value)
             if style not in STYLES:
                 raise ValueError(f"plan {self.name!r}: unknown style {style!r} for {glob!r}; choose one of "
                                  f"{sorted(STYLES)}.")
+            unknown = set(options) - set(STYLE_OPTIONS)
+            if unknown:
+                raise ValueError(f"plan {self.name!r}: unknown option(s) {sorted(unknown)} for {glob!r}; choose from "
+                                 f"{sorted(STYLE_OPTIONS)}.")
         for glob, rules in self.attrs.items():
             for attr, rule in rules.items():
                 if rule not in ATTR_RULES:
@@ -80,11 +98,12 @@ class Plan:
                 d[key] = tuple(d[key])
         return cls(**d)
 
-    def style_of(self, path: str) -> Optional[str]:
-        for glob, style in self.styles.items():
+    def style_of(self, path: str):
+        """(style, options) of the first glob matching ``path``, or (None, {})."""
+        for glob, value in self.styles.items():
             if path_matches(glob, path):
-                return style
-        return None
+                return split_style(value)
+        return None, {}
 
     def matches(self, module) -> bool:
         names = {c.__name__ for c in type(module).__mro__}

@@ -1,0 +1,83 @@
+"""Plans for Hugging Face transformers models.
+
+Families whose config carries ``base_model_tp_plan`` (Llama, Mistral, Qwen2 and the others that
+share Llama's layout) get a plan built from it, not a hand-written copy: their "colwise" layers
+that read the same input (q/k/v; gate/up) become one TP region with a single entry, "rowwise"
+stays rowwise, and the embedding, norms and LM head are added. GPT-2 has no such plan; its
+hand-written one shards the fused c_attn per q/k/v block.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from torch import nn
+
+from .base import Plan
+
+
+def _norm_paths(layer: nn.Module, glob_prefix: str) -> dict:
+    return {f"{glob_prefix}.{name}": "sp_norm" for name, m in layer.named_children()
+            if type(m).__name__.endswith(("RMSNorm", "LayerNorm"))}
+
+
+class HFConfigPlan:
+    """Builds a Plan from a model's ``config.base_model_tp_plan`` (found by plan="auto")."""
+
+    name = "hf_base_model_tp_plan"
+    supported = {"colwise", "rowwise"}
+
+    def matches(self, module: nn.Module) -> bool:
+        config = getattr(module, "config", None)
+        plan = getattr(config, "base_model_tp_plan", None)
+        base = getattr(module, "base_model_prefix", None)
+        return bool(plan) and base is not None and hasattr(module, base) and hasattr(module, "lm_head")
+
+    def build(self, module: nn.Module) -> Plan:
+        config, base = module.config, module.base_model_prefix
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        styles, parents = {}, defaultdict(list)
+        for glob, style in config.base_model_tp_plan.items():
+            if style not in self.supported:
+                raise ValueError(f"{type(module).__name__}: base_model_tp_plan style {style!r} for {glob!r} is not "
+                                 f"supported yet; pass plan=lightning_tp.Plan(...) instead.")
+            path = f"{base}.{glob}"
+            if style == "colwise":
+                parents[path.rpartition(".")[0]].append(path)
+            else:
+                styles[path] = "rowwise"
+        for parent, children in parents.items():
+            styles[parent] = "region"  # one entry into the TP region for all its column layers
+            for child in children:
+                unit = head_dim if child.endswith(("q_proj", "k_proj", "v_proj")) else 1
+                styles[child] = {"style": "colwise_local", "unit": unit}
+        layers = getattr(module, base).layers
+        styles.update(_norm_paths(layers[0], f"{base}.layers.*"))
+        styles.update({f"{base}.embed_tokens": "vocab", f"{base}.norm": "sp_norm", "lm_head": "lm_head"})
+        return Plan(name=f"hf_{type(module).__name__}", styles=styles, sp_start=f"{base}.layers.*",
+                    blocks=f"{base}.layers")
+
+
+GPT2 = Plan(
+    name="hf_gpt2",
+    targets=("GPT2LMHeadModel",),
+    requires=("transformer.h.0.attn.c_attn",),
+    styles={
+        "transformer.wte": "vocab",
+        "transformer.h.*.attn": "region",
+        "transformer.h.*.attn.c_attn": {"style": "colwise_local", "chunks": 3},
+        "transformer.h.*.attn.c_proj": "rowwise",
+        "transformer.h.*.mlp.c_fc": "colwise",
+        "transformer.h.*.mlp.c_proj": "rowwise",
+        "transformer.h.*.ln_1": "sp_norm",
+        "transformer.h.*.ln_2": "sp_norm",
+        # GPT2Model views its output with the input's shape, so SP ends after the last block
+        "lm_head": {"style": "lm_head", "full_input": True},
+    },
+    attrs={"transformer.h.*.attn": {"split_size": "divide", "num_heads": "divide", "embed_dim": "divide"}},
+    sp_start="transformer.drop",
+    sp_end="transformer.h.*",
+    blocks="transformer.h",
+)
+
+PLANS = [GPT2, HFConfigPlan()]
