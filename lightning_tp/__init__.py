@@ -7,6 +7,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from .checkpoint import consolidate
 from .mesh import ParallelMesh, build_mesh
+from .plain import save_consolidated
 from .plans import STYLES, Plan, register_plan
 from .strategy import MegaStrategy
 
@@ -15,4 +16,5 @@ __version__ = "0.1.0"
 if "mega" not in StrategyRegistry:
     MegaStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["MegaStrategy", "Plan", "STYLES", "register_plan", "consolidate", "ParallelMesh", "build_mesh"]
+__all__ = ["MegaStrategy", "Plan", "STYLES", "register_plan", "consolidate", "save_consolidated", "ParallelMesh",
+           "build_mesh"]

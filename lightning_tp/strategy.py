@@ -25,6 +25,7 @@ from . import checkpoint as ckpt
 from . import comm
 from . import grads
 from .kernels.inject import apply_kernels, kernel_names
+from .plain import load_full
 from .mesh import ParallelMesh, build_mesh, data_parallel_size
 from .pipeline.executor import PipelineRunner
 from .pipeline.schedules import build_schedule
@@ -45,6 +46,8 @@ class MegaStrategy(ParallelStrategy):
         virtual_stages: model chunks per rank for the interleaved schedule.
         pipeline_blocks: path of the repeated block list, when the plan or the search cannot find it.
         stage_layers: blocks per (virtual) stage, instead of the parameter-balanced split.
+        load_full: a plain checkpoint (Lightning .ckpt, state_dict file or Hugging Face save_pretrained
+            directory) to start from: each rank loads its stage and its shard of it.
         kernels: swap norms, GeLU and the loss for fused Triton modules (``True`` or a list of
             :data:`lightning_tp.kernels.inject.KERNELS`); torch code with the same numbers off-GPU.
         plan: ``"auto"`` (find a built-in plan by module class), or a :class:`lightning_tp.Plan`/dict.
@@ -57,7 +60,7 @@ class MegaStrategy(ParallelStrategy):
     def __init__(self, tp: int = 1, pp: int = 1, sp: bool = False, plan: Any = "auto",
                  microbatches: Optional[int] = None, schedule: str = "1f1b", virtual_stages: int = 1,
                  pipeline_blocks: Optional[str] = None, stage_layers: Optional[list] = None,
-                 kernels: Union[bool, list, None] = False, sync_init: bool = True,
+                 kernels: Union[bool, list, None] = False, load_full: Optional[str] = None, sync_init: bool = True,
                  process_group_backend: Optional[str] = None,
                  timeout: Optional[Union[timedelta, float]] = default_pg_timeout,
                  start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -79,6 +82,7 @@ class MegaStrategy(ParallelStrategy):
             build_schedule(schedule, pp, self.microbatches, virtual_stages)
         self._runner = None
         self.kernels = kernel_names(kernels)
+        self.load_full = load_full
         self._process_group_backend = process_group_backend
         self._timeout = timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout
         self._start_method = start_method
@@ -178,6 +182,7 @@ class MegaStrategy(ParallelStrategy):
             blocks = self.pipeline_blocks or planner.blocks_path(module, self.plan)
             layout = plan_stages(module, self.pp, self.virtual_stages, blocks, self.stage_layers,
                                  interleaved=self.schedule == "interleaved_1f1b")
+        full_keys = list(module.state_dict().keys())
         # 2. one set of initial weights, then keep this rank's stage and shards
         if self.sync_init and self.mesh.world_size > 1:
             for t in list(module.parameters()) + list(module.buffers()):
@@ -186,6 +191,8 @@ class MegaStrategy(ParallelStrategy):
             apply_split(module, layout, self.mesh.pp_rank)
         replaced = planner.apply(module, matches, self.mesh.tp_group, self.tp, self.mesh.tp_rank, self.sp)
         apply_kernels(module, self.kernels)
+        if self.load_full is not None:
+            load_full(module, self.load_full, full_keys, self.mesh.tp_rank)
         self._runner = None
         if self._pipelined:
             if layout is None:  # microbatching without stages: one stage holding every block
