@@ -129,6 +129,72 @@ class HFCausalLM(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=3e-3, eps=ADAM_EPS)
 
 
+class MyAttention(nn.Module):
+    """A custom attention class no built-in plan knows: fused qkv, its own head count."""
+
+    def __init__(self, d, n_heads):
+        super().__init__()
+        self.n_heads = n_heads
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        q, k, v = (z.view(b, t, self.n_heads, -1).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class MyBlock(nn.Module):
+    def __init__(self, d, n_heads):
+        super().__init__()
+        self.norm1, self.attn = nn.LayerNorm(d), MyAttention(d, n_heads)
+        self.norm2, self.up, self.down = nn.LayerNorm(d), nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        return x + self.down(F.relu(self.up(self.norm2(x))))
+
+
+class CustomLM(L.LightningModule):
+    def __init__(self, vocab=64, d=32, n_heads=4, layers=4):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList([MyBlock(d, n_heads) for _ in range(layers)])
+        self.out = nn.Linear(d, vocab)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        h = self.emb(x)
+        for block in self.blocks:
+            h = block(h)
+        loss = F.cross_entropy(self.out(h).flatten(0, 1), y.flatten())
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=3e-3, eps=ADAM_EPS)
+
+
+# A user plan, written as a LightningCLI YAML would give it (plain dicts and strings).
+CUSTOM_PLAN = {
+    "name": "custom_lm",
+    "styles": {
+        "emb": "vocab",
+        "blocks.*.attn": "region",  # enter TP (and leave SP) at the module that reads x.shape
+        "blocks.*.attn.qkv": {"style": "colwise_local", "chunks": 3},
+        "blocks.*.attn.proj": "rowwise",
+        "blocks.*.up": "colwise",
+        "blocks.*.down": "rowwise",
+        "blocks.*.norm*": "sp_norm",
+        "out": "lm_head",
+    },
+    "attrs": {"blocks.*.attn": {"n_heads": "divide"}},
+    "sp_start": "blocks.*",
+    "blocks": "blocks",
+}
+
+
 GPT_SMALL = dict(vocab_size=64, block_size=SEQ, n_layer=2, n_head=4, n_embd=32)
 
 
@@ -140,6 +206,8 @@ def make_model(kind: str, **kw):
         return EncoderLM(**kw)
     if kind.startswith("hf_"):
         return HFCausalLM(kind[3:], **kw)
+    if kind == "custom":
+        return CustomLM(**kw)
     raise ValueError(kind)
 
 
@@ -148,6 +216,8 @@ def vocab_of(model) -> int:
         return model.hparams.vocab_size
     if isinstance(model, HFCausalLM):
         return model.model.config.vocab_size
+    if isinstance(model, CustomLM):
+        return model.out.out_features
     return model.head.out_features
 
 

@@ -103,6 +103,7 @@ def resolve(model: nn.Module, tp: int, sp: bool, plan="auto") -> list:
             m.sp_end = _join(prefix, ends[-1]) if ends else None
         if not m.entries:
             warnings.warn(f"lightning_tp: plan {p.name!r} matched no module under {prefix or 'the model'}.")
+        _report(p, root, prefix, names)
         matches.append(m)
     if tp > 1 and not any(m.entries for m in matches):
         raise ValueError(
@@ -115,6 +116,19 @@ def resolve(model: nn.Module, tp: int, sp: bool, plan="auto") -> list:
                 warnings.warn(f"lightning_tp: plan {m.plan.name!r} has no sp_start; {m.prefix or 'the model'} runs "
                               f"without sequence parallelism.")
     return matches
+
+
+def _report(plan: Plan, root: nn.Module, prefix: str, names: list) -> None:
+    """Warn about globs that matched nothing and Linear layers the plan leaves replicated."""
+    unmatched = [g for g in plan.styles if not any(path_matches(g, n) for n in names)]
+    if unmatched:
+        warnings.warn(f"lightning_tp: plan {plan.name!r}: {unmatched} matched nothing under "
+                      f"{prefix or 'the model'}.")
+    unsharded = [_join(prefix, n) for n, mod in root.named_modules()
+                 if (isinstance(mod, nn.Linear) or is_conv1d(mod)) and plan.style_of(n)[0] is None]
+    if unsharded:
+        warnings.warn(f"lightning_tp: plan {plan.name!r}: Linear layers left unsharded (replicated on every tp "
+                      f"rank): {unsharded[:8]}{' ...' if len(unsharded) > 8 else ''}.")
 
 
 def _check_sizes(name: str, module: nn.Module, style: str, tp: int, options: dict) -> None:
