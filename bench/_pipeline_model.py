@@ -1,0 +1,351 @@
+"""Worker side of bench/pipeline.py: a block model with fixed simulated cost, our executor inside a
+real Lightning Trainer, torch.distributed.pipelining on the same blocks, and small overhead probes.
+
+Everything here runs inside the 4 processes that ``tests/dist.py`` starts; it returns raw
+timestamps and counters, and bench/pipeline.py turns them into the tables.
+"""
+
+from __future__ import annotations
+
+import time
+
+import lightning as L
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+ROWS, WIDTH = 64, 256  # one microbatch's activation: 64 x 256 fp32 = 64 KiB per block
+
+
+# ------------------------------------------------------------------------------ per-process counters
+
+
+class Stats:
+    """Counters of this process, reset at every step start."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.inflight = self.inflight_peak = 0  # bytes saved by F whose first backward has not run yet
+        self.resident = self.resident_peak = 0  # bytes whose autograd node (ctx) is still alive
+        self.sleep = 0.0  # seconds slept in F/B (the simulated compute)
+        self.n_f = self.n_b = 0  # block forward / backward calls
+        # seconds inside our executor: whole train_step, Mailbox.send/recv/wait, _publish (log broadcast)
+        self.train_step = self.send = self.recv = self.wait = self.publish = 0.0
+        self.mailbox_peak = 0  # bytes of sent tensors our Mailbox still holds (it releases them at step end)
+
+    def add(self, n):
+        self.inflight += n
+        self.inflight_peak = max(self.inflight_peak, self.inflight)
+
+
+STATS = Stats()
+
+
+class _Saved:
+    """What a saved-tensors pack hook keeps for a saved activation: counts its bytes until autograd
+    releases it (after a backward without retain_graph, or when the graph is dropped). This is the
+    true residency, e.g. ZB keeps the graph, and so the activations, from B until W."""
+
+    def __init__(self, t):
+        self.t, self.n = t, (t.numel() * t.element_size() if t.dim() == 2 else 0)  # the weight: not counted
+        STATS.resident += self.n
+        STATS.resident_peak = max(STATS.resident_peak, STATS.resident)
+
+    def __del__(self):
+        STATS.resident -= self.n
+
+
+def _sleep(t):
+    t0 = time.perf_counter()
+    time.sleep(t)
+    STATS.sleep += time.perf_counter() - t0
+
+
+class SleepMul(torch.autograd.Function):
+    """y = x * w with a fixed simulated cost: forward sleeps tf, backward sleeps tb."""
+
+    @staticmethod
+    def forward(ctx, x, w, tf, tb):
+        _sleep(tf)
+        STATS.n_f += 1
+        ctx.save_for_backward(x, w)
+        ctx.tb, ctx.nbytes, ctx.pending = tb, x.numel() * x.element_size(), True
+        STATS.add(ctx.nbytes)
+        return x * w
+
+    @staticmethod
+    def backward(ctx, g):
+        _sleep(ctx.tb)
+        STATS.n_b += 1
+        x, w = ctx.saved_tensors
+        if ctx.pending:  # ZB runs this twice (B for the input grad, W again for the weights)
+            STATS.inflight -= ctx.nbytes
+            ctx.pending = False
+        return g * w, (g * x).sum(0), None, None
+
+
+class SleepBlock(nn.Module):
+    def __init__(self, tf, tb, width=WIDTH):
+        super().__init__()
+        self.tf, self.tb = tf, tb
+        self.w = nn.Parameter(torch.ones(width))
+
+    def forward(self, x):
+        with torch.autograd.graph.saved_tensors_hooks(_Saved, lambda saved: saved.t):
+            return SleepMul.apply(x, self.w, self.tf, self.tb)
+
+
+class SleepNet(L.LightningModule):
+    """An ordinary LightningModule: a block list and an MSE loss."""
+
+    def __init__(self, n_blocks, tf, tb):
+        super().__init__()
+        self.blocks = nn.ModuleList(SleepBlock(tf, tb) for _ in range(n_blocks))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        for b in self.blocks:
+            x = b(x)
+        loss = F.mse_loss(x, y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+class Batches(torch.utils.data.Dataset):
+    """Whole batches (no per-sample collation in the timed loop)."""
+
+    def __init__(self, n, m):
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(m * ROWS, WIDTH, generator=g)
+        self.y = torch.zeros_like(self.x)
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return self.x, self.y
+
+
+# ------------------------------------------------------------------------------ timing
+
+
+class Recorder:
+    def __init__(self):
+        self.start, self.end, self.stats = [], [], []
+
+    def begin(self):
+        STATS.reset()
+        self.start.append(time.perf_counter())
+
+    def finish(self):
+        self.end.append(time.perf_counter())
+        s = STATS
+        self.stats.append(dict(inflight_peak=s.inflight_peak, resident_peak=s.resident_peak, sleep=s.sleep,
+                               n_f=s.n_f, n_b=s.n_b, train_step=s.train_step, send=s.send, recv=s.recv,
+                               wait=s.wait, publish=s.publish, mailbox_peak=s.mailbox_peak,
+                               leftover=s.inflight))
+
+    def result(self):
+        return dict(start=self.start, end=self.end, stats=self.stats)
+
+
+class StepTimer(L.Callback):
+    def __init__(self):
+        self.rec = Recorder()
+
+    def on_train_batch_start(self, *args):
+        self.rec.begin()
+
+    def on_train_batch_end(self, *args):
+        self.rec.finish()
+
+
+_PATCHED = False
+_ORIGINAL, _HEADERLESS = {}, {}
+
+
+def use_headers(on: bool) -> None:
+    """Experiment (this benchmark only): our Mailbox as is, or without its shape header message."""
+    from lightning_tp.pipeline import p2p
+
+    for name, fn in (_ORIGINAL if on else _HEADERLESS).items():
+        setattr(p2p.Mailbox, name, fn)
+
+
+def _instrument_executor():
+    """Time our executor's sends, receives and per-step log broadcast (wrapping, not editing)."""
+    global _PATCHED
+    if _PATCHED:
+        return
+    from lightning_tp.pipeline import executor, p2p
+
+    def timed(fn, field):
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                setattr(STATS, field, getattr(STATS, field) + time.perf_counter() - t0)
+                if field == "send":  # args[0] is the Mailbox: how much it keeps alive after this send
+                    held = sum(t.numel() * t.element_size() for _, t in args[0].pending)
+                    STATS.mailbox_peak = max(STATS.mailbox_peak, held)
+        return wrapper
+
+    _ORIGINAL.update(send=timed(p2p.Mailbox.send, "send"), recv=staticmethod(timed(p2p.Mailbox.recv, "recv")))
+
+    def send_payload_only(self, tensor, dst, t):
+        tensor = tensor.detach().contiguous()
+        self.pending.append((dist.isend(tensor, dst, tag=t + 1), tensor))
+
+    def recv_payload_only(src, t, device):
+        out = torch.empty(ROWS, WIDTH, device=device)  # every transfer of this model has this shape
+        dist.irecv(out, src, tag=t + 1).wait()
+        return out
+
+    _HEADERLESS.update(send=timed(send_payload_only, "send"), recv=staticmethod(timed(recv_payload_only, "recv")))
+    use_headers(True)
+    p2p.Mailbox.wait = timed(p2p.Mailbox.wait, "wait")
+    executor.PipelineRunner.train_step = timed(executor.PipelineRunner.train_step, "train_step")
+    executor.PipelineRunner._publish = timed(executor.PipelineRunner._publish, "publish")
+    _PATCHED = True
+
+
+def run_ours(world, schedule, m, v, n_blocks, tf, tb, steps, headers=True):
+    from lightning_tp import MegaStrategy
+
+    _instrument_executor()
+    use_headers(headers)
+    L.seed_everything(0, verbose=False)
+    timer = StepTimer()
+    trainer = L.Trainer(accelerator="cpu", devices=world,
+                        strategy=MegaStrategy(pp=world, microbatches=m, schedule=schedule, virtual_stages=v,
+                                              timeout=120),
+                        max_steps=steps, callbacks=[timer], logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                        limit_val_batches=0, use_distributed_sampler=False)
+    data = torch.utils.data.DataLoader(Batches(steps, m), batch_size=None)
+    try:
+        trainer.fit(SleepNet(n_blocks, tf, tb), data)
+    finally:
+        use_headers(True)
+    return timer.rec.result()
+
+
+def run_torch(rank, world, schedule, m, v, n_blocks, tf, tb, steps):
+    """torch.distributed.pipelining on the same blocks, in a plain training loop."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+
+    torch.manual_seed(0)
+    n_stages = world * v
+    per_stage = n_blocks // n_stages
+    stages, params = [], []
+    for c in range(v):
+        k = c * world + rank  # same placement as ours: virtual stage k = chunk * p + rank
+        module = nn.Sequential(*(SleepBlock(tf, tb) for _ in range(per_stage)))
+        params += list(module.parameters())
+        # shapes inferred at the first step (dynamic mode, a warm-up step here)
+        stages.append(PipelineStage(module, k, n_stages, torch.device("cpu")))
+    if schedule == "1f1b":
+        sched = Schedule1F1B(stages[0], m, loss_fn=F.mse_loss)
+    elif schedule == "interleaved_1f1b":
+        sched = ScheduleInterleaved1F1B(stages, m, loss_fn=F.mse_loss)
+    else:
+        raise ValueError(schedule)
+    opt = torch.optim.SGD(params, lr=1e-3)
+    data = Batches(1, m)
+    first = any(s.is_first for s in stages)
+    last = any(s.is_last for s in stages)
+    rec = Recorder()
+    dist.barrier()
+    for _ in range(steps):
+        rec.begin()
+        x, y = data[0]
+        args = (x,) if first else ()
+        kwargs = dict(target=y, losses=[]) if last else {}
+        sched.step(*args, **kwargs)
+        opt.step()
+        opt.zero_grad()
+        rec.finish()
+    dist.barrier()
+    return rec.result()
+
+
+# ------------------------------------------------------------------------------ probes
+
+
+def probes(rank, world, reps=200):
+    """Isolated costs: our Mailbox (header + payload) vs one plain isend/irecv, ping-pong between
+    ranks 0 and 1; and one broadcast_object_list of a log box like _publish sends each step."""
+    from lightning_tp.pipeline.p2p import Mailbox
+
+    out = {}
+    t = torch.randn(ROWS, WIDTH)
+    dist.barrier()
+    for name in ("plain", "mailbox"):
+        box = Mailbox()
+        call = 0.0  # sender side: time inside the send call itself
+        dist.barrier()
+        t0 = time.perf_counter()
+        if rank in (0, 1):
+            peer = 1 - rank
+            for i in range(reps):
+                if (rank == 0) == (i % 2 == 0):
+                    c0 = time.perf_counter()
+                    if name == "plain":
+                        work = dist.isend(t, peer, tag=10)
+                        call += time.perf_counter() - c0
+                        work.wait()
+                    else:
+                        box.send(t, peer, 10)
+                        call += time.perf_counter() - c0
+                        box.wait()
+                else:
+                    if name == "plain":
+                        r = torch.empty_like(t)
+                        dist.irecv(r, peer, tag=10).wait()
+                    else:
+                        Mailbox.recv(peer, 10, torch.device("cpu"))
+        out[f"{name}_one_way_ms"] = (time.perf_counter() - t0) / reps * 1e3
+        out[f"{name}_send_call_ms"] = call / (reps // 2) * 1e3
+        dist.barrier()
+    box = [[("train_loss", 0.123, (), {})], 0.456]
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(reps // 4):
+        b = list(box)
+        dist.broadcast_object_list(b, src=world - 1)
+    out["broadcast_object_list_ms"] = (time.perf_counter() - t0) / (reps // 4) * 1e3
+    dist.barrier()
+    return out
+
+
+# ------------------------------------------------------------------------------ the launch
+
+
+def worker(rank, world, plan, tf, tb, n_blocks, warmup, measured):
+    """plan: list of (impl, schedule, m, v), where a key may repeat (rounds, so that machine noise hits
+    every run alike) and impl "probe" runs the overhead probes. Per key, the rounds are concatenated:
+    start/end/stats per step and ``measured`` flags (warm-up steps of every round are False)."""
+    out = {}
+    for impl, schedule, m, v in plan:
+        if impl == "probe":
+            out.setdefault("probes", []).append(probes(rank, world))
+            continue
+        if impl in ("ours", "ours_noheader"):
+            res = run_ours(world, schedule, m, v, n_blocks, tf, tb, warmup + measured, headers=impl == "ours")
+        else:
+            if not dist.is_initialized():
+                dist.init_process_group("gloo")
+            res = run_torch(rank, world, schedule, m, v, n_blocks, tf, tb, warmup + measured)
+        acc = out.setdefault((impl, schedule, m), dict(start=[], end=[], stats=[], measured=[]))
+        for k in ("start", "end", "stats"):
+            acc[k] += res[k]
+        acc["measured"] += [i >= warmup for i in range(warmup + measured)]
+    return out

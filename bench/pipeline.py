@@ -1,0 +1,315 @@
+"""Pipeline executor benchmark: measured step time vs the schedule's ideal, ours vs
+torch.distributed.pipelining, and peak live activations per stage, all measured in one run.
+
+The model is a list of blocks whose cost is fixed by sleeping (forward ``tf``, backward ``tb``), so
+the ideal step time of every schedule is known exactly from ``simulate()`` and the two CPU cores do
+not matter (sleeping processes do not compete). Each block also multiplies a 64x256 fp32 activation
+by a learnable vector, so gradients flow and every saved activation has a known size (64 KiB).
+
+One launch of 4 local processes (as in tests/dist.py) runs, for m in (8, 16): our MegaStrategy(pp=4)
+inside a real Lightning Trainer for each schedule, torch's Schedule1F1B and ScheduleInterleaved1F1B
+on the same blocks in a plain loop, our executor once more with its P2P shape header patched out
+(an experiment done only here, to size that header's cost), and isolated overhead probes. All of
+it twice, interleaved, so that load from other processes on the box hits every run alike.
+
+Ideal times come from simulate() (and, for ZB-H1 under our executor, a replay with the same event
+rules and a per-rank cost); the executor's sends, receives and log broadcast are timed by wrapping
+them in the worker processes, nothing in lightning_tp is changed.
+
+    .venv/bin/python bench/pipeline.py
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import dist  # noqa: E402  (tests/dist.py: torchrun-like local processes)
+from _pipeline_model import ROWS, WIDTH, worker  # noqa: E402
+
+from lightning_tp.pipeline.schedules import build_schedule  # noqa: E402
+from lightning_tp.pipeline.simulate import simulate  # noqa: E402
+
+P = 4  # pipeline stages = world size
+MS = (8, 16)  # microbatches
+TF, TB = 0.010, 0.020  # seconds per block: forward sleep, backward sleep (tb = 2 tf)
+N_BLOCKS = 8  # 2 blocks per stage; interleaved v=2: 1 block per virtual stage
+WARMUP, MEASURED, ROUNDS = 2, 6, 2  # per run: steps skipped, steps timed; every run is repeated ROUNDS times
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1)]
+TORCH = {"1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B"}
+ACT_BYTES = ROWS * WIDTH * 4  # saved activation of one block for one microbatch
+
+
+# ------------------------------------------------------------------------------ ideal times
+
+
+def replay(schedule, p, v, duration, latency: float = 0.0, rendezvous: bool = False) -> float:
+    """Makespan with a per-rank cost, ``duration(rank, action)``; same event rules as simulate()
+    (sends never block, a RECV waits for its SEND). Needed for ZB-H1 under our executor, where
+    rank 0's B is free (no input gradient to compute) but every other rank's B is a full backward.
+    ``latency``: seconds a message takes; with ``rendezvous`` it is paid after both sides are ready
+    (gloo moves the data only once the receive is posted), else from the send."""
+    clock, pc, sent = [0.0] * p, [0] * p, {}
+    progressed = True
+    while progressed:
+        progressed = False
+        for r in range(p):
+            ops = schedule[r]
+            while pc[r] < len(ops):
+                a, k = ops[pc[r]], ops[pc[r]].chunk * p + r
+                if a.kind in ("SEND_F", "SEND_B"):
+                    sent[(a.kind[-1], a.microbatch, k + 1 if a.kind == "SEND_F" else k - 1)] = clock[r]
+                elif a.kind in ("RECV_F", "RECV_B"):
+                    key = (a.kind[-1], a.microbatch, k)
+                    if key not in sent:
+                        break
+                    clock[r] = max(clock[r], sent[key]) + latency if rendezvous else \
+                        max(clock[r], sent[key] + latency)
+                else:
+                    clock[r] += duration(r, a)
+                pc[r] += 1
+                progressed = True
+    assert all(pc[r] == len(schedule[r]) for r in range(p)), "replay deadlocked"
+    return max(clock)
+
+
+def ideals(m: int) -> dict:
+    """Per schedule: the schedule, its per-action cost (s) with F = tf and B = tb per block per chunk,
+    and its ideal step time (no communication cost)."""
+    nb = N_BLOCKS // P  # blocks per rank (v=1)
+    out = {}
+    for name, v in SCHEDULES:
+        sched = build_schedule(name, P, m, v)
+        per = N_BLOCKS // (P * v)  # blocks per virtual stage
+        if name != "zb_h1":
+            cost = {"F": per * TF, "B": per * TB}
+            res = simulate(sched, P, v, cost)
+            dur = lambda r, a, cost=cost: cost[a.kind]  # noqa: E731
+            # the replay follows simulate's rules: check it agrees before trusting it for ZB below
+            assert abs(replay(sched, P, v, dur) - res.makespan) < 1e-9
+            out[name] = dict(sched=sched, v=v, dur=dur, ideal=res.makespan, peak=res.peak_inflight, busy=res.busy,
+                             model=f"simulate F={per * TF * 1e3:.0f} B={per * TB * 1e3:.0f}")
+            continue
+        # (a) the paper's split, simulate()'s convention: B (input grad) + W (weight grad) = one backward
+        split = simulate(sched, P, 1, {"F": nb * TF, "B": nb * TB, "W": nb * TB / 2})
+        # (b) what our executor does: B = autograd.grad to the stage input (a full backward through
+        # the stage, since a block's backward computes both grads), W = autograd.backward to the
+        # weights over the kept graph (a second full backward); rank 0 has no input grad, B is free.
+        # simulate() takes one cost per kind for all ranks, hence the replay with rank 0's B = 0.
+        cost = {"F": nb * TF, "B": nb * TB, "W": nb * TB}
+        dur = lambda r, a, cost=cost: 0.0 if (a.kind == "B" and r == 0) else cost[a.kind]  # noqa: E731
+        out[name] = dict(sched=sched, v=1, dur=dur, ideal=replay(sched, P, 1, dur), peak=split.peak_inflight,
+                         busy=[m * (cost["F"] + cost["W"] + (0 if r == 0 else cost["B"])) for r in range(P)],
+                         split=split.makespan,
+                         model=f"replay F={nb * TF * 1e3:.0f} B={nb * TB * 1e3:.0f} W={nb * TB * 1e3:.0f}, "
+                               f"rank 0 B=0")
+    return out
+
+
+# ------------------------------------------------------------------------------ reducing measurements
+
+
+def _measured(per_rank):
+    return [i for i, flag in enumerate(per_rank[0]["measured"]) if flag]
+
+
+def steps_of(per_rank):
+    """Medians over measured steps of the span over ranks (last end - first start) and of the period
+    (time from the previous step's end to this one's, slowest rank). Medians: load from other processes
+    on the box shows up as occasional slow steps."""
+    idx = _measured(per_rank)  # warm-up >= 1, so step i - 1 belongs to the same run
+    spans = [max(r["end"][i] for r in per_rank) - min(r["start"][i] for r in per_rank) for i in idx]
+    periods = [max(r["end"][i] - r["end"][i - 1] for r in per_rank) for i in idx]
+    return statistics.median(spans), statistics.median(periods)
+
+
+def stat(per_rank, field, reduce=statistics.median):
+    """Per rank: the field reduced over measured steps."""
+    return [reduce(r["stats"][i][field] for i in _measured(per_rank)) for r in per_rank]
+
+
+def header():
+    print("=" * 108)
+    print("Pipeline benchmark: MegaStrategy executor (inside a Lightning Trainer) on a sleep-cost block model")
+    print(f"  p={P} stages (world 4, gloo, CPU), {N_BLOCKS} blocks (2 per stage; interleaved v=2: 1 per virtual "
+          f"stage), m in {MS}")
+    print(f"  block cost: forward sleep tf={TF * 1e3:.0f} ms, backward sleep tb={TB * 1e3:.0f} ms; activation "
+          f"{ROWS}x{WIDTH} fp32 = {ACT_BYTES // 1024} KiB per block per microbatch")
+    print(f"  every run done {ROUNDS} times, interleaved (other processes may load this 2-core box); per run "
+          f"{WARMUP} warm-up steps skipped,\n  {MEASURED} measured; step time = median over measured steps of "
+          f"(last rank's on_train_batch_end - first rank's on_train_batch_start)")
+    print("  targets: measured/ideal <= 1.05;  throughput ours/torch >= 1.0;  peak live activations "
+          "GPipe ~ m, 1F1B ~ p - s")
+    print("=" * 108, flush=True)
+
+
+def measure():
+    plan = []
+    for _ in range(ROUNDS):  # rounds, so that load from other processes on this box hits every run alike
+        for m in MS:
+            for name, v in SCHEDULES:  # ours next to torch's on the schedules both have
+                plan.append(("ours", name, m, v))
+                if name in TORCH:
+                    plan += [("torch", name, m, v), ("ours_noheader", name, m, v)]
+            plan.append(("probe", None, m, None))
+    return dist.run(P, worker, plan, TF, TB, N_BLOCKS, WARMUP, MEASURED, timeout=900)
+
+
+def report(results):
+    get = lambda key: [r[key] for r in results]  # noqa: E731
+    ms = lambda x: f"{x * 1e3:.1f}"  # noqa: E731
+    # probes: median over the rounds of the slowest rank
+    probe = {k: statistics.median(max(r["probes"][i][k] for r in results) for i in range(len(results[0]["probes"])))
+             for k in results[0]["probes"][0]}
+    link = probe["mailbox_one_way_ms"] / 1e3  # our executor's per-transfer latency (header + payload)
+    bcast = probe["broadcast_object_list_ms"] / 1e3  # the per-step log broadcast at the end of the step
+
+    # ---- 1. measured vs ideal
+    print("\n1) Our executor: measured step time vs the schedule's ideal (same per-action costs, free communication)")
+    print(f"   'ideal+link': the same replay where each P2P transfer costs the one-way latency measured below "
+          f"({link * 1e3:.2f} ms,\n   paid once sender and receiver are both there, as gloo does) plus one "
+          f"broadcast_object_list ({bcast * 1e3:.2f} ms) per step")
+    hdr = (f"{'schedule':<18}{'m':>3}  {'measured ms':>11}  {'ideal ms':>9}  {'ratio':>6}  {'target':>6}  "
+           f"{'ideal+link':>10}  {'ratio':>6}  cost model (ms per action)")
+    print(hdr)
+    print("-" * len(hdr))
+    ideal_by_m, measured = {m: ideals(m) for m in MS}, {}
+    for m in MS:
+        for name, v in SCHEDULES:
+            span, period = steps_of(get(("ours", name, m)))
+            measured[(name, m)] = (span, period)
+            idl = ideal_by_m[m][name]
+            with_link = replay(idl["sched"], P, idl["v"], idl["dur"], link, rendezvous=True) + bcast
+            ratio = span / idl["ideal"]
+            print(f"{name:<18}{m:>3}  {ms(span):>11}  {ms(idl['ideal']):>9}  {ratio:>6.3f}  "
+                  f"{'ok' if ratio <= 1.05 else 'MISSED':>6}  {ms(with_link):>10}  {span / with_link:>6.3f}  "
+                  f"{idl['model']}")
+            if name == "zb_h1":
+                print(f"{'  vs split-W ideal':<18}{m:>3}  {ms(span):>11}  {ms(idl['split']):>9}  "
+                      f"{span / idl['split']:>6.3f}  {'':>6}  {'':>10}  {'':>6}  simulate F={2 * TF * 1e3:.0f} "
+                      f"B={2 * TB * 1e3:.0f} W={TB * 1e3:.0f} (B+W = one backward)")
+    print("   zb_h1: our W re-runs the stage's backward restricted to the weights (autograd.backward(out, grad, "
+          "inputs=params)\n   over the graph B kept), so every block's backward sleep runs twice on ranks 1-3. "
+          "The first zb_h1 row's\n   ideal uses that cost (B = W = one full backward, rank 0's B free: it has no "
+          "input grad); the split-W row\n   is ZB-H1's ideal if W were only the weight half of one backward "
+          "(simulate()'s convention).")
+
+    print("\n   evidence, per rank per step (median): slept ms / schedule's busy ms, block backward calls:")
+    for m in MS:
+        for name, _ in SCHEDULES:
+            pr = get(("ours", name, m))
+            sl, nb = stat(pr, "sleep"), stat(pr, "n_b")
+            busy = ideal_by_m[m][name]["busy"]
+            cells = "  ".join(f"s{r} {sl[r] * 1e3:5.0f}/{busy[r] * 1e3:4.0f} {int(nb[r]):>2} bwd" for r in range(P))
+            print(f"   {name:<17}{m:>3}  {cells}")
+
+    print("\n   where a step's time goes on each rank s0/s1/s2/s3 (median over steps, ms):")
+    print("     lightning = on_train_batch_start..end minus our train_step (hooks, optimizer, merge_grads);")
+    print("     python = train_step minus sleep, send, recv, wait, publish (executor + user training_step code);")
+    print("     blocked = recv + final Mailbox.wait + _publish (bubble, link latency, the log broadcast)")
+    for m in MS:
+        for name, _ in SCHEDULES:
+            pr = get(("ours", name, m))
+            rows = {"lightning": [], "python": [], "send": [], "blocked": []}
+            for r in pr:
+                st = [r["stats"][i] for i in _measured(pr)]
+                t = [r["end"][i] - r["start"][i] for i in _measured(pr)]
+                med = lambda f: statistics.median(f(x, dt) for x, dt in zip(st, t)) * 1e3  # noqa: E731
+                rows["lightning"].append(med(lambda x, dt: dt - x["train_step"]))
+                rows["python"].append(med(lambda x, dt: x["train_step"] - x["sleep"] - x["send"] - x["recv"]
+                                          - x["wait"] - x["publish"]))
+                rows["send"].append(med(lambda x, dt: x["send"]))
+                rows["blocked"].append(med(lambda x, dt: x["recv"] + x["wait"] + x["publish"]))
+            cells = "  ".join(f"{k} {'/'.join(f'{v:.1f}' for v in vals)}" for k, vals in rows.items())
+            print(f"   {name:<17}{m:>3}  {cells}")
+
+    # ---- 2. ours vs torch
+    print("\n2) Throughput: ours (Lightning Trainer + MegaStrategy) vs torch.distributed.pipelining (plain loop), "
+          "same blocks, same m")
+    print("   ms/step = median over measured steps of the time between consecutive step ends (slowest rank); torch's "
+          "ranks\n   are not re-synchronised at step end, so its per-step span is not comparable and only the period "
+          "is used")
+    print("   experiment (bench-only monkeypatch, lightning_tp untouched): our executor with Mailbox sending the payload")
+    print("   alone, no shape-header message first (every transfer here is 64x256 fp32), to size the header's cost")
+    hdr = (f"{'schedule':<18}{'m':>3}  {'torch class':<24}{'ours ms/step':>12}  {'torch ms/step':>13}  "
+           f"{'ours/torch thr':>14}  {'target':>6}  {'no-header ms':>12}  {'its thr ratio':>13}")
+    print(hdr)
+    print("-" * len(hdr))
+    for m in MS:
+        for name, cls in TORCH.items():
+            o_period = measured[(name, m)][1]
+            t_period = steps_of(get(("torch", name, m)))[1]
+            n_period = steps_of(get(("ours_noheader", name, m)))[1]
+            ratio = t_period / o_period
+            print(f"{name:<18}{m:>3}  {cls:<24}{ms(o_period):>12}  {ms(t_period):>13}  {ratio:>14.3f}  "
+                  f"{'ok' if ratio >= 1.0 else 'MISSED':>6}  {ms(n_period):>12}  {t_period / n_period:>13.3f}")
+
+    # ---- 3. memory
+    m = MS[0]
+    print(f"\n3) Peak live saved activations per stage, m={m} (max over measured steps), in units of one microbatch's "
+          f"saved\n   activations of one virtual stage ({N_BLOCKS // P} x {ACT_BYTES // 1024} KiB for v=1, "
+          f"{ACT_BYTES // 1024} KiB for a v=2 chunk). live = forward done, first backward not yet\n   run (counted "
+          f"by the block's autograd Function); resident = still held by autograd (saved-tensor hooks);\n   "
+          f"exp = simulate()'s peak_inflight for the schedule")
+    hdr = f"{'run':<34}" + "".join(f"{'stage ' + str(s):>15}" for s in range(P))
+    print(hdr)
+    print("-" * len(hdr))
+
+    def mem_row(label, per_rank, field, unit, expected):
+        peaks = stat(per_rank, field, max)
+        print(f"{label:<34}" + "".join(f"{p / unit:>6.1f} (exp {e:>2})" for p, e in zip(peaks, expected)))
+        left = stat(per_rank, "leftover", max)
+        if field == "inflight_peak" and any(left):
+            print(f"   !! {label}: {left} bytes still counted live at step end")
+
+    for name, v in SCHEDULES:
+        unit = ACT_BYTES * N_BLOCKS // (P * v)
+        exp = ideal_by_m[m][name]["peak"]
+        mem_row(f"ours {name} live", get(("ours", name, m)), "inflight_peak", unit, exp)
+        if name == "zb_h1":
+            mem_row("ours zb_h1 resident (until W)", get(("ours", name, m)), "resident_peak", unit, [P] * P)
+    for name, cls in TORCH.items():
+        unit = ACT_BYTES * N_BLOCKS // (P * (2 if name == "interleaved_1f1b" else 1))
+        mem_row(f"torch {cls} live", get(("torch", name, m)), "inflight_peak", unit, ideal_by_m[m][name]["peak"])
+    print(f"   zb_h1 resident: p - s graphs in flight plus s deferred W keep p graphs on every stage (exp {P}), "
+          f"as in the paper")
+    print(f"   sent tensors our Mailbox still holds (it waits on sends only at step end), peak, in {ACT_BYTES // 1024} KiB "
+          f"transfers;\n   the executor's own buffers (outputs until B, inputs until SEND_B) are not counted here:")
+    for name, v in SCHEDULES:
+        peaks = stat(get(("ours", name, m)), "mailbox_peak", max)
+        print(f"{'ours ' + name + ' Mailbox':<34}" + "".join(f"{p / ACT_BYTES:>15.1f}" for p in peaks))
+    gp = stat(get(("ours", "gpipe", m)), "inflight_peak", max)
+    ob = stat(get(("ours", "1f1b", m)), "inflight_peak", max)
+    print("   GPipe vs 1F1B peak bytes: " + ", ".join(f"s{s} {gp[s] // 1024}/{ob[s] // 1024} KiB ({gp[s] / ob[s]:.1f}x)"
+                                                    for s in range(P)))
+
+    # ---- probes
+    print("\n4) Isolated costs in the same processes (gloo on this CPU box, 64x256 fp32 payload, ping-pong ranks 0-1):")
+    print(f"   one-way transfer: plain isend/irecv {probe['plain_one_way_ms']:.3f} ms;  our Mailbox.send/recv "
+          f"(header message, then payload) {probe['mailbox_one_way_ms']:.3f} ms")
+    print(f"   sender-side call: dist.isend {probe['plain_send_call_ms']:.3f} ms;  Mailbox.send (builds the header, "
+          f"2 isends) {probe['mailbox_send_call_ms']:.3f} ms")
+    print(f"   broadcast_object_list of a one-entry log box over 4 ranks (what _publish does each step): "
+          f"{probe['broadcast_object_list_ms']:.3f} ms")
+
+
+def main():
+    t0 = time.perf_counter()
+    header()
+    load0 = os.getloadavg()[0]
+    results = measure()
+    report(results)
+    print(f"\nwall time: {time.perf_counter() - t0:.0f} s; 1-min load average at start {load0:.1f}, at end "
+          f"{os.getloadavg()[0]:.1f} (on {os.cpu_count()} cores; the benchmark's own 4 processes mostly sleep)")
+
+
+if __name__ == "__main__":
+    main()
