@@ -1,0 +1,111 @@
+"""``python -m lightning_tp explain --config config.yaml``: the :func:`lightning_tp.explain.explain`
+report for a LightningCLI config, without starting any process.
+
+Why it is safe: LightningCLI(run=False) only builds the model, the datamodule and the Trainer;
+building a Trainer with devices=4 launches nothing, and MegaStrategy's setup (process groups,
+sharding) only runs inside fit. The layout comes from the strategy's init_args, the world size from
+devices x num_nodes, the batch shape from the datamodule's ``batch_size`` and ``block_size`` (or the
+model's ``block_size``), or ``--batch-shape B,T``.
+
+Which CLI parses the config: ``--cli path/to/train.py[:main]`` or ``package.module[:main]`` (a
+function taking ``(args, run=False)`` and returning a LightningCLI); without it, a config whose
+``model`` names a ``class_path`` is parsed by a plain LightningCLI, otherwise by the ``main`` of a
+``train.py`` next to the config (the example's layout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import os
+import sys
+
+import yaml
+
+
+def _load(spec: str):
+    target, _, func = spec.partition(":")
+    if target.endswith(".py"):
+        module_spec = importlib.util.spec_from_file_location("_lightning_tp_cli_script", os.path.abspath(target))
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(target)
+    return getattr(module, func or "main")
+
+
+def build_cli(config: str, cli: str | None = None, extra=()):
+    args = ["--config", config, *extra]
+    if cli is None:
+        with open(config) as f:
+            model = (yaml.safe_load(f) or {}).get("model") or {}
+        if isinstance(model, dict) and "class_path" in model:
+            from lightning.pytorch.cli import LightningCLI
+
+            cli = lambda args, run: LightningCLI(args=args, run=run, save_config_callback=None)  # noqa: E731
+        else:
+            script = os.path.join(os.path.dirname(os.path.abspath(config)), "train.py")
+            if not os.path.exists(script):
+                raise SystemExit(f"{config}: its model has no class_path and there is no train.py beside it; pass "
+                                 f"--cli path/to/train.py:main (a function (args, run=False) -> LightningCLI).")
+            cli = script
+    argv, sys.argv = sys.argv, sys.argv[:1]  # LightningCLI warns when it also sees this command's own flags
+    try:
+        return (_load(cli) if isinstance(cli, str) else cli)(args, run=False)
+    finally:
+        sys.argv = argv
+
+
+def _layout(trainer) -> dict:
+    from .strategy import MegaStrategy
+
+    strategy = trainer.strategy
+    world = trainer.num_nodes * trainer.num_devices
+    if not isinstance(strategy, MegaStrategy):
+        return dict(dp=world)
+    return dict(tp=strategy.tp, pp=strategy.pp, sp=strategy.sp, microbatches=strategy.microbatches,
+                schedule=strategy.schedule, virtual_stages=strategy.virtual_stages, plan=strategy.plan,
+                pipeline_blocks=strategy.pipeline_blocks, stage_layers=strategy.stage_layers,
+                dp=world // (strategy.tp * strategy.pp))
+
+
+def _batch_shape(cli, flag: str | None) -> tuple:
+    if flag:
+        b, t = flag.split(",")
+        return int(b), int(t)
+    dm, hp = cli.datamodule, getattr(cli.model, "hparams", {})
+    b = getattr(dm, "batch_size", None)
+    t = getattr(dm, "block_size", None) or hp.get("block_size")
+    if not b or not t:
+        raise SystemExit("could not read the batch shape from the datamodule (batch_size, block_size); pass "
+                         "--batch-shape B,T (per-process batch, sequence length).")
+    return int(b), int(t)
+
+
+def _bytes(precision: str) -> tuple:
+    """(activation, gradient) element sizes for a Lightning precision string."""
+    precision = str(precision)
+    act = 8 if precision.startswith("64") else 2 if precision.startswith(("16", "bf16")) else 4
+    return act, act if precision.endswith("-true") or precision.startswith("64") else 4
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m lightning_tp")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("explain", help="parameters, stages, communication and activation memory per rank")
+    p.add_argument("--config", required=True, help="LightningCLI YAML (trainer.strategy: lightning_tp.MegaStrategy)")
+    p.add_argument("--batch-shape", help="B,T: per-process batch and sequence length (default: from the datamodule)")
+    p.add_argument("--cli", help="path/to/train.py[:main] or package.module[:main] building the LightningCLI")
+    args, extra = parser.parse_known_args(argv)
+    cli = build_cli(args.config, args.cli, extra)
+    from .explain import explain
+
+    act, grad = _bytes(cli.trainer.precision)
+    explain(cli.model, batch_shape=_batch_shape(cli, args.batch_shape), dtype_bytes=act, grad_bytes=grad,
+            accumulate_grad_batches=cli.trainer.accumulate_grad_batches, **_layout(cli.trainer))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,333 @@
+"""What a MegaStrategy layout will hold and send, before any process starts.
+
+Why: picking tp/pp/sp/microbatches trades memory against communication, and a trial run costs
+process start-up and cluster time. The numbers here come from the code the strategy runs: plans
+from :func:`plans.apply.resolve`, stages from :func:`pipeline.split.plan_stages` and
+:func:`~pipeline.split.apply_split`, shards from :func:`plans.apply.apply`, all applied to
+meta-device copies with no process group. Parameter counts are therefore exact, and the user's
+module is never touched.
+
+A "byte" is an element count as :func:`lightning_tp.comm.count_collectives` records it (all_reduce:
+the tensor; all_gather: the local input; reduce_scatter: the full input; pipeline send: the
+payload, its 80-byte header left out) times the element size. That is what each rank hands to
+the collective, not what a ring algorithm puts on the wire (about 2(n-1)/n of it for an all-reduce).
+
+Per optimizer step, with n = B*T tokens per replica (B: the batch one process loads):
+  * TP activations, counted on the stage that runs the planned module (the first rank's pre-block
+    modules run their forward once per chunk under the interleaved schedule). 'region'/'colwise'/'mha'/
+    'lm_head' enter the TP region: a backward all-reduce of n*w (under SP, a forward all-gather of
+    n*w/tp plus a backward reduce-scatter of n*w). 'rowwise' (and mha's out_proj) leave it: a forward
+    all-reduce (SP: reduce-scatter n*w, then a backward all-gather n*w/tp). 'vocab': a forward
+    all-reduce n*d. 'vocab_ce': 3n (row max, then sum-exp and target logit). An 'lm_head' without
+    'vocab_ce' all-gathers n*V/tp. SP start/end: an all-gather of n*h/tp. For the example GPT this is
+    Megatron's 4 all-reduces of b*s*h per layer.
+  * PP: each virtual stage sends m activations of (B/m)*T*h (/tp under SP) unless it is the last,
+    and m gradients back unless it is the first.
+  * SP grads (replicated params with partial grads), tied embeddings (first and last stage), DP
+    (every grad this rank holds, when dp > 1): one all-reduce each, as :mod:`lightning_tp.grads` does.
+  Gradient clipping's scalar all-reduce, validation and Lightning's own logging syncs are left out.
+
+Activation memory is a model, not a measurement: elements per token one rank saves for backward,
+from the module structure: a Linear's input (1/tp for 'rowwise', none for 'colwise_local', whose
+'region' saves it once), a norm's input (1/tp for 'sp_norm' under SP), an activation function's
+input (the preceding Linear's local output), a loss's input, and for attention ('mha', or a
+'region' over q, k, v; flash/SDPA: no s x s scores) q, k, v and the output: 4x its row-parallel
+width / tp. Dropout masks and per-row statistics are left out. A stage's estimate is the heaviest
+chunk's blocks (plus the first stage's pre-block and the last stage's post-block modules) times
+(B/m)*T times the schedule's peak in-flight microbatches from :func:`pipeline.simulate.simulate`
+(ZB-H1 keeps part of each microbatch until its W, which this does not count).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+
+from .layers.shard import padded_size
+from .pipeline.schedules import build_schedule
+from .pipeline.simulate import simulate
+from .pipeline.split import _outer_modules, apply_split, plan_stages
+from .plans import apply as planner
+
+_ACTIVATIONS = ("torch.nn.modules.activation", "transformers.activations")
+
+
+@dataclass
+class RankEstimate:
+    """One (pipeline stage, tp rank); dp replicas are alike. Bytes per optimizer step."""
+
+    stage: int
+    tp_rank: int
+    params: int
+    tp_bytes: int = 0
+    pp_bytes: int = 0
+    sp_bytes: int = 0
+    tied_bytes: int = 0
+    dp_bytes: int = 0
+    act_bytes: int = 0
+    peak_microbatches: int = 1
+
+
+@dataclass
+class Explanation:
+    config: dict
+    styles: list = field(default_factory=list)  # (path pattern, style, count)
+    stages: list = field(default_factory=list)  # (virtual stage, pp rank, first block, last block)
+    outer: dict = field(default_factory=dict)  # {"first": [paths], "last": [paths]}
+    layer_ops: list = field(default_factory=list)  # TP collectives of block 0: (op, elements per token)
+    ranks: list = field(default_factory=list)
+
+    def rank(self, stage: int, tp_rank: int = 0) -> RankEstimate:
+        return next(r for r in self.ranks if (r.stage, r.tp_rank) == (stage, tp_rank))
+
+    def as_dict(self) -> dict:  # plain data, e.g. for json.dumps
+        return asdict(self)
+
+    def __str__(self) -> str:
+        return _format(self)
+
+
+def _meta_copy(module: nn.Module) -> nn.Module:
+    """Same structure, parameters on meta (ties and requires_grad kept), no Trainer copied."""
+    memo = {id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+            for p in module.parameters()}
+    memo.update({id(b): torch.empty_like(b, device="meta") for b in module.buffers()})
+    trainer = module.__dict__.get("_trainer")
+    if trainer is not None:
+        memo[id(trainer)] = None
+    return copy.deepcopy(module, memo)
+
+
+def _io(m: nn.Module):
+    """(in, out) features of a Linear, or of a Hugging Face Conv1D (weight stored in x out); else None."""
+    if isinstance(m, nn.Linear):
+        return m.in_features, m.out_features
+    if type(m).__name__ == "Conv1D" and hasattr(m, "nf"):
+        return tuple(m.weight.shape)
+    return None
+
+
+def _width_in(module: nn.Module) -> int:
+    for m in module.modules():
+        if isinstance(m, nn.MultiheadAttention):
+            return m.embed_dim
+        if _io(m):
+            return _io(m)[0]
+    return 0
+
+
+def _entries(match):
+    """(path, style, options): plan entries are (path, style) or (path, style, options)."""
+    return [(e[0], e[1], e[2] if len(e) > 2 else {}) for e in match.entries]
+
+
+def _enter(w, sp, tp):
+    """(op, elements per token, pass) entering the TP region; _leave: leaving it."""
+    return [("all_gather", w / tp, "fwd"), ("reduce_scatter", w, "bwd")] if sp else [("all_reduce", w, "bwd")]
+
+
+def _leave(w, sp, tp):
+    return [("reduce_scatter", w, "fwd"), ("all_gather", w / tp, "bwd")] if sp else [("all_reduce", w, "fwd")]
+
+
+def _tp_ops(base, matches, sp, tp, hidden, locate):
+    """TP collectives per location ("block", i) / ("first",) / ("last",), as (op, elements per
+    token, pass), from the plan entries; and {path: (style, sp on, options)}."""
+    ops, style_of = defaultdict(list), {}
+    for mt in matches:
+        msp = sp and mt.sp_start is not None
+        styles = {s for _, s, _ in _entries(mt)}
+        for path, style, options in _entries(mt):
+            esp = msp and not options.get("full_input")
+            style_of[path] = (style, esp, options)
+            mod, loc = base.get_submodule(path), locate(path)
+            if style in ("region", "colwise", "lm_head", "mha"):
+                ops[loc] += _enter(_width_in(mod), esp, tp)
+            if style in ("rowwise", "mha") or (style == "vocab_sp" and esp):
+                ops[loc] += _leave(_io(mod)[1] if _io(mod) else getattr(mod, "embed_dim", None) or mod.embedding_dim,
+                                   esp, tp)
+            if style == "vocab" or (style == "vocab_sp" and not esp):
+                ops[loc].append(("all_reduce", mod.embedding_dim, "fwd"))
+            if style == "lm_head" and "vocab_ce" not in styles:
+                ops[loc].append(("all_gather", padded_size(_io(mod)[1], tp) / tp, "fwd"))
+            if style == "vocab_ce" and "lm_head" in styles:
+                ops[loc] += [("all_reduce", 1, "fwd"), ("all_reduce", 2, "fwd")]
+        if msp:
+            ops[locate(mt.sp_start)].append(("all_gather", hidden / tp, "bwd"))
+            if mt.sp_end is not None:
+                ops[locate(mt.sp_end)].append(("all_gather", hidden / tp, "fwd"))
+    return ops, style_of
+
+
+def _saved_widths(base, style_of, tp, locate):
+    """Elements per token saved for backward on one tp rank, per location (see the module doc)."""
+    width, skip, last_out = defaultdict(float), None, 0
+    for name, mod in base.named_modules():
+        if skip and name.startswith(skip):
+            continue
+        (st, msp, _), loc, io = style_of.get(name, (None, False, {})), locate(name) if name else ("first",), _io(mod)
+        if st in ("region", "mha"):
+            inner = [n for n, c in mod.named_modules(prefix=name) if _io(c)]
+            rows = [_io(base.get_submodule(n))[0] for n in inner if style_of.get(n, ("",))[0] == "rowwise"]
+            qkv = sum(style_of[n][2].get("chunks", 1) for n in inner if style_of.get(n, ("",))[0] == "colwise_local")
+            a = rows[0] if rows else _width_in(mod)
+            attention = st == "mha" or qkv >= 3  # q, k, v: attention (not a gated MLP)
+            width[loc] += _width_in(mod) + (4 * a / tp if attention else 0) + (a / tp if st == "mha" else 0)
+            if st == "mha":
+                skip, last_out = name + ".", mod.embed_dim
+        elif io:
+            width[loc] += {"colwise_local": 0, "rowwise": io[0] / tp}.get(st, io[0])
+            out = padded_size(io[1], tp) if st == "lm_head" else io[1]
+            last_out = out / tp if st in ("colwise", "colwise_local", "lm_head") or (st == "rowwise" and msp) else out
+        elif "Norm" in type(mod).__name__:
+            shape = getattr(mod, "normalized_shape", None) or getattr(getattr(mod, "weight", None), "shape", ())
+            width[loc] += math.prod(shape) / (tp if st == "sp_norm" and msp else 1) if shape else 0
+        elif type(mod).__module__ in _ACTIVATIONS or isinstance(mod, nn.modules.loss._Loss):
+            width[loc] += last_out
+    return width
+
+
+def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, microbatches=None,
+            batch_shape=(8, 128), schedule: str = "1f1b", virtual_stages: int = 1, plan="auto", dp: int = 1,
+            dtype_bytes: int = 4, *, grad_bytes=None, accumulate_grad_batches: int = 1, pipeline_blocks=None,
+            stage_layers=None, print_report: bool = True) -> Explanation:
+    """Parameters, stages, communication and activation memory of ``MegaStrategy(tp, pp, sp, ...)``
+    with ``dp`` replicas on ``module``. ``batch_shape`` = (per-process batch, sequence length);
+    ``dtype_bytes`` sizes activations, ``grad_bytes`` (default: the same) gradients. Prints the
+    report unless ``print_report=False``; returns it (``str()`` gives the text)."""
+    if getattr(module, "_lightning_tp", None) is not None:
+        raise ValueError("explain() needs the user's module before MegaStrategy parallelized it.")
+    sp, m = bool(sp) and tp > 1, microbatches if microbatches is not None else pp
+    v = virtual_stages if pp > 1 else 1
+    (B, T), grad_bytes, acc = batch_shape, grad_bytes or dtype_bytes, accumulate_grad_batches
+    if B % m:
+        raise ValueError(f"microbatches={m} must divide the per-process batch size {B}.")
+    base = _meta_copy(module)
+    with warnings.catch_warnings():
+        if tp == 1:
+            warnings.simplefilter("ignore")  # styles shown for reference; nothing is applied at tp=1
+        matches = planner.resolve(base, tp, sp, plan)
+    pipelined = pp > 1 or m > 1
+    try:
+        layout = plan_stages(base, pp, v, pipeline_blocks or planner.blocks_path(base, plan), stage_layers,
+                             interleaved=schedule == "interleaved_1f1b")
+    except ValueError:
+        if pipelined:
+            raise
+        layout = None  # no block list: the whole model is one stage
+    peaks = simulate(build_schedule(schedule, pp, m, v), pp, v).peak_inflight if pipelined else [1]
+
+    bpath = layout.blocks_path if layout else None
+    order = {name: i for i, (name, _) in enumerate(base.named_modules())}
+
+    def locate(path):
+        if bpath and path.startswith(bpath + "."):
+            return ("block", int(path[len(bpath) + 1:].split(".")[0]))
+        return ("first",) if bpath is None or order[path] < order[bpath] else ("last",)
+
+    def ranks_of(loc):
+        if loc[0] == "block":
+            return {next(k for k, (lo, hi) in enumerate(layout.ranges) if lo <= loc[1] <= hi) % pp}
+        return {0} if loc[0] == "first" else {pp - 1}
+
+    hidden = _width_in(base.get_submodule(bpath)[0] if bpath else base)
+    ops, style_of = _tp_ops(base, matches, sp, tp, hidden, locate)
+    width = _saved_widths(base, style_of, tp, locate)
+    sp_on = any(sp and mt.sp_start is not None for mt in matches)
+
+    rep = Explanation(dict(tp=tp, pp=pp, dp=dp, world=tp * pp * dp, sp=sp, microbatches=m, schedule=schedule,
+                           virtual_stages=v, batch_shape=(B, T), dtype_bytes=dtype_bytes, grad_bytes=grad_bytes,
+                           accumulate_grad_batches=acc, blocks=bpath, hidden=hidden,
+                           plans=[(mt.prefix, mt.plan.name) for mt in matches]))
+    counts = {}
+    for mt in matches:
+        for path, style, _ in _entries(mt):
+            key = (f"{bpath}.*.{path[len(bpath) + 1:].partition('.')[2]}".rstrip(".")
+                   if bpath and path.startswith(bpath + ".") else path, style)
+            counts[key] = counts.get(key, 0) + 1
+    rep.styles = [(p, s, c) for (p, s), c in counts.items()]
+    if layout:
+        rep.stages = [(k, k % pp, lo, hi) for k, (lo, hi) in enumerate(layout.ranges)]
+        before, after = _outer_modules(base, bpath)
+        rep.outer = {"first": [n for n, _ in before], "last": [n for n, _ in after]}
+        rep.layer_ops = list(ops[("block", 0)])
+    tokens = B * T * acc
+    for r in range(pp):
+        mine = {loc for loc in list(ops) + list(width) if r in ranks_of(loc)}
+        chunks = [sum(width[("block", i)] for i in range(lo, hi + 1))
+                  for k, (lo, hi) in enumerate(layout.ranges) if k % pp == r] if layout else []
+        act = max(chunks, default=0) + (width[("first",)] if r == 0 else 0) + (width[("last",)] if r == pp - 1 else 0)
+        ks = layout.vstages_of(r) if layout else []
+        sends = sum(k < layout.last_vstage for k in ks) + sum(k > 0 for k in ks)
+        # every chunk's forward runs the user's step from the top: the first rank's pre-block modules
+        # (its vocab all-reduce) run once per chunk, their backward only for the chunk that uses them
+        tp_elems = sum(w * (v if loc == ("first",) and phase == "fwd" else 1)
+                       for loc in mine for _, w, phase in ops[loc])
+        for t in range(tp):
+            local = copy.deepcopy(base)  # split, then shard, as the strategy does (deepcopy drops param marks)
+            if pp > 1:
+                apply_split(local, layout, r)
+            if tp > 1:
+                planner.apply(local, matches, None, tp, t, sp)
+            params = list(local.parameters())
+            trained = sum(p.numel() for p in params if p.requires_grad)
+            partial = sum(p.numel() for p in params if p.requires_grad and getattr(p, "_tp_sp_partial", False))
+            tied = sum(p.numel() for p in params if p.requires_grad and getattr(p, "_pp_tied", False))
+            rep.ranks.append(RankEstimate(
+                stage=r, tp_rank=t, params=sum(p.numel() for p in params),
+                tp_bytes=round(tokens * tp_elems * dtype_bytes) if tp > 1 else 0,
+                pp_bytes=round(tokens * sends * hidden / (tp if sp_on else 1) * dtype_bytes),
+                sp_bytes=partial * grad_bytes if tp > 1 else 0,
+                tied_bytes=tied * grad_bytes if pp > 1 and r in (0, pp - 1) else 0,
+                dp_bytes=trained * grad_bytes if dp > 1 else 0,
+                act_bytes=round(peaks[r] * (B // m) * T * act * dtype_bytes), peak_microbatches=peaks[r]))
+    if print_report:
+        print(rep)
+    return rep
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+
+
+def _format(rep: Explanation) -> str:
+    c = rep.config
+    lines = [f"lightning_tp explain: tp={c['tp']} pp={c['pp']} dp={c['dp']} (world {c['world']}) sp={c['sp']} "
+             f"microbatches={c['microbatches']} schedule={c['schedule']} virtual_stages={c['virtual_stages']}",
+             f"batch {c['batch_shape'][0]} x {c['batch_shape'][1]} per process, hidden {c['hidden']}, "
+             f"{c['dtype_bytes']} B/activation element, {c['grad_bytes']} B/grad element, "
+             f"accumulate_grad_batches={c['accumulate_grad_batches']}", "",
+             "Plan" + ("" if c["tp"] > 1 else " (tp=1: not applied)") + ": "
+             + ", ".join(f"{name} at {prefix or '<root>'}" for prefix, name in c["plans"])]
+    lines += [f"  {p:<44} {s:<14}" + (f" x{n}" if n > 1 else "") for p, s, n in rep.styles]
+    if rep.layer_ops:
+        counts = {}
+        for op in rep.layer_ops:
+            counts[op] = counts.get(op, 0) + 1
+        lines.append("  TP collectives of one block, elements recorded per token: "
+                     + ", ".join(f"{n} x {op} {w:g} ({phase})" for (op, w, phase), n in counts.items()))
+    if rep.stages:
+        lines += ["", f"Stages (blocks of {c['blocks']}):"]
+        lines += [f"  virtual stage {k} on pp rank {r}: blocks {lo}..{hi} ({hi - lo + 1})"
+                  for k, r, lo, hi in rep.stages]
+        lines.append(f"  first stage also holds: {', '.join(rep.outer['first']) or '-'}; "
+                     f"last stage: {', '.join(rep.outer['last']) or '-'}")
+    lines += ["", "Per rank, per optimizer step (bytes = recorded elements x element size: the payload each rank "
+              "passes to a collective or send, not ring wire bytes):",
+              f"  {'stage':>5} {'tp':>3} {'params':>12} {'TP act':>11} {'PP send':>11} {'SP grads':>10} "
+              f"{'tied':>10} {'DP grads':>11} {'act mem':>11} {'peak mb':>7}"]
+    for r in rep.ranks:
+        lines.append(f"  {r.stage:>5} {r.tp_rank:>3} {r.params:>12,} {_size(r.tp_bytes):>11} {_size(r.pp_bytes):>11} "
+                     f"{_size(r.sp_bytes):>10} {_size(r.tied_bytes):>10} {_size(r.dp_bytes):>11} "
+                     f"{_size(r.act_bytes):>11} {r.peak_microbatches:>7}")
+    lines.append("(act mem: estimated activations saved for backward; see lightning_tp/explain.py for the model)")
+    return "\n".join(lines)

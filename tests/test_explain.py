@@ -1,0 +1,187 @@
+"""explain() against what a real run holds and sends: one 4-process launch trains three layouts for
+two optimizer steps each, counting parameters per rank and every recorded collective and pipeline
+send per step; the estimates must agree within 5%. Plus: explain leaves the module and
+torch.distributed alone, its activation model agrees with the tensors autograd saves, and the
+command reads the example's LightningCLI config."""
+
+import os
+import subprocess
+import sys
+
+import lightning as L
+import pytest
+import torch
+
+import dist
+from lightning_tp import MegaStrategy, comm
+from lightning_tp.explain import explain
+from lightning_tp.plans import apply as planner
+from models import SEQ, TokenData, Tokens, make_model, trainer_kwargs
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+B, STEPS, WORLD = 4, 2, 4
+KINDS = ("tp", "pp", "sp", "tied", "dp")
+# name: (model kwargs, strategy kwargs). Vocab 63 is padded to 64 under tp=2.
+CONFIGS = {
+    "tp2_pp2": (dict(n_layer=4, vocab_size=63), dict(tp=2, pp=2, microbatches=2)),
+    "tp2_sp_pp2_interleaved_tied": (dict(n_layer=4, tie_weights=True),
+                                    dict(tp=2, pp=2, sp=True, microbatches=2, schedule="interleaved_1f1b",
+                                         virtual_stages=2)),
+    "tp2_sp_dp2": (dict(n_layer=4, vocab_size=63), dict(tp=2, sp=True)),
+}
+
+
+class StepCounter(L.Callback):
+    """Records per optimizer step, split at on_after_backward: before it the step's forward and
+    backward (TP activation collectives, pipeline sends), after it the gradient syncs."""
+
+    def __init__(self):
+        self.steps, self._cm = [], None
+
+    def _open(self, phase):
+        self._close()
+        self._cm = comm.count_collectives()
+        self.steps[-1][phase] = self._cm.__enter__()
+
+    def _close(self):
+        if self._cm is not None:
+            self._cm.__exit__(None, None, None)
+            self._cm = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.steps.append({})
+        self._open("step")
+
+    def on_after_backward(self, trainer, pl_module):
+        self._open("sync")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self._close()
+
+
+def _by_kind(phases, mesh) -> dict:
+    out = dict.fromkeys(KINDS + ("other",), 0)
+    for op, numel, group in phases["step"]:
+        out["pp" if op == "send" else "tp" if group is mesh.tp_group else "other"] += numel * 4  # fp32
+    for op, numel, group in phases["sync"]:
+        kind = {id(mesh.tp_group): "sp", id(mesh.dp_group): "dp", id(mesh.emb_group): "tied"}.get(id(group), "other")
+        out[kind] += numel * 4
+    return out
+
+
+def _worker(rank, world, configs):
+    torch.distributed.init_process_group("gloo")
+    results = {}
+    for name, (model_kw, strategy_kw) in configs.items():
+        model, counter = make_model("gpt", **model_kw), StepCounter()
+        strategy = MegaStrategy(**strategy_kw)
+        trainer = L.Trainer(devices=world, strategy=strategy, max_steps=STEPS, callbacks=[counter],
+                            limit_val_batches=0, **trainer_kwargs())
+        trainer.fit(model, TokenData(STEPS * B * world, 64, B))
+        mesh = strategy.mesh
+        results[name] = dict(pp_rank=mesh.pp_rank, tp_rank=mesh.tp_rank, dp_rank=mesh.dp_rank,
+                             params=sum(p.numel() for p in model.parameters()),
+                             steps=[_by_kind(s, mesh) for s in counter.steps])
+    return results
+
+
+@pytest.fixture(scope="module")
+def measured():
+    return dist.run(WORLD, _worker, CONFIGS)
+
+
+def _estimate(name):
+    model_kw, strategy_kw = CONFIGS[name]
+    dp = WORLD // (strategy_kw.get("tp", 1) * strategy_kw.get("pp", 1))
+    return explain(make_model("gpt", **model_kw), batch_shape=(B, SEQ), dp=dp, print_report=False, **strategy_kw)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_estimates_match_a_real_run(measured, name):
+    report = _estimate(name)
+    seen = set()
+    for result in measured:
+        r = result[name]
+        est = report.rank(r["pp_rank"], r["tp_rank"])
+        seen.add((r["pp_rank"], r["tp_rank"], r["dp_rank"]))
+        assert len(r["steps"]) == STEPS and all(s == r["steps"][0] for s in r["steps"]), r["steps"]
+        got = r["steps"][0]
+        assert got["other"] == 0, got
+        assert r["params"] == pytest.approx(est.params, rel=0.05), (r, est)
+        for kind in KINDS:
+            assert got[kind] == pytest.approx(getattr(est, f"{kind}_bytes"), rel=0.05), (kind, r, est)
+    assert len(seen) == WORLD
+    strategy_kw = CONFIGS[name][1]
+    for kind, used in (("tp", True), ("pp", strategy_kw.get("pp", 1) > 1), ("sp", strategy_kw.get("sp", False)),
+                       ("dp", strategy_kw.get("pp", 1) == 1), ("tied", CONFIGS[name][0].get("tie_weights", False))):
+        total = sum(getattr(r, f"{kind}_bytes") for r in report.ranks)
+        assert (total > 0) == used, (kind, total)  # each layout exercises what it is meant to
+
+
+def test_megatron_count_per_layer():
+    layer = _estimate("tp2_pp2").layer_ops
+    # Megatron: 2 forward + 2 backward all-reduces of b*s*h per layer (h = 32)
+    assert sorted(layer) == [("all_reduce", 32, "bwd")] * 2 + [("all_reduce", 32, "fwd")] * 2
+    sp = _estimate("tp2_sp_pp2_interleaved_tied").layer_ops  # each becomes all-gather (local) + reduce-scatter
+    assert sorted(sp) == sorted([("all_gather", 16, "fwd"), ("all_gather", 16, "bwd"), ("reduce_scatter", 32, "fwd"),
+                                 ("reduce_scatter", 32, "bwd")] * 2)
+
+
+def test_explain_leaves_module_and_torch_distributed_alone(capsys):
+    model = make_model("gpt", n_layer=4, tie_weights=True)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    classes = [(n, type(m)) for n, m in model.named_modules()]
+    params = [(id(p), p.device, p.requires_grad) for p in model.parameters()]
+    report = explain(model, tp=2, pp=2, sp=True, microbatches=2, batch_shape=(B, SEQ))
+    assert not torch.distributed.is_initialized()
+    assert [(n, type(m)) for n, m in model.named_modules()] == classes
+    assert [(id(p), p.device, p.requires_grad) for p in model.parameters()] == params
+    after = model.state_dict()
+    assert after.keys() == state.keys() and all(torch.equal(after[k], v) for k, v in state.items())
+    assert not any(hasattr(p, a) for p in model.parameters() for a in ("_tp_spec", "_pp_tied", "_tp_sp_partial"))
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    assert model.model.transformer.h[0].attn.n_head == 4
+    assert str(report) in capsys.readouterr().out
+    x = torch.stack([Tokens(2, 64)[i][0] for i in range(2)])
+    assert model(x).shape == (2, SEQ, 64)  # still the single-device model
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_activation_model_against_saved_tensors(tp):
+    """Bytes autograd saves for one forward of the (tp-sharded, group-less: shapes only) model."""
+    model = make_model("gpt", n_layer=3, n_embd=64, vocab_size=63)
+    estimate = explain(model, tp=tp, batch_shape=(B, SEQ), print_report=False).rank(0).act_bytes
+    if tp > 1:
+        planner.apply(model, planner.resolve(model, tp, False), None, tp, 0, False)
+    data = Tokens(B, 63)
+    x, y = (torch.stack([data[i][j] for i in range(B)]) for j in (0, 1))
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.model(x, y)
+    assert sum(storages.values()) == pytest.approx(estimate, rel=0.1)
+
+
+def test_command_on_the_example_config(capsys):
+    config = os.path.join(ROOT, "examples", "gpt", "config.yaml")
+    run = subprocess.run([sys.executable, "-m", "lightning_tp", "explain", "--config", config], cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    out = run.stdout  # the example: tp=2 x dp=2 with SP on 4 devices, batch 16 of 64 bytes
+    assert "tp=2 pp=1 dp=2 (world 4) sp=True" in out and "batch 16 x 64 per process" in out, out
+    assert "example_gpt at model" in out and "model.transformer.h.*.attn" in out and "region" in out
+    from examples.gpt.lit import LitGPT
+
+    model = LitGPT(block_size=64, n_layer=4, n_head=4, n_embd=128)
+    assert str(explain(model, tp=2, sp=True, dp=2, batch_shape=(16, 64), print_report=False)) in out
+    from lightning_tp.__main__ import main
+
+    capsys.readouterr()
+    assert main(["explain", "--config", config, "--batch-shape", "8,32"]) == 0
+    assert str(explain(model, tp=2, sp=True, dp=2, batch_shape=(8, 32), print_report=False)) in capsys.readouterr().out
