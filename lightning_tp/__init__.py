@@ -6,6 +6,7 @@
 from lightning.pytorch.strategies import StrategyRegistry
 
 from .checkpoint import consolidate
+from .explain import explain
 from .mesh import ParallelMesh, build_mesh
 from .plain import save_consolidated
 from .plans import STYLES, Plan, register_plan
@@ -16,5 +17,5 @@ __version__ = "0.1.0"
 if "mega" not in StrategyRegistry:
     MegaStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["MegaStrategy", "Plan", "STYLES", "register_plan", "consolidate", "save_consolidated", "ParallelMesh",
-           "build_mesh"]
+__all__ = ["MegaStrategy", "Plan", "STYLES", "register_plan", "consolidate", "save_consolidated", "explain",
+           "ParallelMesh", "build_mesh"]

@@ -49,13 +49,18 @@ def run(world: int, fn, *args, timeout: float = 600.0) -> list:
             for p in ctx.processes:
                 if p.is_alive():
                     p.kill()
-        results = []
+        results, errors = [], []
         for rank in range(world):
             path = os.path.join(outdir, f"{rank}.pt")
             if not os.path.exists(path):
-                raise RuntimeError(f"rank {rank} exited without a result (exit code {ctx.processes[rank].exitcode})")
+                errors.append(f"rank {rank} exited without a result (exit code {ctx.processes[rank].exitcode})")
+                continue
             out = torch.load(path, weights_only=False)
             if "error" in out:
-                raise RuntimeError(f"rank {rank} failed:\n{out['error']}")
-            results.append(out["ok"])
+                errors.append(f"rank {rank} failed:\n{out['error']}")
+            else:
+                results.append(out["ok"])
+        if errors:  # the first cause first: a rank that lost its peer only reports "connection closed"
+            errors.sort(key=lambda e: "Connection closed" in e)
+            raise RuntimeError("\n".join(errors))
         return results

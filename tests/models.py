@@ -129,6 +129,28 @@ class HFCausalLM(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=3e-3, eps=ADAM_EPS)
 
 
+class LitGPTLM(L.LightningModule):
+    """A minimal LightningModule around litgpt's GPT (grouped queries, RoPE, LLaMA MLP, RMSNorm)."""
+
+    def __init__(self, layers: int = 2):
+        super().__init__()
+        from litgpt import GPT, Config
+
+        self.model = GPT(Config(block_size=SEQ * 2, vocab_size=64, padded_vocab_size=64, n_layer=layers, n_head=4,
+                                n_query_groups=2, n_embd=32, intermediate_size=64, mlp_class_name="LLaMAMLP",
+                                norm_class_name="RMSNorm", rotary_percentage=1.0, parallel_residual=False,
+                                bias=False))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self.model(x).flatten(0, 1), y.flatten())
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=3e-3, eps=ADAM_EPS)
+
+
 class MyAttention(nn.Module):
     """A custom attention class no built-in plan knows: fused qkv, its own head count."""
 
@@ -208,6 +230,8 @@ def make_model(kind: str, **kw):
         return HFCausalLM(kind[3:], **kw)
     if kind == "custom":
         return CustomLM(**kw)
+    if kind == "litgpt":
+        return LitGPTLM(**kw)
     raise ValueError(kind)
 
 
@@ -218,6 +242,8 @@ def vocab_of(model) -> int:
         return model.model.config.vocab_size
     if isinstance(model, CustomLM):
         return model.out.out_features
+    if isinstance(model, LitGPTLM):
+        return model.model.config.padded_vocab_size
     return model.head.out_features
 
 

@@ -1,8 +1,9 @@
 """How a local parameter relates to the user's full one, so it can be cut now and rebuilt later.
 
-A full tensor is viewed as ``chunks`` equal pieces along ``dim`` (3 for a fused q/k/v weight, 1
-otherwise); each piece is padded to ``padded`` rows in total, then cut into ``world`` contiguous
-slices. Rank r keeps slice r of every piece, concatenated. :func:`unshard` is the exact inverse,
+A full tensor is viewed as pieces along ``dim``: ``chunks`` equal ones (3 for a fused q/k/v weight,
+1 otherwise) or ``sections`` of given sizes (a grouped-query q/k/v: q bigger than k and v); each
+piece is padded to ``padded`` rows in total, then cut into ``world`` contiguous slices. Rank r
+keeps slice r of every piece, concatenated. :func:`unshard` is the exact inverse,
 which is what :func:`lightning_tp.consolidate` relies on.
 """
 
@@ -20,15 +21,23 @@ class ShardSpec:
     full: int  # size of `dim` in the user's tensor (all chunks, no padding)
     chunks: int = 1
     padded: int = 0  # size of `dim` after padding (0: no padding)
+    sections: tuple = ()  # unequal piece sizes (overrides chunks)
+
+    def pieces(self, t: torch.Tensor, world: int = 1) -> tuple:
+        if self.sections:
+            return t.split([s // world for s in self.sections], dim=self.dim)
+        return t.chunk(self.chunks, dim=self.dim) if self.chunks > 1 else (t,)
 
     def as_dict(self) -> dict:
         return asdict(self)
 
+    def __post_init__(self):
+        object.__setattr__(self, "sections", tuple(self.sections))
+
 
 def shard(full: torch.Tensor, spec: ShardSpec, rank: int) -> torch.Tensor:
-    pieces = full.chunk(spec.chunks, dim=spec.dim) if spec.chunks > 1 else (full,)
     out = []
-    for piece in pieces:
+    for piece in spec.pieces(full):
         size = piece.shape[spec.dim]
         target = spec.padded // spec.chunks if spec.padded else size
         if target > size:
@@ -41,11 +50,12 @@ def shard(full: torch.Tensor, spec: ShardSpec, rank: int) -> torch.Tensor:
 
 
 def unshard(locals_by_rank: list[torch.Tensor], spec: ShardSpec) -> torch.Tensor:
-    per_rank = [t.chunk(spec.chunks, dim=spec.dim) for t in locals_by_rank]
+    per_rank = [spec.pieces(t, spec.world) for t in locals_by_rank]
+    sizes = spec.sections or [spec.full // spec.chunks] * spec.chunks
     pieces = []
-    for c in range(spec.chunks):
+    for c, size in enumerate(sizes):
         piece = torch.cat([per_rank[r][c] for r in range(spec.world)], dim=spec.dim)
-        pieces.append(piece.narrow(spec.dim, 0, spec.full // spec.chunks))
+        pieces.append(piece.narrow(spec.dim, 0, size))
     return torch.cat(pieces, dim=spec.dim)
 
 

@@ -1,8 +1,10 @@
 """Cut a model into pipeline stages without touching its code.
 
 The stage unit is the model's repeated block list (an ``nn.ModuleList`` of same-class blocks).
-Contiguous blocks go to each virtual stage; modules with parameters registered before the block
-list (embeddings) belong to the first stage, those after it (final norm, head, loss) to the last.
+Contiguous blocks go to each virtual stage; modules with parameters outside the block list go to
+the first stage when they hold an embedding (or come before the blocks and hold no Linear, like a
+patch embedding), else to the last stage (final norm, head): registration order alone is not
+enough, since litgpt registers its LM head before its blocks.
 On a rank that does not own a module it is replaced by a placeholder: skipped blocks pass their
 input through, other modules return zeros of the right shape (worked out on the meta device), so
 the user's forward still runs from top to bottom on every stage.
@@ -213,9 +215,16 @@ def _outer_modules(model: nn.Module, blocks_path: str):
         if not name or any(name.startswith(t + ".") for t in taken) or blocks_path.startswith(name + "."):
             continue
         if any(True for _ in m.parameters(recurse=False)) or _is_leafy_owner(m):
-            (after if seen_blocks else before).append((name, m))
+            (before if _runs_first(m, seen_blocks) else after).append((name, m))
             taken.append(name)
     return before, after
+
+
+def _runs_first(m: nn.Module, after_blocks: bool) -> bool:
+    kinds = [type(c) for c in m.modules()]
+    if any(issubclass(k, nn.Embedding) for k in kinds):
+        return True
+    return not after_blocks and not any(issubclass(k, nn.Linear) or k.__name__ == "Conv1D" for k in kinds)
 
 
 def _is_leafy_owner(m: nn.Module) -> bool:

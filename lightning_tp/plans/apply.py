@@ -7,6 +7,7 @@ collective runs (all ranks hold the same model, so all raise the same error and 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import warnings
 from dataclasses import dataclass, field
@@ -93,7 +94,7 @@ def resolve(model: nn.Module, tp: int, sp: bool, plan="auto") -> list:
             for name, module in root.named_modules():
                 if path_matches(glob, name):
                     for attr, rule in rules.items():
-                        check_divisible(attr, _join(prefix, name), getattr(module, attr), tp,
+                        check_divisible(attr, _join(prefix, name), _getattr_path(module, attr), tp,
                                         f"Set {attr} to a multiple of {tp}, or use a tp that divides it.")
         names = [n for n, _ in root.named_modules()]
         if p.sp_start is not None:
@@ -135,13 +136,14 @@ def _check_sizes(name: str, module: nn.Module, style: str, tp: int, options: dic
     hint = "Use sizes divisible by tp, or a tp that divides them."
     conv = is_conv1d(module)
     if style in ("colwise", "colwise_local"):
-        out = module.weight.shape[1 if conv else 0] // options.get("chunks", 1)
+        total = module.weight.shape[1 if conv else 0]
         unit = options.get("unit", 1)
-        if out % unit == 0 and (out // unit) % tp and unit > 1:
-            raise ValueError(f"{name}: out_features = {out} holds {out // unit} heads of {unit}, which tp = {tp} "
-                             f"cannot split into whole heads. Use a tp dividing {out // unit} (more ranks than "
-                             f"key/value heads, i.e. replicated kv heads, is not supported yet).")
-        check_divisible("out_features", name, out, tp, hint)
+        for out in options.get("sections") or [total // options.get("chunks", 1)]:
+            if unit > 1 and out % unit == 0 and (out // unit) % tp:
+                raise ValueError(f"{name}: out_features = {out} holds {out // unit} heads of {unit}, which tp = {tp} "
+                                 f"cannot split into whole heads. Use a tp dividing {out // unit} (more ranks than "
+                                 f"key/value heads, i.e. replicated kv heads, is not supported yet).")
+            check_divisible("out_features", name, out, tp, hint)
     elif style == "rowwise":
         check_divisible("in_features", name, module.weight.shape[0 if conv else 1], tp, hint)
     elif style == "mha":
@@ -163,7 +165,7 @@ def apply(model: nn.Module, matches: list, group, tp: int, rank: int, sp: bool) 
             if style == "vocab_ce" and head_elsewhere:
                 continue  # the loss only runs on the stage that holds the head
             local_ctx = dataclasses.replace(ctx, sp=False) if options.get("full_input") and ctx.sp else ctx
-            new = _build(module, style, local_ctx, path, memo, has_ce, head, options.get("chunks", 1))
+            new = _build(module, style, local_ctx, path, memo, has_ce, head, options)
             if style == "lm_head":
                 head = new
             if style == "vocab_ce" and head is None:
@@ -175,18 +177,18 @@ def apply(model: nn.Module, matches: list, group, tp: int, rank: int, sp: bool) 
         for glob, rules in m.plan.attrs.items():
             for name, module in root.named_modules():
                 if path_matches(glob, name) and not isinstance(module, PipelinePlaceholder):
-                    for attr in rules:
-                        setattr(module, attr, getattr(module, attr) // tp)
+                    _divide_attrs(module, list(rules), tp)
         if ctx.sp:
             _install_sp_boundaries(model, m, ctx)
     return replaced
 
 
-def _build(module, style, ctx, path, memo, has_ce, head, chunks):
+def _build(module, style, ctx, path, memo, has_ce, head, options):
+    split = dict(chunks=options.get("chunks", 1), sections=tuple(options.get("sections", ())))
     if style == "colwise":
-        return ColumnParallelLinear.from_linear(module, ctx, path, memo, chunks=chunks)
+        return ColumnParallelLinear.from_linear(module, ctx, path, memo, **split)
     if style == "colwise_local":
-        return ColumnParallelLinear.from_linear(module, ctx, path, memo, input_comm=False, chunks=chunks)
+        return ColumnParallelLinear.from_linear(module, ctx, path, memo, input_comm=False, **split)
     if style == "rowwise":
         return RowParallelLinear.from_linear(module, ctx, path, memo)
     if style == "lm_head":
@@ -236,6 +238,27 @@ def _install_sp_boundaries(model, m: Match, ctx: TPContext) -> None:
         end = _held(model, m.sp_end) if m.sp_end else model
         if end is not None:
             end.register_forward_hook(leave)
+
+
+def _getattr_path(obj, path: str):
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _divide_attrs(module: nn.Module, attrs: list, tp: int) -> None:
+    """value //= tp; a dotted path first gives the module its own copy of each shared holder."""
+    copied = {}
+    for attr in attrs:
+        *holders, leaf = attr.split(".")
+        obj = module
+        for i, part in enumerate(holders):
+            key = ".".join(holders[: i + 1])
+            if key not in copied:
+                copied[key] = copy.copy(getattr(obj, part))
+                setattr(obj, part, copied[key])
+            obj = copied[key]
+        setattr(obj, leaf, getattr(obj, leaf) // tp)
 
 
 def _held(model: nn.Module, path: str):

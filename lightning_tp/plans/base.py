@@ -27,6 +27,7 @@ STYLES = {
 ATTR_RULES = {"divide": "value // tp (must divide)"}
 STYLE_OPTIONS = {
     "chunks": "the weight is that many equal blocks along its output (a fused q/k/v: 3); each is split",
+    "sections": "the weight is blocks of these sizes along its output (grouped-query q/k/v); each is split",
     "unit": "outputs come in units of this size (a head's head_dim): each rank must get whole units",
     "full_input": "the input is whole along the sequence even under SP (the module runs after sp_end)",
 }
@@ -53,7 +54,9 @@ class Plan:
     styles:   glob -> style (see STYLES), or {"style": ..., **options} (see STYLE_OPTIONS);
               the first matching glob wins.
     attrs:    glob -> {attribute: rule}: attributes the model's forward reads that must become
-              per-rank values, e.g. ``{"transformer.h.*.attn": {"n_head": "divide"}}``.
+              per-rank values, e.g. ``{"transformer.h.*.attn": {"n_head": "divide"}}``. A dotted
+              attribute (``"config.n_head"``) divides a per-module copy of the object it sits on,
+              so a config shared by the whole model is left alone.
     sp_start: glob; the first matching module's input is split along the sequence (SP begins).
     sp_end:   glob; the last matching module's output is gathered (SP ends), if a replicated
               consumer follows. Unneeded when an 'lm_head' gathers its input itself.

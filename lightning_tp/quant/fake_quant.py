@@ -67,22 +67,26 @@ class _FakeQuant(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, scale, qmax, clip_mask):
+        v = x / scale  # the same ops as quantize(), in place where possible: this runs on every activation
+        ctx.clip_mask = clip_mask
         if clip_mask:
-            ctx.save_for_backward(x, scale)
-        ctx.qmax, ctx.clip_mask = qmax, clip_mask
-        return quantize(x, scale, qmax) * scale
+            ctx.save_for_backward(v.abs() <= qmax)  # one byte per element; backward is a single multiply
+        return v.round_().clamp_(-qmax, qmax).mul_(scale)
 
     @staticmethod
     def backward(ctx, g):
         if not ctx.clip_mask:
             return g, None, None, None
-        x, scale = ctx.saved_tensors
-        inside = (x / scale).abs() <= ctx.qmax
+        (inside,) = ctx.saved_tensors
         return g * inside, None, None, None
 
 
 def fake_quant(x: torch.Tensor, scale: torch.Tensor, qmax: int, clip_mask: bool = True) -> torch.Tensor:
-    return _FakeQuant.apply(x, scale.detach(), qmax, clip_mask)
+    """Fake quant in fp32 for 16-bit inputs (bf16's 8-bit mantissa cannot hold x / s exactly enough to
+    round to the right code, and int8 inference rounds in fp32), cast back to the input's dtype."""
+    if x.dtype in (torch.float16, torch.bfloat16):
+        return _FakeQuant.apply(x.float(), scale.detach().float(), qmax, clip_mask).to(x.dtype)
+    return _FakeQuant.apply(x, scale.detach().to(x.dtype), qmax, clip_mask)
 
 
 def fake_quant_weight(w: torch.Tensor, bits: int, group=None) -> torch.Tensor:
@@ -166,7 +170,11 @@ class ActQuantizer(nn.Module):
         return getattr(self.tp_ctx, "group", None)
 
     def batch_amax(self, x: torch.Tensor) -> torch.Tensor:
-        local = x.detach().abs().amax().float().reshape(1)
+        if x.numel() == 0:
+            local = x.new_zeros(1, dtype=torch.float32)
+        else:
+            lo, hi = torch.aminmax(x.detach())  # one pass instead of abs() then amax()
+            local = torch.maximum(-lo, hi).float().reshape(1)
         return reduce_max(local, self._tp_group if self.sharded else None, self.dp_group).reshape(())
 
     @torch.no_grad()
@@ -193,14 +201,15 @@ class ActQuantizer(nn.Module):
                 self._observed += 1
             return x
         if not self.is_initialized and not self.training:  # uncalibrated, in eval: this batch's range
-            return fake_quant(x, (self.batch_amax(x) / self.qmax).clamp_min(EPS).to(x.dtype), self.qmax)
+            return fake_quant(x, (self.batch_amax(x) / self.qmax).clamp_min(EPS), self.qmax)
         if self.clip is not None:
             if not self.is_initialized:
                 self._set_range(self.batch_amax(x))
             group = self._tp_group if self.partial_grad else None
             numel = x.numel() * (comm.group_size(self._tp_group) if self.sharded else 1)
             alpha = self.clip.abs().clamp_min(EPS)
-            return _LSQ.apply(x, alpha, self.qmax, 1.0 / math.sqrt(numel * self.qmax), group)
+            xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x  # as in fake_quant()
+            return _LSQ.apply(xf, alpha.to(xf.dtype), self.qmax, 1.0 / math.sqrt(numel * self.qmax), group).to(x.dtype)
         if self.training:  # update first, then quantize with the updated range (frozen in eval)
             with torch.no_grad():
                 m = self.batch_amax(x)
@@ -208,7 +217,7 @@ class ActQuantizer(nn.Module):
                     self.amax.mul_(self.momentum).add_(m * (1.0 - self.momentum))
                 else:
                     self._set_range(m)
-        return fake_quant(x, (self.amax / self.qmax).clamp_min(EPS).to(x.dtype), self.qmax)
+        return fake_quant(x, (self.amax.float() / self.qmax).clamp_min(EPS), self.qmax)
 
     def extra_repr(self) -> str:
         return f"bits={self.bits}, range={self.range_mode}, sharded={self.sharded}"
