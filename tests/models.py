@@ -151,6 +151,25 @@ class LitGPTLM(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=3e-3, eps=ADAM_EPS)
 
 
+class DemoTransformerLM(L.LightningModule):
+    """Lightning's own demo model (nn.Transformer encoder-decoder), dropout off for parity."""
+
+    def __init__(self):
+        super().__init__()
+        from lightning.pytorch.demos import Transformer
+
+        self.model = Transformer(vocab_size=64, ninp=32, nhead=4, nhid=64, nlayers=2, dropout=0.0)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.nll_loss(self.model(x, y), y.reshape(-1))
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=3e-3, eps=ADAM_EPS)
+
+
 class MyAttention(nn.Module):
     """A custom attention class no built-in plan knows: fused qkv, its own head count."""
 
@@ -232,6 +251,8 @@ def make_model(kind: str, **kw):
         return CustomLM(**kw)
     if kind == "litgpt":
         return LitGPTLM(**kw)
+    if kind == "demo_transformer":
+        return DemoTransformerLM(**kw)
     raise ValueError(kind)
 
 
@@ -244,6 +265,8 @@ def vocab_of(model) -> int:
         return model.out.out_features
     if isinstance(model, LitGPTLM):
         return model.model.config.padded_vocab_size
+    if isinstance(model, DemoTransformerLM):
+        return model.model.vocab_size
     return model.head.out_features
 
 

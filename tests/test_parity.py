@@ -27,6 +27,7 @@ WORLD2 = {
     "tp2_sp_tied_padded_vocab": ("gpt", dict(vocab_size=63, tie_weights=True), dict(tp=2, sp=True), {}),
     "tp2_sp_clip": ("gpt", {}, dict(tp=2, sp=True), CLIP),
     "dp2_accumulate": ("gpt", {}, dict(tp=1), ACCUMULATE),
+    "tp2_demo_transformer": ("demo_transformer", {}, dict(tp=2), {}),  # nn.Transformer encoder-decoder
     "tp2_sp_kernels": ("gpt", {}, dict(tp=2, sp=True, kernels=True), {}),  # torch twins of the fused modules
     "dp2_kernels": ("gpt", {}, dict(tp=1, kernels=True), {}),
 }

@@ -34,6 +34,7 @@ WORLD4.update({
     "tp2_pp2_tied_interleaved": ("gpt", dict(n_layer=4, tie_weights=True), dict(tp=2, **_pp(2, "interleaved_1f1b")),
                                  {}),
     "pp2_dp2": ("gpt", dict(n_layer=4), _pp(2, "1f1b"), {}),
+    "tp2_sp_pp2_encoder": ("encoder", dict(layers=4), dict(tp=2, sp=True, **_pp(2, "1f1b")), {}),
 })
 
 

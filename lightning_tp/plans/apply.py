@@ -125,8 +125,10 @@ def _report(plan: Plan, root: nn.Module, prefix: str, names: list) -> None:
     if unmatched:
         warnings.warn(f"lightning_tp: plan {plan.name!r}: {unmatched} matched nothing under "
                       f"{prefix or 'the model'}.")
+    owned_by_mha = [n for n in names if plan.style_of(n)[0] == "mha"]  # their out_proj goes with them
     unsharded = [_join(prefix, n) for n, mod in root.named_modules()
-                 if (isinstance(mod, nn.Linear) or is_conv1d(mod)) and plan.style_of(n)[0] is None]
+                 if (isinstance(mod, nn.Linear) or is_conv1d(mod)) and plan.style_of(n)[0] is None
+                 and not any(n.startswith(o + ".") or o == "" for o in owned_by_mha)]
     if unsharded:
         warnings.warn(f"lightning_tp: plan {plan.name!r}: Linear layers left unsharded (replicated on every tp "
                       f"rank): {unsharded[:8]}{' ...' if len(unsharded) > 8 else ''}.")
@@ -276,6 +278,9 @@ def _held(model: nn.Module, path: str):
 def blocks_path(model: nn.Module, plan) -> str | None:
     """The block list a plan names (for pipeline parallelism), if any."""
     for prefix, p in _find(model, plan):
+        if not p.pipeline:
+            raise ValueError(f"pipeline parallelism (pp > 1) is not supported for {prefix or 'the model'} (plan "
+                             f"{p.name!r}): its blocks are not one chain of stages. Use tp/dp only.")
         if p.blocks:
             return _join(prefix, p.blocks)
     return None

@@ -62,6 +62,7 @@ class Plan:
               consumer follows. Unneeded when an 'lm_head' gathers its input itself.
     seq_dim:  the sequence dimension of activations (1 for batch-first).
     blocks:   the repeated block list (for pipeline parallelism).
+    pipeline: False where the family cannot be cut into stages (an encoder-decoder).
     targets:  class names this plan is found by under ``plan="auto"``.
     requires: submodule paths that must exist for an auto match (tells same-named classes apart).
     """
@@ -73,6 +74,7 @@ class Plan:
     sp_end: Optional[str] = None
     seq_dim: int = 1
     blocks: Optional[str] = None
+    pipeline: bool = True
     targets: tuple = ()
     requires: tuple = ()
 

@@ -27,6 +27,18 @@ TRANSFORMER_ENCODER_LAYER = Plan(
     sp_end="",
 )
 
+# nn.Transformer (encoder-decoder; so also Lightning's demo Transformer): tensor parallelism only.
+# The decoder's cross-attention enters the TP region for its memory input on its own.
+TRANSFORMER = Plan(
+    name="torch_transformer",
+    targets=("Transformer",),
+    requires=("encoder.layers", "decoder.layers"),
+    styles={f"encoder.layers.*.{k}": v for k, v in _LAYER.items() if v != "sp_norm"}
+    | {f"decoder.layers.*.{k}": v for k, v in _LAYER.items() if v != "sp_norm"}
+    | {"decoder.layers.*.multihead_attn": "mha"},
+    pipeline=False,
+)
+
 MULTIHEAD_ATTENTION = Plan(name="torch_multihead_attention", targets=("MultiheadAttention",), styles={"": "mha"})
 
-PLANS = [TRANSFORMER_ENCODER, TRANSFORMER_ENCODER_LAYER, MULTIHEAD_ATTENTION]
+PLANS = [TRANSFORMER, TRANSFORMER_ENCODER, TRANSFORMER_ENCODER_LAYER, MULTIHEAD_ATTENTION]
