@@ -187,8 +187,7 @@ class MegaStrategy(ParallelStrategy):
         if self.sync_init and self.mesh.world_size > 1:
             for t in list(module.parameters()) + list(module.buffers()):
                 dist.broadcast(t.data, src=0)
-        if layout is not None:
-            apply_split(module, layout, self.mesh.pp_rank)
+        split = apply_split(module, layout, self.mesh.pp_rank) if layout is not None else {"before": {}}
         replaced = planner.apply(module, matches, self.mesh.tp_group, self.tp, self.mesh.tp_rank, self.sp)
         apply_kernels(module, self.kernels)
         if self.load_full is not None:
@@ -197,7 +196,8 @@ class MegaStrategy(ParallelStrategy):
         if self._pipelined:
             if layout is None:  # microbatching without stages: one stage holding every block
                 layout = plan_stages(module, 1, 1, self.pipeline_blocks or planner.blocks_path(module, self.plan))
-            state = install_stages(module.get_submodule(layout.blocks_path), layout, self.mesh.pp_rank)
+            before = [(module.get_submodule(name), twin) for name, twin in split["before"].items()]
+            state = install_stages(module.get_submodule(layout.blocks_path), layout, self.mesh.pp_rank, before)
             self._runner = PipelineRunner(module, self.mesh, layout, state, self.schedule, self.microbatches)
         contexts = {id(m.ctx): m.ctx for m in replaced.values() if hasattr(m, "ctx")}
         module._lightning_tp = {"tp": self.tp, "sp": self.sp, "pp": self.pp, "contexts": list(contexts.values()),

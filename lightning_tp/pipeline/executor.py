@@ -68,7 +68,7 @@ def muted_metrics(module, mute: bool):
 
 def _mean(values):
     if all(isinstance(v, (torch.Tensor, int, float)) for v in values):
-        return float(sum(float(v) for v in values) / len(values))
+        return float(sum(float(v.detach() if isinstance(v, torch.Tensor) else v) for v in values) / len(values))
     return None  # torchmetrics objects and the like: logged by the last stage only
 
 

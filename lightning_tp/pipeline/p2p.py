@@ -22,7 +22,7 @@ def tag(direction: int, microbatch: int, vstage: int, n_vstages: int) -> int:
 
 
 class Mailbox:
-    """Keeps in-flight sends alive until the step ends."""
+    """Keeps in-flight sends alive until they complete (checked at each send, waited at step end)."""
 
     def __init__(self):
         self.pending = []
@@ -35,6 +35,7 @@ class Mailbox:
         header[0], header[1] = tensor.dim(), _DTYPES.index(tensor.dtype)
         header[2:2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
         comm._record("send", tensor, None)  # the payload only (not the header): counted like collectives
+        self.pending = [(w, t) for w, t in self.pending if not w.is_completed()]  # free what has landed
         self.pending.append((dist.isend(header, dst, tag=t), header))
         self.pending.append((dist.isend(tensor, dst, tag=t + 1), tensor))
 

@@ -6,12 +6,12 @@ walks a rank's list and performs each action, and :mod:`.simulate` replays
 all lists to check them and measure bubbles.
 
 Why point-to-point transfers are explicit actions rather than implied by
-F/B: the executor batches every run of adjacent SEND_*/RECV_* actions into
-one ``batch_isend_irecv`` call (e.g. 1F1B's "send activation, receive
-gradient" pair). Where those actions sit in the list therefore decides which
-transfers overlap and whether two ranks can wait on each other. Keeping them
-in the data makes that choice visible, testable and simulatable instead of
-hiding it in executor control flow.
+F/B: where a SEND/RECV sits in the list decides which transfers overlap and
+whether two ranks can wait on each other. Keeping them in the data makes that
+choice visible, testable and simulatable instead of hiding it in executor
+control flow. (Today's executor runs each one on its own: sends are
+non-blocking, receives block; batching adjacent ones into one
+``batch_isend_irecv`` is a possible optimisation the lists already allow.)
 
 Conventions:
 

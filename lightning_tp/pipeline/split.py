@@ -72,11 +72,15 @@ class ShapeOnly(PipelinePlaceholder):
     """Runs the meta twin of the original to return zeros of the true output shape."""
 
     def forward(self, *args, **kwargs):
-        device = next((t.device for t in _tensors(args, kwargs)), torch.device("cpu"))
-        meta_args, meta_kwargs = tree_map(_to_meta, (args, kwargs))
-        out = self._twin[0](*meta_args, **meta_kwargs)
-        return tree_map(lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device)
-                        if isinstance(t, torch.Tensor) else t, out)
+        return zeros_like_output(self._twin[0], args, kwargs)
+
+
+def zeros_like_output(twin: nn.Module, args, kwargs):
+    device = next((t.device for t in _tensors(args, kwargs)), torch.device("cpu"))
+    meta_args, meta_kwargs = tree_map(_to_meta, (args, kwargs))
+    out = twin(*meta_args, **meta_kwargs)
+    return tree_map(lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device)
+                    if isinstance(t, torch.Tensor) else t, out)
 
 
 def _to_meta(t):
@@ -201,7 +205,9 @@ def apply_split(model: nn.Module, layout: StageLayout, pp_rank: int) -> dict:
                 _set(model, name, ShapeOnly(m, name))
     for p in tied:
         p._pp_tied = True
-    return {"tied": tied if (first or last) else []}
+    # chunks after the first would rerun these (and their collectives) for nothing: keep shape twins
+    twins = {name: meta_twin(m) for name, m in before} if first and layout.v > 1 else {}
+    return {"tied": tied if (first or last) else [], "before": twins}
 
 
 def _outer_modules(model: nn.Module, blocks_path: str):

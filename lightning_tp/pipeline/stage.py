@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .split import zeros_like_output
+
 
 class StageDone(Exception):
     """Carries the output of this virtual stage's last block out of the user's step."""
@@ -31,14 +33,29 @@ class StageState:
     wrapped: list = field(default_factory=list)
 
 
-def install(blocks, layout, pp_rank: int) -> StageState:
+def install(blocks, layout, pp_rank: int, before=()) -> StageState:
+    """``before``: (module, meta twin) pairs of first-stage modules to silence in later chunks."""
     state = StageState(layout.ranges, layout.last_vstage)
     for k in layout.vstages_of(pp_rank):
         lo, hi = layout.ranges[k]
         for i in range(lo, hi + 1):
             _wrap(blocks[i], i, state)
             state.wrapped.append(blocks[i])
+    for module, twin in before:
+        _wrap_first_stage_module(module, twin, state)
     return state
+
+
+def _wrap_first_stage_module(module, twin, state: StageState) -> None:
+    """An embedding only feeds virtual stage 0: in a later chunk's run it returns zeros of its shape."""
+    original = module.forward
+
+    def forward(*args, **kwargs):
+        if state.active > 0:
+            return zeros_like_output(twin, args, kwargs)
+        return original(*args, **kwargs)
+
+    module.forward = forward
 
 
 def _wrap(block, index: int, state: StageState) -> None:
