@@ -198,18 +198,18 @@ def _instrument_executor():
                     STATS.mailbox_peak = max(STATS.mailbox_peak, held)
         return wrapper
 
-    _ORIGINAL.update(send=timed(p2p.Mailbox.send, "send"), recv=staticmethod(timed(p2p.Mailbox.recv, "recv")))
+    _ORIGINAL.update(send=timed(p2p.Mailbox.send, "send"), recv=timed(p2p.Mailbox.recv, "recv"))
 
-    def send_payload_only(self, tensor, dst, t):
+    def send_payload_only(self, tensor, dst, t, channel=None):
         tensor = tensor.detach().contiguous()
         self.pending.append((dist.isend(tensor, dst, tag=t + 1), tensor))
 
-    def recv_payload_only(src, t, device):
+    def recv_payload_only(self, src, t, device, channel=None):
         out = torch.empty(ROWS, WIDTH, device=device)  # every transfer of this model has this shape
         dist.irecv(out, src, tag=t + 1).wait()
         return out
 
-    _HEADERLESS.update(send=timed(send_payload_only, "send"), recv=staticmethod(timed(recv_payload_only, "recv")))
+    _HEADERLESS.update(send=timed(send_payload_only, "send"), recv=timed(recv_payload_only, "recv"))
     use_headers(True)
     p2p.Mailbox.wait = timed(p2p.Mailbox.wait, "wait")
     executor.PipelineRunner.train_step = timed(executor.PipelineRunner.train_step, "train_step")
@@ -302,8 +302,9 @@ def probes(rank, world, reps=200):
                         work = dist.isend(t, peer, tag=10)
                         call += time.perf_counter() - c0
                         work.wait()
-                    else:
-                        box.send(t, peer, 10)
+                    else:  # a fresh Mailbox: the first message of a step on a channel carries the header
+                        box = Mailbox()
+                        box.send(t, peer, 10, "probe")
                         call += time.perf_counter() - c0
                         box.wait()
                 else:
@@ -311,7 +312,7 @@ def probes(rank, world, reps=200):
                         r = torch.empty_like(t)
                         dist.irecv(r, peer, tag=10).wait()
                     else:
-                        Mailbox.recv(peer, 10, torch.device("cpu"))
+                        Mailbox().recv(peer, 10, torch.device("cpu"), "probe")
         out[f"{name}_one_way_ms"] = (time.perf_counter() - t0) / reps * 1e3
         out[f"{name}_send_call_ms"] = call / (reps // 2) * 1e3
         dist.barrier()

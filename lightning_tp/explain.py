@@ -13,8 +13,8 @@ payload, its 80-byte header left out) times the element size. That is what each 
 the collective, not what a ring algorithm puts on the wire (about 2(n-1)/n of it for an all-reduce).
 
 Per optimizer step, with n = B*T tokens per replica (B: the batch one process loads):
-  * TP activations, counted on the stage that runs the planned module (the first rank's pre-block
-    modules run their forward once per chunk under the interleaved schedule). 'region'/'colwise'/'mha'/
+  * TP activations, counted on the stage that runs the planned module (once per microbatch: under
+    the interleaved schedule later chunks skip the first rank's pre-block modules). 'region'/'colwise'/'mha'/
     'lm_head' enter the TP region: a backward all-reduce of n*w (under SP, a forward all-gather of
     n*w/tp plus a backward reduce-scatter of n*w). 'rowwise' (and mha's out_proj) leave it: a forward
     all-reduce (SP: reduce-scatter n*w, then a backward all-gather n*w/tp). 'vocab': a forward
@@ -265,10 +265,7 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
         act = max(chunks, default=0) + (width[("first",)] if r == 0 else 0) + (width[("last",)] if r == pp - 1 else 0)
         ks = layout.vstages_of(r) if layout else []
         sends = sum(k < layout.last_vstage for k in ks) + sum(k > 0 for k in ks)
-        # every chunk's forward runs the user's step from the top: the first rank's pre-block modules
-        # (its vocab all-reduce) run once per chunk, their backward only for the chunk that uses them
-        tp_elems = sum(w * (v if loc == ("first",) and phase == "fwd" else 1)
-                       for loc in mine for _, w, phase in ops[loc])
+        tp_elems = sum(w for loc in mine for _, w, phase in ops[loc])
         for t in range(tp):
             local = copy.deepcopy(base)  # split, then shard, as the strategy does (deepcopy drops param marks)
             if pp > 1:

@@ -135,7 +135,7 @@ class PipelineRunner:
             key, k = (a.microbatch, a.chunk), self._vstage(a.chunk)
             if a.kind == "RECV_F":
                 t = tag(0, a.microbatch, k, self.n_vstages)
-                inputs[key] = box.recv(self._rank_of(k - 1), t, device).requires_grad_()
+                inputs[key] = box.recv(self._rank_of(k - 1), t, device, (0, k)).requires_grad_()
             elif a.kind == "F":
                 finished, out = self._run("training_step", micro[a.microbatch], batch_idx, k, inputs.get(key),
                                           logs[a.microbatch])
@@ -145,14 +145,16 @@ class PipelineRunner:
                     out = out * scale
                 outputs[key] = out
             elif a.kind == "SEND_F":
-                box.send(outputs[key], self._rank_of(k + 1), tag(0, a.microbatch, k + 1, self.n_vstages))
+                t = tag(0, a.microbatch, k + 1, self.n_vstages)
+                box.send(outputs[key], self._rank_of(k + 1), t, (0, k + 1))
             elif a.kind == "RECV_B":
-                grads[key] = box.recv(self._rank_of(k + 1), tag(1, a.microbatch, k, self.n_vstages), device)
+                t = tag(1, a.microbatch, k, self.n_vstages)
+                grads[key] = box.recv(self._rank_of(k + 1), t, device, (1, k))
             elif a.kind == "B":
                 self._backward(key, k, outputs.pop(key), grads.pop(key, None), inputs, input_grads, deferred)
             elif a.kind == "SEND_B":
                 g = input_grads.pop(key) if key in input_grads else inputs[key].grad
-                box.send(g, self._rank_of(k - 1), tag(1, a.microbatch, k - 1, self.n_vstages))
+                box.send(g, self._rank_of(k - 1), tag(1, a.microbatch, k - 1, self.n_vstages), (1, k - 1))
                 inputs.pop(key)
             elif a.kind == "W":
                 target, grad = deferred.pop(key)
@@ -193,12 +195,13 @@ class PipelineRunner:
                     k = self._vstage(c)
                     received = None
                     if k > 0:
-                        received = box.recv(self._rank_of(k - 1), tag(2, mb, k, self.n_vstages), device)
+                        t = tag(2, mb, k, self.n_vstages)
+                        received = box.recv(self._rank_of(k - 1), t, device, (2, k))
                     finished, out = self._run(hook, micro[mb], batch_idx, k, received, logs[mb])
                     if finished:
                         results.append(out)
                     else:
-                        box.send(out, self._rank_of(k + 1), tag(2, mb, k + 1, self.n_vstages))
+                        box.send(out, self._rank_of(k + 1), tag(2, mb, k + 1, self.n_vstages), (2, k + 1))
         box.wait()
         merged = None
         if results and all(isinstance(r, torch.Tensor) for r in results):

@@ -1,9 +1,11 @@
 """Point-to-point transfers between pipeline stages.
 
-Each message is a small header (shape and dtype) followed by the tensor, so a receiver needs no
-shape guesses. Tags name the message (direction, microbatch, receiving virtual stage): a rank that
-runs several chunks gets each tensor where it belongs, whatever order the transfers land in.
-Sends are non-blocking; receives block, which is what the schedules' deadlock check assumes.
+The first message of a step on a channel (direction, receiving virtual stage) carries a small
+header (shape and dtype); the microbatches after it have the same shape, so they travel alone.
+Both sides walk a channel's microbatches in increasing order (every schedule does), so they agree
+on which message is first. Tags name each message (direction, microbatch, receiving virtual
+stage): a rank that runs several chunks gets each tensor where it belongs. Sends are
+non-blocking; receives block, which is what the schedules' deadlock check assumes.
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ class Mailbox:
 
     def __init__(self):
         self.pending = []
+        self.sent_header, self.shapes = set(), {}  # per channel, for this step
 
-    def send(self, tensor: torch.Tensor, dst: int, t: int) -> None:
+    def send(self, tensor: torch.Tensor, dst: int, t: int, channel) -> None:
         tensor = tensor.detach().contiguous()
         if tensor.dim() > _HEADER - 2:
             raise ValueError(f"pipeline activations of {tensor.dim()} dims are not supported (max {_HEADER - 2}).")
@@ -35,16 +38,20 @@ class Mailbox:
         header[0], header[1] = tensor.dim(), _DTYPES.index(tensor.dtype)
         header[2:2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
         comm._record("send", tensor, None)  # the payload only (not the header): counted like collectives
-        self.pending = [(w, t) for w, t in self.pending if not w.is_completed()]  # free what has landed
-        self.pending.append((dist.isend(header, dst, tag=t), header))
+        self.pending = [(w, x) for w, x in self.pending if not w.is_completed()]  # free what has landed
+        if channel not in self.sent_header:
+            self.sent_header.add(channel)
+            self.pending.append((dist.isend(header, dst, tag=t), header))
         self.pending.append((dist.isend(tensor, dst, tag=t + 1), tensor))
 
-    @staticmethod
-    def recv(src: int, t: int, device) -> torch.Tensor:
-        header = torch.empty(_HEADER, dtype=torch.int64, device=device)
-        dist.irecv(header, src, tag=t).wait()
-        ndim, code = int(header[0]), int(header[1])
-        out = torch.empty(tuple(header[2:2 + ndim].tolist()), dtype=_DTYPES[code], device=device)
+    def recv(self, src: int, t: int, device, channel) -> torch.Tensor:
+        if channel not in self.shapes:
+            header = torch.empty(_HEADER, dtype=torch.int64, device=device)
+            dist.irecv(header, src, tag=t).wait()
+            ndim = int(header[0])
+            self.shapes[channel] = (tuple(header[2:2 + ndim].tolist()), _DTYPES[int(header[1])])
+        shape, dtype = self.shapes[channel]
+        out = torch.empty(shape, dtype=dtype, device=device)
         dist.irecv(out, src, tag=t + 1).wait()
         return out
 
