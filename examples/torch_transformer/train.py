@@ -1,0 +1,61 @@
+"""Lightning's demo Transformer (torch's nn.Transformer encoder-decoder) trained with tensor
+parallelism on 2 CPU processes, on the byte-level Tiny Shakespeare of examples/gpt.
+
+    python examples/torch_transformer/train.py
+
+The LightningModule wraps ``lightning.pytorch.demos.Transformer`` as Lightning's own demo does; the
+only parallel line is the Trainer's ``strategy=MegaStrategy(tp=2)``. plan="auto" finds the built-in
+nn.Transformer plan: every self- and cross-attention becomes head-parallel, linear1 column- and
+linear2 row-parallel. The embedding and the output layer sit outside nn.Transformer and stay
+replicated. This family is tensor parallel only: no sequence parallelism, and pp > 1 is refused.
+
+Like Lightning's demo, the decoder is fed the target sequence (under a causal mask) and the encoder
+sees the whole input, so the loss falls fast: this shows the parallel training runs, not a
+language model worth sampling from.
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # so `examples.gpt` imports from a checkout
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from lightning.pytorch.demos import Transformer  # noqa: E402
+
+from examples.gpt.lit import ShakespeareData  # noqa: E402
+from lightning_tp import MegaStrategy  # noqa: E402
+
+
+class DemoTransformerLM(L.LightningModule):
+    def __init__(self, lr: float = 1e-3):
+        super().__init__()
+        self.lr = lr
+        self.model = Transformer(vocab_size=256, ninp=64, nhead=4, nhid=128, nlayers=2, dropout=0.0)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.nll_loss(self.model(x, y), y.reshape(-1))  # the model returns log-probabilities
+        self.log("train_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
+class PrintLoss(L.Callback):
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        step = trainer.global_step
+        if trainer.is_global_zero and (step == 1 or step % 10 == 0 or step == trainer.max_steps):
+            print(f"step {step:3d}  loss {outputs['loss'].item():.3f}", flush=True)
+
+
+if __name__ == "__main__":
+    L.seed_everything(0)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=MegaStrategy(tp=2), max_steps=40,
+                        callbacks=[PrintLoss()], logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(DemoTransformerLM(), ShakespeareData(block_size=64, batch_size=16))
+    if trainer.is_global_zero:
+        print(f"final train_loss {float(trainer.callback_metrics['train_loss']):.3f}")
