@@ -149,10 +149,10 @@ def _tp_ops(base, matches, sp, tp, hidden, locate):
             mod, loc = base.get_submodule(path), locate(path)
             if style in ("region", "colwise", "lm_head", "mha"):
                 ops[loc] += _enter(_width_in(mod), esp, tp)
-            if style in ("rowwise", "mha") or (style == "vocab_sp" and esp):
+            if style in ("rowwise", "mha"):
                 ops[loc] += _leave(_io(mod)[1] if _io(mod) else getattr(mod, "embed_dim", None) or mod.embedding_dim,
                                    esp, tp)
-            if style == "vocab" or (style == "vocab_sp" and not esp):
+            if style == "vocab":
                 ops[loc].append(("all_reduce", mod.embedding_dim, "fwd"))
             if style == "lm_head" and "vocab_ce" not in styles:
                 ops[loc].append(("all_gather", padded_size(_io(mod)[1], tp) / tp, "fwd"))

@@ -26,6 +26,7 @@ from . import comm
 from . import grads
 from .kernels.inject import apply_kernels, kernel_names
 from .plain import load_full
+from .quant import apply_qat, bits_of
 from .mesh import ParallelMesh, build_mesh, data_parallel_size
 from .pipeline.executor import PipelineRunner
 from .pipeline.schedules import build_schedule
@@ -46,6 +47,8 @@ class MegaStrategy(ParallelStrategy):
         virtual_stages: model chunks per rank for the interleaved schedule.
         pipeline_blocks: path of the repeated block list, when the plan or the search cannot find it.
         stage_layers: blocks per (virtual) stage, instead of the parameter-balanced split.
+        quant: ``"int8"`` (W8A8) or ``"w4a8"``: quantization-aware training layers in place of the
+            (parallel) linears, each tensor-parallel result equal to the single-device QAT one.
         load_full: a plain checkpoint (Lightning .ckpt, state_dict file or Hugging Face save_pretrained
             directory) to start from: each rank loads its stage and its shard of it.
         kernels: swap norms, GeLU and the loss for fused Triton modules (``True`` or a list of
@@ -60,7 +63,8 @@ class MegaStrategy(ParallelStrategy):
     def __init__(self, tp: int = 1, pp: int = 1, sp: bool = False, plan: Any = "auto",
                  microbatches: Optional[int] = None, schedule: str = "1f1b", virtual_stages: int = 1,
                  pipeline_blocks: Optional[str] = None, stage_layers: Optional[list] = None,
-                 kernels: Union[bool, list, None] = False, load_full: Optional[str] = None, sync_init: bool = True,
+                 kernels: Union[bool, list, None] = False, quant: Optional[str] = None,
+                 load_full: Optional[str] = None, sync_init: bool = True,
                  process_group_backend: Optional[str] = None,
                  timeout: Optional[Union[timedelta, float]] = default_pg_timeout,
                  start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -83,6 +87,9 @@ class MegaStrategy(ParallelStrategy):
         self._runner = None
         self.kernels = kernel_names(kernels)
         self.load_full = load_full
+        if quant is not None:
+            bits_of(quant)  # a clear error listing the choices, before anything starts
+        self.quant = quant
         self._process_group_backend = process_group_backend
         self._timeout = timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout
         self._start_method = start_method
@@ -190,6 +197,8 @@ class MegaStrategy(ParallelStrategy):
         split = apply_split(module, layout, self.mesh.pp_rank) if layout is not None else {"before": {}}
         replaced = planner.apply(module, matches, self.mesh.tp_group, self.tp, self.mesh.tp_rank, self.sp)
         apply_kernels(module, self.kernels)
+        if self.quant is not None:
+            apply_qat(module, self.quant, tp_group=self.mesh.tp_group, dp_group=self.mesh.dp_group)
         if self.load_full is not None:
             load_full(module, self.load_full, full_keys, self.mesh.tp_rank)
         self._runner = None
@@ -318,8 +327,8 @@ class MegaStrategy(ParallelStrategy):
         path = self.broadcast(str(checkpoint_path))
         if ckpt.is_sharded(path):
             return ckpt.load(path, self.mesh)
-        raise ValueError(f"{path} is not a lightning_tp checkpoint directory. To start a tp run from a plain "
-                         f"checkpoint, load its state_dict into the module before fit.")
+        raise ValueError(f"{path} is not a lightning_tp checkpoint directory. To start a parallel run from a plain "
+                         f"checkpoint, pass MegaStrategy(load_full={str(path)!r}) instead of ckpt_path.")
 
     def remove_checkpoint(self, filepath) -> None:
         if self.is_global_zero:

@@ -114,6 +114,7 @@ class HFCausalLM(L.LightningModule):
             "llama": lambda: T.LlamaConfig(**common),
             "qwen2": lambda: T.Qwen2Config(**common),
             "mistral": lambda: T.MistralConfig(**common),
+            "qwen3": lambda: T.Qwen3Config(**common, head_dim=8),  # per-head q_norm / k_norm
         }
         config = configs[family]()
         config._attn_implementation = "sdpa"
@@ -239,7 +240,19 @@ CUSTOM_PLAN = {
 GPT_SMALL = dict(vocab_size=64, block_size=SEQ, n_layer=2, n_head=4, n_embd=32)
 
 
-def make_model(kind: str, **kw):
+def make_model(kind: str, reference: bool = False, **kw):
+    """``quant=`` in kw: the reference (single process) gets QAT layers here; a parallel run gets them
+    from MegaStrategy(quant=...)."""
+    quant = kw.pop("quant", None)
+    model = _build(kind, **kw)
+    if quant and reference:
+        from lightning_tp.quant import apply_qat
+
+        apply_qat(model, quant)
+    return model
+
+
+def _build(kind: str, **kw):
     L.seed_everything(0, verbose=False)
     if kind == "gpt":
         return ParityGPT(**{**GPT_SMALL, **kw})
@@ -287,7 +300,7 @@ def trainer_kwargs(**kw):
 
 def reference_run(kind: str, model_kw: dict, steps: int, batch: int, **trainer_kw):
     """The ground truth: the same seeded module trained by Lightning on one process."""
-    model = make_model(kind, **model_kw)
+    model = make_model(kind, reference=True, **model_kw)
     rec = LossRecorder()
     trainer = L.Trainer(devices=1, max_steps=steps, callbacks=[rec], use_distributed_sampler=False,
                         **trainer_kwargs(**trainer_kw))

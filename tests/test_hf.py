@@ -1,6 +1,7 @@
 """Real model families, built tiny from their configs (no downloads), against one process: tp=2,
 tp=2+sp, pp=2 and tp=2 x pp=2, per-step loss and consolidated weights within 1e-5.
-Hugging Face GPT-2, Llama (grouped-query attention: 4 heads, 2 kv heads), Qwen2, Mistral, and
+Hugging Face GPT-2, Llama (grouped-query attention: 4 heads, 2 kv heads), Qwen2, Mistral, Qwen3
+(per-head q/k norms), and
 litgpt's GPT (grouped queries, fused [q|k|v])."""
 
 import pytest
@@ -14,7 +15,7 @@ from lightning_tp.plans import apply as planner  # noqa: E402
 from models import make_model  # noqa: E402
 from test_parity import _check, _train_all  # noqa: E402
 
-FAMILIES = ["hf_gpt2", "hf_llama", "hf_qwen2", "hf_mistral", "litgpt"]
+FAMILIES = ["hf_gpt2", "hf_llama", "hf_qwen2", "hf_mistral", "hf_qwen3", "litgpt"]
 PP = dict(pp=2, microbatches=2)
 
 WORLD2 = {}

@@ -13,6 +13,7 @@ from lightning_tp.kernels import torch_path
 from models import LossRecorder, TokenData, make_model, reference_run, trainer_kwargs, vocab_of
 
 STEPS, BATCH, TOL = 20, 4, 1e-5
+QAT_LOSS_TOL, QAT_WEIGHT_TOL = 2e-3, 2e-2
 
 CLIP = dict(gradient_clip_val=0.05)  # small enough to clip every step: the global norm must be right
 ACCUMULATE = dict(accumulate_grad_batches=2)
@@ -30,6 +31,8 @@ WORLD2 = {
     "tp2_demo_transformer": ("demo_transformer", {}, dict(tp=2), {}),  # nn.Transformer encoder-decoder
     "tp2_sp_kernels": ("gpt", {}, dict(tp=2, sp=True, kernels=True), {}),  # torch twins of the fused modules
     "dp2_kernels": ("gpt", {}, dict(tp=1, kernels=True), {}),
+    "tp2_sp_int8_qat": ("gpt", dict(quant="int8"), dict(tp=2, sp=True, quant="int8"), {}),
+    "tp2_w4a8_qat": ("gpt", dict(quant="w4a8"), dict(tp=2, quant="w4a8"), {}),
 }
 WORLD4 = {
     "tp2_dp2": ("gpt", {}, dict(tp=2), {}),
@@ -75,14 +78,21 @@ def _check(results, name, configs, world):
     dp = world // (strategy_kw.get("tp", 1) * strategy_kw.get("pp", 1))
     ref_losses, ref_weights, ref_metrics = reference_run(kind, model_kw, STEPS, BATCH * dp, **trainer_kw)
     got = results[0][name]
+    tol, weight_tol = TOL, TOL
+    if "quant" in strategy_kw:
+        # Fake quantization rounds: a ~1e-7 difference in summation order (row-parallel partial sums)
+        # flips an element to the next grid point now and then, which moves the loss by ~1e-4. The
+        # first step has no history and must agree tightly; later ones within a few flips.
+        assert abs(got["losses"][0] - ref_losses[0]) < TOL
+        tol, weight_tol = QAT_LOSS_TOL, QAT_WEIGHT_TOL
     assert len(got["losses"]) == len(ref_losses) == STEPS * trainer_kw.get("accumulate_grad_batches", 1)
     if "tokens" in ref_metrics:  # a torchmetrics SumMetric: synced over dp only, not tp replicas
         assert got["metrics"]["tokens"] == ref_metrics["tokens"]
-    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref_losses), atol=TOL, rtol=0)
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref_losses), atol=tol, rtol=0)
     assert ref_losses[-1] < ref_losses[0] - 0.05, "the reference did not learn: the comparison would be vacuous"
     assert set(got["weights"]) == set(ref_weights)
     for key, ref in ref_weights.items():
-        torch.testing.assert_close(got["weights"][key], ref, atol=TOL, rtol=0, msg=lambda m: f"{key}: {m}")
+        torch.testing.assert_close(got["weights"][key], ref, atol=weight_tol, rtol=0, msg=lambda m: f"{key}: {m}")
     # replicated parameters stay bit-identical on every rank that holds them (tp and dp replicas,
     # and a tied embedding on the first and last pipeline stage)
     for other in results[1:]:

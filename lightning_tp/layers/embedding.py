@@ -16,17 +16,16 @@ from .shard import ShardSpec, padded_size
 
 
 class VocabParallelEmbedding(nn.Module):
-    def __init__(self, weight, ctx: TPContext, num_embeddings: int, padding_idx=None, sp_output=False):
+    def __init__(self, weight, ctx: TPContext, num_embeddings: int, padding_idx=None):
         super().__init__()
         self.weight, self.ctx = weight, ctx
         self.num_embeddings, self.embedding_dim = num_embeddings, weight.shape[1]
         self.per_rank = weight.shape[0]
         self.vocab_start = ctx.rank * self.per_rank
         self.padding_idx = padding_idx
-        self.sp_output = sp_output  # reduce-scatter along the sequence instead of all-reduce
 
     @classmethod
-    def from_embedding(cls, emb: nn.Embedding, ctx: TPContext, name: str, memo: dict, sp_output=False):
+    def from_embedding(cls, emb: nn.Embedding, ctx: TPContext, name: str, memo: dict):
         if emb.max_norm is not None or emb.scale_grad_by_freq or emb.sparse:
             raise ValueError(f"{name}: nn.Embedding with max_norm, scale_grad_by_freq or sparse=True cannot be "
                              f"vocab-parallel; leave it replicated (style 'replicate') or drop the option.")
@@ -34,7 +33,7 @@ class VocabParallelEmbedding(nn.Module):
         padded = padded_size(vocab, ctx.world)
         spec = ShardSpec(dim=0, world=ctx.world, full=vocab, padded=padded if padded != vocab else 0)
         weight = _shard_param(emb.weight, spec, ctx, memo)
-        return cls(weight, ctx, vocab, emb.padding_idx, sp_output=sp_output)
+        return cls(weight, ctx, vocab, emb.padding_idx)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.vocab_start
@@ -45,8 +44,6 @@ class VocabParallelEmbedding(nn.Module):
             pad = self.padding_idx - self.vocab_start
         out = F.embedding(local, self.weight, pad)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        if self.sp_output and self.ctx.sp:
-            return comm.reduce_scatter_to_sp(out, self.ctx.group, self.ctx.seq_dim)
         return comm.reduce_from_tp(out, self.ctx.group)
 
     def extra_repr(self):

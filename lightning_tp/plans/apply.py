@@ -25,7 +25,7 @@ from .registry import registered_plans
 
 _EXPECTED = {
     "colwise": nn.Linear, "colwise_local": nn.Linear, "rowwise": nn.Linear, "lm_head": nn.Linear,
-    "vocab": nn.Embedding, "vocab_sp": nn.Embedding, "vocab_ce": nn.CrossEntropyLoss,
+    "vocab": nn.Embedding, "vocab_ce": nn.CrossEntropyLoss,
     "mha": nn.MultiheadAttention,
 }
 
@@ -132,6 +132,12 @@ def _report(plan: Plan, root: nn.Module, prefix: str, names: list) -> None:
     if unsharded:
         warnings.warn(f"lightning_tp: plan {plan.name!r}: Linear layers left unsharded (replicated on every tp "
                       f"rank): {unsharded[:8]}{' ...' if len(unsharded) > 8 else ''}.")
+    if plan.sp_start is not None:
+        norms = [_join(prefix, n) for n, mod in root.named_modules()
+                 if type(mod).__name__.endswith(("Norm", "LayerNorm", "RMSNorm")) and plan.style_of(n)[0] is None]
+        if norms:
+            warnings.warn(f"lightning_tp: plan {plan.name!r}: norms without a style: {norms[:8]}. One that runs on "
+                          f"sequence shards under sp=True must be 'sp_norm', or its replicas drift apart.")
 
 
 def _check_sizes(name: str, module: nn.Module, style: str, tp: int, options: dict) -> None:
@@ -196,8 +202,8 @@ def _build(module, style, ctx, path, memo, has_ce, head, options):
     if style == "lm_head":
         gather = "eval" if has_ce else True
         return ColumnParallelLinear.from_linear(module, ctx, path, memo, gather_output=gather, pad=True)
-    if style in ("vocab", "vocab_sp"):
-        return VocabParallelEmbedding.from_embedding(module, ctx, path, memo, sp_output=style == "vocab_sp")
+    if style == "vocab":
+        return VocabParallelEmbedding.from_embedding(module, ctx, path, memo)
     if style == "vocab_ce":
         return VocabParallelCrossEntropy.from_module(module, head, path) if head is not None else module
     if style == "mha":
@@ -205,9 +211,9 @@ def _build(module, style, ctx, path, memo, has_ce, head, options):
     if style == "region":
         module.register_forward_pre_hook(_first_tensor_hook(ctx.enter_region), with_kwargs=True)
         return module
-    if style == "sp_norm":
-        if ctx.sp:
-            for p in module.parameters(recurse=False):
+    if style in ("sp_norm", "partial"):
+        if ctx.sp or style == "partial":
+            for p in module.parameters():
                 mark(p, sp_partial=True)
         return module
     raise AssertionError(style)

@@ -17,10 +17,10 @@ STYLES = {
     "rowwise": "row-parallel Linear: one all-reduce (reduce-scatter under SP) of its partial sums",
     "region": "module whose first input enters the TP region once, for all its colwise_local layers",
     "vocab": "vocab-parallel Embedding (vocab padded to a multiple of tp)",
-    "vocab_sp": "vocab-parallel Embedding whose output is reduce-scattered straight onto sequence shards",
     "lm_head": "column-parallel Linear over the vocabulary; gathers logits unless a 'vocab_ce' loss is planned",
     "vocab_ce": "nn.CrossEntropyLoss replaced by the vocab-parallel cross-entropy (no full logits)",
     "sp_norm": "replicated module that runs on sequence shards under SP (its grads are summed over tp)",
+    "partial": "replicated module fed this rank's heads only (a per-head q/k norm): grads always summed over tp",
     "mha": "nn.MultiheadAttention replaced by a head-parallel TPMultiheadAttention",
     "replicate": "left as it is (every tp rank holds the full module)",
 }

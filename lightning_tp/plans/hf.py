@@ -46,14 +46,20 @@ class HFConfigPlan:
                 parents[path.rpartition(".")[0]].append(path)
             else:
                 styles[path] = "rowwise"
+        layers = getattr(module, base).layers
         for parent, children in parents.items():
             styles[parent] = "region"  # one entry into the TP region for all its column layers
             for child in children:
                 unit = head_dim if child.endswith(("q_proj", "k_proj", "v_proj")) else 1
                 styles[child] = {"style": "colwise_local", "unit": unit}
-        layers = getattr(module, base).layers
+            # per-head norms inside the region (Qwen3's q_norm/k_norm) see this rank's heads only
+            inner = layers[0].get_submodule(parent.split(".*.", 1)[1]) if ".*." in parent else None
+            for name, child in (inner.named_children() if inner is not None else ()):
+                if type(child).__name__.endswith(("Norm", "RMSNorm", "LayerNorm")):
+                    styles[f"{parent}.{name}"] = "partial"
         styles.update(_norm_paths(layers[0], f"{base}.layers.*"))
-        styles.update({f"{base}.embed_tokens": "vocab", f"{base}.norm": "sp_norm", "lm_head": "lm_head"})
+        styles.update(_norm_paths(getattr(module, base), base))  # the final norm, whatever its name
+        styles.update({f"{base}.embed_tokens": "vocab", "lm_head": "lm_head"})
         return Plan(name=f"hf_{type(module).__name__}", styles=styles, sp_start=f"{base}.layers.*",
                     blocks=f"{base}.layers")
 
