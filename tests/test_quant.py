@@ -12,17 +12,18 @@ from torch import nn
 
 import dist as launch
 from examples.gpt.model import GPT, GPTConfig
-from lightning_tp.quant import (QUANT_MODES, ActQuantizer, Int8Linear, QATLinear, apply_qat, calibrate, convert,
-                                fake_quant_weight, int8_matmul)
+from lightning_tp.quant import (QUANT_MODES, ActQuantizer, Int8Linear, QATColumnParallelLinear, QATLinear,
+                                QATRowParallelLinear, apply_qat, calibrate, convert, fake_quant_weight, int8_matmul)
 
 
 def _ref_weight_fq(w: torch.Tensor, bits: int) -> torch.Tensor:
-    """Row by row, as the textbook writes it: s = max|w_i| / qmax, q = clamp(round(w / s)) * s."""
+    """Row by row, as the textbook writes it: s = max|w_i| / qmax, q = clamp(round(w * (1 / s))) * s
+    (multiplying by the inverse scale, as PyTorch's fake-quant ops and int8 kernels do)."""
     q = 2 ** (bits - 1) - 1
     out = torch.empty_like(w)
     for i in range(w.shape[0]):
         s = w[i].abs().max() / q
-        out[i] = torch.clamp(torch.round(w[i] / s), -q, q) * s
+        out[i] = torch.clamp(torch.round(w[i] * (1 / s)), -q, q) * s
     return out
 
 
@@ -48,13 +49,15 @@ def test_activation_fake_quant_reference_and_ste_mask():
     q._set_range(torch.tensor(amax))
     x = (torch.randn(6, 10) * 1.2).requires_grad_()
     y = q(x)
-    s = amax / 127
-    ref = torch.tensor([[max(-127, min(127, round(v / s))) * s for v in row] for row in x.detach().tolist()])
-    assert torch.allclose(y, ref, atol=1e-6, rtol=0)
-    assert (x.detach().abs() > amax).any()  # some values are clipped...
+    s = torch.tensor(amax / 127)
+    inv = 1 / s
+    codes = [[max(-127, min(127, round(float(torch.tensor(v) * inv)))) for v in row] for row in x.detach().tolist()]
+    assert torch.equal(y, torch.tensor(codes) * s)
+    clipped = torch.tensor(codes).abs() < (x.detach() * inv).round().abs()
+    assert clipped.any() and (x.detach().abs() <= amax).any()  # some values are clipped...
     g = torch.randn_like(x)
     y.backward(g)
-    assert torch.equal(x.grad, g * (x.detach().abs() <= amax))  # ...and get no gradient
+    assert torch.equal(x.grad, g * ~clipped)  # ...and get no gradient; the rest passes through
 
 
 def test_ema_range_updates_in_training_and_freezes_in_eval():
@@ -115,8 +118,8 @@ def test_converted_linear_equals_integer_reference_and_fake_quant(mode, backend)
     qa, qw = 2 ** (a_bits - 1) - 1, 2 ** (w_bits - 1) - 1
     s_a = layer.act_quant.amax / qa
     s_w = layer.weight.detach().abs().amax(1) / qw
-    xq = torch.clamp(torch.round(x.reshape(-1, 24) / s_a), -qa, qa).long()
-    wq = torch.clamp(torch.round(layer.weight.detach() / s_w[:, None]), -qw, qw).long()
+    xq = torch.clamp(torch.round(x.reshape(-1, 24) * (1 / s_a)), -qa, qa).long()
+    wq = torch.clamp(torch.round(layer.weight.detach() * (1 / s_w[:, None])), -qw, qw).long()
     acc = xq @ wq.t()
     int8 = Int8Linear.from_qat(layer)
     int8.backend = backend
@@ -188,9 +191,15 @@ def _parity_case(rank, mesh, mode, act_range, sp, opt_name):
     apply_qat(ref, mode, act_range=act_range)
     ctx = TPContext(group=mesh.tp_group, world=2, rank=rank, sp=sp, seq_dim=1)
     memo, c1, c2 = {}, copy.deepcopy(fc1), copy.deepcopy(fc2)  # kept alive: the memo is keyed by id()
-    tp = nn.Sequential(ColumnParallelLinear.from_linear(c1, ctx, "0", memo), nn.GELU(),
-                       RowParallelLinear.from_linear(c2, ctx, "2", memo))
-    assert len(apply_qat(tp, mode, act_range=act_range)) == 2
+    if sp:  # straight from the user's Linear
+        w_bits, a_bits = QUANT_MODES[mode]
+        kw = dict(w_bits=w_bits, a_bits=a_bits, range_mode=act_range)
+        tp = nn.Sequential(QATColumnParallelLinear.from_linear(c1, ctx, "0", memo, **kw), nn.GELU(),
+                           QATRowParallelLinear.from_linear(c2, ctx, "2", memo, **kw))
+    else:  # wrapping the strategy's parallel layers, as MegaStrategy(quant=...) would
+        tp = nn.Sequential(ColumnParallelLinear.from_linear(c1, ctx, "0", memo), nn.GELU(),
+                           RowParallelLinear.from_linear(c2, ctx, "2", memo))
+        assert len(apply_qat(tp, mode, act_range=act_range)) == 2
 
     def opt(m):
         return torch.optim.AdamW(m.parameters(), lr=1e-2) if opt_name == "adamw" else torch.optim.SGD(m.parameters(), lr=0.2)
@@ -256,3 +265,12 @@ def test_tp2_qat_matches_single_device():
             assert d["trained"] > 1e-3, case  # the runs moved
             for k in ("loss", "out", "weights", "ranges", "eval", "int8"):
                 assert d[k] < 1e-5, (case, k, d)
+
+
+def test_sixteen_bit_inputs_round_in_fp32():
+    torch.manual_seed(4)
+    q = ActQuantizer(bits=8).eval()
+    q._set_range(torch.tensor(2.0))
+    x = torch.randn(64, 32).bfloat16()
+    assert q(x).dtype == torch.bfloat16
+    assert torch.equal(q(x), q(x.float()).bfloat16())  # codes from fp32 division, as int8 inference

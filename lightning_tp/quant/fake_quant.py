@@ -18,7 +18,10 @@ correction terms, which is what makes the converted layers a plain ``int8 x int8
     narrow (<= 6 bits) or heavy-tailed. Its gradient is a sum over activation elements, so under
     tensor parallelism each rank holds a partial sum: the backward all-reduces it (SUM) over tp.
 
-STE for activations: gradient passes where ``|x| <= amax`` and is zero where the value was clipped.
+STE for activations: the gradient passes where ``round(x / s)`` is on the grid (``|x|`` up to
+``amax`` plus half a step) and is zero where the value was clipped. The arithmetic is
+``x * (1 / s)`` rounded half to even, as in PyTorch's fused fake-quant ops (which run the common
+cases in one pass) and in the int8 layers, so fake-quant and int8 codes agree exactly.
 """
 
 from __future__ import annotations
@@ -40,8 +43,9 @@ def qmax_of(bits: int) -> int:
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, qmax: int) -> torch.Tensor:
-    """Integer codes (still float) of ``x`` on the grid ``scale * [-qmax, qmax]``; round half to even."""
-    return torch.clamp(torch.round(x / scale), -qmax, qmax)
+    """Integer codes (still float) of ``x`` on the grid ``scale * [-qmax, qmax]``: round-half-even of
+    ``x * (1 / scale)``, the exact arithmetic of PyTorch's fused fake-quant ops used in training."""
+    return torch.clamp(torch.round(x * (1.0 / scale)), -qmax, qmax)
 
 
 def reduce_max(t: torch.Tensor, *groups) -> torch.Tensor:
@@ -56,42 +60,31 @@ def weight_scale(w: torch.Tensor, bits: int, group=None) -> torch.Tensor:
     """Per-output-row scale ``absmax / qmax``, shape (out,). ``group``: the tp group of a row-parallel
     weight, whose rows are split along the input dim, so the row absmax is a MAX over ranks."""
     amax = reduce_max(w.detach().abs().amax(dim=1).float(), group)
-    return (amax / qmax_of(bits)).clamp_min(EPS).to(w.dtype)
+    return (amax / qmax_of(bits)).clamp_min(EPS)  # fp32 whatever the weight's dtype
 
 
-class _FakeQuant(torch.autograd.Function):
-    """q = clamp(round(x / s), -Q, Q) * s. Backward (STE): with ``clip_mask`` the gradient passes
-    where |x / s| <= Q and is zero outside; without it, everywhere. Weights use no mask: their
-    scale is their own absmax, and ``absmax / (absmax / Q)`` can land a hair above Q in float, which
-    would silently freeze each row's largest weight. The scale gets no gradient."""
+def fake_quant(x: torch.Tensor, scale: torch.Tensor, qmax: int) -> torch.Tensor:
+    """``quantize(x) * scale`` with a 0-d (per-tensor) or (out,) (per-row) ``scale``, via PyTorch's fused
+    ops: one pass forward, and a backward that passes the gradient where ``round(x / s)`` lies in
+    ``[-qmax, qmax]`` and zeroes it where the value was clipped (STE). A weight is never clipped (its
+    scale is its own row absmax), so its gradient passes whole. The scale gets no gradient.
 
-    @staticmethod
-    def forward(ctx, x, scale, qmax, clip_mask):
-        v = x / scale  # the same ops as quantize(), in place where possible: this runs on every activation
-        ctx.clip_mask = clip_mask
-        if clip_mask:
-            ctx.save_for_backward(v.abs() <= qmax)  # one byte per element; backward is a single multiply
-        return v.round_().clamp_(-qmax, qmax).mul_(scale)
-
-    @staticmethod
-    def backward(ctx, g):
-        if not ctx.clip_mask:
-            return g, None, None, None
-        (inside,) = ctx.saved_tensors
-        return g * inside, None, None, None
-
-
-def fake_quant(x: torch.Tensor, scale: torch.Tensor, qmax: int, clip_mask: bool = True) -> torch.Tensor:
-    """Fake quant in fp32 for 16-bit inputs (bf16's 8-bit mantissa cannot hold x / s exactly enough to
-    round to the right code, and int8 inference rounds in fp32), cast back to the input's dtype."""
-    if x.dtype in (torch.float16, torch.bfloat16):
-        return _FakeQuant.apply(x.float(), scale.detach().float(), qmax, clip_mask).to(x.dtype)
-    return _FakeQuant.apply(x, scale.detach().to(x.dtype), qmax, clip_mask)
+    16-bit inputs are quantized in fp32 (bf16's 8-bit mantissa cannot hold ``x / s`` precisely
+    enough to pick the right code; int8 inference rounds in fp32 too) and cast back.
+    """
+    xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    s = scale.detach().float()
+    zero = torch.zeros(s.shape, dtype=torch.int32, device=x.device)
+    if s.dim() == 0:
+        out = torch.fake_quantize_per_tensor_affine(xf, s, zero, -qmax, qmax)
+    else:
+        out = torch.fake_quantize_per_channel_affine(xf, s, zero, 0, -qmax, qmax)
+    return out.to(x.dtype)
 
 
 def fake_quant_weight(w: torch.Tensor, bits: int, group=None) -> torch.Tensor:
     """Per-row symmetric fake quant of a (out, in) weight; see :func:`weight_scale` for ``group``."""
-    return fake_quant(w, weight_scale(w, bits, group)[:, None], qmax_of(bits), clip_mask=False)
+    return fake_quant(w, weight_scale(w, bits, group).float(), qmax_of(bits))
 
 
 class _LSQ(torch.autograd.Function):
@@ -113,7 +106,7 @@ class _LSQ(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         x, scale = ctx.saved_tensors
-        v = x / scale
+        v = x * (1.0 / scale)
         inside = v.abs() <= ctx.qmax
         d_alpha = torch.where(inside, (torch.round(v) - v) / ctx.qmax, torch.sign(v))
         g_alpha = (g * d_alpha).sum().float() * ctx.grad_scale

@@ -85,6 +85,13 @@ class QATColumnParallelLinear(_QATMixin, ColumnParallelLinear):
     """Column-parallel QAT: quantize the input after the region entry (replicated / SP-gathered)."""
 
     @classmethod
+    def from_linear(cls, linear, ctx, name, memo, *, w_bits=8, a_bits=8, range_mode="ema", dp_group=None,
+                    momentum=0.95, **kw) -> "QATColumnParallelLinear":
+        """Shard an ``nn.Linear`` (as ``ColumnParallelLinear.from_linear``, same ``**kw``) and add QAT."""
+        return cls.from_parallel(ColumnParallelLinear.from_linear(linear, ctx, name, memo, **kw), w_bits, a_bits,
+                                 range_mode, dp_group, momentum)
+
+    @classmethod
     def from_parallel(cls, layer: ColumnParallelLinear, w_bits=8, a_bits=8, range_mode="ema", dp_group=None,
                       momentum=0.95) -> "QATColumnParallelLinear":
         new = cls(layer.weight, layer.bias, layer.ctx, layer.full_out, input_comm=layer.input_comm,
@@ -109,6 +116,13 @@ class QATColumnParallelLinear(_QATMixin, ColumnParallelLinear):
 
 class QATRowParallelLinear(_QATMixin, RowParallelLinear):
     """Row-parallel QAT: weight row absmax and input absmax are MAX all-reduced over tp."""
+
+    @classmethod
+    def from_linear(cls, linear, ctx, name, memo, *, w_bits=8, a_bits=8, range_mode="ema", dp_group=None,
+                    momentum=0.95) -> "QATRowParallelLinear":
+        """Shard an ``nn.Linear`` (as ``RowParallelLinear.from_linear``) and add QAT."""
+        return cls.from_parallel(RowParallelLinear.from_linear(linear, ctx, name, memo), w_bits, a_bits, range_mode,
+                                 dp_group, momentum)
 
     @classmethod
     def from_parallel(cls, layer: RowParallelLinear, w_bits=8, a_bits=8, range_mode="ema", dp_group=None,
