@@ -1,5 +1,5 @@
 """Real model families, built tiny from their configs (no downloads), against one process: tp=2,
-tp=2+sp, pp=2 and tp=2 x pp=2, per-step loss and consolidated weights within 1e-5.
+tp=2+sp, pp=2 and tp=2 x pp=2, 10 AdamW steps, per-step loss and consolidated weights within 1e-5.
 Hugging Face GPT-2, Llama (grouped-query attention: 4 heads, 2 kv heads), Qwen2, Mistral, Qwen3
 (per-head q/k norms), and
 litgpt's GPT (grouped queries, fused [q|k|v])."""
@@ -17,13 +17,14 @@ from test_parity import _check, _train_all  # noqa: E402
 
 FAMILIES = ["hf_gpt2", "hf_llama", "hf_qwen2", "hf_mistral", "hf_qwen3", "litgpt"]
 PP = dict(pp=2, microbatches=2)
+TEN = dict(max_steps=10)
 
 WORLD2 = {}
 for fam in FAMILIES:
-    WORLD2[f"{fam}_tp2"] = (fam, {}, dict(tp=2), {})
-    WORLD2[f"{fam}_tp2_sp"] = (fam, {}, dict(tp=2, sp=True), {})
-    WORLD2[f"{fam}_pp2"] = (fam, {}, PP, {})
-WORLD4 = {f"{fam}_tp2_pp2": (fam, {}, dict(tp=2, **PP), {}) for fam in FAMILIES}
+    WORLD2[f"{fam}_tp2"] = (fam, {}, dict(tp=2), TEN)
+    WORLD2[f"{fam}_tp2_sp"] = (fam, {}, dict(tp=2, sp=True), TEN)
+    WORLD2[f"{fam}_pp2"] = (fam, {}, PP, TEN)
+WORLD4 = {f"{fam}_tp2_pp2": (fam, {}, dict(tp=2, **PP), TEN) for fam in FAMILIES}
 
 
 @pytest.fixture(scope="module")

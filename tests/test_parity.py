@@ -47,9 +47,10 @@ def _train_all(rank, world, configs, ckdir):
         model = make_model(kind, **model_kw)
         dp = world // (strategy_kw.get("tp", 1) * strategy_kw.get("pp", 1))
         rec = LossRecorder()
-        trainer = L.Trainer(devices=world, strategy=MegaStrategy(**strategy_kw, timeout=120), max_steps=STEPS,
+        steps, trainer_kw = _steps(trainer_kw)
+        trainer = L.Trainer(devices=world, strategy=MegaStrategy(**strategy_kw, timeout=120), max_steps=steps,
                             callbacks=[rec], **trainer_kwargs(**trainer_kw))
-        n = STEPS * BATCH * dp * trainer_kw.get("accumulate_grad_batches", 1)
+        n = steps * BATCH * dp * trainer_kw.get("accumulate_grad_batches", 1)
         with torch_path() if strategy_kw.get("kernels") else contextlib.nullcontext():
             trainer.fit(model, TokenData(n, vocab_of(model), BATCH))
         if strategy_kw.get("kernels"):
@@ -73,10 +74,17 @@ def world4(tmp_path_factory):
     return dist.run(4, _train_all, WORLD4, str(tmp_path_factory.mktemp("w4")))
 
 
+def _steps(trainer_kw):
+    """A config may ask for fewer steps (``max_steps`` in its trainer kwargs); 20 by default."""
+    rest = {k: v for k, v in trainer_kw.items() if k != "max_steps"}
+    return trainer_kw.get("max_steps", STEPS), rest
+
+
 def _check(results, name, configs, world):
     kind, model_kw, strategy_kw, trainer_kw = configs[name]
     dp = world // (strategy_kw.get("tp", 1) * strategy_kw.get("pp", 1))
-    ref_losses, ref_weights, ref_metrics = reference_run(kind, model_kw, STEPS, BATCH * dp, **trainer_kw)
+    steps, trainer_kw = _steps(trainer_kw)
+    ref_losses, ref_weights, ref_metrics = reference_run(kind, model_kw, steps, BATCH * dp, **trainer_kw)
     got = results[0][name]
     tol, weight_tol = TOL, TOL
     if "quant" in strategy_kw:
@@ -85,7 +93,7 @@ def _check(results, name, configs, world):
         # first step has no history and must agree tightly; later ones within a few flips.
         assert abs(got["losses"][0] - ref_losses[0]) < TOL
         tol, weight_tol = QAT_LOSS_TOL, QAT_WEIGHT_TOL
-    assert len(got["losses"]) == len(ref_losses) == STEPS * trainer_kw.get("accumulate_grad_batches", 1)
+    assert len(got["losses"]) == len(ref_losses) == steps * trainer_kw.get("accumulate_grad_batches", 1)
     if "tokens" in ref_metrics:  # a torchmetrics SumMetric: synced over dp only, not tp replicas
         assert got["metrics"]["tokens"] == ref_metrics["tokens"]
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref_losses), atol=tol, rtol=0)
