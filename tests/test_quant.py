@@ -202,7 +202,9 @@ def _parity_case(rank, mesh, mode, act_range, sp, opt_name):
         assert len(apply_qat(tp, mode, act_range=act_range)) == 2
 
     def opt(m):
-        return torch.optim.AdamW(m.parameters(), lr=1e-2) if opt_name == "adamw" else torch.optim.SGD(m.parameters(), lr=0.2)
+        if opt_name == "adamw":
+            return torch.optim.AdamW(m.parameters(), lr=1e-2)
+        return torch.optim.SGD(m.parameters(), lr=0.2)
 
     def local(t):
         return t.chunk(2, dim=1)[rank] if sp else t

@@ -12,11 +12,12 @@ correction terms, which is what makes the converted layers a plain ``int8 x int8
     training and frozen in eval. Why default: no extra hyper-parameters or learning-rate coupling,
     it starts from the calibrated PTQ range, it needs only a scalar MAX all-reduce to stay identical
     across tensor-parallel ranks, and at 8 bits (our activations are always 8-bit) clipping
-    outliers buys little, which is the regime LightSeq's int8 training runs in.
+    outliers buys little. Caveat: under pipeline microbatching it advances once per microbatch.
   - ``"learned"``: an LSQ-style trainable clip ``alpha`` (scale ``alpha / qmax``), initialized from
     the first batch (or from :func:`lightning_tp.quant.calibrate`). Worth it when activations are
     narrow (<= 6 bits) or heavy-tailed. Its gradient is a sum over activation elements, so under
     tensor parallelism each rank holds a partial sum: the backward all-reduces it (SUM) over tp.
+    Keep it out of weight decay (AdamW would shrink the range).
 
 STE for activations: the gradient passes where ``round(x / s)`` is on the grid (``|x|`` up to
 ``amax`` plus half a step) and is zero where the value was clipped. The arithmetic is
