@@ -101,10 +101,11 @@ class EncoderLM(L.LightningModule):
 class HFCausalLM(L.LightningModule):
     """A minimal LightningModule around a Hugging Face causal LM built from a config (no download)."""
 
-    def __init__(self, family: str, layers: int = 2):
+    def __init__(self, family: str, layers: int = 2, padded: bool = False):
         super().__init__()
         import transformers as T
 
+        self.padded = padded
         common = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ * 2,
                       attention_dropout=0.0, tie_word_embeddings=False)

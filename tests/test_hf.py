@@ -24,6 +24,9 @@ for fam in FAMILIES:
     WORLD2[f"{fam}_tp2"] = (fam, {}, dict(tp=2), TEN)
     WORLD2[f"{fam}_tp2_sp"] = (fam, {}, dict(tp=2, sp=True), TEN)
     WORLD2[f"{fam}_pp2"] = (fam, {}, PP, TEN)
+# attention masks, padding (ignored labels) and explicit position ids, GPT-2's tied embeddings
+WORLD2["hf_llama_tp2_sp_padded"] = ("hf_llama", dict(padded=True), dict(tp=2, sp=True), TEN)
+WORLD2["hf_gpt2_pp2_padded"] = ("hf_gpt2", dict(padded=True), PP, TEN)
 WORLD4 = {f"{fam}_tp2_pp2": (fam, {}, dict(tp=2, **PP), TEN) for fam in FAMILIES}
 
 
