@@ -5,7 +5,6 @@ Hugging Face GPT-2, Llama (grouped-query attention: 4 heads, 2 kv heads), Qwen2,
 litgpt's GPT (grouped queries, fused [q|k|v])."""
 
 import pytest
-import torch
 
 pytest.importorskip("transformers", reason="the hf extra (pip install lightning-tp[hf]) is not installed")
 pytest.importorskip("litgpt", reason="the hf extra (pip install lightning-tp[hf]) is not installed")

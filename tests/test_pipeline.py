@@ -1,16 +1,15 @@
 """Pipeline layouts against the single-process ground truth (fp32, 20 AdamW steps, per-step loss and
 consolidated weights within 1e-5), one launch per world size, plus pipeline bad input."""
 
-import time
-
 import lightning as L
 import pytest
 import torch
 
 import dist
 from lightning_tp import MegaStrategy
-from models import LossRecorder, TokenData, Tokens, make_model, trainer_kwargs
-from test_parity import BATCH, STEPS, _check, _train_all
+from models import TokenData, Tokens, make_model, trainer_kwargs
+from test_core import _expect_error
+from test_parity import _check, _train_all
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1"]
 
@@ -69,15 +68,6 @@ def test_every_stage_reports_the_true_loss(world2, world4):
 
 
 # ------------------------------------------------------------------------------ bad input
-
-
-def _expect_error(world, model, strategy, data):
-    start = time.monotonic()
-    try:
-        L.Trainer(devices=world, strategy=strategy, max_steps=1, **trainer_kwargs()).fit(model, data)
-    except Exception as e:  # noqa: BLE001
-        return f"{type(e).__name__}: {e}", time.monotonic() - start
-    return None, time.monotonic() - start
 
 
 class DictBatch(torch.utils.data.Dataset):
