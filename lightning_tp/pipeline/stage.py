@@ -9,7 +9,7 @@ with its output, unless k is the last stage, where the user's code runs on to th
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -30,7 +30,6 @@ class StageState:
     last_vstage: int
     active: int = 0
     received: torch.Tensor | None = None
-    wrapped: list = field(default_factory=list)
 
 
 def install(blocks, layout, pp_rank: int, before=()) -> StageState:
@@ -40,7 +39,6 @@ def install(blocks, layout, pp_rank: int, before=()) -> StageState:
         lo, hi = layout.ranges[k]
         for i in range(lo, hi + 1):
             _wrap(blocks[i], i, state)
-            state.wrapped.append(blocks[i])
     for module, twin in before:
         _wrap_first_stage_module(module, twin, state)
     return state
