@@ -13,7 +13,7 @@ from lightning_tp.kernels import torch_path
 from models import LossRecorder, TokenData, make_model, reference_run, trainer_kwargs, vocab_of
 
 STEPS, BATCH, TOL = 20, 4, 1e-5
-QAT_LOSS_TOL, QAT_WEIGHT_TOL = 2e-3, 2e-2
+QAT_EXACT_STEPS, QAT_LOSS_TOL, QAT_WEIGHT_TOL = 5, 5e-4, 5e-3
 
 CLIP = dict(gradient_clip_val=0.05)  # small enough to clip every step: the global norm must be right
 ACCUMULATE = dict(accumulate_grad_batches=2)
@@ -31,8 +31,8 @@ WORLD2 = {
     "tp2_demo_transformer": ("demo_transformer", {}, dict(tp=2), {}),  # nn.Transformer encoder-decoder
     "tp2_sp_kernels": ("gpt", {}, dict(tp=2, sp=True, kernels=True), {}),  # torch twins of the fused modules
     "dp2_kernels": ("gpt", {}, dict(tp=1, kernels=True), {}),
-    "tp2_sp_int8_qat": ("gpt", dict(quant="int8"), dict(tp=2, sp=True, quant="int8"), {}),
-    "tp2_w4a8_qat": ("gpt", dict(quant="w4a8"), dict(tp=2, quant="w4a8"), {}),
+    "tp2_sp_int8_qat": ("gpt", dict(quant="int8"), dict(tp=2, sp=True, quant="int8"), {"max_steps": 10}),
+    "tp2_w4a8_qat": ("gpt", dict(quant="w4a8"), dict(tp=2, quant="w4a8"), {"max_steps": 10}),
 }
 WORLD4 = {
     "tp2_dp2": ("gpt", {}, dict(tp=2), {}),
@@ -88,10 +88,12 @@ def _check(results, name, configs, world):
     got = results[0][name]
     tol, weight_tol = TOL, TOL
     if "quant" in strategy_kw:
-        # Fake quantization rounds: a ~1e-7 difference in summation order (row-parallel partial sums)
-        # flips an element to the next grid point now and then, which moves the loss by ~1e-4. The
-        # first step has no history and must agree tightly; later ones within a few flips.
-        assert abs(got["losses"][0] - ref_losses[0]) < TOL
+        # The QAT forward is exact under tp (integer-code matmuls), but gradients are float sums in
+        # another order: weights differ by ~1e-7 after a step, and now and then that moves a value
+        # across a rounding boundary of a quantizer (one code flip moves the loss by ~1e-5..1e-4).
+        # The first steps must agree tightly; later ones within a few flips.
+        early = torch.tensor(got["losses"][:QAT_EXACT_STEPS]) - torch.tensor(ref_losses[:QAT_EXACT_STEPS])
+        assert early.abs().max() < TOL, early
         tol, weight_tol = QAT_LOSS_TOL, QAT_WEIGHT_TOL
     assert len(got["losses"]) == len(ref_losses) == steps * trainer_kw.get("accumulate_grad_batches", 1)
     if "tokens" in ref_metrics:  # a torchmetrics SumMetric: synced over dp only, not tp replicas

@@ -85,7 +85,13 @@ def fake_quant(x: torch.Tensor, scale: torch.Tensor, qmax: int) -> torch.Tensor:
 
 def fake_quant_weight(w: torch.Tensor, bits: int, group=None) -> torch.Tensor:
     """Per-row symmetric fake quant of a (out, in) weight; see :func:`weight_scale` for ``group``."""
-    return fake_quant(w, weight_scale(w, bits, group).float(), qmax_of(bits))
+    return fake_quant_weight_with_scale(w, bits, group)[0]
+
+
+def fake_quant_weight_with_scale(w: torch.Tensor, bits: int, group=None):
+    """``(fake-quantized w, its per-row fp32 scale)``."""
+    scale = weight_scale(w, bits, group).float()
+    return fake_quant(w, scale, qmax_of(bits)), scale
 
 
 class _LSQ(torch.autograd.Function):
@@ -188,14 +194,20 @@ class ActQuantizer(nn.Module):
         return (self.amax.float() / self.qmax).clamp_min(EPS)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.quantize_with_scale(x)[0]
+
+    def quantize_with_scale(self, x: torch.Tensor):
+        """``(fake-quantized x, the 0-d scale it used)``; the scale is ``None`` while observing (x passes
+        unchanged), so a layer can run its matmul on the integer codes (see :class:`CodeLinear`)."""
         if self.observing:  # PTQ calibration: the range is the mean of the batches' absmax
             with torch.no_grad():
                 m = self.batch_amax(x)
                 self._set_range((self.amax * self._observed + m) / (self._observed + 1) if self._observed else m)
                 self._observed += 1
-            return x
+            return x, None
         if not self.is_initialized and not self.training:  # uncalibrated, in eval: this batch's range
-            return fake_quant(x, (self.batch_amax(x) / self.qmax).clamp_min(EPS), self.qmax)
+            scale = (self.batch_amax(x) / self.qmax).clamp_min(EPS)
+            return fake_quant(x, scale, self.qmax), scale
         if self.clip is not None:
             if not self.is_initialized:
                 self._set_range(self.batch_amax(x))
@@ -203,7 +215,9 @@ class ActQuantizer(nn.Module):
             numel = x.numel() * (comm.group_size(self._tp_group) if self.sharded else 1)
             alpha = self.clip.abs().clamp_min(EPS)
             xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x  # as in fake_quant()
-            return _LSQ.apply(xf, alpha.to(xf.dtype), self.qmax, 1.0 / math.sqrt(numel * self.qmax), group).to(x.dtype)
+            a = alpha.to(xf.dtype)
+            out = _LSQ.apply(xf, a, self.qmax, 1.0 / math.sqrt(numel * self.qmax), group).to(x.dtype)
+            return out, (a / self.qmax).detach()
         if self.training:  # update first, then quantize with the updated range (frozen in eval)
             with torch.no_grad():
                 m = self.batch_amax(x)
@@ -211,7 +225,8 @@ class ActQuantizer(nn.Module):
                     self.amax.mul_(self.momentum).add_(m * (1.0 - self.momentum))
                 else:
                     self._set_range(m)
-        return fake_quant(x, (self.amax.float() / self.qmax).clamp_min(EPS), self.qmax)
+        scale = (self.amax.float() / self.qmax).clamp_min(EPS)
+        return fake_quant(x, scale, self.qmax), scale
 
     def extra_repr(self) -> str:
         return f"bits={self.bits}, range={self.range_mode}, sharded={self.sharded}"

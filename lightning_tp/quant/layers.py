@@ -18,8 +18,10 @@ Why each tensor-parallel layer quantizes where it does (so that tp=N equals tp=1
   holds only in part (local output rows for column layers, local features for row layers), so it
   is SUM all-reduced over tp in backward.
 
-The forward bodies repeat those of :mod:`lightning_tp.layers.linear` with the quantizers spliced
-in before the matmul (the parallel layers have no hook for it).
+The matmul runs on the integer codes (:mod:`.code_linear`): its sums are exact, so the summation
+order of a row-parallel reduction cannot flip a later rounding, and tp=N stays equal to tp=1 step
+after step. The forward bodies repeat those of :mod:`lightning_tp.layers.linear` with the
+quantizers spliced in before the matmul (the parallel layers have no hook for it).
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from torch import nn
 
 from .. import comm
 from ..layers.linear import ColumnParallelLinear, RowParallelLinear, TPContext
-from .fake_quant import ActQuantizer, fake_quant_weight
+from .code_linear import code_linear
+from .fake_quant import ActQuantizer, fake_quant_weight_with_scale
 
 
 class _QATMixin:
@@ -43,10 +46,24 @@ class _QATMixin:
         return None
 
     def quant_weight(self):
-        """The fake-quantized weight, or the float one while calibrating (PTQ observes fp32)."""
+        """``(fake-quantized weight, per-row scale)``, or ``(weight, None)`` while calibrating (PTQ
+        observes fp32)."""
         if self.act_quant.observing:
-            return self.weight
-        return fake_quant_weight(self.weight, self.w_bits, self._weight_group())
+            return self.weight, None
+        return fake_quant_weight_with_scale(self.weight, self.w_bits, self._weight_group())
+
+    def quant_matmul(self, x, reduce=None):
+        """``x @ W.T`` on fake-quantized operands, computed on their codes; ``reduce`` (the tp
+        reduction of a row-parallel layer) is applied to the exact integer sums, before scaling."""
+        xq, s_x = self.act_quant.quantize_with_scale(x)
+        wq, s_w = self.quant_weight()
+        if s_x is None or s_w is None:  # observing: plain float matmul
+            y = F.linear(xq, wq)
+            return reduce(y) if reduce is not None else y
+        acc, scale = code_linear(xq, s_x, wq, s_w)
+        if reduce is not None:
+            acc = reduce(acc)
+        return (acc * scale).to(xq.dtype)
 
     def quant_extra_repr(self) -> str:
         return f"w{self.w_bits}a{self.a_bits}"
@@ -75,7 +92,8 @@ class QATLinear(_QATMixin, nn.Module):
         return cls(linear.weight, linear.bias, w_bits, a_bits, range_mode, **kw)
 
     def forward(self, x):
-        return F.linear(self.act_quant(x), self.quant_weight(), self.bias)
+        y = self.quant_matmul(x)
+        return y + self.bias if self.bias is not None else y
 
     def extra_repr(self):
         return f"in={self.in_features}, out={self.out_features}, {self.quant_extra_repr()}"
@@ -103,7 +121,9 @@ class QATColumnParallelLinear(_QATMixin, ColumnParallelLinear):
     def forward(self, x):
         if self.input_comm:
             x = self.ctx.enter_region(x)
-        y = F.linear(self.act_quant(x), self.quant_weight(), self.bias)
+        y = self.quant_matmul(x)
+        if self.bias is not None:
+            y = y + self.bias
         if self.gather_output is True or (self.gather_output == "eval" and not self.training):
             y = comm.gather_from_tp(y, self.ctx.group, -1)
             if y.shape[-1] != self.full_out:
@@ -138,11 +158,10 @@ class QATRowParallelLinear(_QATMixin, RowParallelLinear):
     def forward(self, x):
         if not self.input_is_parallel:
             x = comm.scatter_to_tp(x, self.ctx.group, -1)
-        y = F.linear(self.act_quant(x), self.quant_weight())
         if self.ctx.sp:
-            y = comm.reduce_scatter_to_sp(y, self.ctx.group, self.ctx.seq_dim)
+            y = self.quant_matmul(x, lambda t: comm.reduce_scatter_to_sp(t, self.ctx.group, self.ctx.seq_dim))
         else:
-            y = comm.reduce_from_tp(y, self.ctx.group)
+            y = self.quant_matmul(x, lambda t: comm.reduce_from_tp(t, self.ctx.group))
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self):
