@@ -23,7 +23,8 @@ Per optimizer step, with n = B*T tokens per replica (B: the batch one process lo
     Megatron's 4 all-reduces of b*s*h per layer.
   * PP: each virtual stage sends m activations of (B/m)*T*h (/tp under SP) unless it is the last,
     and m gradients back unless it is the first.
-  * SP grads (replicated params with partial grads), tied embeddings (first and last stage), DP
+  * SP grads (replicated params with partial grads, plus the all-heads buffer of key/value heads
+    copied to several tp ranks), tied embeddings (first and last stage), DP
     (every grad this rank holds, when dp > 1): one all-reduce each, as :mod:`lightning_tp.grads` does.
   Gradient clipping's scalar all-reduce, validation and Lightning's own logging syncs are left out.
 
@@ -49,6 +50,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
+from .grads import replica_buffer_numel
 from .layers.shard import padded_size
 from .pipeline.schedules import build_schedule
 from .pipeline.simulate import simulate
@@ -275,6 +277,7 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
             params = list(local.parameters())
             trained = sum(p.numel() for p in params if p.requires_grad)
             partial = sum(p.numel() for p in params if p.requires_grad and getattr(p, "_tp_sp_partial", False))
+            partial += sum(replica_buffer_numel(p) for p in params if p.requires_grad)
             tied = sum(p.numel() for p in params if p.requires_grad and getattr(p, "_pp_tied", False))
             rep.ranks.append(RankEstimate(
                 stage=r, tp_rank=t, params=sum(p.numel() for p in params),

@@ -1,5 +1,5 @@
-"""Gradient bookkeeping after backward: sequence-parallel partial sums, data-parallel averaging,
-and clipping by the true global norm.
+"""Gradient bookkeeping after backward: sequence-parallel partial sums, key/value heads copied to
+several tp ranks, data-parallel averaging, and clipping by the true global norm.
 
 Why here and not in DDP: sharded and replicated parameters live side by side, and each kind is
 reduced over a different group (replicated SP parameters over tp, everything over dp).
@@ -57,20 +57,69 @@ def sync_gradients(params, mesh) -> None:
     if mesh.emb_group is not None and mesh.pp_rank in (0, mesh.pp - 1):
         _reduce([p.grad for p in params if getattr(p, "_pp_tied", False)], mesh.emb_group)
     _reduce([p.grad for p in params if getattr(p, "_tp_sp_partial", False)], mesh.tp_group)
+    _sum_replicas(params, mesh)
     _reduce([p.grad for p in params], mesh.dp_group, scale=1.0 / mesh.dp)
+
+
+def _replicated_pieces(p, tp_rank: int):
+    """(local grad piece, number of slices, this rank's slot) for each replicated piece of ``p``."""
+    spec = spec_of(p)
+    if spec is None or not spec.replicas:
+        return []
+    return [(g, spec.slices(i), tp_rank // spec.replica(i), spec.dim)
+            for i, g in enumerate(spec.pieces(p.grad, local=True)) if spec.replica(i) > 1]
+
+
+def replica_buffer_numel(p) -> int:
+    """Elements all-reduced over tp for ``p``'s replicated pieces (0 for most parameters)."""
+    spec = spec_of(p)
+    if spec is None or not spec.replicas:
+        return 0
+    sizes = spec.sections or [spec.full // spec.chunks] * spec.chunks
+    rows = sum(s for i, s in enumerate(sizes) if spec.replica(i) > 1)
+    return rows * p.numel() // p.shape[spec.dim]
+
+
+def _sum_replicas(params, mesh) -> None:
+    """A key/value head copied to several tp ranks gets the sum of their gradients. Each rank puts its
+    piece in its head's slot of a zero buffer holding every head; one all-reduce over tp fills each
+    slot with the sum over the ranks that hold that head. No subgroups needed, at n_kv x the bytes."""
+    slots, buffers = [], []
+    for p in params:
+        for g, n, slot, dim in _replicated_pieces(p, mesh.tp_rank):
+            shape = list(g.shape)
+            shape[dim] *= n
+            buf = g.new_zeros(shape)
+            mine = buf.narrow(dim, slot * g.shape[dim], g.shape[dim])
+            mine.copy_(g)
+            slots.append((g, mine))
+            buffers.append(buf)
+    _reduce(buffers, mesh.tp_group)
+    for g, mine in slots:
+        g.copy_(mine)
 
 
 def global_grad_norm(params, mesh, norm_type: float = 2.0) -> torch.Tensor:
     """Norm of the full model's gradient: each shard counted once, tp replicas counted once."""
     params = [p for p in params if p.grad is not None]
-    counted = [p.grad.detach() for p in params if (spec_of(p) is not None or mesh.tp_rank == 0)
-               and not (getattr(p, "_pp_tied", False) and mesh.pp_rank > 0)]  # a tied copy counts once
+    counted = [g.detach() for p in params if not (getattr(p, "_pp_tied", False) and mesh.pp_rank > 0)
+               for g in _counted(p, mesh.tp_rank)]  # a tied copy counts once
     device = params[0].grad.device if params else torch.device("cpu")
     if math.isinf(norm_type):
         local = max((g.abs().max().float() for g in counted), default=torch.zeros((), device=device))
         return comm.all_reduce(local.clone().reshape(()), mesh.mp_group, op=dist.ReduceOp.MAX)
     local = sum((g.float().norm(norm_type) ** norm_type for g in counted), torch.zeros((), device=device))
     return comm.all_reduce(local, mesh.mp_group) ** (1.0 / norm_type)
+
+
+def _counted(p, tp_rank: int) -> list:
+    """The parts of p's grad this rank counts in the norm: a replica only on its first holder."""
+    spec = spec_of(p)
+    if spec is None:
+        return [p.grad] if tp_rank == 0 else []
+    if not spec.replicas:
+        return [p.grad]
+    return [g for i, g in enumerate(spec.pieces(p.grad, local=True)) if tp_rank % spec.replica(i) == 0]
 
 
 def clip_grad_norm(params, max_norm: float, mesh, norm_type: float = 2.0) -> torch.Tensor:

@@ -1,15 +1,17 @@
 """Plain checkpoints in and out: what a single-device project already has, and what it can load.
 
 In: a Lightning ``.ckpt`` (its ``state_dict``), a saved state_dict, or a Hugging Face
-``save_pretrained`` directory. Keys are matched to the LightningModule's own keys, allowing for a
-prefix (the HF model usually sits at ``self.model``); each rank copies in its stage's tensors and
-cuts its tensor-parallel shard with the same ShardSpec the layers use.
+``save_pretrained`` directory (one weights file, or shards listed in an index). Keys are matched to
+the LightningModule's own keys, allowing for a prefix (the HF model usually sits at
+``self.model``); each rank copies in its stage's tensors and cuts its tensor-parallel shard with
+the same ShardSpec the layers use.
 Out: :func:`save_consolidated` writes a Lightning checkpoint with the merged weights, which the
 original project loads with ``load_from_checkpoint`` or ``load_state_dict``.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -18,18 +20,43 @@ from .checkpoint import META, consolidate
 from .layers.shard import shard, spec_of
 
 
+HF_FILES = ("model.safetensors", "pytorch_model.bin")
+
+
+def _read_weights(file: Path) -> dict:
+    if file.name.endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        return load_file(str(file))
+    return torch.load(file, map_location="cpu", weights_only=True)
+
+
+def _read_hf_dir(path: Path) -> dict:
+    """A save_pretrained directory: one weights file, or shards listed in ``<file>.index.json``
+    (what ``max_shard_size`` writes for large models)."""
+    for name in HF_FILES:
+        if (path / name).is_file():
+            return _read_weights(path / name)
+    for name in HF_FILES:
+        index = path / f"{name}.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            missing = sorted({f for f in weight_map.values() if not (path / f).is_file()})
+            if missing:
+                raise ValueError(f"load_full={str(path)!r}: {index.name} lists {missing[:3]}, which are not in the "
+                                 f"directory.")
+            state = {}
+            for file in sorted(set(weight_map.values())):
+                state.update(_read_weights(path / file))
+            return state
+    raise ValueError(f"load_full={str(path)!r}: a directory, but none of {list(HF_FILES)} nor their sharded "
+                     f"'.index.json' form is in it.")
+
+
 def read_full_state_dict(path) -> dict:
     path = Path(path)
     if path.is_dir():
-        for name in ("model.safetensors", "pytorch_model.bin"):
-            if (path / name).is_file():
-                if name.endswith(".safetensors"):
-                    from safetensors.torch import load_file
-
-                    return load_file(str(path / name))
-                return torch.load(path / name, map_location="cpu", weights_only=True)
-        raise ValueError(f"load_full={str(path)!r}: a directory, but no model.safetensors or pytorch_model.bin in "
-                         f"it (sharded Hugging Face checkpoints are not supported yet).")
+        return _read_hf_dir(path)
     obj = torch.load(path, map_location="cpu", weights_only=False)
     return obj["state_dict"] if isinstance(obj, dict) and "state_dict" in obj else obj
 

@@ -101,13 +101,13 @@ class EncoderLM(L.LightningModule):
 class HFCausalLM(L.LightningModule):
     """A minimal LightningModule around a Hugging Face causal LM built from a config (no download)."""
 
-    def __init__(self, family: str, layers: int = 2, padded: bool = False):
+    def __init__(self, family: str, layers: int = 2, padded: bool = False, heads: int = 4, kv_heads: int = 2):
         super().__init__()
         import transformers as T
 
         self.padded = padded
         common = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ * 2,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=SEQ * 2,
                       attention_dropout=0.0, tie_word_embeddings=False)
         configs = {
             "gpt2": lambda: T.GPT2Config(vocab_size=64, n_positions=SEQ * 2, n_embd=32, n_layer=layers, n_head=4,
@@ -134,12 +134,12 @@ class HFCausalLM(L.LightningModule):
 class LitGPTLM(L.LightningModule):
     """A minimal LightningModule around litgpt's GPT (grouped queries, RoPE, LLaMA MLP, RMSNorm)."""
 
-    def __init__(self, layers: int = 2):
+    def __init__(self, layers: int = 2, query_groups: int = 2):
         super().__init__()
         from litgpt import GPT, Config
 
         self.model = GPT(Config(block_size=SEQ * 2, vocab_size=64, padded_vocab_size=64, n_layer=layers, n_head=4,
-                                n_query_groups=2, n_embd=32, intermediate_size=64, mlp_class_name="LLaMAMLP",
+                                n_query_groups=query_groups, n_embd=32, intermediate_size=64, mlp_class_name="LLaMAMLP",
                                 norm_class_name="RMSNorm", rotary_percentage=1.0, parallel_residual=False,
                                 bias=False))
 

@@ -1,15 +1,19 @@
 """Real model families, built tiny from their configs (no downloads), against one process: tp=2,
 tp=2+sp, pp=2 and tp=2 x pp=2, 10 AdamW steps, per-step loss and consolidated weights within 1e-5.
 Hugging Face GPT-2, Llama (grouped-query attention: 4 heads, 2 kv heads), Qwen2, Mistral, Qwen3
-(per-head q/k norms), and
-litgpt's GPT (grouped queries, fused [q|k|v])."""
+(per-head q/k norms), and litgpt's GPT (grouped queries, fused [q|k|v]). With more tp ranks than
+key/value heads (1 kv head at tp=2, 2 at tp=4) each kv head is copied to several ranks."""
 
 import pytest
 
 pytest.importorskip("transformers", reason="the hf extra (pip install lightning-tp[hf]) is not installed")
 pytest.importorskip("litgpt", reason="the hf extra (pip install lightning-tp[hf]) is not installed")
 
+import torch  # noqa: E402
+
 import dist  # noqa: E402
+from lightning_tp.explain import explain  # noqa: E402
+from lightning_tp.layers import ShardSpec, shard, unshard  # noqa: E402
 from lightning_tp.plans import apply as planner  # noqa: E402
 from models import make_model  # noqa: E402
 from test_parity import _check, _train_all  # noqa: E402
@@ -26,7 +30,14 @@ for fam in FAMILIES:
 # attention masks, padding (ignored labels) and explicit position ids, GPT-2's tied embeddings
 WORLD2["hf_llama_tp2_sp_padded"] = ("hf_llama", dict(padded=True), dict(tp=2, sp=True), TEN)
 WORLD2["hf_gpt2_pp2_padded"] = ("hf_gpt2", dict(padded=True), PP, TEN)
+# replicated kv heads: the mask path (repeat_kv reads num_key_value_groups), q/k/v biases (Qwen2),
+# litgpt's fused [q|k|v], and the global norm of gradient clipping (a copy counted once)
+WORLD2["hf_llama_kv1_tp2_sp_padded"] = ("hf_llama", dict(kv_heads=1, padded=True), dict(tp=2, sp=True), TEN)
+WORLD2["hf_qwen2_kv1_tp2_clip"] = ("hf_qwen2", dict(kv_heads=1), dict(tp=2), dict(TEN, gradient_clip_val=0.05))
+WORLD2["litgpt_kv1_tp2"] = ("litgpt", dict(query_groups=1), dict(tp=2), TEN)
 WORLD4 = {f"{fam}_tp2_pp2": (fam, {}, dict(tp=2, **PP), TEN) for fam in FAMILIES}
+WORLD4["hf_llama_tp4_sp"] = ("hf_llama", {}, dict(tp=4, sp=True), TEN)  # 2 kv heads over 4 ranks
+WORLD4["hf_qwen3_tp4"] = ("hf_qwen3", {}, dict(tp=4), TEN)  # and a per-head k_norm on the copies
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +71,32 @@ def test_llama_plan_comes_from_the_config():
     assert styles["model.model.layers.1.mlp.down_proj"] == "rowwise"
 
 
-def test_gqa_with_more_ranks_than_kv_heads_is_refused():
-    with pytest.raises(ValueError, match="k_proj: out_features = 16 holds 2 heads"):
-        planner.resolve(make_model("hf_llama"), 4, False)
+def test_kv_heads_that_tp_can_neither_split_nor_copy_are_refused():
+    with pytest.raises(ValueError, match="k_proj: out_features = 15 holds 3 key/value heads of 5; tp = 2 neither"):
+        planner.resolve(make_model("hf_llama", heads=6, kv_heads=3), 2, False)
+    with pytest.raises(ValueError, match="q_proj: out_features = 32 holds 4 heads of 8, which tp = 8 cannot"):
+        planner.resolve(make_model("hf_llama"), 8, False)  # query heads are never copied
+
+
+def test_replicated_kv_heads_shard_and_unshard():
+    """[q | k | v] with 4 q rows and 2 kv heads of 1 row over tp=4: rank r holds kv head r // 2."""
+    full = torch.arange(16.0).reshape(8, 2)
+    spec = ShardSpec(dim=0, world=4, full=8, sections=(4, 2, 2), replicas=(1, 2, 2))
+    parts = [shard(full, spec, r) for r in range(4)]
+    assert [p[:, 0].tolist() for p in parts] == [[0, 8, 12], [2, 8, 12], [4, 10, 14], [6, 10, 14]]
+    assert torch.equal(unshard(parts, spec), full)
+    plain = ShardSpec(dim=1, world=4, full=2, replicas=(4,))  # one head, copied to all 4 ranks
+    assert all(torch.equal(shard(full[:, :2], plain, r), full[:, :2]) for r in range(4))
+    assert torch.equal(unshard([full[:, :2]] * 4, plain), full[:, :2])
+
+
+def test_replicated_kv_heads_plan_and_explain():
+    model = make_model("hf_llama", kv_heads=1)
+    planner.apply(model, planner.resolve(model, 2, False), None, 2, 1, False)
+    attn = model.model.model.layers[0].self_attn
+    assert attn.k_proj.weight.shape == (8, 32) and attn.num_key_value_groups == 2
+    assert attn.k_proj.weight._tp_spec.replicas == (2,)
+    report = explain(make_model("hf_llama"), tp=4, batch_shape=(4, 16), print_report=False)
+    # per rank: embedding 512, per layer q/k/v/o 4 x 256 (k, v: one whole 8-row head each), MLP 3 x 512,
+    # norms 64; final norm 32, head 512
+    assert [r.params for r in report.ranks] == [512 + 2 * (4 * 256 + 3 * 512 + 64) + 32 + 512] * 4

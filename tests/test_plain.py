@@ -1,6 +1,6 @@
 """Plain checkpoints in and out of a tp=2 x pp=2 run: a single-device Lightning checkpoint and a
-Hugging Face save_pretrained directory load into the sharded stages; consolidate writes back what
-the single-device project loads."""
+Hugging Face save_pretrained directory (one file, or shards with an index) load into the sharded
+stages; consolidate writes back what the single-device project loads."""
 
 import copy
 import os
@@ -11,6 +11,7 @@ import torch
 
 import dist
 from lightning_tp import MegaStrategy, save_consolidated
+from lightning_tp.plain import read_full_state_dict
 from models import LossRecorder, TokenData, make_model, trainer_kwargs
 
 
@@ -40,8 +41,10 @@ def _single_device_first_loss(model):
     return rec.losses[0]
 
 
-@pytest.mark.parametrize("kind", ["gpt", "hf_llama"])
+@pytest.mark.parametrize("kind", ["gpt", "hf_llama", "hf_llama_sharded"])
 def test_plain_checkpoint_in_and_out(tmp_path, kind):
+    sharded = kind.endswith("_sharded")
+    kind = kind.removesuffix("_sharded")
     make = (lambda: make_model(kind, layers=4)) if kind.startswith("hf_") else (lambda: make_model(kind, n_layer=4))
     torch.manual_seed(123)
     source = make()
@@ -53,7 +56,8 @@ def test_plain_checkpoint_in_and_out(tmp_path, kind):
         torch.save({"state_dict": source.state_dict()}, plain)  # what a single-device Trainer writes
     else:
         plain = str(tmp_path / "hf")
-        source.model.save_pretrained(plain)
+        source.model.save_pretrained(plain, **(dict(max_shard_size="20KB") if sharded else {}))
+        assert os.path.exists(os.path.join(plain, "model.safetensors.index.json")) == sharded
     losses = dist.run(4, _run, kind, plain, str(tmp_path))
     expected = _single_device_first_loss(copy.deepcopy(source))
     assert all(abs(r[0] - expected) < 1e-5 for r in losses)
@@ -62,3 +66,20 @@ def test_plain_checkpoint_in_and_out(tmp_path, kind):
     fresh.load_state_dict(state, strict=True)
     for key, value in source.state_dict().items():
         torch.testing.assert_close(state[key], value, atol=0, rtol=0, msg=lambda m: f"{key}: {m}")
+
+
+@pytest.mark.parametrize("safe", [True, False])
+def test_sharded_hf_directory_reads_like_one_file(tmp_path, safe):
+    """model.safetensors.index.json / pytorch_model.bin.index.json plus several shard files."""
+    model = make_model("hf_llama").model
+    model.save_pretrained(tmp_path / "one", safe_serialization=safe)
+    model.save_pretrained(tmp_path / "many", safe_serialization=safe, max_shard_size="20KB")
+    index = "model.safetensors.index.json" if safe else "pytorch_model.bin.index.json"
+    assert os.path.exists(tmp_path / "many" / index) and len(os.listdir(tmp_path / "many")) > 4
+    one, many = read_full_state_dict(tmp_path / "one"), read_full_state_dict(tmp_path / "many")
+    assert set(one) == set(many) and len(one) > 10
+    for key, value in one.items():
+        assert torch.equal(many[key], value), key
+    os.remove(tmp_path / "many" / sorted(f for f in os.listdir(tmp_path / "many") if "-of-" in f)[0])
+    with pytest.raises(ValueError, match="lists .*, which are not in the directory"):
+        read_full_state_dict(tmp_path / "many")

@@ -74,22 +74,24 @@ class ColumnParallelLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Module, ctx: TPContext, name: str, memo: dict, *, input_comm=True,
-                    gather_output=False, chunks=1, pad=False, sections=()) -> "ColumnParallelLinear":
-        """``linear``: an nn.Linear, or a GPT-2 style Conv1D (weight stored as in x out)."""
+                    gather_output=False, chunks=1, pad=False, sections=(), replicas=()) -> "ColumnParallelLinear":
+        """``linear``: an nn.Linear, or a GPT-2 style Conv1D (weight stored as in x out). ``replicas``:
+        per piece, how many ranks hold the same slice (key/value heads copied when tp exceeds them)."""
         transposed = is_conv1d(linear)
         out = linear.weight.shape[1 if transposed else 0]
         padded = padded_size(out, ctx.world) if pad else 0
         if not pad:
-            for size in sections or (out // chunks,):
-                check_divisible("out_features", name, size, ctx.world,
+            for i, size in enumerate(sections or (out // chunks,)):
+                slices = ctx.world // (replicas[i if sections else 0] if replicas else 1)
+                check_divisible("out_features", name, size, slices,
                                 "Choose sizes divisible by tp, or leave this layer out of the plan.")
         padded = padded if padded != out else 0
-        spec = ShardSpec(dim=1 if transposed else 0, world=ctx.world, full=out, chunks=chunks, padded=padded,
-                         sections=sections)
+        split = dict(full=out, chunks=chunks, padded=padded, sections=sections, replicas=replicas)
+        spec = ShardSpec(dim=1 if transposed else 0, world=ctx.world, **split)
         weight = _shard_param(linear.weight, spec, ctx, memo)
         bias = None
         if linear.bias is not None:
-            bias_spec = ShardSpec(dim=0, world=ctx.world, full=out, chunks=chunks, padded=padded, sections=sections)
+            bias_spec = ShardSpec(dim=0, world=ctx.world, **split)
             bias = _shard_param(linear.bias, bias_spec, ctx, memo)
         return cls(weight, bias, ctx, out, input_comm=input_comm, gather_output=gather_output,
                    transposed=transposed)

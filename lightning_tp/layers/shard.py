@@ -5,6 +5,11 @@ A full tensor is viewed as pieces along ``dim``: ``chunks`` equal ones (3 for a 
 piece is padded to ``padded`` rows in total, then cut into ``world`` contiguous slices. Rank r
 keeps slice r of every piece, concatenated. :func:`unshard` is the exact inverse,
 which is what :func:`lightning_tp.consolidate` relies on.
+
+A piece with ``replicas[i] = k > 1`` (key/value heads when tp exceeds their number, as in
+Megatron) is cut into only ``world / k`` slices, and k consecutive ranks hold the same one:
+rank r keeps slice ``r // k``. Its gradient must then be summed over those k ranks
+(:mod:`lightning_tp.grads`), and unshard takes each slice once.
 """
 
 from __future__ import annotations
@@ -22,10 +27,20 @@ class ShardSpec:
     chunks: int = 1
     padded: int = 0  # size of `dim` after padding (0: no padding)
     sections: tuple = ()  # unequal piece sizes (overrides chunks)
+    replicas: tuple = ()  # per piece: ranks holding the same slice (1 each when empty)
 
-    def pieces(self, t: torch.Tensor, world: int = 1) -> tuple:
+    def replica(self, i: int) -> int:
+        return self.replicas[i] if self.replicas else 1
+
+    def slices(self, i: int) -> int:
+        """Distinct slices piece i is cut into."""
+        return self.world // self.replica(i)
+
+    def pieces(self, t: torch.Tensor, local: bool = False) -> tuple:
+        """The pieces of a full tensor, or (``local``) of one rank's shard."""
         if self.sections:
-            return t.split([s // world for s in self.sections], dim=self.dim)
+            return t.split([s // (self.slices(i) if local else 1) for i, s in enumerate(self.sections)],
+                           dim=self.dim)
         return t.chunk(self.chunks, dim=self.dim) if self.chunks > 1 else (t,)
 
     def as_dict(self) -> dict:
@@ -33,28 +48,34 @@ class ShardSpec:
 
     def __post_init__(self):
         object.__setattr__(self, "sections", tuple(self.sections))
+        object.__setattr__(self, "replicas", tuple(self.replicas))
+        if self.replicas and not self.sections and len(set(self.replicas)) > 1:
+            raise ValueError(f"equal chunks must share one replica count, got {self.replicas}.")
+        if any(self.world % k for k in self.replicas):
+            raise ValueError(f"replicas {self.replicas} must divide world = {self.world}.")
 
 
 def shard(full: torch.Tensor, spec: ShardSpec, rank: int) -> torch.Tensor:
     out = []
-    for piece in spec.pieces(full):
+    for i, piece in enumerate(spec.pieces(full)):
         size = piece.shape[spec.dim]
         target = spec.padded // spec.chunks if spec.padded else size
         if target > size:
             pad_shape = list(piece.shape)
             pad_shape[spec.dim] = target - size
             piece = torch.cat([piece, piece.new_zeros(pad_shape)], dim=spec.dim)
-        step = target // spec.world
-        out.append(piece.narrow(spec.dim, rank * step, step))
+        step = target // spec.slices(i)
+        out.append(piece.narrow(spec.dim, rank // spec.replica(i) * step, step))
     return torch.cat(out, dim=spec.dim).clone()
 
 
 def unshard(locals_by_rank: list[torch.Tensor], spec: ShardSpec) -> torch.Tensor:
-    per_rank = [spec.pieces(t, spec.world) for t in locals_by_rank]
+    per_rank = [spec.pieces(t, local=True) for t in locals_by_rank]
     sizes = spec.sections or [spec.full // spec.chunks] * spec.chunks
     pieces = []
     for c, size in enumerate(sizes):
-        piece = torch.cat([per_rank[r][c] for r in range(spec.world)], dim=spec.dim)
+        holders = range(0, spec.world, spec.replica(c))  # a replicated slice is taken once
+        piece = torch.cat([per_rank[r][c] for r in holders], dim=spec.dim)
         pieces.append(piece.narrow(spec.dim, 0, size))
     return torch.cat(pieces, dim=spec.dim)
 

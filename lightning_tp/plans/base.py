@@ -24,11 +24,17 @@ STYLES = {
     "mha": "nn.MultiheadAttention replaced by a head-parallel TPMultiheadAttention",
     "replicate": "left as it is (every tp rank holds the full module)",
 }
-ATTR_RULES = {"divide": "value // tp (must divide)"}
+ATTR_RULES = {
+    "divide": "value // tp (must divide)",
+    "kv_heads": "a key/value head count: value // tp, or 1 when tp is a multiple of it (heads replicated)",
+    "kv_groups:N": "query heads per key/value head, with N kv heads: value // (tp // N) when tp > N, else kept",
+}
 STYLE_OPTIONS = {
     "chunks": "the weight is that many equal blocks along its output (a fused q/k/v: 3); each is split",
     "sections": "the weight is blocks of these sizes along its output (grouped-query q/k/v); each is split",
     "unit": "outputs come in units of this size (a head's head_dim): each rank must get whole units",
+    "replicate_heads": "true, or the indices of the sections/chunks holding key/value heads: with unit, a tp that "
+                       "is a multiple of their head count copies each head to tp / heads ranks (Megatron's GQA)",
     "full_input": "the input is whole along the sequence even under SP (the module runs after sp_end)",
 }
 
@@ -38,6 +44,16 @@ def path_matches(pattern: str, path: str) -> bool:
         return path == ""
     pat, parts = pattern.split("."), path.split(".") if path else []
     return len(pat) == len(parts) and all(fnmatchcase(p, q) for p, q in zip(parts, pat))
+
+
+def parse_rule(rule) -> tuple | None:
+    """("divide", None), ("kv_heads", None), ("kv_groups", N); None for anything else."""
+    name, _, arg = str(rule).partition(":")
+    if name in ("divide", "kv_heads") and not arg:
+        return name, None
+    if name == "kv_groups" and arg.isdigit() and int(arg) > 0:
+        return name, int(arg)
+    return None
 
 
 def split_style(value) -> tuple:
@@ -90,9 +106,9 @@ class Plan:
                                  f"{sorted(STYLE_OPTIONS)}.")
         for glob, rules in self.attrs.items():
             for attr, rule in rules.items():
-                if rule not in ATTR_RULES:
+                if parse_rule(rule) is None:
                     raise ValueError(f"plan {self.name!r}: unknown rule {rule!r} for {glob}.{attr}; choose one of "
-                                     f"{sorted(ATTR_RULES)}.")
+                                     f"{sorted(ATTR_RULES)} (N an integer).")
 
     @classmethod
     def from_dict(cls, d: dict) -> "Plan":

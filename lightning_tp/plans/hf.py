@@ -3,8 +3,9 @@
 Families whose config carries ``base_model_tp_plan`` (Llama, Mistral, Qwen2 and the others that
 share Llama's layout) get a plan built from it, not a hand-written copy: their "colwise" layers
 that read the same input (q/k/v; gate/up) become one TP region with a single entry, "rowwise"
-stays rowwise, and the embedding, norms and LM head are added. GPT-2 has no such plan; its
-hand-written one shards the fused c_attn per q/k/v block.
+stays rowwise, and the embedding, norms and LM head are added. With more tp ranks than key/value
+heads, k_proj/v_proj heads are copied (Megatron-style) and ``num_key_value_groups`` is set per rank.
+GPT-2 has no such plan; its hand-written one shards the fused c_attn per q/k/v block.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ class HFConfigPlan:
     def build(self, module: nn.Module) -> Plan:
         config, base = module.config, module.base_model_prefix
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        styles, parents = {}, defaultdict(list)
+        n_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        styles, parents, attrs = {}, defaultdict(list), {}
         for glob, style in config.base_model_tp_plan.items():
             if style not in self.supported:
                 raise ValueError(f"{type(module).__name__}: base_model_tp_plan style {style!r} for {glob!r} is not "
@@ -52,15 +54,19 @@ class HFConfigPlan:
             for child in children:
                 unit = head_dim if child.endswith(("q_proj", "k_proj", "v_proj")) else 1
                 styles[child] = {"style": "colwise_local", "unit": unit}
-            # per-head norms inside the region (Qwen3's q_norm/k_norm) see this rank's heads only
+                if child.endswith(("k_proj", "v_proj")):  # tp > kv heads: each head copied to tp // n_kv ranks
+                    styles[child]["replicate_heads"] = True
             inner = layers[0].get_submodule(parent.split(".*.", 1)[1]) if ".*." in parent else None
+            if hasattr(inner, "num_key_value_groups"):  # read by repeat_kv: local q heads per local kv head
+                attrs[parent] = {"num_key_value_groups": f"kv_groups:{n_kv}"}
+            # per-head norms inside the region (Qwen3's q_norm/k_norm) see this rank's heads only
             for name, child in (inner.named_children() if inner is not None else ()):
                 if type(child).__name__.endswith(("Norm", "RMSNorm", "LayerNorm")):
                     styles[f"{parent}.{name}"] = "partial"
         styles.update(_norm_paths(layers[0], f"{base}.layers.*"))
         styles.update(_norm_paths(getattr(module, base), base))  # the final norm, whatever its name
         styles.update({f"{base}.embed_tokens": "vocab", "lm_head": "lm_head"})
-        return Plan(name=f"hf_{type(module).__name__}", styles=styles, sp_start=f"{base}.layers.*",
+        return Plan(name=f"hf_{type(module).__name__}", styles=styles, attrs=attrs, sp_start=f"{base}.layers.*",
                     blocks=f"{base}.layers")
 
 

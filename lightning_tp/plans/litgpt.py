@@ -1,6 +1,7 @@
 """Plan for litgpt's ``GPT``: fused qkv laid out as [q | k | v] with grouped queries, so the
 split uses the section sizes read from the model's config; the head counts the attention reads
-from its (shared) config are divided on a per-module copy."""
+from its (shared) config are divided on a per-module copy. With more tp ranks than query groups,
+each k/v head is copied to tp // n_query_groups ranks and the copy's n_query_groups is 1."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ class LitGPTPlan:
         styles = {
             "transformer.wte": "vocab",
             "transformer.h.*.attn": "region",
-            "transformer.h.*.attn.qkv": {"style": "colwise_local", "sections": sections, "unit": c.head_size},
+            "transformer.h.*.attn.qkv": {"style": "colwise_local", "sections": sections, "unit": c.head_size,
+                                         "replicate_heads": [1, 2]},  # k, v: copied when tp > n_query_groups
             "transformer.h.*.attn.proj": "rowwise",
             "transformer.h.*.norm_1": "sp_norm",
             "transformer.h.*.norm_2": "sp_norm",
@@ -37,7 +39,7 @@ class LitGPTPlan:
         else:  # GptNeoxMLP
             styles.update({"transformer.h.*.mlp.fc": "colwise", "transformer.h.*.mlp.proj": "rowwise"})
         return Plan(name=self.name, styles=styles,
-                    attrs={"transformer.h.*.attn": {"config.n_head": "divide", "config.n_query_groups": "divide"}},
+                    attrs={"transformer.h.*.attn": {"config.n_head": "divide", "config.n_query_groups": "kv_heads"}},
                     sp_start="transformer.h.*", blocks="transformer.h")
 
 
