@@ -32,7 +32,9 @@ WORLD4.update({
     "tp2_sp_pp2": ("gpt", dict(n_layer=4), dict(tp=2, sp=True, **_pp(2, "1f1b")), {}),
     "tp2_pp2_tied_interleaved": ("gpt", dict(n_layer=4, tie_weights=True), dict(tp=2, **_pp(2, "interleaved_1f1b")),
                                  {}),
-    "pp2_dp2": ("gpt", dict(n_layer=4), _pp(2, "1f1b"), {}),
+    **{f"pp2_dp2_{s}": ("gpt", dict(n_layer=4), _pp(2, s), {}) for s in SCHEDULES},
+    "tp2_pp2_gpipe": ("gpt", dict(n_layer=4), dict(tp=2, **_pp(2, "gpipe")), {}),
+    "tp2_pp2_zb_h1": ("gpt", dict(n_layer=4), dict(tp=2, **_pp(2, "zb_h1")), {}),
     "tp2_sp_pp2_encoder": ("encoder", dict(layers=4), dict(tp=2, sp=True, **_pp(2, "1f1b")), {}),
     # issue 4's family check runs 10 steps (at 20 this layout drifts to 1.2e-5: fp32 rounding, 3e-6 relative)
     "tp2_pp2_encoder": ("encoder", dict(layers=4), dict(tp=2, **_pp(2, "gpipe")), dict(max_steps=10)),

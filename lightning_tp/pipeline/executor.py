@@ -79,6 +79,7 @@ class PipelineRunner:
         self.n_vstages = layout.pp * layout.v
         self.actions = build_schedule(schedule, layout.pp, microbatches, layout.v)[mesh.pp_rank]
         self.zero_bubble = any(a.kind == "W" for a in self.actions)
+        self._log_names = None  # the last stage's logged names as of the previous step (see _share_numbers)
 
     # ---------------------------------------------------------------- helpers
 
@@ -99,26 +100,76 @@ class PipelineRunner:
         finally:
             self.state.received = None
 
-    def _publish(self, logs_per_mb: list, result):
+    def _publish(self, logs_per_mb: list, result, train: bool = False):
         """Average the last stage's logs over microbatches, share them and the result with every stage.
 
         Values that cannot be averaged (torchmetrics objects) are logged by each stage from its own
-        module, where its step reached the log call before stopping; elsewhere they are skipped."""
-        last = self.mesh.global_rank(self.mesh.tp_rank, self.mesh.dp_rank, self.layout.pp - 1)
+        module, where its step reached the log call before stopping; elsewhere they are skipped.
+        In training the result is the mean loss: the numbers travel as one small float64 broadcast
+        and the names (pickled) only when they change, which keeps the per-step cost at one
+        collective's latency."""
         own = {}
         for sink in logs_per_mb:
             for name, value, args, kwargs in sink:
                 own.setdefault(name, [[], args, kwargs])[0].append(value)
-        box = [[(n, _mean(v), a, k) for n, (v, a, k) in own.items()], result]
+        shared = [(n, _mean(v), a, k) for n, (v, a, k) in own.items()]
         if self.layout.pp > 1:
-            dist.broadcast_object_list(box, src=last, group=self.mesh.pp_group)
-        shared, result = box
+            last = self.mesh.global_rank(self.mesh.tp_rank, self.mesh.dp_rank, self.layout.pp - 1)
+            if train:
+                shared, result = self._share_numbers(shared, result, last)
+            else:
+                box = [shared, result]
+                dist.broadcast_object_list(box, src=last, group=self.mesh.pp_group)
+                shared, result = box
         for name, mean, args, kwargs in shared:
             if mean is not None:
                 self.module.log(name, mean, *args, **kwargs)
             elif name in own:
                 self.module.log(name, own[name][0][-1], *args, **kwargs)
         return result
+
+    _CAPACITY = 62  # logged numbers per step that fit the fixed broadcast (more: sent pickled)
+
+    def _share_numbers(self, shared, loss, last):
+        is_last = self.mesh.pp_rank == self.layout.pp - 1
+        buf = torch.zeros(2 + self._CAPACITY, dtype=torch.float64, device=self._device())
+        if is_last:
+            names = [(n, a, k, mean is not None) for n, mean, a, k in shared]
+            values = [loss] + [mean for _, mean, _, _ in shared if mean is not None]
+            try:
+                changed = bool(names != self._log_names)
+            except (RuntimeError, ValueError):  # kwargs holding tensors: compare by sending them
+                changed = True
+            buf[0] = float(changed) + 2.0 * (len(values) > self._CAPACITY + 1)
+            buf[1:1 + min(len(values), self._CAPACITY + 1)] = torch.tensor(values[:self._CAPACITY + 1],
+                                                                           dtype=torch.float64)
+        dist.broadcast(buf, src=last, group=self.mesh.pp_group)
+        flags = int(buf[0])
+        if flags:
+            box = [names if is_last else None, values if is_last and flags & 2 else None]
+            dist.broadcast_object_list(box, src=last, group=self.mesh.pp_group)
+            self._log_names = box[0]
+        if not flags & 2:
+            values = buf[1:].tolist()
+        else:
+            values = box[1]
+        it = iter(values[1:])
+        shared = [(n, next(it) if has_mean else None, a, k) for n, a, k, has_mean in self._log_names]
+        return shared, values[0]
+
+    def _device(self):
+        return next((p.device for p in self.module.parameters()), torch.device("cpu"))
+
+    def _expected_receives(self) -> dict:
+        """channel -> ordered [(tag, src)] of this rank's receives in one training step."""
+        out = {}
+        for a in self.actions:
+            k = self._vstage(a.chunk)
+            if a.kind == "RECV_F":
+                out.setdefault((0, k), []).append((tag(0, a.microbatch, k, self.n_vstages), self._rank_of(k - 1)))
+            elif a.kind == "RECV_B":
+                out.setdefault((1, k), []).append((tag(1, a.microbatch, k, self.n_vstages), self._rank_of(k + 1)))
+        return out
 
     # ---------------------------------------------------------------- training
 
@@ -129,7 +180,7 @@ class PipelineRunner:
         for p in params:
             p.grad = None
         inputs, outputs, grads, input_grads, deferred = {}, {}, {}, {}, {}
-        logs, losses, box = [[] for _ in range(self.m)], [], Mailbox()
+        logs, losses, box = [[] for _ in range(self.m)], [], Mailbox(self._expected_receives())
         device = next(iter(params)).device if params else torch.device("cpu")
         for a in self.actions:
             key, k = (a.microbatch, a.chunk), self._vstage(a.chunk)
@@ -163,7 +214,7 @@ class PipelineRunner:
         for p, old in zip(params, saved):
             p._pp_fresh_grad, p.grad = p.grad, old
         mean_loss = float(sum(losses) / len(losses)) if losses else None
-        return self._publish(logs, mean_loss)
+        return self._publish(logs, mean_loss, train=True)
 
     def _backward(self, key, k, out, grad, inputs, input_grads, deferred):
         if not self.zero_bubble:

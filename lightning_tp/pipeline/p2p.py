@@ -5,7 +5,11 @@ header (shape and dtype); the microbatches after it have the same shape, so they
 Both sides walk a channel's microbatches in increasing order (every schedule does), so they agree
 on which message is first. Tags name each message (direction, microbatch, receiving virtual
 stage): a rank that runs several chunks gets each tensor where it belongs. Sends are
-non-blocking; receives block, which is what the schedules' deadlock check assumes.
+non-blocking; a receive blocks until its tensor is there, which is what the schedules' deadlock
+check assumes. Given the step's expected receives per channel (the action list knows them), the
+next ``depth`` receives of a channel are posted as soon as its shape is known, so a tensor sent
+early is already in place when the schedule asks for it (gloo moves data only once the receive is
+posted: a late post costs a round trip on every transfer).
 """
 
 from __future__ import annotations
@@ -24,23 +28,26 @@ def tag(direction: int, microbatch: int, vstage: int, n_vstages: int) -> int:
 
 
 class Mailbox:
-    """Keeps in-flight sends alive until they complete (checked at each send, waited at step end)."""
+    """Keeps in-flight sends alive until they complete (checked at each send, waited at step end).
 
-    def __init__(self):
+    ``expected``: channel -> ordered ``[(tag, src), ...]`` of this step's receives on it (optional)."""
+
+    def __init__(self, expected: dict | None = None, depth: int = 2):
         self.pending = []
         self.sent_header, self.shapes = set(), {}  # per channel, for this step
+        self.expected = {c: list(v) for c, v in (expected or {}).items()}
+        self.posted, self.depth = {}, depth  # channel -> [(tag, work, buffer)] in order
 
     def send(self, tensor: torch.Tensor, dst: int, t: int, channel) -> None:
         tensor = tensor.detach().contiguous()
         if tensor.dim() > _HEADER - 2:
             raise ValueError(f"pipeline activations of {tensor.dim()} dims are not supported (max {_HEADER - 2}).")
-        header = torch.zeros(_HEADER, dtype=torch.int64, device=tensor.device)
-        header[0], header[1] = tensor.dim(), _DTYPES.index(tensor.dtype)
-        header[2:2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
         comm._record("send", tensor, None)  # the payload only (not the header): counted like collectives
         self.pending = [(w, x) for w, x in self.pending if not w.is_completed()]  # free what has landed
         if channel not in self.sent_header:
             self.sent_header.add(channel)
+            shape = [tensor.dim(), _DTYPES.index(tensor.dtype), *tensor.shape]
+            header = torch.tensor(shape + [0] * (_HEADER - len(shape)), dtype=torch.int64, device=tensor.device)
             self.pending.append((dist.isend(header, dst, tag=t), header))
         self.pending.append((dist.isend(tensor, dst, tag=t + 1), tensor))
 
@@ -50,12 +57,30 @@ class Mailbox:
             dist.irecv(header, src, tag=t).wait()
             ndim = int(header[0])
             self.shapes[channel] = (tuple(header[2:2 + ndim].tolist()), _DTYPES[int(header[1])])
-        shape, dtype = self.shapes[channel]
-        out = torch.empty(shape, dtype=dtype, device=device)
-        dist.irecv(out, src, tag=t + 1).wait()
+        queue = self.posted.setdefault(channel, [])
+        if not queue or queue[0][0] != t:  # not foreseen: post it now
+            queue.insert(0, self._post(channel, t, src, device))
+        _, work, out = queue.pop(0)
+        self._post_ahead(channel, device, drop=t)
+        work.wait()
         return out
 
+    def _post(self, channel, t, src, device):
+        shape, dtype = self.shapes[channel]
+        out = torch.empty(shape, dtype=dtype, device=device)
+        return t, dist.irecv(out, src, tag=t + 1), out
+
+    def _post_ahead(self, channel, device, drop: int) -> None:
+        ahead, queue = self.expected.get(channel, []), self.posted[channel]
+        if ahead and ahead[0][0] == drop:
+            ahead.pop(0)
+        while ahead and len(queue) < self.depth:
+            queue.append(self._post(channel, *ahead.pop(0), device))
+
     def wait(self) -> None:
+        leftover = [t for q in self.posted.values() for t, _, _ in q]
+        if leftover:
+            raise RuntimeError(f"pipeline receives posted but never used (tags {leftover}): schedule mismatch.")
         for work, _ in self.pending:
             work.wait()
         self.pending.clear()
