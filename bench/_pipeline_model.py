@@ -64,38 +64,47 @@ def _sleep(t):
     STATS.sleep += time.perf_counter() - t0
 
 
-class SleepMul(torch.autograd.Function):
-    """y = x * w with a fixed simulated cost: forward sleeps tf, backward sleeps tb."""
+class SleepCost(torch.autograd.Function):
+    """Identity with a simulated cost: forward sleeps tf, backward sleeps tb. ``nbytes`` > 0 marks a
+    block's input-path half: its forward starts a saved activation's life, its first backward ends
+    it (the live-activation count) and it counts the block's forward/backward calls."""
 
     @staticmethod
-    def forward(ctx, x, w, tf, tb):
+    def forward(ctx, x, tf, tb, nbytes):
         _sleep(tf)
-        STATS.n_f += 1
-        ctx.save_for_backward(x, w)
-        ctx.tb, ctx.nbytes, ctx.pending = tb, x.numel() * x.element_size(), True
-        STATS.add(ctx.nbytes)
-        return x * w
+        ctx.tb, ctx.nbytes, ctx.pending = tb, nbytes, nbytes > 0
+        if nbytes:
+            STATS.n_f += 1
+            STATS.add(nbytes)
+        return x.view_as(x)
 
     @staticmethod
     def backward(ctx, g):
         _sleep(ctx.tb)
-        STATS.n_b += 1
-        x, w = ctx.saved_tensors
-        if ctx.pending:  # ZB runs this twice (B for the input grad, W again for the weights)
-            STATS.inflight -= ctx.nbytes
-            ctx.pending = False
-        return g * w, (g * x).sum(0), None, None
+        if ctx.nbytes:
+            STATS.n_b += 1
+            if ctx.pending:
+                STATS.inflight -= ctx.nbytes
+                ctx.pending = False
+        return g, None, None, None
 
 
 class SleepBlock(nn.Module):
+    """y = x * w with a fixed simulated cost, split like a real layer's backward: the input-gradient
+    half (tb / 2, on the path to the block's input) and the weight-gradient half (tb / 2, on the
+    weight's own branch). A plain backward pays both; zero-bubble's B pays the first and W the
+    second (rank 0, whose stage has no input gradient, pays both in W)."""
+
     def __init__(self, tf, tb, width=WIDTH):
         super().__init__()
         self.tf, self.tb = tf, tb
         self.w = nn.Parameter(torch.ones(width))
 
     def forward(self, x):
+        w = SleepCost.apply(self.w, 0.0, self.tb / 2, 0)
         with torch.autograd.graph.saved_tensors_hooks(_Saved, lambda saved: saved.t):
-            return SleepMul.apply(x, self.w, self.tf, self.tb)
+            y = x * w
+        return SleepCost.apply(y, self.tf, self.tb / 2, x.numel() * x.element_size())
 
 
 class SleepNet(L.LightningModule):
@@ -200,14 +209,15 @@ def _instrument_executor():
 
     _ORIGINAL.update(send=timed(p2p.Mailbox.send, "send"), recv=timed(p2p.Mailbox.recv, "recv"))
 
+    send, recv = p2p.Mailbox.send, p2p.Mailbox.recv
+
     def send_payload_only(self, tensor, dst, t, channel=None):
-        tensor = tensor.detach().contiguous()
-        self.pending.append((dist.isend(tensor, dst, tag=t + 1), tensor))
+        self.sent_header.add(channel)  # as if the header had gone already: the payload travels alone
+        return send(self, tensor, dst, t, channel)
 
     def recv_payload_only(self, src, t, device, channel=None):
-        out = torch.empty(ROWS, WIDTH, device=device)  # every transfer of this model has this shape
-        dist.irecv(out, src, tag=t + 1).wait()
-        return out
+        self.shapes[channel] = ((ROWS, WIDTH), torch.float32)  # every transfer of this model has this shape
+        return recv(self, src, t, device, channel)
 
     _HEADERLESS.update(send=timed(send_payload_only, "send"), recv=timed(recv_payload_only, "recv"))
     use_headers(True)
@@ -282,7 +292,7 @@ def run_torch(rank, world, schedule, m, v, n_blocks, tf, tb, steps):
 
 def probes(rank, world, reps=200):
     """Isolated costs: our Mailbox (header + payload) vs one plain isend/irecv, ping-pong between
-    ranks 0 and 1; and one broadcast_object_list of a log box like _publish sends each step."""
+    ranks 0 and 1; and the one float64 broadcast _publish sends each training step."""
     from lightning_tp.pipeline.p2p import Mailbox
 
     out = {}
@@ -316,13 +326,12 @@ def probes(rank, world, reps=200):
         out[f"{name}_one_way_ms"] = (time.perf_counter() - t0) / reps * 1e3
         out[f"{name}_send_call_ms"] = call / (reps // 2) * 1e3
         dist.barrier()
-    box = [[("train_loss", 0.123, (), {})], 0.456]
+    buf = torch.zeros(64, dtype=torch.float64)  # what _publish broadcasts each training step
     dist.barrier()
     t0 = time.perf_counter()
     for _ in range(reps // 4):
-        b = list(box)
-        dist.broadcast_object_list(b, src=world - 1)
-    out["broadcast_object_list_ms"] = (time.perf_counter() - t0) / (reps // 4) * 1e3
+        dist.broadcast(buf, src=world - 1)
+    out["log_broadcast_ms"] = (time.perf_counter() - t0) / (reps // 4) * 1e3
     dist.barrier()
     return out
 

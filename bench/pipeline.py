@@ -100,17 +100,16 @@ def ideals(m: int) -> dict:
             continue
         # (a) the paper's split, simulate()'s convention: B (input grad) + W (weight grad) = one backward
         split = simulate(sched, P, 1, {"F": nb * TF, "B": nb * TB, "W": nb * TB / 2})
-        # (b) what our executor does: B = autograd.grad to the stage input (a full backward through
-        # the stage, since a block's backward computes both grads), W = autograd.backward to the
-        # weights over the kept graph (a second full backward); rank 0 has no input grad, B is free.
-        # simulate() takes one cost per kind for all ranks, hence the replay with rank 0's B = 0.
-        cost = {"F": nb * TF, "B": nb * TB, "W": nb * TB}
-        dur = lambda r, a, cost=cost: 0.0 if (a.kind == "B" and r == 0) else cost[a.kind]  # noqa: E731
+        # (b) what our executor does (pipeline/zb.py): B = the input-gradient half of the stage's
+        # backward, W = the weight half; rank 0 has no input gradient, so its B is free and its W is
+        # the whole backward. simulate() takes one cost per kind for all ranks, hence the replay.
+        cost = {"F": nb * TF, "B": nb * TB / 2, "W": nb * TB / 2}
+        dur = lambda r, a, cost=cost: {"B": 0.0, "W": nb * TB}.get(a.kind, cost[a.kind]) if r == 0 \
+            else cost[a.kind]  # noqa: E731
         out[name] = dict(sched=sched, v=1, dur=dur, ideal=replay(sched, P, 1, dur), peak=split.peak_inflight,
-                         busy=[m * (cost["F"] + cost["W"] + (0 if r == 0 else cost["B"])) for r in range(P)],
-                         split=split.makespan,
-                         model=f"replay F={nb * TF * 1e3:.0f} B={nb * TB * 1e3:.0f} W={nb * TB * 1e3:.0f}, "
-                               f"rank 0 B=0")
+                         busy=[m * (cost["F"] + nb * TB) for _ in range(P)], split=split.makespan,
+                         model=f"replay F={nb * TF * 1e3:.0f} B={nb * TB / 2 * 1e3:.0f} W={nb * TB / 2 * 1e3:.0f}, "
+                               f"rank 0 B=0 W={nb * TB * 1e3:.0f}")
     return out
 
 
@@ -170,13 +169,13 @@ def report(results):
     probe = {k: statistics.median(max(r["probes"][i][k] for r in results) for i in range(len(results[0]["probes"])))
              for k in results[0]["probes"][0]}
     link = probe["mailbox_one_way_ms"] / 1e3  # our executor's per-transfer latency (header + payload)
-    bcast = probe["broadcast_object_list_ms"] / 1e3  # the per-step log broadcast at the end of the step
+    bcast = probe["log_broadcast_ms"] / 1e3  # the per-step log broadcast at the end of the step
 
     # ---- 1. measured vs ideal
     print("\n1) Our executor: measured step time vs the schedule's ideal (same per-action costs, free communication)")
     print(f"   'ideal+link': the same replay where each P2P transfer costs the one-way latency measured below "
           f"({link * 1e3:.2f} ms,\n   paid once sender and receiver are both there, as gloo does) plus one "
-          f"broadcast_object_list ({bcast * 1e3:.2f} ms) per step")
+          f"log broadcast ({bcast * 1e3:.2f} ms) per step")
     hdr = (f"{'schedule':<18}{'m':>3}  {'measured ms':>11}  {'ideal ms':>9}  {'ratio':>6}  {'target':>6}  "
            f"{'ideal+link':>10}  {'ratio':>6}  cost model (ms per action)")
     print(hdr)
@@ -196,11 +195,9 @@ def report(results):
                 print(f"{'  vs split-W ideal':<18}{m:>3}  {ms(span):>11}  {ms(idl['split']):>9}  "
                       f"{span / idl['split']:>6.3f}  {'':>6}  {'':>10}  {'':>6}  simulate F={2 * TF * 1e3:.0f} "
                       f"B={2 * TB * 1e3:.0f} W={TB * 1e3:.0f} (B+W = one backward)")
-    print("   zb_h1: our W re-runs the stage's backward restricted to the weights (autograd.backward(out, grad, "
-          "inputs=params)\n   over the graph B kept), so every block's backward sleep runs twice on ranks 1-3. "
-          "The first zb_h1 row's\n   ideal uses that cost (B = W = one full backward, rank 0's B free: it has no "
-          "input grad); the split-W row\n   is ZB-H1's ideal if W were only the weight half of one backward "
-          "(simulate()'s convention).")
+    print("   zb_h1: B runs the input-gradient half of each block's backward, W the weight half (pipeline/zb.py);\n"
+          "   rank 0 has no input gradient, so its W is its whole backward. The split-W row is the paper's ideal,\n"
+          "   where rank 0 splits too (simulate()'s convention).")
 
     print("\n   evidence, per rank per step (median): slept ms / schedule's busy ms, block backward calls:")
     for m in MS:
@@ -297,8 +294,8 @@ def report(results):
           f"(header message, then payload) {probe['mailbox_one_way_ms']:.3f} ms")
     print(f"   sender-side call: dist.isend {probe['plain_send_call_ms']:.3f} ms;  Mailbox.send (builds the header, "
           f"2 isends) {probe['mailbox_send_call_ms']:.3f} ms")
-    print(f"   broadcast_object_list of a one-entry log box over 4 ranks (what _publish does each step): "
-          f"{probe['broadcast_object_list_ms']:.3f} ms")
+    print(f"   the per-step log broadcast over 4 ranks (one float64 tensor, what _publish sends in training): "
+          f"{probe['log_broadcast_ms']:.3f} ms")
 
 
 def main():

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from .p2p import Mailbox, tag
 from .schedules import build_schedule
 from .stage import StageDone
+from .zb import SplitBackward
 
 
 def split_batch(batch, m: int, path: str = "batch") -> list:
@@ -202,28 +203,29 @@ class PipelineRunner:
                 t = tag(1, a.microbatch, k, self.n_vstages)
                 grads[key] = box.recv(self._rank_of(k + 1), t, device, (1, k))
             elif a.kind == "B":
-                self._backward(key, k, outputs.pop(key), grads.pop(key, None), inputs, input_grads, deferred)
+                self._backward(key, k, outputs.pop(key), grads.pop(key, None), inputs, input_grads, deferred, params)
             elif a.kind == "SEND_B":
                 g = input_grads.pop(key) if key in input_grads else inputs[key].grad
                 box.send(g, self._rank_of(k - 1), tag(1, a.microbatch, k - 1, self.n_vstages), (1, k - 1))
                 inputs.pop(key)
             elif a.kind == "W":
-                target, grad = deferred.pop(key)
-                torch.autograd.backward(target, grad, inputs=params)
+                deferred.pop(key).weight_grad()
         box.wait()
         for p, old in zip(params, saved):
             p._pp_fresh_grad, p.grad = p.grad, old
         mean_loss = float(sum(losses) / len(losses)) if losses else None
         return self._publish(logs, mean_loss, train=True)
 
-    def _backward(self, key, k, out, grad, inputs, input_grads, deferred):
+    def _backward(self, key, k, out, grad, inputs, input_grads, deferred, params):
         if not self.zero_bubble:
             torch.autograd.backward(out, grad)
             return
-        # ZB: B computes only the input gradient now; W (weights) runs later, from the kept graph.
-        if k > 0:
-            (input_grads[key],) = torch.autograd.grad(out, inputs[key], grad, retain_graph=True)
-        deferred[key] = (out, grad)
+        # ZB: B computes only the input gradient now; W (the weight half, see .zb) runs later.
+        split = SplitBackward(out, grad, inputs[key] if k > 0 else None, params)
+        g = split.input_grad()
+        if g is not None:
+            input_grads[key] = g
+        deferred[key] = split
 
     @staticmethod
     def merge_grads(module) -> None:

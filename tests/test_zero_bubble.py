@@ -1,0 +1,68 @@
+"""ZB split (lightning_tp.pipeline.zb): B gives the input gradient, W the weight gradients, together
+equal to one plain backward, and W does not run the input path again."""
+
+import torch
+from torch import nn
+
+from lightning_tp.pipeline.zb import SplitBackward
+
+
+class CountBackward(torch.autograd.Function):
+    """Identity that counts its backward calls (a marker on the input path)."""
+
+    calls = 0
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        CountBackward.calls += 1
+        return g
+
+
+class Stage(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(8), nn.Linear(8, 16), nn.Linear(16, 8)
+        self.scale = nn.Parameter(torch.tensor(1.5))
+        self.unused = nn.Linear(2, 2)  # on this rank but not in this output's graph
+
+    def forward(self, x):
+        h = CountBackward.apply(x)
+        h = self.down(CountBackward.apply(torch.relu(self.up(self.norm(h))))) + h  # marked between the layers
+        return h * self.scale + self.scale  # a parameter on a branch of its own, too
+
+
+def test_split_backward_equals_plain_backward_and_skips_the_input_path_in_w():
+    torch.manual_seed(0)
+    stage, x, g = Stage(), torch.randn(4, 8), torch.randn(4, 8)
+    ref_x = x.clone().requires_grad_()
+    stage(ref_x).backward(g)
+    ref = {n: p.grad.clone() for n, p in stage.named_parameters() if p.grad is not None}
+    stage.zero_grad(set_to_none=True)
+
+    CountBackward.calls = 0
+    inp = x.clone().requires_grad_()
+    split = SplitBackward(stage(inp), g, inp, list(stage.parameters()))
+    gx = split.input_grad()
+    assert CountBackward.calls == 2
+    assert all(p.grad is None for p in stage.parameters()), "B must not touch weight gradients"
+    torch.testing.assert_close(gx, ref_x.grad, rtol=0, atol=1e-6)
+    split.weight_grad()
+    assert CountBackward.calls == 2, "W ran the input path again"
+    got = {n: p.grad for n, p in stage.named_parameters() if p.grad is not None}
+    assert set(got) == set(ref)
+    for n in ref:
+        torch.testing.assert_close(got[n], ref[n], rtol=0, atol=1e-6, msg=n)
+
+
+def test_first_stage_has_no_input_and_w_is_the_whole_backward():
+    torch.manual_seed(0)
+    emb = nn.Embedding(10, 4)
+    out = emb(torch.tensor([1, 2, 3])).sum()
+    split = SplitBackward(out, None, None, list(emb.parameters()))
+    assert split.input_grad() is None and emb.weight.grad is None
+    split.weight_grad()
+    assert emb.weight.grad[1:4].eq(1).all() and emb.weight.grad[0].eq(0).all()
