@@ -13,7 +13,10 @@ from lightning_tp.kernels import torch_path
 from models import LossRecorder, TokenData, make_model, reference_run, trainer_kwargs, vocab_of
 
 STEPS, BATCH, TOL = 20, 4, 1e-5
-QAT_EXACT_STEPS, QAT_LOSS_TOL, QAT_WEIGHT_TOL = 5, 5e-4, 5e-3
+QAT_LOSS_TOL, QAT_WEIGHT_TOL = 5e-4, 5e-3
+# steps that must agree within TOL: int8 holds all 10 (the issue's acceptance); w4a8's coarser grid
+# meets a flip (below) after 5 on this data
+QAT_EXACT_STEPS = {"tp2_sp_int8_qat": 10, "tp2_w4a8_qat": 5}
 
 CLIP = dict(gradient_clip_val=0.05)  # small enough to clip every step: the global norm must be right
 ACCUMULATE = dict(accumulate_grad_batches=2)
@@ -92,9 +95,10 @@ def _check(results, name, configs, world):
         # another order: weights differ by ~1e-7 after a step, and now and then that moves a value
         # across a rounding boundary of a quantizer (one code flip moves the loss by ~1e-5..1e-4).
         # The first steps must agree tightly; later ones within a few flips.
-        early = torch.tensor(got["losses"][:QAT_EXACT_STEPS]) - torch.tensor(ref_losses[:QAT_EXACT_STEPS])
+        exact = QAT_EXACT_STEPS[name]
+        early = torch.tensor(got["losses"][:exact]) - torch.tensor(ref_losses[:exact])
         assert early.abs().max() < TOL, early
-        tol, weight_tol = QAT_LOSS_TOL, QAT_WEIGHT_TOL
+        tol, weight_tol = (TOL, TOL) if exact == steps else (QAT_LOSS_TOL, QAT_WEIGHT_TOL)
     assert len(got["losses"]) == len(ref_losses) == steps * trainer_kw.get("accumulate_grad_batches", 1)
     if "tokens" in ref_metrics:  # a torchmetrics SumMetric: synced over dp only, not tp replicas
         assert got["metrics"]["tokens"] == ref_metrics["tokens"]
