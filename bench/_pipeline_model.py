@@ -35,6 +35,8 @@ class Stats:
         # seconds inside our executor: whole train_step, Mailbox.send/recv/wait, _publish (log broadcast)
         self.train_step = self.send = self.recv = self.wait = self.publish = 0.0
         self.mailbox_peak = 0  # bytes of sent tensors our Mailbox still holds (it releases them at step end)
+        self.act = {"F": 0.0, "B": 0.0, "W": 0.0}  # seconds inside our F / B / W actions (compute, no P2P)
+        self.acts = {"F": 0, "B": 0, "W": 0}
 
     def add(self, n):
         self.inflight += n
@@ -159,7 +161,7 @@ class Recorder:
         self.stats.append(dict(inflight_peak=s.inflight_peak, resident_peak=s.resident_peak, sleep=s.sleep,
                                n_f=s.n_f, n_b=s.n_b, train_step=s.train_step, send=s.send, recv=s.recv,
                                wait=s.wait, publish=s.publish, mailbox_peak=s.mailbox_peak,
-                               leftover=s.inflight))
+                               leftover=s.inflight, act=dict(s.act), acts=dict(s.acts)))
 
     def result(self):
         return dict(start=self.start, end=self.end, stats=self.stats)
@@ -224,6 +226,21 @@ def _instrument_executor():
     p2p.Mailbox.wait = timed(p2p.Mailbox.wait, "wait")
     executor.PipelineRunner.train_step = timed(executor.PipelineRunner.train_step, "train_step")
     executor.PipelineRunner._publish = timed(executor.PipelineRunner._publish, "publish")
+    from lightning_tp.pipeline import zb
+
+    def action(fn, kind):
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                STATS.act[kind] += time.perf_counter() - t0
+                STATS.acts[kind] += 1
+        return wrapper
+
+    executor.PipelineRunner._run = action(executor.PipelineRunner._run, "F")  # training: one F each
+    executor.PipelineRunner._backward = action(executor.PipelineRunner._backward, "B")
+    zb.SplitBackward.weight_grad = action(zb.SplitBackward.weight_grad, "W")
     _PATCHED = True
 
 

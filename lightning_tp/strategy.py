@@ -47,6 +47,10 @@ class MegaStrategy(ParallelStrategy):
         virtual_stages: model chunks per rank for the interleaved schedule.
         pipeline_blocks: path of the repeated block list, when the plan or the search cannot find it.
         stage_layers: blocks per (virtual) stage, instead of the parameter-balanced split.
+        p2p: how pipeline transfers go out: ``"eager"`` (isend at once, receives posted ahead; gloo),
+            ``"batched"`` (a send followed by a receive leave together in one ``batch_isend_irecv``,
+            nothing posted ahead: what NCCL needs, where a send can wait for its receive and two
+            stages sending to each other first would deadlock), ``"auto"`` (batched on NCCL).
         quant: ``"int8"`` (W8A8) or ``"w4a8"``: quantization-aware training layers in place of the
             (parallel) linears, each tensor-parallel result equal to the single-device QAT one.
         load_full: a plain checkpoint (Lightning .ckpt, state_dict file or Hugging Face save_pretrained
@@ -63,6 +67,7 @@ class MegaStrategy(ParallelStrategy):
     def __init__(self, tp: int = 1, pp: int = 1, sp: bool = False, plan: Any = "auto",
                  microbatches: Optional[int] = None, schedule: str = "1f1b", virtual_stages: int = 1,
                  pipeline_blocks: Optional[str] = None, stage_layers: Optional[list] = None,
+                 p2p: Literal["auto", "eager", "batched"] = "auto",
                  kernels: Union[bool, list, None] = False, quant: Optional[str] = None,
                  load_full: Optional[str] = None, sync_init: bool = True,
                  process_group_backend: Optional[str] = None,
@@ -82,6 +87,9 @@ class MegaStrategy(ParallelStrategy):
         self.schedule, self.virtual_stages = schedule, virtual_stages
         self.pipeline_blocks, self.stage_layers = pipeline_blocks, stage_layers
         self._pipelined = pp > 1 or self.microbatches > 1
+        if p2p not in ("auto", "eager", "batched"):
+            raise ValueError(f"MegaStrategy(p2p={p2p!r}): choose 'auto', 'eager' or 'batched'.")
+        self.p2p = p2p
         if self._pipelined:  # names and counts checked now, on every rank, before any process starts
             build_schedule(schedule, pp, self.microbatches, virtual_stages)
         self._runner = None
@@ -207,7 +215,9 @@ class MegaStrategy(ParallelStrategy):
                 layout = plan_stages(module, 1, 1, self.pipeline_blocks or planner.blocks_path(module, self.plan))
             before = [(module.get_submodule(name), twin) for name, twin in split["before"].items()]
             state = install_stages(module.get_submodule(layout.blocks_path), layout, self.mesh.pp_rank, before)
-            self._runner = PipelineRunner(module, self.mesh, layout, state, self.schedule, self.microbatches)
+            batched = self.p2p == "batched" or (self.p2p == "auto" and dist.get_backend() == "nccl")
+            self._runner = PipelineRunner(module, self.mesh, layout, state, self.schedule, self.microbatches,
+                                          batched=batched)
         contexts = {id(m.ctx): m.ctx for m in replaced.values() if hasattr(m, "ctx")}
         module._lightning_tp = {"tp": self.tp, "sp": self.sp, "pp": self.pp, "contexts": list(contexts.values()),
                                 "runner": self._runner}

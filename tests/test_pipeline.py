@@ -23,12 +23,15 @@ WORLD2 = {f"pp2_{s}": ("gpt", dict(n_layer=4), _pp(2, s), {}) for s in SCHEDULES
 WORLD2.update({
     "pp2_tied_embeddings": ("gpt", dict(n_layer=4, tie_weights=True), _pp(2, "1f1b"), {}),
     "pp2_encoder": ("encoder", dict(layers=4), _pp(2, "1f1b"), {}),
+    # NCCL's transfer mode (send + following receive in one batch_isend_irecv), run here on gloo
+    "pp2_1f1b_batched_p2p": ("gpt", dict(n_layer=4), _pp(2, "1f1b", p2p="batched"), {}),
     "pp2_clip_accumulate": ("gpt", dict(n_layer=4, tie_weights=True), _pp(2, "zb_h1"),
                             dict(gradient_clip_val=0.05, accumulate_grad_batches=2)),
 })
 WORLD4 = {f"pp4_uneven_{s}": ("gpt", dict(n_layer=6), _pp(4, s), {}) for s in ("gpipe", "1f1b", "zb_h1")}
 WORLD4.update({
     "pp4_interleaved_1f1b": ("gpt", dict(n_layer=8), _pp(4, "interleaved_1f1b"), {}),
+    "pp4_interleaved_batched_p2p": ("gpt", dict(n_layer=8), _pp(4, "interleaved_1f1b", p2p="batched"), {}),
     "tp2_sp_pp2": ("gpt", dict(n_layer=4), dict(tp=2, sp=True, **_pp(2, "1f1b")), {}),
     "tp2_pp2_tied_interleaved": ("gpt", dict(n_layer=4, tie_weights=True), dict(tp=2, **_pp(2, "interleaved_1f1b")),
                                  {}),
@@ -171,3 +174,8 @@ def test_validate_and_predict_through_the_pipeline(bad):
 def test_unknown_schedule_is_refused_at_construction():
     with pytest.raises(ValueError, match="gpipe"):
         MegaStrategy(pp=2, schedule="bogus")
+
+
+def test_unknown_p2p_mode_is_refused_at_construction():
+    with pytest.raises(ValueError, match="'auto', 'eager' or 'batched'"):
+        MegaStrategy(pp=2, p2p="fast")

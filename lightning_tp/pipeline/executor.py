@@ -74,8 +74,9 @@ def _mean(values):
 
 
 class PipelineRunner:
-    def __init__(self, module, mesh, layout, state, schedule: str, microbatches: int):
+    def __init__(self, module, mesh, layout, state, schedule: str, microbatches: int, batched: bool = False):
         self.module, self.mesh, self.layout, self.state = module, mesh, layout, state
+        self.batched = batched  # pair each send with the receive after it (see Mailbox.exchange)
         self.schedule, self.m = schedule, microbatches
         self.n_vstages = layout.pp * layout.v
         self.actions = build_schedule(schedule, layout.pp, microbatches, layout.v)[mesh.pp_rank]
@@ -172,6 +173,28 @@ class PipelineRunner:
                 out.setdefault((1, k), []).append((tag(1, a.microbatch, k, self.n_vstages), self._rank_of(k + 1)))
         return out
 
+    def _recv_args(self, a):
+        """(src, tag, channel) of a RECV_F / RECV_B action."""
+        k, d = self._vstage(a.chunk), (0 if a.kind == "RECV_F" else 1)
+        return self._rank_of(k - 1 if d == 0 else k + 1), tag(d, a.microbatch, k, self.n_vstages), (d, k)
+
+    def _send_args(self, a, outputs, inputs, input_grads):
+        """(tensor, dst, tag, channel) of a SEND_F / SEND_B action; drops what the send was the last use of."""
+        key, k = (a.microbatch, a.chunk), self._vstage(a.chunk)
+        if a.kind == "SEND_F":
+            return outputs[key], self._rank_of(k + 1), tag(0, a.microbatch, k + 1, self.n_vstages), (0, k + 1)
+        g = input_grads.pop(key) if key in input_grads else inputs[key].grad
+        inputs.pop(key)
+        return g, self._rank_of(k - 1), tag(1, a.microbatch, k - 1, self.n_vstages), (1, k - 1)
+
+    @staticmethod
+    def _store(a, tensor, inputs, grads) -> None:
+        key = (a.microbatch, a.chunk)
+        if a.kind == "RECV_F":
+            inputs[key] = tensor.requires_grad_()
+        else:
+            grads[key] = tensor
+
     # ---------------------------------------------------------------- training
 
     def train_step(self, batch, batch_idx, scale: float):
@@ -181,13 +204,25 @@ class PipelineRunner:
         for p in params:
             p.grad = None
         inputs, outputs, grads, input_grads, deferred = {}, {}, {}, {}, {}
-        logs, losses, box = [[] for _ in range(self.m)], [], Mailbox(self._expected_receives())
+        logs, losses = [[] for _ in range(self.m)], []
+        box = Mailbox(self._expected_receives(), batched=self.batched)
         device = next(iter(params)).device if params else torch.device("cpu")
-        for a in self.actions:
+        acts, i = self.actions, 0
+        while i < len(acts):
+            a = acts[i]
             key, k = (a.microbatch, a.chunk), self._vstage(a.chunk)
-            if a.kind == "RECV_F":
-                t = tag(0, a.microbatch, k, self.n_vstages)
-                inputs[key] = box.recv(self._rank_of(k - 1), t, device, (0, k)).requires_grad_()
+            if a.kind in ("RECV_F", "RECV_B"):
+                src, t, channel = self._recv_args(a)
+                self._store(a, box.recv(src, t, device, channel), inputs, grads)
+            elif a.kind in ("SEND_F", "SEND_B"):
+                send = self._send_args(a, outputs, inputs, input_grads)
+                nxt = acts[i + 1] if i + 1 < len(acts) else None
+                if self.batched and nxt is not None and nxt.kind in ("RECV_F", "RECV_B"):
+                    src, t, channel = self._recv_args(nxt)
+                    self._store(nxt, box.exchange(send, (src, t, channel), device), inputs, grads)
+                    i += 1
+                else:
+                    box.send(*send)
             elif a.kind == "F":
                 finished, out = self._run("training_step", micro[a.microbatch], batch_idx, k, inputs.get(key),
                                           logs[a.microbatch])
@@ -196,20 +231,11 @@ class PipelineRunner:
                     losses.append(out.detach().float())
                     out = out * scale
                 outputs[key] = out
-            elif a.kind == "SEND_F":
-                t = tag(0, a.microbatch, k + 1, self.n_vstages)
-                box.send(outputs[key], self._rank_of(k + 1), t, (0, k + 1))
-            elif a.kind == "RECV_B":
-                t = tag(1, a.microbatch, k, self.n_vstages)
-                grads[key] = box.recv(self._rank_of(k + 1), t, device, (1, k))
             elif a.kind == "B":
                 self._backward(key, k, outputs.pop(key), grads.pop(key, None), inputs, input_grads, deferred, params)
-            elif a.kind == "SEND_B":
-                g = input_grads.pop(key) if key in input_grads else inputs[key].grad
-                box.send(g, self._rank_of(k - 1), tag(1, a.microbatch, k - 1, self.n_vstages), (1, k - 1))
-                inputs.pop(key)
             elif a.kind == "W":
                 deferred.pop(key).weight_grad()
+            i += 1
         box.wait()
         for p, old in zip(params, saved):
             p._pp_fresh_grad, p.grad = p.grad, old

@@ -32,31 +32,65 @@ class Mailbox:
 
     ``expected``: channel -> ordered ``[(tag, src), ...]`` of this step's receives on it (optional)."""
 
-    def __init__(self, expected: dict | None = None, depth: int = 2):
+    def __init__(self, expected: dict | None = None, depth: int = 2, batched: bool = False):
         self.pending = []
         self.sent_header, self.shapes = set(), {}  # per channel, for this step
-        self.expected = {c: list(v) for c, v in (expected or {}).items()}
+        self.batched = batched  # NCCL: no receive posted ahead (it would hold up the sends behind it)
+        self.expected = {} if batched else {c: list(v) for c, v in (expected or {}).items()}
         self.posted, self.depth = {}, depth  # channel -> [(tag, work, buffer)] in order
 
     def send(self, tensor: torch.Tensor, dst: int, t: int, channel) -> None:
+        tensor, header = self._outgoing(tensor, channel)
+        if header is not None:
+            self.pending.append((dist.isend(header, dst, tag=t), header))
+        self.pending.append((dist.isend(tensor, dst, tag=t + 1), tensor))
+
+    def _outgoing(self, tensor, channel):
+        """(payload, header or None) for a send; the header goes with a channel's first message."""
         tensor = tensor.detach().contiguous()
         if tensor.dim() > _HEADER - 2:
             raise ValueError(f"pipeline activations of {tensor.dim()} dims are not supported (max {_HEADER - 2}).")
         comm._record("send", tensor, None)  # the payload only (not the header): counted like collectives
-        self.pending = [(w, x) for w, x in self.pending if not w.is_completed()]  # free what has landed
-        if channel not in self.sent_header:
-            self.sent_header.add(channel)
-            shape = [tensor.dim(), _DTYPES.index(tensor.dtype), *tensor.shape]
-            header = torch.tensor(shape + [0] * (_HEADER - len(shape)), dtype=torch.int64, device=tensor.device)
-            self.pending.append((dist.isend(header, dst, tag=t), header))
-        self.pending.append((dist.isend(tensor, dst, tag=t + 1), tensor))
+        self.pending = [(w, x) for w, x in self.pending if w is None or not w.is_completed()]  # free what landed
+        if channel in self.sent_header:
+            return tensor, None
+        self.sent_header.add(channel)
+        shape = [tensor.dim(), _DTYPES.index(tensor.dtype), *tensor.shape]
+        return tensor, torch.tensor(shape + [0] * (_HEADER - len(shape)), dtype=torch.int64, device=tensor.device)
+
+    def _learn_shape(self, channel, header) -> None:
+        ndim = int(header[0])
+        self.shapes[channel] = (tuple(header[2:2 + ndim].tolist()), _DTYPES[int(header[1])])
+
+    def exchange(self, send: tuple, recv: tuple, device) -> torch.Tensor:
+        """A send ``(tensor, dst, tag, channel)`` and the receive ``(src, tag, channel)`` right after it,
+        issued together (``batch_isend_irecv``: one NCCL group, so two stages that each send first
+        and then receive from the other cannot deadlock). Returns the received tensor."""
+        tensor, dst, ts, cs = send
+        src, tr, cr = recv
+        tensor, header = self._outgoing(tensor, cs)
+        ops = [dist.P2POp(dist.isend, header, dst, tag=ts)] if header is not None else []
+        ops.append(dist.P2POp(dist.isend, tensor, dst, tag=ts + 1))  # never held up by what we receive
+        known = cr in self.shapes
+        shape, dtype = self.shapes[cr] if known else ((_HEADER,), torch.int64)
+        incoming = torch.empty(shape, dtype=dtype, device=device)
+        ops.append(dist.P2POp(dist.irecv, incoming, src, tag=tr + 1 if known else tr))
+        works = dist.batch_isend_irecv(ops)
+        # NCCL may return one work for the whole group: keep the sent tensors alive until the step ends
+        self.pending += [(w, None) for w in works[:-1]] + [(None, x) for x in (header, tensor) if x is not None]
+        works[-1].wait()
+        if known:
+            return incoming
+        self._learn_shape(cr, incoming)  # a channel's first message: its header came, the payload follows
+        out = torch.empty(self.shapes[cr][0], dtype=self.shapes[cr][1], device=device)
+        dist.irecv(out, src, tag=tr + 1).wait()
+        return out
 
     def recv(self, src: int, t: int, device, channel) -> torch.Tensor:
         if channel not in self.shapes:
             header = torch.empty(_HEADER, dtype=torch.int64, device=device)
             dist.irecv(header, src, tag=t).wait()
-            ndim = int(header[0])
-            self.shapes[channel] = (tuple(header[2:2 + ndim].tolist()), _DTYPES[int(header[1])])
+            self._learn_shape(channel, header)
         queue = self.posted.setdefault(channel, [])
         if not queue or queue[0][0] != t:  # not foreseen: post it now
             queue.insert(0, self._post(channel, t, src, device))
@@ -82,5 +116,6 @@ class Mailbox:
         if leftover:
             raise RuntimeError(f"pipeline receives posted but never used (tags {leftover}): schedule mismatch.")
         for work, _ in self.pending:
-            work.wait()
+            if work is not None:
+                work.wait()
         self.pending.clear()
