@@ -48,17 +48,21 @@ def _reduce(grads: list, group, scale: float = 1.0) -> None:
             g.copy_(synced)
 
 
-def sync_gradients(params, mesh) -> None:
+def sync_gradients(params, mesh, dp_overlap=None) -> None:
     """Tied first/last-stage weights summed over their two stages, SP-partial grads summed over tp,
-    then every grad averaged over dp."""
+    then every grad averaged over dp (already started during backward when ``dp_overlap`` is given:
+    it is finished first; the sums commute)."""
     if mesh.world_size == 1:
         return
+    if dp_overlap is not None:
+        dp_overlap.finish()
     params = [p for p in params if p.grad is not None]
     if mesh.emb_group is not None and mesh.pp_rank in (0, mesh.pp - 1):
         _reduce([p.grad for p in params if getattr(p, "_pp_tied", False)], mesh.emb_group)
     _reduce([p.grad for p in params if getattr(p, "_tp_sp_partial", False)], mesh.tp_group)
     _sum_replicas(params, mesh)
-    _reduce([p.grad for p in params], mesh.dp_group, scale=1.0 / mesh.dp)
+    if dp_overlap is None:
+        _reduce([p.grad for p in params], mesh.dp_group, scale=1.0 / mesh.dp)
 
 
 def _replicated_pieces(p, tp_rank: int):

@@ -24,6 +24,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from . import checkpoint as ckpt
 from . import comm
 from . import grads
+from .dp_overlap import DPOverlap
 from .kernels.inject import apply_kernels, kernel_names
 from .plain import load_full
 from .quant import apply_qat, bits_of
@@ -93,6 +94,7 @@ class MegaStrategy(ParallelStrategy):
         if self._pipelined:  # names and counts checked now, on every rank, before any process starts
             build_schedule(schedule, pp, self.microbatches, virtual_stages)
         self._runner = None
+        self._dp_overlap = None
         self.kernels = kernel_names(kernels)
         self.load_full = load_full
         if quant is not None:
@@ -218,6 +220,12 @@ class MegaStrategy(ParallelStrategy):
             batched = self.p2p == "batched" or (self.p2p == "auto" and dist.get_backend() == "nccl")
             self._runner = PipelineRunner(module, self.mesh, layout, state, self.schedule, self.microbatches,
                                           batched=batched)
+        if self._dp_overlap is not None:
+            self._dp_overlap.remove()
+        self._dp_overlap = None
+        if self.mesh.dp > 1 and not self._pipelined:  # a pipeline's backward runs per microbatch in the step
+            self._dp_overlap = DPOverlap(module.parameters(), self.mesh.dp_group, self.mesh.dp,
+                                         armed=lambda: self._sync_grads)
         contexts = {id(m.ctx): m.ctx for m in replaced.values() if hasattr(m, "ctx")}
         module._lightning_tp = {"tp": self.tp, "sp": self.sp, "pp": self.pp, "contexts": list(contexts.values()),
                                 "runner": self._runner}
@@ -290,7 +298,7 @@ class MegaStrategy(ParallelStrategy):
     def post_backward(self, closure_loss: torch.Tensor) -> None:
         super().post_backward(closure_loss)
         if self._sync_grads:
-            grads.sync_gradients(self.lightning_module.parameters(), self.mesh)
+            grads.sync_gradients(self.lightning_module.parameters(), self.mesh, self._dp_overlap)
 
     def _clip_grad_by_norm(self, optimizer, clip_val) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"]]

@@ -62,7 +62,7 @@ def _train_all(rank, world, configs, ckdir):
         path = f"{ckdir}/{name}.ckpt"
         trainer.save_checkpoint(path)
         replicated = {n: p.detach().clone() for n, p in model.named_parameters() if not hasattr(p, "_tp_spec")}
-        out[name] = dict(losses=rec.losses, weights=consolidate(path) if rank == 0 else None,
+        out[name] = dict(losses=rec.losses, dp_overlap=trainer.strategy._dp_overlap is not None, weights=consolidate(path) if rank == 0 else None,
                          replicated=replicated, metrics={k: float(v) for k, v in trainer.callback_metrics.items()})
     return out
 
@@ -99,6 +99,8 @@ def _check(results, name, configs, world):
         early = torch.tensor(got["losses"][:exact]) - torch.tensor(ref_losses[:exact])
         assert early.abs().max() < TOL, early
         tol, weight_tol = (TOL, TOL) if exact == steps else (QAT_LOSS_TOL, QAT_WEIGHT_TOL)
+    # dp replicas without a pipeline average their gradients while backward runs (dp_overlap.py)
+    assert got["dp_overlap"] == (dp > 1 and strategy_kw.get("pp", 1) == 1 and not strategy_kw.get("microbatches"))
     assert len(got["losses"]) == len(ref_losses) == steps * trainer_kw.get("accumulate_grad_batches", 1)
     if "tokens" in ref_metrics:  # a torchmetrics SumMetric: synced over dp only, not tp replicas
         assert got["metrics"]["tokens"] == ref_metrics["tokens"]

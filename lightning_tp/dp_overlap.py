@@ -1,0 +1,74 @@
+"""Data-parallel gradient all-reduce overlapped with the backward pass.
+
+Without it, every dp all-reduce starts after the whole backward has finished, and the step waits
+for all of them. Here each parameter's post-accumulate-grad hook counts it into its bucket; when a
+bucket is complete its all-reduce starts at once, in the background, while autograd goes on with
+earlier layers (as DDP does). Buckets follow the reverse parameter order (the order backward
+produces gradients) and are launched strictly in index order, so every dp rank issues the same
+collectives in the same order whatever order its hooks fire in. :meth:`DPOverlap.finish` (called
+where the synchronous all-reduce used to run) launches what is left, e.g. buckets holding unused
+parameters, and waits.
+
+Only for runs without a pipeline: there the backward runs per microbatch inside the step.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from . import comm
+from .grads import BUCKET_BYTES
+
+
+class DPOverlap:
+    def __init__(self, params, group, dp: int, armed, bucket_bytes: int = BUCKET_BYTES):
+        """``armed()``: whether this backward is the one to sync (False while Lightning accumulates)."""
+        self.group, self.scale, self.armed = group, 1.0 / dp, armed
+        self.buckets, size = [[]], 0
+        for p in reversed([p for p in params if p.requires_grad]):
+            nbytes = p.numel() * p.element_size()
+            last = self.buckets[-1]
+            if last and (size + nbytes > bucket_bytes or p.dtype != last[0].dtype):
+                self.buckets.append([])
+                size = 0
+            self.buckets[-1].append(p)
+            size += nbytes
+        self.bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
+        self.hooks = [p.register_post_accumulate_grad_hook(self._ready) for b in self.buckets for p in b]
+        self._reset()
+
+    def _reset(self) -> None:
+        self.count, self.next, self.works = [0] * len(self.buckets), 0, []
+
+    def _ready(self, p) -> None:
+        if not self.armed():
+            return
+        self.count[self.bucket_of[id(p)]] += 1
+        while self.next < len(self.buckets) and self.count[self.next] == len(self.buckets[self.next]):
+            self._launch(self.next)
+
+    def _launch(self, i: int) -> None:
+        grads = [p.grad for p in self.buckets[i] if p.grad is not None]
+        self.next = i + 1
+        if not grads:
+            return
+        flat = _flatten_dense_tensors(grads)
+        comm._record("all_reduce", flat, self.group)
+        self.works.append((dist.all_reduce(flat, group=self.group, async_op=True), flat, grads))
+
+    def finish(self) -> None:
+        """Launch the buckets not yet complete (unused parameters), wait for all, average into .grad."""
+        while self.next < len(self.buckets):
+            self._launch(self.next)
+        for work, flat, grads in self.works:
+            work.wait()
+            flat.mul_(self.scale)
+            for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+                g.copy_(synced)
+        self._reset()
+
+    def remove(self) -> None:
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []
