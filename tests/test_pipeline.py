@@ -43,11 +43,27 @@ WORLD4.update({
     "tp2_pp2_encoder": ("encoder", dict(layers=4), dict(tp=2, **_pp(2, "gpipe")), dict(max_steps=10)),
 })
 
+# QAT under a pipeline: activation ranges (EMA) advance once per microbatch, so a single-device run
+# (one update per batch) is not the reference; every schedule must agree with the others exactly
+# (each stage runs its microbatches' forwards in the same order), ZB-H1's split included.
+QAT_SCHEDULES = {f"pp2_{s}_int8_qat": ("gpt", dict(n_layer=4, quant="int8"), dict(quant="int8", **_pp(2, s)),
+                                       dict(max_steps=6)) for s in ("1f1b", "zb_h1", "gpipe")}
 
 
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
-    return dist.run(2, _train_all, WORLD2, str(tmp_path_factory.mktemp("pp2")))
+    return dist.run(2, _train_all, {**WORLD2, **QAT_SCHEDULES}, str(tmp_path_factory.mktemp("pp2")))
+
+
+def test_qat_pipeline_schedules_agree_exactly(world2):
+    losses = {name: world2[0][name]["losses"] for name in QAT_SCHEDULES}
+    first = losses["pp2_1f1b_int8_qat"]
+    assert len(first) == 6 and first[-1] < first[0]
+    assert all(v == first for v in losses.values()), losses
+    weights = {name: world2[0][name]["weights"] for name in QAT_SCHEDULES}
+    for name, w in weights.items():
+        for key, value in w.items():
+            assert torch.equal(value, weights["pp2_1f1b_int8_qat"][key]), (name, key)
 
 
 @pytest.fixture(scope="module")
