@@ -205,8 +205,8 @@ class PipelineRunner:
             p.grad = None
         inputs, outputs, grads, input_grads, deferred = {}, {}, {}, {}, {}
         logs, losses = [[] for _ in range(self.m)], []
-        box = Mailbox(self._expected_receives(), batched=self.batched)
         device = next(iter(params)).device if params else torch.device("cpu")
+        box = Mailbox(self._expected_receives(), batched=self.batched, device=device)
         acts, i = self.actions, 0
         while i < len(acts):
             a = acts[i]

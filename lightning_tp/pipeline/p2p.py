@@ -30,14 +30,21 @@ def tag(direction: int, microbatch: int, vstage: int, n_vstages: int) -> int:
 class Mailbox:
     """Keeps in-flight sends alive until they complete (checked at each send, waited at step end).
 
-    ``expected``: channel -> ordered ``[(tag, src), ...]`` of this step's receives on it (optional)."""
+    ``expected``: channel -> ordered ``[(tag, src), ...]`` of this step's receives on it (optional);
+    with ``device`` given, each channel's header receive is posted at once."""
 
-    def __init__(self, expected: dict | None = None, depth: int = 2, batched: bool = False):
+    def __init__(self, expected: dict | None = None, depth: int = 2, batched: bool = False, device=None):
         self.pending = []
         self.sent_header, self.shapes = set(), {}  # per channel, for this step
         self.batched = batched  # NCCL: no receive posted ahead (it would hold up the sends behind it)
         self.expected = {} if batched else {c: list(v) for c, v in (expected or {}).items()}
         self.posted, self.depth = {}, depth  # channel -> [(tag, work, buffer)] in order
+        self.headers = {}  # channel -> (work, buffer) of a header receive posted in advance
+        if device is not None:
+            for channel, ahead in self.expected.items():
+                t, src = ahead[0]
+                header = torch.empty(_HEADER, dtype=torch.int64, device=device)
+                self.headers[channel] = (t, dist.irecv(header, src, tag=t), header)
 
     def send(self, tensor: torch.Tensor, dst: int, t: int, channel) -> None:
         tensor, header = self._outgoing(tensor, channel)
@@ -88,8 +95,12 @@ class Mailbox:
 
     def recv(self, src: int, t: int, device, channel) -> torch.Tensor:
         if channel not in self.shapes:
-            header = torch.empty(_HEADER, dtype=torch.int64, device=device)
-            dist.irecv(header, src, tag=t).wait()
+            if channel in self.headers and self.headers[channel][0] == t:
+                _, work, header = self.headers.pop(channel)
+            else:
+                header = torch.empty(_HEADER, dtype=torch.int64, device=device)
+                work = dist.irecv(header, src, tag=t)
+            work.wait()
             self._learn_shape(channel, header)
         queue = self.posted.setdefault(channel, [])
         if not queue or queue[0][0] != t:  # not foreseen: post it now
@@ -112,7 +123,7 @@ class Mailbox:
             queue.append(self._post(channel, *ahead.pop(0), device))
 
     def wait(self) -> None:
-        leftover = [t for q in self.posted.values() for t, _, _ in q]
+        leftover = [t for q in self.posted.values() for t, _, _ in q] + [t for t, _, _ in self.headers.values()]
         if leftover:
             raise RuntimeError(f"pipeline receives posted but never used (tags {leftover}): schedule mismatch.")
         for work, _ in self.pending:
