@@ -110,7 +110,8 @@ def global_grad_norm(params, mesh, norm_type: float = 2.0) -> torch.Tensor:
                for g in _counted(p, mesh.tp_rank)]  # a tied copy counts once
     device = params[0].grad.device if params else torch.device("cpu")
     if math.isinf(norm_type):
-        local = max((g.abs().max().float() for g in counted), default=torch.zeros((), device=device))
+        local = torch.stack([g.abs().max().float() for g in counted]).max() if counted else \
+            torch.zeros((), device=device)  # one reduction on the device, no host sync per tensor
         return comm.all_reduce(local.clone().reshape(()), mesh.mp_group, op=dist.ReduceOp.MAX)
     local = sum((g.float().norm(norm_type) ** norm_type for g in counted), torch.zeros((), device=device))
     return comm.all_reduce(local, mesh.mp_group) ** (1.0 / norm_type)

@@ -180,6 +180,30 @@ class MegaStrategy(ParallelStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
 
+    def _check_p2p_backend(self) -> None:
+        """Pipelines on NCCL: what its P2P semantics cannot run yet is refused now, not hung on later."""
+        if not self._pipelined or dist.get_backend() != "nccl":
+            return
+        if self.p2p == "eager":
+            raise ValueError("MegaStrategy(p2p='eager') posts receives ahead, which NCCL queues in front of later "
+                             "sends on the same stream (a deadlock); use p2p='auto' or 'batched' on GPUs.")
+        if self.schedule == "interleaved_1f1b":
+            raise ValueError("schedule='interleaved_1f1b' is not supported on NCCL yet: its transfers must be "
+                             "batched per time step across stages to avoid a deadlock. Use schedule='1f1b' or "
+                             "'zb_h1' (or 'gpipe').")
+
+    def _broadcast_initial_weights(self, module) -> None:
+        """Rank 0's initial weights everywhere, in flat buckets on the run's device (NCCL needs it there;
+        the module itself moves only later)."""
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+        tensors = [t.data for t in list(module.parameters()) + list(module.buffers())]
+        for bucket in grads._buckets(tensors):
+            flat = _flatten_dense_tensors(bucket).to(self.root_device)
+            dist.broadcast(flat, src=0)
+            for t, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+                t.copy_(synced)
+
     def _parallelize(self, module) -> None:
         done = getattr(module, "_lightning_tp", None)
         if done is not None:
@@ -193,6 +217,7 @@ class MegaStrategy(ParallelStrategy):
                 self._runner.mesh = self.mesh
             return
         # 1. every check, on every rank alike, before any collective
+        self._check_p2p_backend()
         matches = planner.resolve(module, self.tp, self.sp, self.plan) if self.tp > 1 else []
         layout = None
         if self.pp > 1:
@@ -202,8 +227,7 @@ class MegaStrategy(ParallelStrategy):
         full_keys = list(module.state_dict().keys())
         # 2. one set of initial weights, then keep this rank's stage and shards
         if self.sync_init and self.mesh.world_size > 1:
-            for t in list(module.parameters()) + list(module.buffers()):
-                dist.broadcast(t.data, src=0)
+            self._broadcast_initial_weights(module)
         split = apply_split(module, layout, self.mesh.pp_rank) if layout is not None else {"before": {}}
         replaced = planner.apply(module, matches, self.mesh.tp_group, self.tp, self.mesh.tp_rank, self.sp)
         apply_kernels(module, self.kernels)
@@ -219,7 +243,7 @@ class MegaStrategy(ParallelStrategy):
             state = install_stages(module.get_submodule(layout.blocks_path), layout, self.mesh.pp_rank, before)
             batched = self.p2p == "batched" or (self.p2p == "auto" and dist.get_backend() == "nccl")
             self._runner = PipelineRunner(module, self.mesh, layout, state, self.schedule, self.microbatches,
-                                          batched=batched)
+                                          batched=batched, device=self.root_device)
         if self._dp_overlap is not None:
             self._dp_overlap.remove()
         self._dp_overlap = None

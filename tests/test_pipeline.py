@@ -195,3 +195,15 @@ def test_unknown_schedule_is_refused_at_construction():
 def test_unknown_p2p_mode_is_refused_at_construction():
     with pytest.raises(ValueError, match="'auto', 'eager' or 'batched'"):
         MegaStrategy(pp=2, p2p="fast")
+
+
+def test_nccl_refuses_what_its_p2p_cannot_run(monkeypatch):
+    from lightning_tp import strategy as strategy_module
+
+    monkeypatch.setattr(strategy_module.dist, "get_backend", lambda *a, **k: "nccl")
+    with pytest.raises(ValueError, match="not supported on NCCL yet"):
+        MegaStrategy(pp=2, schedule="interleaved_1f1b", virtual_stages=2)._check_p2p_backend()
+    with pytest.raises(ValueError, match="p2p='eager'"):
+        MegaStrategy(pp=2, p2p="eager")._check_p2p_backend()
+    MegaStrategy(pp=2, schedule="zb_h1")._check_p2p_backend()  # batched by default: allowed
+    MegaStrategy(tp=2, p2p="eager")._check_p2p_backend()  # no pipeline: nothing to refuse

@@ -67,6 +67,10 @@ def muted_metrics(module, mute: bool):
             del m.update
 
 
+def no_autocast(device):
+    return torch.autocast(device_type=device.type, enabled=False)
+
+
 def _mean(values):
     if all(isinstance(v, (torch.Tensor, int, float)) for v in values):
         return float(sum(float(v.detach() if isinstance(v, torch.Tensor) else v) for v in values) / len(values))
@@ -74,8 +78,10 @@ def _mean(values):
 
 
 class PipelineRunner:
-    def __init__(self, module, mesh, layout, state, schedule: str, microbatches: int, batched: bool = False):
+    def __init__(self, module, mesh, layout, state, schedule: str, microbatches: int, batched: bool = False,
+                 device=None):
         self.module, self.mesh, self.layout, self.state = module, mesh, layout, state
+        self.device = device  # where step-level tensors go (the module may still be on the CPU now)
         self.batched = batched  # pair each send with the receive after it (see Mailbox.exchange)
         self.schedule, self.m = schedule, microbatches
         self.n_vstages = layout.pp * layout.v
@@ -160,6 +166,8 @@ class PipelineRunner:
         return shared, values[0]
 
     def _device(self):
+        if self.device is not None:
+            return self.device
         return next((p.device for p in self.module.parameters()), torch.device("cpu"))
 
     def _expected_receives(self) -> dict:
@@ -232,9 +240,12 @@ class PipelineRunner:
                     out = out * scale
                 outputs[key] = out
             elif a.kind == "B":
-                self._backward(key, k, outputs.pop(key), grads.pop(key, None), inputs, input_grads, deferred, params)
+                with no_autocast(device):  # the step runs inside Lightning's autocast; backward must not
+                    self._backward(key, k, outputs.pop(key), grads.pop(key, None), inputs, input_grads, deferred,
+                                   params)
             elif a.kind == "W":
-                deferred.pop(key).weight_grad()
+                with no_autocast(device):
+                    deferred.pop(key).weight_grad()
             i += 1
         box.wait()
         for p, old in zip(params, saved):
@@ -266,7 +277,7 @@ class PipelineRunner:
 
     def eval_step(self, hook: str, batch, batch_idx):
         micro = split_batch(batch, self.m)
-        logs, results, box = [[] for _ in range(self.m)], [], Mailbox()
+        logs, results, box = [[] for _ in range(self.m)], [], Mailbox(batched=self.batched)
         device = next((b.device for b in self.module.buffers()), None) or next(self.module.parameters()).device
         with torch.no_grad():
             for mb in range(self.m):

@@ -46,11 +46,24 @@ class Mailbox:
                 header = torch.empty(_HEADER, dtype=torch.int64, device=device)
                 self.headers[channel] = (t, dist.irecv(header, src, tag=t), header)
 
+    def _isend(self, tensor, dst: int, t: int):
+        return self._op(dist.isend, tensor, dst, t)
+
+    def _irecv(self, buf, src: int, t: int):
+        return self._op(dist.irecv, buf, src, t)
+
+    def _op(self, op, tensor, peer: int, t: int):
+        """Batched mode sends every transfer through batch_isend_irecv: on NCCL a plain isend/irecv
+        runs on a communicator of its own (per rank pair) and never matches a batched one."""
+        if self.batched:
+            return dist.batch_isend_irecv([dist.P2POp(op, tensor, peer, tag=t)])[-1]
+        return op(tensor, peer, tag=t)
+
     def send(self, tensor: torch.Tensor, dst: int, t: int, channel) -> None:
         tensor, header = self._outgoing(tensor, channel)
         if header is not None:
-            self.pending.append((dist.isend(header, dst, tag=t), header))
-        self.pending.append((dist.isend(tensor, dst, tag=t + 1), tensor))
+            self.pending.append((self._isend(header, dst, t), header))
+        self.pending.append((self._isend(tensor, dst, t + 1), tensor))
 
     def _outgoing(self, tensor, channel):
         """(payload, header or None) for a send; the header goes with a channel's first message."""
@@ -90,7 +103,7 @@ class Mailbox:
             return incoming
         self._learn_shape(cr, incoming)  # a channel's first message: its header came, the payload follows
         out = torch.empty(self.shapes[cr][0], dtype=self.shapes[cr][1], device=device)
-        dist.irecv(out, src, tag=tr + 1).wait()
+        self._irecv(out, src, tr + 1).wait()
         return out
 
     def recv(self, src: int, t: int, device, channel) -> torch.Tensor:
@@ -99,7 +112,7 @@ class Mailbox:
                 _, work, header = self.headers.pop(channel)
             else:
                 header = torch.empty(_HEADER, dtype=torch.int64, device=device)
-                work = dist.irecv(header, src, tag=t)
+                work = self._irecv(header, src, t)
             work.wait()
             self._learn_shape(channel, header)
         queue = self.posted.setdefault(channel, [])
@@ -113,7 +126,7 @@ class Mailbox:
     def _post(self, channel, t, src, device):
         shape, dtype = self.shapes[channel]
         out = torch.empty(shape, dtype=dtype, device=device)
-        return t, dist.irecv(out, src, tag=t + 1), out
+        return t, self._irecv(out, src, t + 1), out
 
     def _post_ahead(self, channel, device, drop: int) -> None:
         ahead, queue = self.expected.get(channel, []), self.posted[channel]

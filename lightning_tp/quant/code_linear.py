@@ -21,17 +21,18 @@ import torch
 
 
 class CodeLinear(torch.autograd.Function):
-    """``acc = codes(x_fq) @ codes(w_fq).T`` in fp32 (no bias, no scale); ``scale = s_x * s_w`` (out,).
+    """``acc = codes(x_fq) @ codes(w_fq).T`` in fp32, autocast off (no bias, no scale); ``scale = s_x * s_w``.
 
     The caller reduces ``acc`` over tp if the layer is row-parallel, then multiplies by ``scale``;
     the incoming gradient is therefore ``g_y * scale``, which the backward divides out again."""
 
     @staticmethod
     def forward(ctx, x_fq, w_fq, s_x, s_w):
-        qx = torch.round(x_fq.float() * (1.0 / s_x)).to(x_fq.dtype)
-        qw = torch.round(w_fq.float() * (1.0 / s_w)[:, None]).to(x_fq.dtype)
         ctx.save_for_backward(x_fq, w_fq, s_x * s_w)
-        return torch.nn.functional.linear(qx, qw).float()
+        with torch.autocast(device_type=x_fq.device.type, enabled=False):  # bf16 would round the sums
+            qx = torch.round(x_fq.float() * (1.0 / s_x))
+            qw = torch.round(w_fq.float() * (1.0 / s_w)[:, None])
+            return torch.nn.functional.linear(qx, qw)
 
     @staticmethod
     def backward(ctx, g_acc):
