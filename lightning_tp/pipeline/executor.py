@@ -53,11 +53,15 @@ def captured_logs(module, sink: list):
         del module.log
 
 
+def find_metrics(module) -> list:
+    return [m for m in module.modules() if hasattr(m, "update") and hasattr(m, "compute")]
+
+
 @contextmanager
-def muted_metrics(module, mute: bool):
+def muted_metrics(metrics: list, mute: bool):
     """With several chunks per rank the user's step runs once per chunk; torchmetrics updates
     count in the last chunk's run only, so a metric sees every sample once."""
-    metrics = [m for m in module.modules() if hasattr(m, "update") and hasattr(m, "compute")] if mute else []
+    metrics = metrics if mute else []
     for m in metrics:
         m.update = lambda *args, **kwargs: None
     try:
@@ -88,6 +92,7 @@ class PipelineRunner:
         self.actions = build_schedule(schedule, layout.pp, microbatches, layout.v)[mesh.pp_rank]
         self.zero_bubble = any(a.kind == "W" for a in self.actions)
         self._log_names = None  # the last stage's logged names as of the previous step (see _share_numbers)
+        self._metrics = None  # torchmetrics modules of the user's module (muted in all but the last chunk)
 
     # ---------------------------------------------------------------- helpers
 
@@ -101,7 +106,9 @@ class PipelineRunner:
         self.state.active, self.state.received = vstage, received
         mute = vstage // self.layout.pp < self.layout.v - 1
         try:
-            with captured_logs(self.module, logs), muted_metrics(self.module, mute):
+            if mute and self._metrics is None:  # looked up once: walking the module per microbatch adds up
+                self._metrics = find_metrics(self.module)
+            with captured_logs(self.module, logs), muted_metrics(self._metrics or [], mute):
                 return True, getattr(self.module, hook)(micro, batch_idx)
         except StageDone as done:
             return False, done.output
