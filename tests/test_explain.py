@@ -61,8 +61,9 @@ class StepCounter(L.Callback):
 
 def _by_kind(phases, mesh) -> dict:
     out = dict.fromkeys(KINDS + ("other",), 0)
-    for op, numel, group in phases["step"]:
-        out["pp" if op == "send" else "tp" if group is mesh.tp_group else "other"] += numel * 4  # fp32
+    for op, numel, group in phases["step"]:  # dp all-reduces start during backward (dp_overlap.py)
+        kind = "pp" if op == "send" else "tp" if group is mesh.tp_group else "dp" if group is mesh.dp_group else "other"
+        out[kind] += numel * 4  # fp32
     for op, numel, group in phases["sync"]:
         kind = {id(mesh.tp_group): "sp", id(mesh.dp_group): "dp", id(mesh.emb_group): "tied"}.get(id(group), "other")
         out[kind] += numel * 4
