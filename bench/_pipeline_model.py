@@ -197,17 +197,23 @@ def _instrument_executor():
         return
     from lightning_tp.pipeline import executor, p2p
 
-    def timed(fn, field):
+    def timing(fn, record):
+        """fn, calling record(seconds, args) after each call."""
         def wrapper(*args, **kwargs):
             t0 = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
-                setattr(STATS, field, getattr(STATS, field) + time.perf_counter() - t0)
-                if field == "send":  # args[0] is the Mailbox: how much it keeps alive after this send
-                    held = sum(t.numel() * t.element_size() for _, t in args[0].pending)
-                    STATS.mailbox_peak = max(STATS.mailbox_peak, held)
+                record(time.perf_counter() - t0, args)
         return wrapper
+
+    def timed(fn, field):
+        def record(dt, args):
+            setattr(STATS, field, getattr(STATS, field) + dt)
+            if field == "send":  # args[0] is the Mailbox: how much it keeps alive after this send
+                held = sum(t.numel() * t.element_size() for _, t in args[0].pending if t is not None)
+                STATS.mailbox_peak = max(STATS.mailbox_peak, held)
+        return timing(fn, record)
 
     _ORIGINAL.update(send=timed(p2p.Mailbox.send, "send"), recv=timed(p2p.Mailbox.recv, "recv"))
 
@@ -236,14 +242,10 @@ def _instrument_executor():
     from lightning_tp.pipeline import zb
 
     def action(fn, kind):
-        def wrapper(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                STATS.act[kind] += time.perf_counter() - t0
-                STATS.acts[kind] += 1
-        return wrapper
+        def record(dt, args):
+            STATS.act[kind] += dt
+            STATS.acts[kind] += 1
+        return timing(fn, record)
 
     executor.PipelineRunner._run = action(executor.PipelineRunner._run, "F")  # training: one F each
     executor.PipelineRunner._backward = action(executor.PipelineRunner._backward, "B")
