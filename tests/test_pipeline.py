@@ -112,6 +112,31 @@ class DictGPT(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
+class ManyLogs(L.LightningModule):
+    """More logged numbers than the per-step broadcast holds, and a name that appears at step 1."""
+
+    def __init__(self):
+        super().__init__()
+        self.gpt = make_model("gpt", n_layer=2).model  # the plain nn.Module: (logits, loss)
+
+    def training_step(self, batch, i):
+        _, loss = self.gpt(*batch)
+        for k in range(70):
+            self.log(f"v{k}", float(k + i))
+        if i >= 1:
+            self.log("phase", float(i))
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _many_logs(world):
+    trainer = L.Trainer(devices=world, strategy=MegaStrategy(pp=2, timeout=60), max_steps=3, **trainer_kwargs())
+    trainer.fit(ManyLogs(), TokenData(3 * 4, 64, 4))
+    return {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(("v", "phase"))}
+
+
 class NoBlocks(L.LightningModule):
     def __init__(self):
         super().__init__()
@@ -142,6 +167,7 @@ def _bad_inputs(rank, world):
     return {
         "eval": _eval_after_fit(world, MegaStrategy(pp=2, microbatches=2, schedule="interleaved_1f1b",
                                                     virtual_stages=2, timeout=60)),
+        "many_logs": _many_logs(world),
         "pp_gt_blocks": _expect_error(world, make_model("gpt", n_layer=1), MegaStrategy(pp=2, timeout=30), data),
         "m_not_dividing": _expect_error(world, make_model("gpt", n_layer=2), MegaStrategy(pp=2, microbatches=3,
                                                                                           timeout=30), data),
@@ -172,6 +198,13 @@ def test_pipeline_bad_input_raises_on_every_rank(bad, case, words):
         for w in words:
             assert w in message, f"{case}: {w!r} not in {message!r}"
         assert seconds < 20, f"{case}: {seconds:.1f}s"
+
+
+def test_many_logged_values_and_new_names_reach_every_stage(bad):
+    for rank_result in bad:  # 70 values overflow the fixed broadcast; "phase" appears at step 1
+        logged = rank_result["many_logs"]
+        assert {f"v{k}" for k in range(70)} | {"phase"} == set(logged)
+        assert all(logged[f"v{k}"] == k + 2 for k in range(70)) and logged["phase"] == 2.0, logged
 
 
 def test_validate_and_predict_through_the_pipeline(bad):
