@@ -103,12 +103,16 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x):
         if self.input_comm:
             x = self.ctx.enter_region(x)
-        y = F.linear(x, self.weight.t() if self.transposed else self.weight, self.bias)
+        y = self.project(x)
         if self.gather_output is True or (self.gather_output == "eval" and not self.training):
             y = comm.gather_from_tp(y, self.ctx.group, -1)
             if y.shape[-1] != self.full_out:
                 y = y[..., : self.full_out]
         return y
+
+    def project(self, x):
+        """``x W^T + b`` on this rank's rows: the step QAT layers replace (quantizing both operands)."""
+        return F.linear(x, self.weight.t() if self.transposed else self.weight, self.bias)
 
     def extra_repr(self):
         return f"in={self.in_features}, out={self.out_features}/{self.full_out}, tp={self.ctx.world}"
@@ -142,12 +146,19 @@ class RowParallelLinear(nn.Module):
     def forward(self, x):
         if not self.input_is_parallel:
             x = comm.scatter_to_tp(x, self.ctx.group, -1)
-        y = F.linear(x, self.weight.t() if self.transposed else self.weight)
-        if self.ctx.sp:
-            y = comm.reduce_scatter_to_sp(y, self.ctx.group, self.ctx.seq_dim)
-        else:
-            y = comm.reduce_from_tp(y, self.ctx.group)
+        y = self.project(x, self.reduce)
         return y + self.bias if self.bias is not None else y
+
+    def reduce(self, y):
+        """The partial sums over tp: all-reduce, or reduce-scatter along the sequence under SP."""
+        if self.ctx.sp:
+            return comm.reduce_scatter_to_sp(y, self.ctx.group, self.ctx.seq_dim)
+        return comm.reduce_from_tp(y, self.ctx.group)
+
+    def project(self, x, reduce):
+        """``reduce(x_r W_r^T)`` without the bias: the step QAT layers replace (they reduce exact
+        integer sums before scaling)."""
+        return reduce(F.linear(x, self.weight.t() if self.transposed else self.weight))
 
     def extra_repr(self):
         return f"in={self.in_features}/{self.in_features * self.ctx.world}, out={self.out_features}, tp={self.ctx.world}"

@@ -29,7 +29,6 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import nn
 
-from .. import comm
 from ..layers.linear import ColumnParallelLinear, RowParallelLinear, TPContext
 from .code_linear import code_linear
 from .fake_quant import ActQuantizer, fake_quant_weight_with_scale
@@ -65,6 +64,10 @@ class _QATMixin:
             acc = reduce(acc)
         return (acc * scale).to(xq.dtype)
 
+    def quant_linear(self, x):
+        y = self.quant_matmul(x)
+        return y + self.bias if self.bias is not None else y
+
     def quant_extra_repr(self) -> str:
         return f"w{self.w_bits}a{self.a_bits}"
 
@@ -92,8 +95,7 @@ class QATLinear(_QATMixin, nn.Module):
         return cls(linear.weight, linear.bias, w_bits, a_bits, range_mode, **kw)
 
     def forward(self, x):
-        y = self.quant_matmul(x)
-        return y + self.bias if self.bias is not None else y
+        return self.quant_linear(x)
 
     def extra_repr(self):
         return f"in={self.in_features}, out={self.out_features}, {self.quant_extra_repr()}"
@@ -118,17 +120,8 @@ class QATColumnParallelLinear(_QATMixin, ColumnParallelLinear):
                         partial_grad=layer.ctx.world > 1, dp_group=dp_group)
         return new
 
-    def forward(self, x):
-        if self.input_comm:
-            x = self.ctx.enter_region(x)
-        y = self.quant_matmul(x)
-        if self.bias is not None:
-            y = y + self.bias
-        if self.gather_output is True or (self.gather_output == "eval" and not self.training):
-            y = comm.gather_from_tp(y, self.ctx.group, -1)
-            if y.shape[-1] != self.full_out:
-                y = y[..., : self.full_out]
-        return y
+    def project(self, x):
+        return self.quant_linear(x)
 
     def extra_repr(self):
         return f"{super().extra_repr()}, {self.quant_extra_repr()}"
@@ -155,14 +148,8 @@ class QATRowParallelLinear(_QATMixin, RowParallelLinear):
     def _weight_group(self):
         return self.ctx.group
 
-    def forward(self, x):
-        if not self.input_is_parallel:
-            x = comm.scatter_to_tp(x, self.ctx.group, -1)
-        if self.ctx.sp:
-            y = self.quant_matmul(x, lambda t: comm.reduce_scatter_to_sp(t, self.ctx.group, self.ctx.seq_dim))
-        else:
-            y = self.quant_matmul(x, lambda t: comm.reduce_from_tp(t, self.ctx.group))
-        return y + self.bias if self.bias is not None else y
+    def project(self, x, reduce):
+        return self.quant_matmul(x, reduce)
 
     def extra_repr(self):
         return f"{super().extra_repr()}, {self.quant_extra_repr()}"
