@@ -14,11 +14,7 @@ Only for runs without a pipeline: there the backward runs per microbatch inside 
 
 from __future__ import annotations
 
-import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
-from . import comm
-from .grads import BUCKET_BYTES
+from .grads import BUCKET_BYTES, settle, start_all_reduce
 
 
 class DPOverlap:
@@ -53,19 +49,13 @@ class DPOverlap:
         self.next = i + 1
         if not grads:
             return
-        flat = _flatten_dense_tensors(grads)
-        comm._record("all_reduce", flat, self.group)
-        self.works.append((dist.all_reduce(flat, group=self.group, async_op=True), flat, grads))
+        self.works.append(start_all_reduce(grads, self.group))
 
     def finish(self) -> None:
         """Launch the buckets not yet complete (unused parameters), wait for all, average into .grad."""
         while self.next < len(self.buckets):
             self._launch(self.next)
-        for work, flat, grads in self.works:
-            work.wait()
-            flat.mul_(self.scale)
-            for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
-                g.copy_(synced)
+        settle(self.works, self.scale)
         self._reset()
 
     def remove(self) -> None:

@@ -31,21 +31,28 @@ def _buckets(grads: list, limit: int = BUCKET_BYTES):
         yield bucket
 
 
+def start_all_reduce(grads: list, group) -> tuple:
+    """One flat bucket's all-reduce (sum), in the background: ``(work, flat, grads)`` for :func:`settle`."""
+    flat = _flatten_dense_tensors(grads)
+    comm._record("all_reduce", flat, group)
+    return dist.all_reduce(flat, group=group, async_op=True), flat, grads
+
+
+def settle(pending: list, scale: float = 1.0) -> None:
+    """Wait for started all-reduces and write the (scaled) sums back into the grads."""
+    for work, flat, grads in pending:
+        work.wait()
+        if scale != 1.0:
+            flat.mul_(scale)
+        for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            g.copy_(synced)
+
+
 def _reduce(grads: list, group, scale: float = 1.0) -> None:
     """All-reduce (sum) the grads in flat buckets, launched together and waited on once."""
     if not grads or comm.group_size(group) == 1:
         return
-    pending = []
-    for bucket in _buckets(grads):
-        flat = _flatten_dense_tensors(bucket)
-        comm._record("all_reduce", flat, group)
-        pending.append((dist.all_reduce(flat, group=group, async_op=True), flat, bucket))
-    for work, flat, bucket in pending:
-        work.wait()
-        if scale != 1.0:
-            flat.mul_(scale)
-        for g, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
-            g.copy_(synced)
+    settle([start_all_reduce(bucket, group) for bucket in _buckets(grads)], scale)
 
 
 def sync_gradients(params, mesh, dp_overlap=None) -> None:

@@ -181,11 +181,9 @@ class PipelineRunner:
         """channel -> ordered [(tag, src)] of this rank's receives in one training step."""
         out = {}
         for a in self.actions:
-            k = self._vstage(a.chunk)
-            if a.kind == "RECV_F":
-                out.setdefault((0, k), []).append((tag(0, a.microbatch, k, self.n_vstages), self._rank_of(k - 1)))
-            elif a.kind == "RECV_B":
-                out.setdefault((1, k), []).append((tag(1, a.microbatch, k, self.n_vstages), self._rank_of(k + 1)))
+            if a.kind in ("RECV_F", "RECV_B"):
+                src, t, channel = self._recv_args(a)
+                out.setdefault(channel, []).append((t, src))
         return out
 
     def _recv_args(self, a):

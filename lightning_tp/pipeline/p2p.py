@@ -39,7 +39,7 @@ class Mailbox:
         self.batched = batched  # NCCL: no receive posted ahead (it would hold up the sends behind it)
         self.expected = {} if batched else {c: list(v) for c, v in (expected or {}).items()}
         self.posted, self.depth = {}, depth  # channel -> [(tag, work, buffer)] in order
-        self.headers = {}  # channel -> (work, buffer) of a header receive posted in advance
+        self.headers = {}  # channel -> (tag, work, buffer) of a header receive posted in advance
         if device is not None:
             for channel, ahead in self.expected.items():
                 t, src = ahead[0]
@@ -102,8 +102,8 @@ class Mailbox:
         if known:
             return incoming
         self._learn_shape(cr, incoming)  # a channel's first message: its header came, the payload follows
-        out = torch.empty(self.shapes[cr][0], dtype=self.shapes[cr][1], device=device)
-        self._irecv(out, src, tr + 1).wait()
+        _, work, out = self._post(cr, tr, src, device)
+        work.wait()
         return out
 
     def recv(self, src: int, t: int, device, channel) -> torch.Tensor:
