@@ -7,6 +7,7 @@ timestamps and counters, and bench/pipeline.py turns them into the tables.
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import lightning as L
@@ -60,20 +61,35 @@ class _Saved:
         STATS.resident -= self.n
 
 
-def _sleep(t):
+SPIN = 0.0003  # seconds spun (not slept) at the end of each simulated cost: see _hold
+
+
+def _hold(t, start=None):
+    """Take exactly ``t`` seconds counted from ``start`` (default: now), so that a block's own real work
+    (its multiply, autograd's bookkeeping) is part of its simulated cost instead of added to it. Sleeps
+    most of it and spins the last 0.3 ms: a plain sleep on this VM overshoots by 0.15-0.35 ms (and a
+    sleep(0) costs ~0.08 ms), which made the model itself run ~6% over the schedule's nominal cost
+    (measured: 3.8 ms per 60 ms forward+backward of a stage), the same for our executor and torch's."""
+    if t <= 0:
+        return
     t0 = time.perf_counter()
-    time.sleep(t)
+    deadline = (t0 if start is None else start) + t
+    if deadline - t0 > SPIN:
+        time.sleep(deadline - t0 - SPIN)
+    while time.perf_counter() < deadline:
+        pass
     STATS.sleep += time.perf_counter() - t0
 
 
 class SleepCost(torch.autograd.Function):
-    """Identity with a simulated cost: forward sleeps tf, backward sleeps tb. ``nbytes`` > 0 marks a
-    block's input-path half: its forward starts a saved activation's life, its first backward ends
-    it (the live-activation count) and it counts the block's forward/backward calls."""
+    """Identity with a simulated cost: forward takes tf (counted from ``start``, the block's entry),
+    backward takes tb. ``nbytes`` > 0 marks a block's input-path half: its forward starts a saved
+    activation's life, its first backward ends it (the live-activation count) and it counts the
+    block's forward/backward calls."""
 
     @staticmethod
-    def forward(ctx, x, tf, tb, nbytes):
-        _sleep(tf)
+    def forward(ctx, x, tf, tb, nbytes, start=None):
+        _hold(tf, start)
         ctx.tb, ctx.nbytes, ctx.pending = tb, nbytes, nbytes > 0
         if nbytes:
             STATS.n_f += 1
@@ -82,13 +98,13 @@ class SleepCost(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        _sleep(ctx.tb)
+        _hold(ctx.tb)
         if ctx.nbytes:
             STATS.n_b += 1
             if ctx.pending:
                 STATS.inflight -= ctx.nbytes
                 ctx.pending = False
-        return g, None, None, None
+        return g, None, None, None, None
 
 
 class SleepBlock(nn.Module):
@@ -103,10 +119,11 @@ class SleepBlock(nn.Module):
         self.w = nn.Parameter(torch.ones(width))
 
     def forward(self, x):
+        start = time.perf_counter()
         w = SleepCost.apply(self.w, 0.0, self.tb / 2, 0)
         with torch.autograd.graph.saved_tensors_hooks(_Saved, lambda saved: saved.t):
             y = x * w
-        return SleepCost.apply(y, self.tf, self.tb / 2, x.numel() * x.element_size())
+        return SleepCost.apply(y, self.tf, self.tb / 2, x.numel() * x.element_size(), start)
 
 
 class SleepNet(L.LightningModule):
@@ -179,15 +196,6 @@ class StepTimer(L.Callback):
 
 
 _PATCHED = False
-_ORIGINAL, _HEADERLESS = {}, {}
-
-
-def use_headers(on: bool) -> None:
-    """Experiment (this benchmark only): our Mailbox as is, or without its shape header message."""
-    from lightning_tp.pipeline import p2p
-
-    for name, fn in (_ORIGINAL if on else _HEADERLESS).items():
-        setattr(p2p.Mailbox, name, fn)
 
 
 def _instrument_executor():
@@ -215,27 +223,8 @@ def _instrument_executor():
                 STATS.mailbox_peak = max(STATS.mailbox_peak, held)
         return timing(fn, record)
 
-    _ORIGINAL.update(send=timed(p2p.Mailbox.send, "send"), recv=timed(p2p.Mailbox.recv, "recv"))
-
-    send, recv = p2p.Mailbox.send, p2p.Mailbox.recv
-
-    def send_payload_only(self, tensor, dst, t, channel=None):
-        self.sent_header.add(channel)  # as if the header had gone already: the payload travels alone
-        return send(self, tensor, dst, t, channel)
-
-    def recv_payload_only(self, src, t, device, channel=None):
-        self.shapes[channel] = ((ROWS, WIDTH), torch.float32)  # every transfer of this model has this shape
-        return recv(self, src, t, device, channel)
-
-    init = p2p.Mailbox.__init__
-
-    def init_no_header_receives(self, expected=None, depth=2, batched=False, device=None):
-        init(self, expected, depth, batched, None)  # no header receives posted: none will come
-
-    _ORIGINAL["__init__"] = init
-    _HEADERLESS.update(send=timed(send_payload_only, "send"), recv=timed(recv_payload_only, "recv"),
-                       __init__=init_no_header_receives)
-    use_headers(True)
+    p2p.Mailbox.send = timed(p2p.Mailbox.send, "send")
+    p2p.Mailbox.recv = timed(p2p.Mailbox.recv, "recv")
     p2p.Mailbox.wait = timed(p2p.Mailbox.wait, "wait")
     executor.PipelineRunner.train_step = timed(executor.PipelineRunner.train_step, "train_step")
     executor.PipelineRunner._publish = timed(executor.PipelineRunner._publish, "publish")
@@ -253,11 +242,10 @@ def _instrument_executor():
     _PATCHED = True
 
 
-def run_ours(world, schedule, m, v, n_blocks, tf, tb, steps, headers=True):
+def run_ours(world, schedule, m, v, n_blocks, tf, tb, steps):
     from lightning_tp import MegaStrategy
 
     _instrument_executor()
-    use_headers(headers)
     L.seed_everything(0, verbose=False)
     timer = StepTimer()
     trainer = L.Trainer(accelerator="cpu", devices=world,
@@ -267,10 +255,7 @@ def run_ours(world, schedule, m, v, n_blocks, tf, tb, steps, headers=True):
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                         limit_val_batches=0, use_distributed_sampler=False)
     data = torch.utils.data.DataLoader(Batches(steps, m), batch_size=None)
-    try:
-        trainer.fit(SleepNet(n_blocks, tf, tb), data)
-    finally:
-        use_headers(True)
+    trainer.fit(SleepNet(n_blocks, tf, tb), data)
     return timer.rec.result()
 
 
@@ -311,6 +296,39 @@ def run_torch(rank, world, schedule, m, v, n_blocks, tf, tb, steps):
         rec.finish()
     dist.barrier()
     return rec.result()
+
+
+# ------------------------------------------------------------------------------ calibration
+
+
+def calibrate(n_blocks_per_chunk, tf, tb, reps=12, warmup=3):
+    """The model's own cost per action, with no executor around it: median seconds of one forward of
+    ``n_blocks_per_chunk`` blocks (F), of its plain backward (B) and of the backward to the input
+    only (Bi, zero-bubble's B; its W is then B - Bi). This is what any executor (ours or torch's)
+    pays per action; the schedule's ideal built from it leaves out only what scheduling and
+    communication cost."""
+    blocks = nn.Sequential(*(SleepBlock(tf, tb) for _ in range(n_blocks_per_chunk)))
+    x0 = torch.randn(ROWS, WIDTH)
+    times = {"F": [], "B": [], "Bi": []}
+    for i in range(warmup + reps):
+        for split in (False, True):
+            x = x0.clone().requires_grad_()
+            t0 = time.perf_counter()
+            y = blocks(x)
+            t1 = time.perf_counter()
+            if split:
+                torch.autograd.grad(y, x, torch.ones_like(y))
+            else:
+                y.backward(torch.ones_like(y))
+            t2 = time.perf_counter()
+            if i >= warmup:
+                times["Bi" if split else "B"].append(t2 - t1)
+                if not split:
+                    times["F"].append(t1 - t0)
+    STATS.reset()
+    out = {k: statistics.median(v) for k, v in times.items()}
+    out["W"] = out["B"] - out["Bi"]
+    return out
 
 
 # ------------------------------------------------------------------------------ probes
@@ -374,8 +392,11 @@ def worker(rank, world, plan, tf, tb, n_blocks, warmup, measured):
         if impl == "probe":
             out.setdefault("probes", []).append(probes(rank, world))
             continue
-        if impl in ("ours", "ours_noheader"):
-            res = run_ours(world, schedule, m, v, n_blocks, tf, tb, warmup + measured, headers=impl == "ours")
+        if impl == "calibrate":  # per blocks-per-chunk count: this rank's model cost per action
+            out.setdefault("calibration", []).append({k: calibrate(k, tf, tb) for k in schedule})
+            continue
+        if impl == "ours":
+            res = run_ours(world, schedule, m, v, n_blocks, tf, tb, warmup + measured)
         else:
             if not dist.is_initialized():
                 dist.init_process_group("gloo")

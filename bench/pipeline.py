@@ -8,8 +8,8 @@ by a learnable vector, so gradients flow and every saved activation has a known 
 
 One launch of 4 local processes (as in tests/dist.py) runs, for m in (8, 16): our MegaStrategy(pp=4)
 inside a real Lightning Trainer for each schedule, torch's Schedule1F1B and ScheduleInterleaved1F1B
-on the same blocks in a plain loop, our executor once more with its P2P shape header patched out
-(an experiment done only here, to size that header's cost), and isolated overhead probes. All of
+on the same blocks in a plain loop, a calibration of the model's own per-action cost (no executor)
+and isolated overhead probes. All of
 it twice, interleaved, so that load from other processes on the box hits every run alike.
 
 Ideal times come from simulate() (and, for ZB-H1 under our executor, a replay with the same event
@@ -79,6 +79,19 @@ def replay(schedule, p, v, duration, latency: float = 0.0, rendezvous: bool = Fa
                 progressed = True
     assert all(pc[r] == len(schedule[r]) for r in range(p)), "replay deadlocked"
     return max(clock)
+
+
+def calibrated_ideal(name, sched, v, cal) -> tuple:
+    """(ideal step time, per-action cost) of a schedule with each rank's per-action cost as measured by
+    calibrate() (the model alone, no executor); ZB-H1 as our executor splits it (rank 0: B free, W the
+    whole backward)."""
+    per = N_BLOCKS // (P * v)
+    if name == "zb_h1":
+        dur = lambda r, a: ({"B": 0.0, "W": cal[r][per]["B"]} if r == 0 else  # noqa: E731
+                            {"B": cal[r][per]["Bi"], "W": cal[r][per]["W"]}).get(a.kind, cal[r][per][a.kind])
+    else:
+        dur = lambda r, a: cal[r][per][a.kind]  # noqa: E731
+    return replay(sched, P, v, dur), dur
 
 
 def ideals(m: int) -> dict:
@@ -165,8 +178,9 @@ def measure():
             for name, v in SCHEDULES:  # ours next to torch's on the schedules both have
                 plan.append(("ours", name, m, v))
                 if name in TORCH:
-                    plan += [("torch", name, m, v), ("ours_noheader", name, m, v)]
+                    plan.append(("torch", name, m, v))
             plan.append(("probe", None, m, None))
+        plan.append(("calibrate", (N_BLOCKS // P, N_BLOCKS // (2 * P)), None, None))
     return dist.run(P, worker, plan, TF, TB, N_BLOCKS, WARMUP, MEASURED, timeout=900)
 
 
@@ -176,19 +190,24 @@ def report(results):
     # probes: median over the rounds of the slowest rank
     probe = {k: statistics.median(max(r["probes"][i][k] for r in results) for i in range(len(results[0]["probes"])))
              for k in results[0]["probes"][0]}
-    link = probe["mailbox_one_way_ms"] / 1e3  # our executor's per-transfer latency (header + payload)
-    bcast = probe["log_broadcast_ms"] / 1e3  # the per-step log broadcast at the end of the step
+    link = probe["plain_one_way_ms"] / 1e3  # one transfer whose receive is posted (ours are, from step 2 on)
+    # per rank, per blocks-per-chunk: the model's own cost per action, median over the rounds
+    cals = [r["calibration"] for r in results]
+    cal = [{k: {a: statistics.median(c[k][a] for c in per_rank) for a in per_rank[0][k]} for k in per_rank[0]}
+           for per_rank in cals]
 
     # ---- 1. measured vs ideal
-    print("\n1) Our executor: measured step time vs the schedule's ideal (same per-action costs, free communication)")
-    print(f"   'ideal+link': the same replay where each P2P transfer costs the one-way latency measured below "
-          f"({link * 1e3:.2f} ms,\n   paid once sender and receiver are both there, as gloo does) plus one "
-          f"log broadcast ({bcast * 1e3:.2f} ms) per step")
-    print("   'as timed': the replay with each rank's F/B/W costs as timed inside our executor (the sleeps plus the\n"
-          "   blocks' real compute and sleep overshoot, which the nominal ideal leaves out), free communication:\n"
-          "   its ratio is what scheduling and P2P cost on top of the work itself")
-    hdr = (f"{'schedule':<18}{'m':>3}  {'measured ms':>11}  {'ideal ms':>9}  {'ratio':>6}  {'target':>6}  "
-           f"{'ideal+link':>10}  {'ratio':>6}  {'as timed':>8}  {'ratio':>6}  cost model (ms per action)")
+    print("\n1) Our executor: measured step time vs the schedule's ideal (free communication, no executor cost)")
+    print("   'nominal': blocks cost exactly tf / tb.  'model': each rank's per-action cost of the model itself,\n"
+          "   timed in the same processes with no executor around it (calibrate(): the blocks' own work and\n"
+          "   autograd's per-node cost, which any executor pays, ours and torch's alike; below, per rank);\n"
+          "   its ratio is what scheduling and communication cost on top of the work.")
+    print(f"   'model+link': that replay where each P2P transfer costs the one-way latency measured in 4) "
+          f"({link * 1e3:.2f} ms,\n   plain isend/irecv; paid once sender and receiver are both there, as gloo "
+          f"does).\n"
+          "   'as timed': the replay with each rank's F/B/W as timed inside our executor (model + our per-action code)")
+    hdr = (f"{'schedule':<18}{'m':>3}  {'measured ms':>11}  {'nominal':>8}  {'ratio':>6}  {'model':>7}  {'ratio':>6}  "
+           f"{'target':>6}  {'model+link':>10}  {'ratio':>6}  {'as timed':>8}  {'ratio':>6}")
     print(hdr)
     print("-" * len(hdr))
     ideal_by_m, measured = {m: ideals(m) for m in MS}, {}
@@ -197,17 +216,22 @@ def report(results):
             span, period = steps_of(get(("ours", name, m)))
             measured[(name, m)] = (span, period)
             idl = ideal_by_m[m][name]
-            with_link = replay(idl["sched"], P, idl["v"], idl["dur"], link, rendezvous=True) + bcast
+            model, model_dur = calibrated_ideal(name, idl["sched"], v, cal)
+            with_link = replay(idl["sched"], P, v, model_dur, link, rendezvous=True)
             costs = action_costs(get(("ours", name, m)))
-            timed = replay(idl["sched"], P, idl["v"], lambda r, a, c=costs: c[r][a.kind])
-            ratio = span / idl["ideal"]
-            print(f"{name:<18}{m:>3}  {ms(span):>11}  {ms(idl['ideal']):>9}  {ratio:>6.3f}  "
-                  f"{'ok' if ratio <= 1.05 else 'MISSED':>6}  {ms(with_link):>10}  {span / with_link:>6.3f}  "
-                  f"{ms(timed):>8}  {span / timed:>6.3f}  {idl['model']}")
+            timed = replay(idl["sched"], P, v, lambda r, a, c=costs: c[r][a.kind])
+            ratio = span / model
+            print(f"{name:<18}{m:>3}  {ms(span):>11}  {ms(idl['ideal']):>8}  {span / idl['ideal']:>6.3f}  "
+                  f"{ms(model):>7}  {ratio:>6.3f}  {'ok' if ratio <= 1.05 else 'MISSED':>6}  {ms(with_link):>10}  "
+                  f"{span / with_link:>6.3f}  {ms(timed):>8}  {span / timed:>6.3f}")
             if name == "zb_h1":
-                print(f"{'  vs split-W ideal':<18}{m:>3}  {ms(span):>11}  {ms(idl['split']):>9}  "
-                      f"{span / idl['split']:>6.3f}  {'':>6}  {'':>10}  {'':>6}  simulate F={2 * TF * 1e3:.0f} "
-                      f"B={2 * TB * 1e3:.0f} W={TB * 1e3:.0f} (B+W = one backward)")
+                print(f"{'  vs split-W ideal':<18}{m:>3}  {ms(span):>11}  {ms(idl['split']):>8}  "
+                      f"{span / idl['split']:>6.3f}  (the paper's nominal ideal: rank 0 splits too)")
+    print("   nominal cost model: " + "; ".join(f"{n} {ideal_by_m[MS[0]][n]['model']}" for n, _ in SCHEDULES))
+    print("   model cost per action, ms, per rank s0/s1/s2/s3 (F forward, B backward, Bi its input half):")
+    for per in sorted(cal[0], reverse=True):
+        cells = "  ".join(f"{a} " + "/".join(f"{c[per][a] * 1e3:.2f}" for c in cal) for a in ("F", "B", "Bi"))
+        print(f"     {per} block(s) per chunk: {cells}   (nominal F {per * TF * 1e3:.0f}, B {per * TB * 1e3:.0f})")
     print("   zb_h1: B runs the input-gradient half of each block's backward, W the weight half (pipeline/zb.py);\n"
           "   rank 0 has no input gradient, so its W is its whole backward. The split-W row is the paper's ideal,\n"
           "   where rank 0 splits too (simulate()'s convention).")
@@ -247,20 +271,17 @@ def report(results):
     print("   ms/step = median over measured steps of the time between consecutive step ends (slowest rank); torch's "
           "ranks\n   are not re-synchronised at step end, so its per-step span is not comparable and only the period "
           "is used")
-    print("   experiment (bench-only monkeypatch, lightning_tp untouched): our executor with Mailbox sending the payload")
-    print("   alone, no shape-header message first (every transfer here is 64x256 fp32), to size the header's cost")
     hdr = (f"{'schedule':<18}{'m':>3}  {'torch class':<24}{'ours ms/step':>12}  {'torch ms/step':>13}  "
-           f"{'ours/torch thr':>14}  {'target':>6}  {'no-header ms':>12}  {'its thr ratio':>13}")
+           f"{'ours/torch thr':>14}  {'target':>6}")
     print(hdr)
     print("-" * len(hdr))
     for m in MS:
         for name, cls in TORCH.items():
             o_period = measured[(name, m)][1]
             t_period = steps_of(get(("torch", name, m)))[1]
-            n_period = steps_of(get(("ours_noheader", name, m)))[1]
             ratio = t_period / o_period
             print(f"{name:<18}{m:>3}  {cls:<24}{ms(o_period):>12}  {ms(t_period):>13}  {ratio:>14.3f}  "
-                  f"{'ok' if ratio >= 1.0 else 'MISSED':>6}  {ms(n_period):>12}  {t_period / n_period:>13.3f}")
+                  f"{'ok' if ratio >= 1.0 else 'MISSED':>6}")
 
     # ---- 3. memory
     m = MS[0]
@@ -304,11 +325,11 @@ def report(results):
     # ---- probes
     print("\n4) Isolated costs in the same processes (gloo on this CPU box, 64x256 fp32 payload, ping-pong ranks 0-1):")
     print(f"   one-way transfer: plain isend/irecv {probe['plain_one_way_ms']:.3f} ms;  our Mailbox.send/recv "
-          f"(header message, then payload) {probe['mailbox_one_way_ms']:.3f} ms")
+          f"(a fresh one: header message, then payload) {probe['mailbox_one_way_ms']:.3f} ms")
     print(f"   sender-side call: dist.isend {probe['plain_send_call_ms']:.3f} ms;  Mailbox.send (builds the header, "
           f"2 isends) {probe['mailbox_send_call_ms']:.3f} ms")
-    print(f"   the per-step log broadcast over 4 ranks (one float64 tensor, what _publish sends in training): "
-          f"{probe['log_broadcast_ms']:.3f} ms")
+    print(f"   a broadcast over 4 ranks of one float64 tensor (how the step's loss and logs travel on NCCL; on gloo "
+          f"they are\n   sent to receives posted at step start): {probe['log_broadcast_ms']:.3f} ms")
 
 
 def main():

@@ -161,6 +161,34 @@ def _eval_after_fit(world, strategy):
     return out
 
 
+SHAPE_STEPS = [((4, 3), torch.float32), ((4, 3), torch.float32), ((2, 5), torch.float32), ((2, 5), torch.float64),
+               ((2, 5), torch.float64), ((4, 3), torch.float32)]
+
+
+def _sent(step, mb):
+    shape, dtype = SHAPE_STEPS[step]
+    return (torch.arange(shape[0] * shape[1], dtype=dtype).reshape(shape) + 100 * step + mb)
+
+
+def _mailbox_across_steps(rank):
+    """Rank 0 sends two microbatches a step to rank 1, the shape changing between some steps: the
+    receiver posts each step's first payload with last step's shape (right, wrong, right, ...)."""
+    from lightning_tp.pipeline.p2p import Mailbox, tag
+
+    remembered, got, channel = {"in": {}, "out": {}}, [], (0, 1)
+    tags = [tag(0, mb, 1, 2) for mb in range(2)]
+    for step in range(len(SHAPE_STEPS)):
+        if rank == 0:
+            box = Mailbox({}, device=torch.device("cpu"), remembered=remembered)
+            for mb in range(2):
+                box.send(_sent(step, mb), 1, tags[mb], channel)
+        else:
+            box = Mailbox({channel: [(t, 0) for t in tags]}, device=torch.device("cpu"), remembered=remembered)
+            got.append([box.recv(0, t, torch.device("cpu"), channel) for t in tags])
+        box.wait()
+    return got
+
+
 def _bad_inputs(rank, world):
     data = TokenData(16, 64, 4)
     dicts = torch.utils.data.DataLoader(DictBatch(), batch_size=4)
@@ -176,6 +204,7 @@ def _bad_inputs(rank, world):
                                                          microbatches=2, timeout=30), data),
         "no_blocks": _expect_error(world, NoBlocks(), MegaStrategy(pp=2, timeout=30), data),
         "unsplittable": _expect_error(world, DictGPT(), MegaStrategy(pp=2, timeout=30), dicts),
+        "mailbox": _mailbox_across_steps(rank),
     }
 
 
@@ -205,6 +234,14 @@ def test_many_logged_values_and_new_names_reach_every_stage(bad):
         logged = rank_result["many_logs"]
         assert {f"v{k}" for k in range(70)} | {"phase"} == set(logged)
         assert all(logged[f"v{k}"] == k + 2 for k in range(70)) and logged["phase"] == 2.0, logged
+
+
+def test_a_shape_change_between_steps_reaches_the_receiver(bad):
+    got = bad[1]["mailbox"]
+    assert len(got) == len(SHAPE_STEPS)
+    for step, pair in enumerate(got):
+        for mb, tensor in enumerate(pair):
+            torch.testing.assert_close(tensor, _sent(step, mb), atol=0, rtol=0)
 
 
 def test_validate_and_predict_through_the_pipeline(bad):

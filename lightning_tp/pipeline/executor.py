@@ -93,6 +93,8 @@ class PipelineRunner:
         self.zero_bubble = any(a.kind == "W" for a in self.actions)
         self._log_names = None  # the last stage's logged names as of the previous step (see _share_numbers)
         self._metrics = None  # torchmetrics modules of the user's module (muted in all but the last chunk)
+        self._shapes = {"in": {}, "out": {}}  # per P2P channel, last step's shapes (see Mailbox)
+        self._receives = self._expected_receives()
 
     # ---------------------------------------------------------------- helpers
 
@@ -115,7 +117,7 @@ class PipelineRunner:
         finally:
             self.state.received = None
 
-    def _publish(self, logs_per_mb: list, result, train: bool = False):
+    def _publish(self, logs_per_mb: list, result, numbers=None, train: bool = True):
         """Average the last stage's logs over microbatches, share them and the result with every stage.
 
         Values that cannot be averaged (torchmetrics objects) are logged by each stage from its own
@@ -131,7 +133,7 @@ class PipelineRunner:
         if self.layout.pp > 1:
             last = self.mesh.global_rank(self.mesh.tp_rank, self.mesh.dp_rank, self.layout.pp - 1)
             if train:
-                shared, result = self._share_numbers(shared, result, last)
+                shared, result = self._share_numbers(shared, result, last, numbers)
             else:
                 box = [shared, result]
                 dist.broadcast_object_list(box, src=last, group=self.mesh.pp_group)
@@ -145,7 +147,27 @@ class PipelineRunner:
 
     _CAPACITY = 62  # logged numbers per step that fit the fixed broadcast (more: sent pickled)
 
-    def _share_numbers(self, shared, loss, last):
+    def _post_numbers(self, device):
+        """Gloo: a non-last stage posts the receive of the step's numbers (see _share_numbers) at step
+        start, so they are there when its step ends, instead of a collective's round trips then."""
+        if self.batched or self.layout.pp == 1 or self.mesh.pp_rank == self.layout.pp - 1:
+            return None
+        buf = torch.zeros(2 + self._CAPACITY, dtype=torch.float64, device=device)
+        last = self.mesh.global_rank(self.mesh.tp_rank, self.mesh.dp_rank, self.layout.pp - 1)
+        return buf, dist.irecv(buf, last, tag=tag(3, 0, 0, self.n_vstages))
+
+    def _send_numbers(self, buf) -> None:
+        """The last stage's side of _post_numbers (gloo); NCCL: one broadcast, receives never posted ahead."""
+        if self.batched:
+            dist.broadcast(buf, src=self.mesh.global_rank(self.mesh.tp_rank, self.mesh.dp_rank, self.layout.pp - 1),
+                           group=self.mesh.pp_group)
+            return
+        works = [dist.isend(buf, self.mesh.global_rank(self.mesh.tp_rank, self.mesh.dp_rank, s),
+                            tag=tag(3, 0, 0, self.n_vstages)) for s in range(self.layout.pp - 1)]
+        for w in works:
+            w.wait()
+
+    def _share_numbers(self, shared, loss, last, posted=None):
         is_last = self.mesh.pp_rank == self.layout.pp - 1
         buf = torch.zeros(2 + self._CAPACITY, dtype=torch.float64, device=self._device())
         if is_last:
@@ -158,7 +180,13 @@ class PipelineRunner:
             buf[0] = float(changed) + 2.0 * (len(values) > self._CAPACITY + 1)
             buf[1:1 + min(len(values), self._CAPACITY + 1)] = torch.tensor(values[:self._CAPACITY + 1],
                                                                            dtype=torch.float64)
-        dist.broadcast(buf, src=last, group=self.mesh.pp_group)
+        if is_last:
+            self._send_numbers(buf)
+        elif posted is not None:
+            buf, work = posted
+            work.wait()
+        else:
+            dist.broadcast(buf, src=last, group=self.mesh.pp_group)
         flags = int(buf[0])
         if flags:
             box = [names if is_last else None, values if is_last and flags & 2 else None]
@@ -219,7 +247,8 @@ class PipelineRunner:
         inputs, outputs, grads, input_grads, deferred = {}, {}, {}, {}, {}
         logs, losses = [[] for _ in range(self.m)], []
         device = next(iter(params)).device if params else torch.device("cpu")
-        box = Mailbox(self._expected_receives(), batched=self.batched, device=device)
+        box = Mailbox(self._receives, batched=self.batched, device=device, remembered=self._shapes)
+        numbers = self._post_numbers(device)
         acts, i = self.actions, 0
         while i < len(acts):
             a = acts[i]
@@ -256,7 +285,7 @@ class PipelineRunner:
         for p, old in zip(params, saved):
             p._pp_fresh_grad, p.grad = p.grad, old
         mean_loss = float(sum(losses) / len(losses)) if losses else None
-        return self._publish(logs, mean_loss, train=True)
+        return self._publish(logs, mean_loss, numbers)
 
     def _backward(self, key, k, out, grad, inputs, input_grads, deferred, params):
         if not self.zero_bubble:
@@ -301,4 +330,4 @@ class PipelineRunner:
         merged = None
         if results and all(isinstance(r, torch.Tensor) for r in results):
             merged = torch.cat([r.reshape(1) if r.dim() == 0 else r for r in results]).cpu()
-        return self._publish(logs, merged)
+        return self._publish(logs, merged, train=False)

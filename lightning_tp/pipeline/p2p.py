@@ -3,7 +3,11 @@
 The first message of a step on a channel (direction, receiving virtual stage) carries a small
 header (shape and dtype); the microbatches after it have the same shape, so they travel alone.
 Both sides walk a channel's microbatches in increasing order (every schedule does), so they agree
-on which message is first. Tags name each message (direction, microbatch, receiving virtual
+on which message is first. Given ``remembered`` (channel -> shape, kept by the caller across steps),
+the receiver also posts the first payload at step start with last step's shape, so it flows as soon
+as it is sent instead of a round trip after the header; should the shape have changed, the sender
+(who remembers the same) fills that receive with a dummy of the old shape and sends the payload
+on the next tag. Tags name each message (direction, microbatch, receiving virtual
 stage): a rank that runs several chunks gets each tensor where it belongs. Sends are
 non-blocking; a receive blocks until its tensor is there, which is what the schedules' deadlock
 check assumes. Given the step's expected receives per channel (the action list knows them), the
@@ -13,6 +17,8 @@ posted: a late post costs a round trip on every transfer).
 """
 
 from __future__ import annotations
+
+from collections import deque
 
 import torch
 import torch.distributed as dist
@@ -24,27 +30,37 @@ _HEADER = 10  # ndim, dtype code, up to 8 dims
 
 
 def tag(direction: int, microbatch: int, vstage: int, n_vstages: int) -> int:
-    return ((direction * 100_000 + microbatch) * n_vstages + vstage) * 2
+    """A message's tag; +1 and +2 are its payload's (+2 after a shape change, see Mailbox)."""
+    return ((direction * 100_000 + microbatch) * n_vstages + vstage) * 4
 
 
 class Mailbox:
     """Keeps in-flight sends alive until they complete (checked at each send, waited at step end).
 
     ``expected``: channel -> ordered ``[(tag, src), ...]`` of this step's receives on it (optional);
-    with ``device`` given, each channel's header receive is posted at once."""
+    with ``device`` given, each channel's header receive is posted at once, and with ``remembered``
+    ({"in": {}, "out": {}}, the caller's across steps; not in batched mode) its first payload too."""
 
-    def __init__(self, expected: dict | None = None, depth: int = 2, batched: bool = False, device=None):
-        self.pending = []
+    def __init__(self, expected: dict | None = None, depth: int = 2, batched: bool = False, device=None,
+                 remembered: dict | None = None):
+        self.pending = deque()  # (work, tensor) of sends in flight, oldest first
+        self.later = []  # (channel, device) whose receives ahead are still to post (see recv)
         self.sent_header, self.shapes = set(), {}  # per channel, for this step
         self.batched = batched  # NCCL: no receive posted ahead (it would hold up the sends behind it)
         self.expected = {} if batched else {c: list(v) for c, v in (expected or {}).items()}
         self.posted, self.depth = {}, depth  # channel -> [(tag, work, buffer)] in order
         self.headers = {}  # channel -> (tag, work, buffer) of a header receive posted in advance
+        self.remembered = None if batched or device is None else remembered
+        self.guessed = {}  # channel -> (tag, work, buffer) of a first payload posted with last step's shape
         if device is not None:
             for channel, ahead in self.expected.items():
                 t, src = ahead[0]
                 header = torch.empty(_HEADER, dtype=torch.int64, device=device)
                 self.headers[channel] = (t, dist.irecv(header, src, tag=t), header)
+                if self.remembered is not None and channel in self.remembered["in"]:
+                    shape, dtype = self.remembered["in"][channel]
+                    out = torch.empty(shape, dtype=dtype, device=device)
+                    self.guessed[channel] = (t, dist.irecv(out, src, tag=t + 1), out)
 
     def _isend(self, tensor, dst: int, t: int):
         return self._op(dist.isend, tensor, dst, t)
@@ -61,9 +77,19 @@ class Mailbox:
 
     def send(self, tensor: torch.Tensor, dst: int, t: int, channel) -> None:
         tensor, header = self._outgoing(tensor, channel)
+        offset = 1
         if header is not None:
             self.pending.append((self._isend(header, dst, t), header))
-        self.pending.append((self._isend(tensor, dst, t + 1), tensor))
+            old = self.remembered["out"].get(channel) if self.remembered is not None else None
+            if old is not None and old != (tuple(tensor.shape), tensor.dtype):
+                # the receiver posted last step's shape on t + 1: fill it, the payload goes on t + 2
+                dummy = torch.zeros(old[0], dtype=old[1], device=tensor.device)
+                self.pending.append((self._isend(dummy, dst, t + 1), dummy))
+                offset = 2
+            if self.remembered is not None:
+                self.remembered["out"][channel] = (tuple(tensor.shape), tensor.dtype)
+        self.pending.append((self._isend(tensor, dst, t + offset), tensor))
+        self._flush()
 
     def _outgoing(self, tensor, channel):
         """(payload, header or None) for a send; the header goes with a channel's first message."""
@@ -71,7 +97,8 @@ class Mailbox:
         if tensor.dim() > _HEADER - 2:
             raise ValueError(f"pipeline activations of {tensor.dim()} dims are not supported (max {_HEADER - 2}).")
         comm._record("send", tensor, None)  # the payload only (not the header): counted like collectives
-        self.pending = [(w, x) for w, x in self.pending if w is None or not w.is_completed()]  # free what landed
+        while self.pending and self.pending[0][0] is not None and self.pending[0][0].is_completed():
+            self.pending.popleft()  # free what landed (sends complete in order, mostly)
         if channel in self.sent_header:
             return tensor, None
         self.sent_header.add(channel)
@@ -81,6 +108,8 @@ class Mailbox:
     def _learn_shape(self, channel, header) -> None:
         ndim = int(header[0])
         self.shapes[channel] = (tuple(header[2:2 + ndim].tolist()), _DTYPES[int(header[1])])
+        if self.remembered is not None:
+            self.remembered["in"][channel] = self.shapes[channel]
 
     def exchange(self, send: tuple, recv: tuple, device) -> torch.Tensor:
         """A send ``(tensor, dst, tag, channel)`` and the receive ``(src, tag, channel)`` right after it,
@@ -115,28 +144,54 @@ class Mailbox:
                 work = self._irecv(header, src, t)
             work.wait()
             self._learn_shape(channel, header)
+            if channel in self.guessed:
+                self._settle_guess(channel, src, device)
         queue = self.posted.setdefault(channel, [])
         if not queue or queue[0][0] != t:  # not foreseen: post it now
             queue.insert(0, self._post(channel, t, src, device))
         _, work, out = queue.pop(0)
-        self._post_ahead(channel, device, drop=t)
+        ahead = self.expected.get(channel)
+        if ahead and ahead[0][0] == t:  # posted unforeseen, or as the guessed first payload
+            ahead.pop(0)
+        self.later.append((channel, device))
+        if not work.is_completed():  # about to wait anyway: post the receives ahead now, for free
+            self._flush()
         work.wait()
         return out
+
+    def _flush(self) -> None:
+        """Post the receives ahead that recv left for later: when its tensor was already there,
+        posting them first would only have delayed the compute that needs it."""
+        for channel, device in self.later:
+            self._post_ahead(channel, device)
+        self.later.clear()
+
+    def _settle_guess(self, channel, src, device) -> None:
+        """The first payload, posted at step start with last step's shape: right, it is this step's
+        first receive; wrong, it holds the sender's dummy and the payload comes on the next tag."""
+        t, work, out = self.guessed.pop(channel)
+        shape, dtype = self.shapes[channel]
+        if (tuple(out.shape), out.dtype) == (shape, dtype):
+            self.posted.setdefault(channel, []).insert(0, (t, work, out))
+            return
+        work.wait()
+        out = torch.empty(shape, dtype=dtype, device=device)
+        self.posted.setdefault(channel, []).insert(0, (t, dist.irecv(out, src, tag=t + 2), out))
 
     def _post(self, channel, t, src, device):
         shape, dtype = self.shapes[channel]
         out = torch.empty(shape, dtype=dtype, device=device)
         return t, self._irecv(out, src, t + 1), out
 
-    def _post_ahead(self, channel, device, drop: int) -> None:
+    def _post_ahead(self, channel, device) -> None:
         ahead, queue = self.expected.get(channel, []), self.posted[channel]
-        if ahead and ahead[0][0] == drop:
-            ahead.pop(0)
         while ahead and len(queue) < self.depth:
             queue.append(self._post(channel, *ahead.pop(0), device))
 
     def wait(self) -> None:
-        leftover = [t for q in self.posted.values() for t, _, _ in q] + [t for t, _, _ in self.headers.values()]
+        self._flush()
+        leftover = [t for q in self.posted.values() for t, _, _ in q] + [t for t, _, _ in self.headers.values()] + \
+            [t for t, _, _ in self.guessed.values()]
         if leftover:
             raise RuntimeError(f"pipeline receives posted but never used (tags {leftover}): schedule mismatch.")
         for work, _ in self.pending:
