@@ -37,6 +37,7 @@ class Stats:
         self.train_step = self.send = self.recv = self.wait = self.publish = 0.0
         self.mailbox_peak = 0  # bytes of sent tensors our Mailbox still holds (it releases them at step end)
         self.act = {"F": 0.0, "B": 0.0, "W": 0.0}  # seconds inside our F / B / W actions (compute, no P2P)
+        self.first_work, self.last_work = None, 0.0  # start of the step's first block cost, end of its last
         self.acts = {"F": 0, "B": 0, "W": 0}
 
     def add(self, n):
@@ -78,7 +79,10 @@ def _hold(t, start=None):
         time.sleep(deadline - t0 - SPIN)
     while time.perf_counter() < deadline:
         pass
-    STATS.sleep += time.perf_counter() - t0
+    STATS.last_work = time.perf_counter()
+    STATS.sleep += STATS.last_work - t0
+    if STATS.first_work is None:
+        STATS.first_work = deadline - t
 
 
 class SleepCost(torch.autograd.Function):
@@ -178,7 +182,8 @@ class Recorder:
         self.stats.append(dict(inflight_peak=s.inflight_peak, resident_peak=s.resident_peak, sleep=s.sleep,
                                n_f=s.n_f, n_b=s.n_b, train_step=s.train_step, send=s.send, recv=s.recv,
                                wait=s.wait, publish=s.publish, mailbox_peak=s.mailbox_peak,
-                               leftover=s.inflight, act=dict(s.act), acts=dict(s.acts)))
+                               leftover=s.inflight, act=dict(s.act), acts=dict(s.acts), first_work=s.first_work,
+                               last_work=s.last_work))
 
     def result(self):
         return dict(start=self.start, end=self.end, stats=self.stats)

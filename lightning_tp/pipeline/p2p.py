@@ -44,7 +44,6 @@ class Mailbox:
     def __init__(self, expected: dict | None = None, depth: int = 2, batched: bool = False, device=None,
                  remembered: dict | None = None):
         self.pending = deque()  # (work, tensor) of sends in flight, oldest first
-        self.later = []  # (channel, device) whose receives ahead are still to post (see recv)
         self.sent_header, self.shapes = set(), {}  # per channel, for this step
         self.batched = batched  # NCCL: no receive posted ahead (it would hold up the sends behind it)
         self.expected = {} if batched else {c: list(v) for c, v in (expected or {}).items()}
@@ -89,7 +88,6 @@ class Mailbox:
             if self.remembered is not None:
                 self.remembered["out"][channel] = (tuple(tensor.shape), tensor.dtype)
         self.pending.append((self._isend(tensor, dst, t + offset), tensor))
-        self._flush()
 
     def _outgoing(self, tensor, channel):
         """(payload, header or None) for a send; the header goes with a channel's first message."""
@@ -98,7 +96,8 @@ class Mailbox:
             raise ValueError(f"pipeline activations of {tensor.dim()} dims are not supported (max {_HEADER - 2}).")
         comm._record("send", tensor, None)  # the payload only (not the header): counted like collectives
         while self.pending and self.pending[0][0] is not None and self.pending[0][0].is_completed():
-            self.pending.popleft()  # free what landed (sends complete in order, mostly)
+            self.pending.popleft()  # free what landed; gloo reports a send complete only once waited on,
+            # so there the sent tensors are released at step end
         if channel in self.sent_header:
             return tensor, None
         self.sent_header.add(channel)
@@ -153,18 +152,9 @@ class Mailbox:
         ahead = self.expected.get(channel)
         if ahead and ahead[0][0] == t:  # posted unforeseen, or as the guessed first payload
             ahead.pop(0)
-        self.later.append((channel, device))
-        if not work.is_completed():  # about to wait anyway: post the receives ahead now, for free
-            self._flush()
+        self._post_ahead(channel, device)
         work.wait()
         return out
-
-    def _flush(self) -> None:
-        """Post the receives ahead that recv left for later: when its tensor was already there,
-        posting them first would only have delayed the compute that needs it."""
-        for channel, device in self.later:
-            self._post_ahead(channel, device)
-        self.later.clear()
 
     def _settle_guess(self, channel, src, device) -> None:
         """The first payload, posted at step start with last step's shape: right, it is this step's
@@ -189,7 +179,6 @@ class Mailbox:
             queue.append(self._post(channel, *ahead.pop(0), device))
 
     def wait(self) -> None:
-        self._flush()
         leftover = [t for q in self.posted.values() for t, _, _ in q] + [t for t, _, _ in self.headers.values()] + \
             [t for t, _, _ in self.guessed.values()]
         if leftover:
