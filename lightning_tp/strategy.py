@@ -49,9 +49,9 @@ class MegaStrategy(ParallelStrategy):
         pipeline_blocks: path of the repeated block list, when the plan or the search cannot find it.
         stage_layers: blocks per (virtual) stage, instead of the parameter-balanced split.
         p2p: how pipeline transfers go out: ``"eager"`` (isend at once, receives posted ahead; gloo),
-            ``"batched"`` (a send followed by a receive leave together in one ``batch_isend_irecv``,
-            nothing posted ahead: what NCCL needs, where a send can wait for its receive and two
-            stages sending to each other first would deadlock), ``"auto"`` (batched on NCCL).
+            ``"batched"`` (one ``batch_isend_irecv`` per time slot of the schedule, the same slot on
+            both sides of every transfer: what NCCL needs, where a send waits for its receive and a
+            rank's transfers run in issue order), ``"auto"`` (batched on NCCL).
         quant: ``"int8"`` (W8A8) or ``"w4a8"``: quantization-aware training layers in place of the
             (parallel) linears, each tensor-parallel result equal to the single-device QAT one.
         load_full: a plain checkpoint (Lightning .ckpt, state_dict file or Hugging Face save_pretrained
@@ -187,10 +187,6 @@ class MegaStrategy(ParallelStrategy):
         if self.p2p == "eager":
             raise ValueError("MegaStrategy(p2p='eager') posts receives ahead, which NCCL queues in front of later "
                              "sends on the same stream (a deadlock); use p2p='auto' or 'batched' on GPUs.")
-        if self.schedule == "interleaved_1f1b":
-            raise ValueError("schedule='interleaved_1f1b' is not supported on NCCL yet: its transfers must be "
-                             "batched per time step across stages to avoid a deadlock. Use schedule='1f1b' or "
-                             "'zb_h1' (or 'gpipe').")
 
     def _broadcast_initial_weights(self, module) -> None:
         """Rank 0's initial weights everywhere, in flat buckets on the run's device (NCCL needs it there;

@@ -24,7 +24,8 @@ WORLD2.update({
     "pp2_tied_embeddings": ("gpt", dict(n_layer=4, tie_weights=True), _pp(2, "1f1b"), {}),
     "pp2_encoder": ("encoder", dict(layers=4), _pp(2, "1f1b"), {}),
     # NCCL's transfer mode (send + following receive in one batch_isend_irecv), run here on gloo
-    "pp2_1f1b_batched_p2p": ("gpt", dict(n_layer=4), _pp(2, "1f1b", p2p="batched"), {}),
+    **{f"pp2_{s}_batched_p2p": ("gpt", dict(n_layer=4), _pp(2, s, p2p="batched"), {})
+       for s in ("1f1b", "interleaved_1f1b", "zb_h1")},
     "pp2_clip_accumulate": ("gpt", dict(n_layer=4, tie_weights=True), _pp(2, "zb_h1"),
                             dict(gradient_clip_val=0.05, accumulate_grad_batches=2)),
 })
@@ -170,21 +171,32 @@ def _sent(step, mb):
     return (torch.arange(shape[0] * shape[1], dtype=dtype).reshape(shape) + 100 * step + mb)
 
 
-def _mailbox_across_steps(rank):
+def _mailbox_across_steps(rank, slotted=False):
     """Rank 0 sends two microbatches a step to rank 1, the shape changing between some steps: the
-    receiver posts each step's first payload with last step's shape (right, wrong, right, ...)."""
+    receiver posts each step's first payload with last step's shape (right, wrong, right, ...).
+    ``slotted``: the per-slot groups of p2p="batched" (one slot per microbatch)."""
     from lightning_tp.pipeline.p2p import Mailbox, tag
+    from lightning_tp.pipeline.p2p_slots import SlotMailbox
 
-    remembered, got, channel = {"in": {}, "out": {}}, [], (0, 1)
+    remembered, got, channel, cpu = {"in": {}, "out": {}}, [], (0, 1), torch.device("cpu")
     tags = [tag(0, mb, 1, 2) for mb in range(2)]
     for step in range(len(SHAPE_STEPS)):
-        if rank == 0:
-            box = Mailbox({}, device=torch.device("cpu"), remembered=remembered)
+        if slotted:
+            box = SlotMailbox(remembered, cpu)
+            for mb, t in enumerate(tags):
+                if rank == 0:
+                    box.group([(_sent(step, mb), 1, t, channel)], [])
+                else:
+                    box.group([], [(0, t, channel)])
+            if rank == 1:
+                got.append([box.take(channel, t) for t in tags])
+        elif rank == 0:
+            box = Mailbox({}, device=cpu, remembered=remembered)
             for mb in range(2):
                 box.send(_sent(step, mb), 1, tags[mb], channel)
         else:
-            box = Mailbox({channel: [(t, 0) for t in tags]}, device=torch.device("cpu"), remembered=remembered)
-            got.append([box.recv(0, t, torch.device("cpu"), channel) for t in tags])
+            box = Mailbox({channel: [(t, 0) for t in tags]}, device=cpu, remembered=remembered)
+            got.append([box.recv(0, t, cpu, channel) for t in tags])
         box.wait()
     return got
 
@@ -205,6 +217,7 @@ def _bad_inputs(rank, world):
         "no_blocks": _expect_error(world, NoBlocks(), MegaStrategy(pp=2, timeout=30), data),
         "unsplittable": _expect_error(world, DictGPT(), MegaStrategy(pp=2, timeout=30), dicts),
         "mailbox": _mailbox_across_steps(rank),
+        "slot_mailbox": _mailbox_across_steps(rank, slotted=True),
     }
 
 
@@ -236,8 +249,9 @@ def test_many_logged_values_and_new_names_reach_every_stage(bad):
         assert all(logged[f"v{k}"] == k + 2 for k in range(70)) and logged["phase"] == 2.0, logged
 
 
-def test_a_shape_change_between_steps_reaches_the_receiver(bad):
-    got = bad[1]["mailbox"]
+@pytest.mark.parametrize("box", ["mailbox", "slot_mailbox"])
+def test_a_shape_change_between_steps_reaches_the_receiver(bad, box):
+    got = bad[1][box]
     assert len(got) == len(SHAPE_STEPS)
     for step, pair in enumerate(got):
         for mb, tensor in enumerate(pair):
@@ -271,8 +285,7 @@ def test_nccl_refuses_what_its_p2p_cannot_run(monkeypatch):
     from lightning_tp import strategy as strategy_module
 
     monkeypatch.setattr(strategy_module.dist, "get_backend", lambda *a, **k: "nccl")
-    with pytest.raises(ValueError, match="not supported on NCCL yet"):
-        MegaStrategy(pp=2, schedule="interleaved_1f1b", virtual_stages=2)._check_p2p_backend()
+    MegaStrategy(pp=2, schedule="interleaved_1f1b", virtual_stages=2)._check_p2p_backend()  # slotted: allowed
     with pytest.raises(ValueError, match="p2p='eager'"):
         MegaStrategy(pp=2, p2p="eager")._check_p2p_backend()
     MegaStrategy(pp=2, schedule="zb_h1")._check_p2p_backend()  # batched by default: allowed

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from .p2p import Mailbox, tag
-from .schedules import build_schedule
+from .p2p_slots import SlotMailbox
+from .schedules import Action, build_schedule
+from .slots import slot_plan
 from .stage import StageDone
 from .zb import SplitBackward
 
@@ -81,15 +84,35 @@ def _mean(values):
     return None  # torchmetrics objects and the like: logged by the last stage only
 
 
+@dataclass
+class _Step:
+    """One training step's state: microbatches, and per (microbatch, chunk) what is in flight."""
+
+    micro: list
+    batch_idx: int
+    scale: float
+    params: list
+    device: torch.device
+    logs: list  # per microbatch: the self.log calls of its run of the user's step
+    losses: list = field(default_factory=list)
+    inputs: dict = field(default_factory=dict)  # activations received (leaves that require grad)
+    outputs: dict = field(default_factory=dict)  # stage outputs, until their backward
+    grads: dict = field(default_factory=dict)  # output gradients received
+    input_grads: dict = field(default_factory=dict)  # zero bubble: input gradients computed by B
+    deferred: dict = field(default_factory=dict)  # zero bubble: the W half, until its turn
+
+
 class PipelineRunner:
     def __init__(self, module, mesh, layout, state, schedule: str, microbatches: int, batched: bool = False,
                  device=None):
         self.module, self.mesh, self.layout, self.state = module, mesh, layout, state
         self.device = device  # where step-level tensors go (the module may still be on the CPU now)
-        self.batched = batched  # pair each send with the receive after it (see Mailbox.exchange)
+        self.batched = batched  # NCCL: transfers grouped per time slot (see .slots)
         self.schedule, self.m = schedule, microbatches
         self.n_vstages = layout.pp * layout.v
-        self.actions = build_schedule(schedule, layout.pp, microbatches, layout.v)[mesh.pp_rank]
+        full = build_schedule(schedule, layout.pp, microbatches, layout.v)
+        self.actions = full[mesh.pp_rank]
+        self.slots = slot_plan(full, layout.pp, layout.v)[mesh.pp_rank] if batched else None
         self.zero_bubble = any(a.kind == "W" for a in self.actions)
         self._log_names = None  # the last stage's logged names as of the previous step (see _share_numbers)
         self._metrics = None  # torchmetrics modules of the user's module (muted in all but the last chunk)
@@ -239,53 +262,75 @@ class PipelineRunner:
     # ---------------------------------------------------------------- training
 
     def train_step(self, batch, batch_idx, scale: float):
-        micro = split_batch(batch, self.m)
         params = [p for p in self.module.parameters() if p.requires_grad]
         saved = [p.grad for p in params]
         for p in params:
             p.grad = None
-        inputs, outputs, grads, input_grads, deferred = {}, {}, {}, {}, {}
-        logs, losses = [[] for _ in range(self.m)], []
         device = next(iter(params)).device if params else torch.device("cpu")
-        box = Mailbox(self._receives, batched=self.batched, device=device, remembered=self._shapes)
+        st = _Step(split_batch(batch, self.m), batch_idx, scale, params, device, [[] for _ in range(self.m)])
         numbers = self._post_numbers(device)
-        acts, i = self.actions, 0
-        while i < len(acts):
-            a = acts[i]
-            key, k = (a.microbatch, a.chunk), self._vstage(a.chunk)
-            if a.kind in ("RECV_F", "RECV_B"):
-                src, t, channel = self._recv_args(a)
-                self._store(a, box.recv(src, t, device, channel), inputs, grads)
-            elif a.kind in ("SEND_F", "SEND_B"):
-                send = self._send_args(a, outputs, inputs, input_grads)
-                nxt = acts[i + 1] if i + 1 < len(acts) else None
-                if self.batched and nxt is not None and nxt.kind in ("RECV_F", "RECV_B"):
-                    src, t, channel = self._recv_args(nxt)
-                    self._store(nxt, box.exchange(send, (src, t, channel), device), inputs, grads)
-                    i += 1
-                else:
-                    box.send(*send)
-            elif a.kind == "F":
-                finished, out = self._run("training_step", micro[a.microbatch], batch_idx, k, inputs.get(key),
-                                          logs[a.microbatch])
-                if finished:
-                    out = out["loss"] if isinstance(out, Mapping) else out
-                    losses.append(out.detach().float())
-                    out = out * scale
-                outputs[key] = out
-            elif a.kind == "B":
-                with no_autocast(device):  # the step runs inside Lightning's autocast; backward must not
-                    self._backward(key, k, outputs.pop(key), grads.pop(key, None), inputs, input_grads, deferred,
-                                   params)
-            elif a.kind == "W":
-                with no_autocast(device):
-                    deferred.pop(key).weight_grad()
-            i += 1
-        box.wait()
+        if self.slots is None:
+            self._walk_actions(st)
+        else:
+            self._walk_slots(st)
         for p, old in zip(params, saved):
             p._pp_fresh_grad, p.grad = p.grad, old
-        mean_loss = float(sum(losses) / len(losses)) if losses else None
-        return self._publish(logs, mean_loss, numbers)
+        mean_loss = float(sum(st.losses) / len(st.losses)) if st.losses else None
+        return self._publish(st.logs, mean_loss, numbers)
+
+    def _walk_actions(self, st) -> None:
+        """Eager (gloo): the action list in order, sends at once, receives posted ahead."""
+        box = Mailbox(self._receives, device=st.device, remembered=self._shapes)
+        for a in self.actions:
+            if a.kind in ("RECV_F", "RECV_B"):
+                src, t, channel = self._recv_args(a)
+                self._store(a, box.recv(src, t, st.device, channel), st.inputs, st.grads)
+            elif a.kind in ("SEND_F", "SEND_B"):
+                box.send(*self._send_args(a, st.outputs, st.inputs, st.input_grads))
+            else:
+                self._compute(a, st)
+        box.wait()
+
+    def _walk_slots(self, st) -> None:
+        """Batched (NCCL): one transfer group per time slot, see :mod:`.slots`."""
+        box = SlotMailbox(self._shapes, st.device)
+        for slot in self.slots:
+            if slot.compute is not None:
+                needed = self._input_of(slot.compute)
+                if needed is not None:
+                    _, t, channel = self._recv_args(needed)
+                    self._store(needed, box.take(channel, t), st.inputs, st.grads)
+                self._compute(slot.compute, st)
+            box.group([self._send_args(a, st.outputs, st.inputs, st.input_grads) for a in slot.sends],
+                      [self._recv_args(a) for a in slot.recvs])
+        box.wait()
+
+    def _input_of(self, a):
+        """The RECV action whose tensor compute action ``a`` needs, if any."""
+        k = self._vstage(a.chunk)
+        if a.kind == "F" and k > 0:
+            return Action("RECV_F", a.microbatch, a.chunk)
+        if a.kind == "B" and k < self.n_vstages - 1:
+            return Action("RECV_B", a.microbatch, a.chunk)
+        return None
+
+    def _compute(self, a, st) -> None:
+        key, k = (a.microbatch, a.chunk), self._vstage(a.chunk)
+        if a.kind == "F":
+            finished, out = self._run("training_step", st.micro[a.microbatch], st.batch_idx, k, st.inputs.get(key),
+                                      st.logs[a.microbatch])
+            if finished:
+                out = out["loss"] if isinstance(out, Mapping) else out
+                st.losses.append(out.detach().float())
+                out = out * st.scale
+            st.outputs[key] = out
+        elif a.kind == "B":
+            with no_autocast(st.device):  # the step runs inside Lightning's autocast; backward must not
+                self._backward(key, k, st.outputs.pop(key), st.grads.pop(key, None), st.inputs, st.input_grads,
+                               st.deferred, st.params)
+        else:
+            with no_autocast(st.device):
+                st.deferred.pop(key).weight_grad()
 
     def _backward(self, key, k, out, grad, inputs, input_grads, deferred, params):
         if not self.zero_bubble:

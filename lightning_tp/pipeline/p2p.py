@@ -110,30 +110,6 @@ class Mailbox:
         if self.remembered is not None:
             self.remembered["in"][channel] = self.shapes[channel]
 
-    def exchange(self, send: tuple, recv: tuple, device) -> torch.Tensor:
-        """A send ``(tensor, dst, tag, channel)`` and the receive ``(src, tag, channel)`` right after it,
-        issued together (``batch_isend_irecv``: one NCCL group, so two stages that each send first
-        and then receive from the other cannot deadlock). Returns the received tensor."""
-        tensor, dst, ts, cs = send
-        src, tr, cr = recv
-        tensor, header = self._outgoing(tensor, cs)
-        ops = [dist.P2POp(dist.isend, header, dst, tag=ts)] if header is not None else []
-        ops.append(dist.P2POp(dist.isend, tensor, dst, tag=ts + 1))  # never held up by what we receive
-        known = cr in self.shapes
-        shape, dtype = self.shapes[cr] if known else ((_HEADER,), torch.int64)
-        incoming = torch.empty(shape, dtype=dtype, device=device)
-        ops.append(dist.P2POp(dist.irecv, incoming, src, tag=tr + 1 if known else tr))
-        works = dist.batch_isend_irecv(ops)
-        # NCCL may return one work for the whole group: keep the sent tensors alive until the step ends
-        self.pending += [(w, None) for w in works[:-1]] + [(None, x) for x in (header, tensor) if x is not None]
-        works[-1].wait()
-        if known:
-            return incoming
-        self._learn_shape(cr, incoming)  # a channel's first message: its header came, the payload follows
-        _, work, out = self._post(cr, tr, src, device)
-        work.wait()
-        return out
-
     def recv(self, src: int, t: int, device, channel) -> torch.Tensor:
         if channel not in self.shapes:
             if channel in self.headers and self.headers[channel][0] == t:

@@ -9,9 +9,9 @@ Why point-to-point transfers are explicit actions rather than implied by
 F/B: where a SEND/RECV sits in the list decides which transfers overlap and
 whether two ranks can wait on each other. Keeping them in the data makes that
 choice visible, testable and simulatable instead of hiding it in executor
-control flow. (Today's executor runs each one on its own: sends are
-non-blocking, receives block; batching adjacent ones into one
-``batch_isend_irecv`` is a possible optimisation the lists already allow.)
+control flow. (The eager executor runs each one on its own: sends are
+non-blocking, receives block; for NCCL :mod:`.slots` regroups them into one
+``batch_isend_irecv`` per time slot.)
 
 Conventions:
 

@@ -1,0 +1,115 @@
+"""Transfers one group per time slot (see :mod:`.slots`): what NCCL needs, also run on gloo.
+
+Each slot's sends and receives leave together in one ``batch_isend_irecv``. Messages are matched
+by order per peer (NCCL ignores tags), so both sides list a message's parts in the same order:
+header, then payload. A channel's first message of the step carries the header (shape and dtype);
+the receiver posts the payload in the same group when it remembers the channel's shape from the
+previous step, as the sender does. Otherwise the payload follows in an extra group right after the
+slot's, issued by both sides: the receiver knows to after reading the header, the sender from what
+it remembers; when the remembered shape is wrong, the sender fills the posted receive with a dummy
+of that shape first.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .. import comm
+from .p2p import _DTYPES, _HEADER
+
+
+def _header(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.dim() > _HEADER - 2:
+        raise ValueError(f"pipeline activations of {tensor.dim()} dims are not supported (max {_HEADER - 2}).")
+    shape = [tensor.dim(), _DTYPES.index(tensor.dtype), *tensor.shape]
+    return torch.tensor(shape + [0] * (_HEADER - len(shape)), dtype=torch.int64, device=tensor.device)
+
+
+def _shape(header: torch.Tensor) -> tuple:
+    values = header.tolist()
+    return tuple(values[2:2 + values[0]]), _DTYPES[values[1]]
+
+
+class SlotMailbox:
+    """One training step's transfers; ``remembered`` ({"in": {}, "out": {}}) is the caller's across steps."""
+
+    def __init__(self, remembered: dict, device):
+        self.remembered, self.device = remembered, device
+        self.shapes, self.sent_first = {}, set()  # per channel, this step
+        self.arrived = {}  # (channel, tag) -> [work, buffer] of a posted payload
+        self.unissued = {}  # id(buffer) -> its entry in arrived, until its group is issued
+        self.keep = []  # sends in flight (work, tensor), until the step ends
+
+    def group(self, sends: list, recvs: list) -> None:
+        """Issue one slot: ``sends`` [(tensor, dst, tag, channel)], ``recvs`` [(src, tag, channel)]."""
+        ops, later, headers = [], [], []
+        for tensor, dst, t, channel in sends:
+            tensor = tensor.detach().contiguous()
+            comm._record("send", tensor, None)
+            if channel in self.sent_first:
+                ops.append((dist.isend, tensor, dst, t + 1))
+                continue
+            self.sent_first.add(channel)
+            ops.append((dist.isend, _header(tensor), dst, t))
+            old, new = self.remembered["out"].get(channel), (tuple(tensor.shape), tensor.dtype)
+            self.remembered["out"][channel] = new
+            if old == new:
+                ops.append((dist.isend, tensor, dst, t + 1))
+                continue
+            if old is not None:  # the receiver posted the old shape: fill it
+                ops.append((dist.isend, torch.zeros(old[0], dtype=old[1], device=tensor.device), dst, t + 1))
+            later.append((dist.isend, tensor, dst, t + 2))
+        for src, t, channel in recvs:
+            if channel in self.shapes:
+                ops.append(self._payload(channel, src, t, t + 1))
+                continue
+            header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
+            ops.append((dist.irecv, header, src, t))
+            guess = self.remembered["in"].get(channel)
+            if guess is not None:
+                self.shapes[channel] = guess
+                ops.append(self._payload(channel, src, t, t + 1))
+            headers.append((len(ops) - (2 if guess else 1), src, t, channel, guess))
+        works = self._issue(ops)
+        for i, src, t, channel, guess in headers:  # the CPU waits for this slot here (reads the headers)
+            works[i].wait()
+            shape = _shape(ops[i][1])
+            self.shapes[channel] = self.remembered["in"][channel] = shape
+            if guess != shape:
+                if guess is not None:  # the dummy: wait for it, so that it is not taken for the payload
+                    self.arrived.pop((channel, t))[0].wait()
+                later.append(self._payload(channel, src, t, t + 2))
+        self._issue(later)
+
+    def _payload(self, channel, src, t, wire_tag):
+        shape, dtype = self.shapes[channel]
+        buffer = torch.empty(shape, dtype=dtype, device=self.device)
+        self.arrived[(channel, t)] = self.unissued[id(buffer)] = [None, buffer]  # work: set by _issue
+        return dist.irecv, buffer, src, wire_tag
+
+    def _issue(self, ops: list) -> list:
+        """One ``batch_isend_irecv``; returns a work per op (NCCL returns one for the whole group)."""
+        if not ops:
+            return []
+        works = dist.batch_isend_irecv([dist.P2POp(op, x, peer, tag=t) for op, x, peer, t in ops])
+        works = works if len(works) == len(ops) else [works[-1]] * len(ops)
+        for (op, x, _, _), work in zip(ops, works):
+            if op is dist.isend:  # a receive's work is waited on exactly once (gloo: a second wait hangs)
+                self.keep.append((work, x))
+            elif id(x) in self.unissued:
+                self.unissued.pop(id(x))[0] = work
+        return works
+
+    def take(self, channel, t: int) -> torch.Tensor:
+        """The payload received on ``channel`` with tag ``t`` (posted in an earlier slot)."""
+        work, buffer = self.arrived.pop((channel, t))
+        work.wait()
+        return buffer
+
+    def wait(self) -> None:
+        if self.arrived:
+            raise RuntimeError(f"pipeline receives posted but never used ({sorted(self.arrived)}): schedule mismatch.")
+        for work, _ in self.keep:
+            work.wait()
+        self.keep.clear()
