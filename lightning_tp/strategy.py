@@ -36,6 +36,11 @@ from .pipeline.stage import install as install_stages
 from .plans import apply as planner
 
 
+def _on_nccl() -> bool:
+    """Whether NCCL carries the transfers ("nccl", or a per-device backend string naming it)."""
+    return "nccl" in dist.get_backend()
+
+
 class MegaStrategy(ParallelStrategy):
     """Tensor (tp), sequence (sp) and data parallelism for an unchanged LightningModule.
 
@@ -182,7 +187,7 @@ class MegaStrategy(ParallelStrategy):
 
     def _check_p2p_backend(self) -> None:
         """Pipelines on NCCL: what its P2P semantics cannot run yet is refused now, not hung on later."""
-        if not self._pipelined or dist.get_backend() != "nccl":
+        if not self._pipelined or not _on_nccl():
             return
         if self.p2p == "eager":
             raise ValueError("MegaStrategy(p2p='eager') posts receives ahead, which NCCL queues in front of later "
@@ -237,7 +242,7 @@ class MegaStrategy(ParallelStrategy):
                 layout = plan_stages(module, 1, 1, self.pipeline_blocks or planner.blocks_path(module, self.plan))
             before = [(module.get_submodule(name), twin) for name, twin in split["before"].items()]
             state = install_stages(module.get_submodule(layout.blocks_path), layout, self.mesh.pp_rank, before)
-            batched = self.p2p == "batched" or (self.p2p == "auto" and dist.get_backend() == "nccl")
+            batched = self.p2p == "batched" or (self.p2p == "auto" and _on_nccl())
             self._runner = PipelineRunner(module, self.mesh, layout, state, self.schedule, self.microbatches,
                                           batched=batched, device=self.root_device)
         if self._dp_overlap is not None:

@@ -66,6 +66,9 @@ def test_each_transfer_shares_a_slot_and_nccl_cannot_deadlock(name, p, m, v):
             receiver = [(q, k, mm) for (q, k, mm) in slot_of if k == "RECV" and mm == msg]
             assert len(receiver) == 1 and slot_of[receiver[0]] == t, (name, msg)
     groups = [[[_op(a, r, p) for a in slot.sends + slot.recvs] for slot in line] for r, line in enumerate(plan)]
+    for line in groups:  # NCCL matches by order per peer: at most one message per direction and peer a slot
+        for g in line:
+            assert len({(kind, peer) for kind, peer, _ in g}) == len(g), g
     assert rendezvous([[g for g in line if g] for line in groups])
 
 

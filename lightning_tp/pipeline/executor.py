@@ -266,7 +266,7 @@ class PipelineRunner:
         saved = [p.grad for p in params]
         for p in params:
             p.grad = None
-        device = next(iter(params)).device if params else torch.device("cpu")
+        device = self._device()  # the run's device even on a stage without trainable parameters
         st = _Step(split_batch(batch, self.m), batch_idx, scale, params, device, [[] for _ in range(self.m)])
         numbers = self._post_numbers(device)
         if self.slots is None:

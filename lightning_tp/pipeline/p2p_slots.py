@@ -12,6 +12,8 @@ of that shape first.
 
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 import torch.distributed as dist
 
@@ -23,7 +25,10 @@ def _header(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.dim() > _HEADER - 2:
         raise ValueError(f"pipeline activations of {tensor.dim()} dims are not supported (max {_HEADER - 2}).")
     shape = [tensor.dim(), _DTYPES.index(tensor.dtype), *tensor.shape]
-    return torch.tensor(shape + [0] * (_HEADER - len(shape)), dtype=torch.int64, device=tensor.device)
+    header = torch.tensor(shape + [0] * (_HEADER - len(shape)), dtype=torch.int64)
+    if tensor.device.type == "cuda":  # pinned, so that the copy does not wait for the GPU to catch up
+        header = header.pin_memory().to(tensor.device, non_blocking=True)
+    return header
 
 
 def _shape(header: torch.Tensor) -> tuple:
@@ -39,15 +44,21 @@ class SlotMailbox:
         self.shapes, self.sent_first = {}, set()  # per channel, this step
         self.arrived = {}  # (channel, tag) -> [work, buffer] of a posted payload
         self.unissued = {}  # id(buffer) -> its entry in arrived, until its group is issued
-        self.keep = []  # sends in flight (work, tensor), until the step ends
+        self.keep = deque()  # sends in flight (work, tensor), oldest first
 
     def group(self, sends: list, recvs: list) -> None:
         """Issue one slot: ``sends`` [(tensor, dst, tag, channel)], ``recvs`` [(src, tag, channel)]."""
+        while self.keep and self.keep[0][0].is_completed():  # NCCL; gloo says so only once waited on
+            self.keep.popleft()
         ops, later, headers = [], [], []
         for tensor, dst, t, channel in sends:
             tensor = tensor.detach().contiguous()
             comm._record("send", tensor, None)
             if channel in self.sent_first:
+                if (tuple(tensor.shape), tensor.dtype) != self.remembered["out"][channel]:  # NCCL would corrupt
+                    raise ValueError(f"pipeline stage output {tuple(tensor.shape)} {tensor.dtype} differs from an "
+                                     f"earlier microbatch's {self.remembered['out'][channel]} in the same step: "
+                                     f"every microbatch must give the same shapes.")
                 ops.append((dist.isend, tensor, dst, t + 1))
                 continue
             self.sent_first.add(channel)
