@@ -16,11 +16,12 @@ Ideal times come from simulate() (and, for ZB-H1 under our executor, a replay wi
 rules and a per-rank cost); the executor's sends, receives and log broadcast are timed by wrapping
 them in the worker processes, nothing in lightning_tp is changed.
 
-    .venv/bin/python bench/pipeline.py
+    .venv/bin/python bench/pipeline.py [--block-ms 10]
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import sys
@@ -346,6 +347,13 @@ def report(results):
 
 
 def main():
+    global TF, TB
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--block-ms", type=float, default=TF * 1e3,
+                        help="forward cost of one block in ms (backward: twice that); the executor's cost per "
+                             "transfer is fixed, so its share of a step shrinks as blocks get longer")
+    TF = parser.parse_args().block_ms / 1e3
+    TB = 2 * TF
     t0 = time.perf_counter()
     header()
     load0 = os.getloadavg()[0]
