@@ -39,6 +39,8 @@ WORLD4.update({
     **{f"pp2_dp2_{s}": ("gpt", dict(n_layer=4), _pp(2, s), {}) for s in SCHEDULES},
     "tp2_pp2_gpipe": ("gpt", dict(n_layer=4), dict(tp=2, **_pp(2, "gpipe")), {}),
     "tp2_pp2_zb_h1": ("gpt", dict(n_layer=4), dict(tp=2, **_pp(2, "zb_h1")), {}),
+    "tp2_pp2_interleaved_batched_p2p": ("gpt", dict(n_layer=4), dict(tp=2, **_pp(2, "interleaved_1f1b", p2p="batched")),
+                                        {}),
     "tp2_sp_pp2_encoder": ("encoder", dict(layers=4), dict(tp=2, sp=True, **_pp(2, "1f1b")), {}),
     # issue 4's family check runs 10 steps (at 20 this layout drifts to 1.2e-5: fp32 rounding, 3e-6 relative)
     "tp2_pp2_encoder": ("encoder", dict(layers=4), dict(tp=2, **_pp(2, "gpipe")), dict(max_steps=10)),
@@ -207,6 +209,8 @@ def _bad_inputs(rank, world):
     return {
         "eval": _eval_after_fit(world, MegaStrategy(pp=2, microbatches=2, schedule="interleaved_1f1b",
                                                     virtual_stages=2, timeout=60)),
+        "eval_batched": _eval_after_fit(world, MegaStrategy(pp=2, microbatches=2, schedule="interleaved_1f1b",
+                                                            virtual_stages=2, p2p="batched", timeout=60)),
         "many_logs": _many_logs(world),
         "pp_gt_blocks": _expect_error(world, make_model("gpt", n_layer=1), MegaStrategy(pp=2, timeout=30), data),
         "m_not_dividing": _expect_error(world, make_model("gpt", n_layer=2), MegaStrategy(pp=2, microbatches=3,
@@ -266,9 +270,10 @@ def test_validate_and_predict_through_the_pipeline(bad):
     ref_val = trainer.validate(model, val, verbose=False)[0]["val_loss"]
     inputs = torch.utils.data.DataLoader([Tokens(4, 64)[i][0] for i in range(4)], batch_size=4)
     ref_pred = trainer.predict(model, inputs)[0]
-    for rank_result in bad:  # every stage gets the last stage's outputs
-        assert abs(rank_result["eval"]["val"] - ref_val) < 1e-5
-        torch.testing.assert_close(rank_result["eval"]["pred"], ref_pred, atol=1e-5, rtol=0)
+    for rank_result in bad:  # every stage gets the last stage's outputs, in either P2P mode
+        for mode in ("eval", "eval_batched"):
+            assert abs(rank_result[mode]["val"] - ref_val) < 1e-5, mode
+            torch.testing.assert_close(rank_result[mode]["pred"], ref_pred, atol=1e-5, rtol=0)
 
 
 def test_unknown_schedule_is_refused_at_construction():
