@@ -5,18 +5,18 @@ it runs a single stage), each backward is plain autograd. What Lightning expects
 is kept: the gradients this step computed are set aside from ``p.grad`` until Lightning's
 backward call (Lightning zeroes grads between its training_step and backward), values logged in
 ``training_step`` are averaged over microbatches on the last stage and logged on every stage, and
-the step returns the true loss everywhere.
+the step returns the true loss everywhere (:mod:`.logs`). Transfers: :mod:`.p2p` (eager, gloo) or
+:mod:`.p2p_slots` (one group per time slot, NCCL).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
+from .logs import StageLogs, captured_logs, find_metrics, muted_metrics
 from .p2p import Mailbox, tag
 from .p2p_slots import SlotMailbox
 from .schedules import Action, build_schedule
@@ -46,42 +46,8 @@ def split_batch(batch, m: int, path: str = "batch") -> list:
                      f"make the batch tensors (or lists/dicts of tensors), or use microbatches=1.")
 
 
-@contextmanager
-def captured_logs(module, sink: list):
-    """Collect self.log calls instead of sending them to Lightning (once per microbatch)."""
-    module.log = lambda name, value, *args, **kwargs: sink.append((name, value, args, kwargs))
-    try:
-        yield
-    finally:
-        del module.log
-
-
-def find_metrics(module) -> list:
-    return [m for m in module.modules() if hasattr(m, "update") and hasattr(m, "compute")]
-
-
-@contextmanager
-def muted_metrics(metrics: list, mute: bool):
-    """With several chunks per rank the user's step runs once per chunk; torchmetrics updates
-    count in the last chunk's run only, so a metric sees every sample once."""
-    metrics = metrics if mute else []
-    for m in metrics:
-        m.update = lambda *args, **kwargs: None
-    try:
-        yield
-    finally:
-        for m in metrics:
-            del m.update
-
-
 def no_autocast(device):
     return torch.autocast(device_type=device.type, enabled=False)
-
-
-def _mean(values):
-    if all(isinstance(v, (torch.Tensor, int, float)) for v in values):
-        return float(sum(float(v.detach() if isinstance(v, torch.Tensor) else v) for v in values) / len(values))
-    return None  # torchmetrics objects and the like: logged by the last stage only
 
 
 @dataclass
@@ -102,7 +68,7 @@ class _Step:
     deferred: dict = field(default_factory=dict)  # zero bubble: the W half, until its turn
 
 
-class PipelineRunner:
+class PipelineRunner(StageLogs):
     def __init__(self, module, mesh, layout, state, schedule: str, microbatches: int, batched: bool = False,
                  device=None):
         self.module, self.mesh, self.layout, self.state = module, mesh, layout, state
@@ -139,89 +105,6 @@ class PipelineRunner:
             return False, done.output
         finally:
             self.state.received = None
-
-    def _publish(self, logs_per_mb: list, result, numbers=None, train: bool = True):
-        """Average the last stage's logs over microbatches, share them and the result with every stage.
-
-        Values that cannot be averaged (torchmetrics objects) are logged by each stage from its own
-        module, where its step reached the log call before stopping; elsewhere they are skipped.
-        In training the result is the mean loss: the numbers travel as one small float64 broadcast
-        and the names (pickled) only when they change, which keeps the per-step cost at one
-        collective's latency."""
-        own = {}
-        for sink in logs_per_mb:
-            for name, value, args, kwargs in sink:
-                own.setdefault(name, [[], args, kwargs])[0].append(value)
-        shared = [(n, _mean(v), a, k) for n, (v, a, k) in own.items()]
-        if self.layout.pp > 1:
-            last = self.mesh.global_rank(self.mesh.tp_rank, self.mesh.dp_rank, self.layout.pp - 1)
-            if train:
-                shared, result = self._share_numbers(shared, result, last, numbers)
-            else:
-                box = [shared, result]
-                dist.broadcast_object_list(box, src=last, group=self.mesh.pp_group)
-                shared, result = box
-        for name, mean, args, kwargs in shared:
-            if mean is not None:
-                self.module.log(name, mean, *args, **kwargs)
-            elif name in own:
-                self.module.log(name, own[name][0][-1], *args, **kwargs)
-        return result
-
-    _CAPACITY = 62  # logged numbers per step that fit the fixed broadcast (more: sent pickled)
-
-    def _post_numbers(self, device):
-        """Gloo: a non-last stage posts the receive of the step's numbers (see _share_numbers) at step
-        start, so they are there when its step ends, instead of a collective's round trips then."""
-        if self.batched or self.layout.pp == 1 or self.mesh.pp_rank == self.layout.pp - 1:
-            return None
-        buf = torch.zeros(2 + self._CAPACITY, dtype=torch.float64, device=device)
-        last = self.mesh.global_rank(self.mesh.tp_rank, self.mesh.dp_rank, self.layout.pp - 1)
-        return buf, dist.irecv(buf, last, tag=tag(3, 0, 0, self.n_vstages))
-
-    def _send_numbers(self, buf) -> None:
-        """The last stage's side of _post_numbers (gloo); NCCL: one broadcast, receives never posted ahead."""
-        if self.batched:
-            dist.broadcast(buf, src=self.mesh.global_rank(self.mesh.tp_rank, self.mesh.dp_rank, self.layout.pp - 1),
-                           group=self.mesh.pp_group)
-            return
-        works = [dist.isend(buf, self.mesh.global_rank(self.mesh.tp_rank, self.mesh.dp_rank, s),
-                            tag=tag(3, 0, 0, self.n_vstages)) for s in range(self.layout.pp - 1)]
-        for w in works:
-            w.wait()
-
-    def _share_numbers(self, shared, loss, last, posted=None):
-        is_last = self.mesh.pp_rank == self.layout.pp - 1
-        buf = torch.zeros(2 + self._CAPACITY, dtype=torch.float64, device=self._device())
-        if is_last:
-            names = [(n, a, k, mean is not None) for n, mean, a, k in shared]
-            values = [loss] + [mean for _, mean, _, _ in shared if mean is not None]
-            try:
-                changed = bool(names != self._log_names)
-            except (RuntimeError, ValueError):  # kwargs holding tensors: compare by sending them
-                changed = True
-            buf[0] = float(changed) + 2.0 * (len(values) > self._CAPACITY + 1)
-            buf[1:1 + min(len(values), self._CAPACITY + 1)] = torch.tensor(values[:self._CAPACITY + 1],
-                                                                           dtype=torch.float64)
-        if is_last:
-            self._send_numbers(buf)
-        elif posted is not None:
-            buf, work = posted
-            work.wait()
-        else:
-            dist.broadcast(buf, src=last, group=self.mesh.pp_group)
-        flags = int(buf[0])
-        if flags:
-            box = [names if is_last else None, values if is_last and flags & 2 else None]
-            dist.broadcast_object_list(box, src=last, group=self.mesh.pp_group)
-            self._log_names = box[0]
-        if not flags & 2:
-            values = buf[1:].tolist()
-        else:
-            values = box[1]
-        it = iter(values[1:])
-        shared = [(n, next(it) if has_mean else None, a, k) for n, a, k, has_mean in self._log_names]
-        return shared, values[0]
 
     def _device(self):
         if self.device is not None:

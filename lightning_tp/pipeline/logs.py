@@ -1,0 +1,138 @@
+"""How a pipelined step's loss and ``self.log`` values reach every stage.
+
+The user's ``training_step`` runs once per microbatch (and chunk) on every stage, but only the last
+stage gets to the loss and most ``self.log`` calls. Those calls are captured per microbatch,
+averaged over the microbatches on the last stage and logged on every stage, so that the progress
+bar, loggers, EarlyStopping and ModelCheckpoint(monitor=...) see the same values everywhere; the
+step returns the true mean loss on every stage. :class:`StageLogs` is the runner's part for this.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+from .p2p import tag
+
+
+@contextmanager
+def captured_logs(module, sink: list):
+    """Collect self.log calls instead of sending them to Lightning (once per microbatch)."""
+    module.log = lambda name, value, *args, **kwargs: sink.append((name, value, args, kwargs))
+    try:
+        yield
+    finally:
+        del module.log
+
+
+def find_metrics(module) -> list:
+    return [m for m in module.modules() if hasattr(m, "update") and hasattr(m, "compute")]
+
+
+@contextmanager
+def muted_metrics(metrics: list, mute: bool):
+    """With several chunks per rank the user's step runs once per chunk; torchmetrics updates
+    count in the last chunk's run only, so a metric sees every sample once."""
+    metrics = metrics if mute else []
+    for m in metrics:
+        m.update = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        for m in metrics:
+            del m.update
+
+
+def _mean(values):
+    if all(isinstance(v, (torch.Tensor, int, float)) for v in values):
+        return float(sum(float(v.detach() if isinstance(v, torch.Tensor) else v) for v in values) / len(values))
+    return None  # torchmetrics objects and the like: logged by the last stage only
+
+
+class StageLogs:
+    """Mixin of :class:`.executor.PipelineRunner` (uses its mesh, layout, module and ``batched``)."""
+
+    def _publish(self, logs_per_mb: list, result, numbers=None, train: bool = True):
+        """Average the last stage's logs over microbatches, share them and the result with every stage.
+
+        Values that cannot be averaged (torchmetrics objects) are logged by each stage from its own
+        module, where its step reached the log call before stopping; elsewhere they are skipped.
+        In training the result is the mean loss; see _share_numbers for how it travels."""
+        own = {}
+        for sink in logs_per_mb:
+            for name, value, args, kwargs in sink:
+                own.setdefault(name, [[], args, kwargs])[0].append(value)
+        shared = [(n, _mean(v), a, k) for n, (v, a, k) in own.items()]
+        if self.layout.pp > 1:
+            last = self.mesh.global_rank(self.mesh.tp_rank, self.mesh.dp_rank, self.layout.pp - 1)
+            if train:
+                shared, result = self._share_numbers(shared, result, last, numbers)
+            else:
+                box = [shared, result]
+                dist.broadcast_object_list(box, src=last, group=self.mesh.pp_group)
+                shared, result = box
+        for name, mean, args, kwargs in shared:
+            if mean is not None:
+                self.module.log(name, mean, *args, **kwargs)
+            elif name in own:
+                self.module.log(name, own[name][0][-1], *args, **kwargs)
+        return result
+
+    _CAPACITY = 62  # logged numbers per step that fit the fixed broadcast (more: sent pickled)
+
+    def _post_numbers(self, device):
+        """Gloo: a non-last stage posts the receive of the step's numbers (see _share_numbers) at step
+        start, so they are there when its step ends, instead of a collective's round trips then."""
+        if self.batched or self.layout.pp == 1 or self.mesh.pp_rank == self.layout.pp - 1:
+            return None
+        buf = torch.zeros(2 + self._CAPACITY, dtype=torch.float64, device=device)
+        last = self.mesh.global_rank(self.mesh.tp_rank, self.mesh.dp_rank, self.layout.pp - 1)
+        return buf, dist.irecv(buf, last, tag=tag(3, 0, 0, self.n_vstages))
+
+    def _send_numbers(self, buf) -> None:
+        """The last stage's side of _post_numbers (gloo); NCCL: one broadcast, receives never posted ahead."""
+        if self.batched:
+            dist.broadcast(buf, src=self.mesh.global_rank(self.mesh.tp_rank, self.mesh.dp_rank, self.layout.pp - 1),
+                           group=self.mesh.pp_group)
+            return
+        works = [dist.isend(buf, self.mesh.global_rank(self.mesh.tp_rank, self.mesh.dp_rank, s),
+                            tag=tag(3, 0, 0, self.n_vstages)) for s in range(self.layout.pp - 1)]
+        for w in works:
+            w.wait()
+
+    def _share_numbers(self, shared, loss, last, posted=None):
+        """The last stage's mean loss and logged numbers to every stage, as one float64 tensor; the
+        names (pickled) only when they change or more numbers than fit were logged."""
+        is_last = self.mesh.pp_rank == self.layout.pp - 1
+        buf = torch.zeros(2 + self._CAPACITY, dtype=torch.float64, device=self._device())
+        if is_last:
+            names = [(n, a, k, mean is not None) for n, mean, a, k in shared]
+            values = [loss] + [mean for _, mean, _, _ in shared if mean is not None]
+            try:
+                changed = bool(names != self._log_names)
+            except (RuntimeError, ValueError):  # kwargs holding tensors: compare by sending them
+                changed = True
+            buf[0] = float(changed) + 2.0 * (len(values) > self._CAPACITY + 1)
+            buf[1:1 + min(len(values), self._CAPACITY + 1)] = torch.tensor(values[:self._CAPACITY + 1],
+                                                                           dtype=torch.float64)
+        if is_last:
+            self._send_numbers(buf)
+        elif posted is not None:
+            buf, work = posted
+            work.wait()
+        else:
+            dist.broadcast(buf, src=last, group=self.mesh.pp_group)
+        flags = int(buf[0])
+        if flags:
+            box = [names if is_last else None, values if is_last and flags & 2 else None]
+            dist.broadcast_object_list(box, src=last, group=self.mesh.pp_group)
+            self._log_names = box[0]
+        if not flags & 2:
+            values = buf[1:].tolist()
+        else:
+            values = box[1]
+        it = iter(values[1:])
+        shared = [(n, next(it) if has_mean else None, a, k) for n, a, k, has_mean in self._log_names]
+        return shared, values[0]
