@@ -66,7 +66,7 @@ class StageLogs:
                 own.setdefault(name, [[], args, kwargs])[0].append(value)
         shared = [(n, _mean(v), a, k) for n, (v, a, k) in own.items()]
         if self.layout.pp > 1:
-            last = self.mesh.global_rank(self.mesh.tp_rank, self.mesh.dp_rank, self.layout.pp - 1)
+            last = self._rank_of(self.layout.pp - 1)
             if train:
                 shared, result = self._share_numbers(shared, result, last, numbers)
             else:
@@ -88,17 +88,15 @@ class StageLogs:
         if self.batched or self.layout.pp == 1 or self.mesh.pp_rank == self.layout.pp - 1:
             return None
         buf = torch.zeros(2 + self._CAPACITY, dtype=torch.float64, device=device)
-        last = self.mesh.global_rank(self.mesh.tp_rank, self.mesh.dp_rank, self.layout.pp - 1)
+        last = self._rank_of(self.layout.pp - 1)
         return buf, dist.irecv(buf, last, tag=tag(3, 0, 0, self.n_vstages))
 
     def _send_numbers(self, buf) -> None:
         """The last stage's side of _post_numbers (gloo); NCCL: one broadcast, receives never posted ahead."""
         if self.batched:
-            dist.broadcast(buf, src=self.mesh.global_rank(self.mesh.tp_rank, self.mesh.dp_rank, self.layout.pp - 1),
-                           group=self.mesh.pp_group)
+            dist.broadcast(buf, src=self._rank_of(self.layout.pp - 1), group=self.mesh.pp_group)
             return
-        works = [dist.isend(buf, self.mesh.global_rank(self.mesh.tp_rank, self.mesh.dp_rank, s),
-                            tag=tag(3, 0, 0, self.n_vstages)) for s in range(self.layout.pp - 1)]
+        works = [dist.isend(buf, self._rank_of(s), tag=tag(3, 0, 0, self.n_vstages)) for s in range(self.layout.pp - 1)]
         for w in works:
             w.wait()
 

@@ -29,6 +29,40 @@ _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.in
 _HEADER = 10  # ndim, dtype code, up to 8 dims
 
 
+def header_of(tensor: torch.Tensor) -> torch.Tensor:
+    """The shape message: ndim, dtype code, dims, as int64 on the tensor's device."""
+    if tensor.dim() > _HEADER - 2:
+        raise ValueError(f"pipeline activations of {tensor.dim()} dims are not supported (max {_HEADER - 2}).")
+    shape = [tensor.dim(), _DTYPES.index(tensor.dtype), *tensor.shape]
+    header = torch.tensor(shape + [0] * (_HEADER - len(shape)), dtype=torch.int64)
+    if tensor.device.type == "cuda":  # pinned, so that the copy does not wait for the GPU to catch up
+        header = header.pin_memory().to(tensor.device, non_blocking=True)
+    return header
+
+
+def shape_of(header: torch.Tensor) -> tuple:
+    values = header.tolist()
+    return tuple(values[2:2 + values[0]]), _DTYPES[values[1]]
+
+
+def first_message(tensor: torch.Tensor, channel, remembered: dict | None) -> tuple[list, list]:
+    """A channel's first message of a step, as ``(now, after)`` lists of (tensor, tag offset): the
+    header, and the payload in ``now`` when the receiver posted it with the remembered shape, else
+    in ``after`` (the receiver reads the header first); when the remembered shape is stale, ``now``
+    also fills the receiver's posted payload with a dummy of that shape, and the payload moves to
+    offset 2."""
+    new = (tuple(tensor.shape), tensor.dtype)
+    old = None
+    if remembered is not None:
+        old, remembered["out"][channel] = remembered["out"].get(channel), new
+    now = [(header_of(tensor), 0)]
+    if old == new:
+        return now + [(tensor, 1)], []
+    if old is None:
+        return now, [(tensor, 1)]
+    return now + [(torch.zeros(old[0], dtype=old[1], device=tensor.device), 1)], [(tensor, 2)]
+
+
 def tag(direction: int, microbatch: int, vstage: int, n_vstages: int) -> int:
     """A message's tag; +1 and +2 are its payload's (+2 after a shape change, see Mailbox)."""
     return ((direction * 100_000 + microbatch) * n_vstages + vstage) * 4
@@ -75,38 +109,21 @@ class Mailbox:
         return op(tensor, peer, tag=t)
 
     def send(self, tensor: torch.Tensor, dst: int, t: int, channel) -> None:
-        tensor, header = self._outgoing(tensor, channel)
-        offset = 1
-        if header is not None:
-            self.pending.append((self._isend(header, dst, t), header))
-            old = self.remembered["out"].get(channel) if self.remembered is not None else None
-            if old is not None and old != (tuple(tensor.shape), tensor.dtype):
-                # the receiver posted last step's shape on t + 1: fill it, the payload goes on t + 2
-                dummy = torch.zeros(old[0], dtype=old[1], device=tensor.device)
-                self.pending.append((self._isend(dummy, dst, t + 1), dummy))
-                offset = 2
-            if self.remembered is not None:
-                self.remembered["out"][channel] = (tuple(tensor.shape), tensor.dtype)
-        self.pending.append((self._isend(tensor, dst, t + offset), tensor))
-
-    def _outgoing(self, tensor, channel):
-        """(payload, header or None) for a send; the header goes with a channel's first message."""
         tensor = tensor.detach().contiguous()
-        if tensor.dim() > _HEADER - 2:
-            raise ValueError(f"pipeline activations of {tensor.dim()} dims are not supported (max {_HEADER - 2}).")
         comm._record("send", tensor, None)  # the payload only (not the header): counted like collectives
         while self.pending and self.pending[0][0] is not None and self.pending[0][0].is_completed():
             self.pending.popleft()  # free what landed; gloo reports a send complete only once waited on,
             # so there the sent tensors are released at step end
-        if channel in self.sent_header:
-            return tensor, None
-        self.sent_header.add(channel)
-        shape = [tensor.dim(), _DTYPES.index(tensor.dtype), *tensor.shape]
-        return tensor, torch.tensor(shape + [0] * (_HEADER - len(shape)), dtype=torch.int64, device=tensor.device)
+        parts = [(tensor, 1)]
+        if channel not in self.sent_header:
+            self.sent_header.add(channel)
+            now, after = first_message(tensor, channel, self.remembered)
+            parts = now + after  # no grouping here: all of it leaves at once
+        for x, offset in parts:
+            self.pending.append((self._isend(x, dst, t + offset), x))
 
     def _learn_shape(self, channel, header) -> None:
-        ndim = int(header[0])
-        self.shapes[channel] = (tuple(header[2:2 + ndim].tolist()), _DTYPES[int(header[1])])
+        self.shapes[channel] = shape_of(header)
         if self.remembered is not None:
             self.remembered["in"][channel] = self.shapes[channel]
 

@@ -18,22 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
-from .p2p import _DTYPES, _HEADER
-
-
-def _header(tensor: torch.Tensor) -> torch.Tensor:
-    if tensor.dim() > _HEADER - 2:
-        raise ValueError(f"pipeline activations of {tensor.dim()} dims are not supported (max {_HEADER - 2}).")
-    shape = [tensor.dim(), _DTYPES.index(tensor.dtype), *tensor.shape]
-    header = torch.tensor(shape + [0] * (_HEADER - len(shape)), dtype=torch.int64)
-    if tensor.device.type == "cuda":  # pinned, so that the copy does not wait for the GPU to catch up
-        header = header.pin_memory().to(tensor.device, non_blocking=True)
-    return header
-
-
-def _shape(header: torch.Tensor) -> tuple:
-    values = header.tolist()
-    return tuple(values[2:2 + values[0]]), _DTYPES[values[1]]
+from .p2p import _HEADER, first_message, shape_of
 
 
 class SlotMailbox:
@@ -62,15 +47,9 @@ class SlotMailbox:
                 ops.append((dist.isend, tensor, dst, t + 1))
                 continue
             self.sent_first.add(channel)
-            ops.append((dist.isend, _header(tensor), dst, t))
-            old, new = self.remembered["out"].get(channel), (tuple(tensor.shape), tensor.dtype)
-            self.remembered["out"][channel] = new
-            if old == new:
-                ops.append((dist.isend, tensor, dst, t + 1))
-                continue
-            if old is not None:  # the receiver posted the old shape: fill it
-                ops.append((dist.isend, torch.zeros(old[0], dtype=old[1], device=tensor.device), dst, t + 1))
-            later.append((dist.isend, tensor, dst, t + 2))
+            now, after = first_message(tensor, channel, self.remembered)
+            ops += [(dist.isend, x, dst, t + offset) for x, offset in now]
+            later += [(dist.isend, x, dst, t + offset) for x, offset in after]
         for src, t, channel in recvs:
             if channel in self.shapes:
                 ops.append(self._payload(channel, src, t, t + 1))
@@ -85,11 +64,12 @@ class SlotMailbox:
         works = self._issue(ops)
         for i, src, t, channel, guess in headers:  # the CPU waits for this slot here (reads the headers)
             works[i].wait()
-            shape = _shape(ops[i][1])
+            shape = shape_of(ops[i][1])
             self.shapes[channel] = self.remembered["in"][channel] = shape
-            if guess != shape:
-                if guess is not None:  # the dummy: wait for it, so that it is not taken for the payload
-                    self.arrived.pop((channel, t))[0].wait()
+            if guess is None:  # the payload follows the header (see first_message)
+                later.append(self._payload(channel, src, t, t + 1))
+            elif guess != shape:  # the dummy came instead: wait for it, the payload comes on t + 2
+                self.arrived.pop((channel, t))[0].wait()
                 later.append(self._payload(channel, src, t, t + 2))
         self._issue(later)
 
