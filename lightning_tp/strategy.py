@@ -28,6 +28,7 @@ from .dp_overlap import DPOverlap
 from .kernels.inject import apply_kernels, kernel_names
 from .plain import load_full
 from .quant import apply_qat, bits_of
+from .quant.fake_quant import RANGE_MODES
 from .mesh import ParallelMesh, build_mesh, data_parallel_size
 from .pipeline.executor import PipelineRunner
 from .pipeline.schedules import build_schedule
@@ -59,6 +60,9 @@ class MegaStrategy(ParallelStrategy):
             rank's transfers run in issue order), ``"auto"`` (batched on NCCL).
         quant: ``"int8"`` (W8A8) or ``"w4a8"``: quantization-aware training layers in place of the
             (parallel) linears, each tensor-parallel result equal to the single-device QAT one.
+        quant_range: activation ranges of those layers: ``"ema"`` (default), ``"learned"`` or
+            ``"delayed"`` (folded once per optimizer step: a pipelined run then equals one device's,
+            where ``"ema"`` advances once per microbatch); see :mod:`lightning_tp.quant.fake_quant`.
         load_full: a plain checkpoint (Lightning .ckpt, state_dict file or Hugging Face save_pretrained
             directory) to start from: each rank loads its stage and its shard of it.
         kernels: swap norms, GeLU and the loss for fused Triton modules (``True`` or a list of
@@ -74,7 +78,7 @@ class MegaStrategy(ParallelStrategy):
                  microbatches: Optional[int] = None, schedule: str = "1f1b", virtual_stages: int = 1,
                  pipeline_blocks: Optional[str] = None, stage_layers: Optional[list] = None,
                  p2p: Literal["auto", "eager", "batched"] = "auto",
-                 kernels: Union[bool, list, None] = False, quant: Optional[str] = None,
+                 kernels: Union[bool, list, None] = False, quant: Optional[str] = None, quant_range: str = "ema",
                  load_full: Optional[str] = None, sync_init: bool = True,
                  process_group_backend: Optional[str] = None,
                  timeout: Optional[Union[timedelta, float]] = default_pg_timeout,
@@ -104,7 +108,9 @@ class MegaStrategy(ParallelStrategy):
         self.load_full = load_full
         if quant is not None:
             bits_of(quant)  # a clear error listing the choices, before anything starts
-        self.quant = quant
+        if quant_range not in RANGE_MODES:
+            raise ValueError(f"MegaStrategy(quant_range={quant_range!r}): choose one of {list(RANGE_MODES)}.")
+        self.quant, self.quant_range = quant, quant_range
         self._process_group_backend = process_group_backend
         self._timeout = timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout
         self._start_method = start_method
@@ -233,7 +239,8 @@ class MegaStrategy(ParallelStrategy):
         replaced = planner.apply(module, matches, self.mesh.tp_group, self.tp, self.mesh.tp_rank, self.sp)
         apply_kernels(module, self.kernels)
         if self.quant is not None:
-            apply_qat(module, self.quant, tp_group=self.mesh.tp_group, dp_group=self.mesh.dp_group)
+            apply_qat(module, self.quant, tp_group=self.mesh.tp_group, dp_group=self.mesh.dp_group,
+                      act_range=self.quant_range)
         if self.load_full is not None:
             load_full(module, self.load_full, full_keys, self.mesh.tp_rank)
         self._runner = None

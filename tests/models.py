@@ -244,12 +244,12 @@ GPT_SMALL = dict(vocab_size=64, block_size=SEQ, n_layer=2, n_head=4, n_embd=32)
 def make_model(kind: str, reference: bool = False, **kw):
     """``quant=`` in kw: the reference (single process) gets QAT layers here; a parallel run gets them
     from MegaStrategy(quant=...)."""
-    quant = kw.pop("quant", None)
+    quant, quant_range = kw.pop("quant", None), kw.pop("quant_range", "ema")
     model = _build(kind, **kw)
     if quant and reference:
         from lightning_tp.quant import apply_qat
 
-        apply_qat(model, quant)
+        apply_qat(model, quant, act_range=quant_range)
     return model
 
 

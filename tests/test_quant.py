@@ -75,6 +75,23 @@ def test_ema_range_updates_in_training_and_freezes_in_eval():
     assert y.abs().max().item() == pytest.approx(expected, rel=1e-5)  # clipped at the frozen range
 
 
+def test_delayed_range_folds_the_steps_max_after_the_optimizer_step():
+    q, w = ActQuantizer(bits=8, range_mode="delayed", momentum=0.9), nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([w], lr=0.1)
+    a, b, c = torch.randn(4, 8), torch.randn(4, 8) * 3, torch.randn(4, 8) * 2
+    q.train()
+    assert torch.equal(q(a), a) and not q.is_initialized  # first step: no range yet, x passes
+    assert torch.equal(q(b), b)  # a second microbatch of the same step
+    opt.step()  # folds: the step's range is the max over its microbatches, as one batch would see
+    first = max(a.abs().max().item(), b.abs().max().item())
+    assert q.amax.item() == pytest.approx(first)
+    y = q(c)  # the next step quantizes with the range as of the last step, not c's
+    assert y.abs().max().item() <= first * (1 + 1e-6) and not torch.equal(y, c)
+    assert q.amax.item() == pytest.approx(first)
+    opt.step()
+    assert q.amax.item() == pytest.approx(0.9 * first + 0.1 * c.abs().max().item(), rel=1e-6)
+
+
 def test_learned_clip_gradient_matches_lsq_formula():
     torch.manual_seed(1)
     q = ActQuantizer(bits=8, range_mode="learned").train()

@@ -62,7 +62,7 @@ def apply_qat(module: nn.Module, mode: str = "int8", tp_group=None, dp_group=Non
     tp_group: for plain Linears that may see sequence-sharded inputs (their absmax is MAX-reduced);
     parallel layers use their own TP context. dp_group: keeps activation ranges identical across
     data-parallel replicas (MAX of the replicas' batch absmax, i.e. the global batch's).
-    act_range: ``"ema"`` (default) or ``"learned"``; see :mod:`.fake_quant` for why.
+    act_range: ``"ema"`` (default), ``"learned"`` or ``"delayed"``; see :mod:`.fake_quant` for why.
     skip_lm_head: keep the output projection in full precision (leaf names in ``LM_HEAD_NAMES``, a
     weight tied to an embedding, or a column-parallel layer that gathers its output); embeddings are
     never touched. skip: further module paths (exact, or a prefix followed by ``.``) to leave alone.

@@ -13,6 +13,11 @@ correction terms, which is what makes the converted layers a plain ``int8 x int8
     it starts from the calibrated PTQ range, it needs only a scalar MAX all-reduce to stay identical
     across tensor-parallel ranks, and at 8 bits (our activations are always 8-bit) clipping
     outliers buys little. Caveat: under pipeline microbatching it advances once per microbatch.
+  - ``"delayed"``: the EMA, but folded once per optimizer step with the MAX of the step's batch
+    absmax (every microbatch's, every accumulated batch's), and the forward uses the range as of
+    the last step (as Transformer Engine's delayed scaling does). Why: under pipeline microbatching
+    the ``"ema"`` range advances once per microbatch, here once per step, so a pipelined run equals
+    the single-device one. The first step, with no range yet, quantizes weights only.
   - ``"learned"``: an LSQ-style trainable clip ``alpha`` (scale ``alpha / qmax``), initialized from
     the first batch (or from :func:`lightning_tp.quant.calibrate`). Worth it when activations are
     narrow (<= 6 bits) or heavy-tailed. Its gradient is a sum over activation elements, so under
@@ -28,15 +33,26 @@ cases in one pass) and in the int8 layers, so fake-quant and int8 codes agree ex
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .. import comm
 
 EPS = 1e-8  # smallest scale: an all-zero row or tensor (padding, dead units) quantizes to zeros
-RANGE_MODES = ("ema", "learned")
+RANGE_MODES = ("ema", "learned", "delayed")
+_DELAYED = weakref.WeakSet()  # "delayed" quantizers holding this step's absmax, folded after the step
+_FOLD_HOOK = []  # the global optimizer step post-hook, registered once
+
+
+def _fold_delayed(*_) -> None:
+    """After any optimizer step: every delayed quantizer folds the absmax its step saw."""
+    for q in list(_DELAYED):
+        q.fold()
+    _DELAYED.clear()
 
 
 def qmax_of(bits: int) -> int:
@@ -147,6 +163,7 @@ class ActQuantizer(nn.Module):
         self.clip = nn.Parameter(torch.ones(())) if range_mode == "learned" else None
         self.observing = False
         self._observed = 0
+        self._pending = None  # "delayed": the MAX of this step's batch absmax, until fold()
         self._known_init = False  # host-side cache of `initialized`: no device sync per forward
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
@@ -218,7 +235,11 @@ class ActQuantizer(nn.Module):
             a = alpha.to(xf.dtype)
             out = _LSQ.apply(xf, a, self.qmax, 1.0 / math.sqrt(numel * self.qmax), group).to(x.dtype)
             return out, (a / self.qmax).detach()
-        if self.training:  # update first, then quantize with the updated range (frozen in eval)
+        if self.range_mode == "delayed" and self.training:  # record now, fold after the optimizer step
+            self._record(self.batch_amax(x))
+            if not self.is_initialized:
+                return x, None
+        elif self.training:  # update first, then quantize with the updated range (frozen in eval)
             with torch.no_grad():
                 m = self.batch_amax(x)
                 if self.is_initialized:
@@ -227,6 +248,24 @@ class ActQuantizer(nn.Module):
                     self._set_range(m)
         scale = (self.amax.float() / self.qmax).clamp_min(EPS)
         return fake_quant(x, scale, self.qmax), scale
+
+    @torch.no_grad()
+    def _record(self, m: torch.Tensor) -> None:
+        self._pending = m if self._pending is None else torch.maximum(self._pending, m)
+        _DELAYED.add(self)
+        if not _FOLD_HOOK:
+            _FOLD_HOOK.append(register_optimizer_step_post_hook(_fold_delayed))
+
+    @torch.no_grad()
+    def fold(self) -> None:
+        """``"delayed"``: fold the step's absmax into the range (the first step's sets it)."""
+        if self._pending is None:
+            return
+        if self.is_initialized:
+            self.amax.mul_(self.momentum).add_(self._pending * (1.0 - self.momentum))
+        else:
+            self._set_range(self._pending)
+        self._pending = None
 
     def extra_repr(self) -> str:
         return f"bits={self.bits}, range={self.range_mode}, sharded={self.sharded}"
