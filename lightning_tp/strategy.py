@@ -110,6 +110,8 @@ class MegaStrategy(ParallelStrategy):
             bits_of(quant)  # a clear error listing the choices, before anything starts
         if quant_range not in RANGE_MODES:
             raise ValueError(f"MegaStrategy(quant_range={quant_range!r}): choose one of {list(RANGE_MODES)}.")
+        if quant is None and quant_range != "ema":
+            raise ValueError(f"MegaStrategy(quant_range={quant_range!r}) needs quant='int8' or 'w4a8' as well.")
         self.quant, self.quant_range = quant, quant_range
         self._process_group_backend = process_group_backend
         self._timeout = timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout

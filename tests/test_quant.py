@@ -90,6 +90,23 @@ def test_delayed_range_folds_the_steps_max_after_the_optimizer_step():
     assert q.amax.item() == pytest.approx(first)
     opt.step()
     assert q.amax.item() == pytest.approx(0.9 * first + 0.1 * c.abs().max().item(), rel=1e-6)
+    # what a step saw does not travel with a copy or survive loading a state dict; overflow is ignored
+    settled = q.amax.item()
+    q(c * 100)
+    twin = copy.deepcopy(q)
+    q.load_state_dict(twin.state_dict())
+    q(torch.full((2, 2), float("inf")))
+    opt.step()
+    assert q.amax.item() == twin.amax.item() == pytest.approx(settled)
+
+
+def test_quant_range_needs_quant():
+    from lightning_tp import MegaStrategy
+
+    with pytest.raises(ValueError, match="needs quant="):
+        MegaStrategy(quant_range="delayed")
+    with pytest.raises(ValueError, match="choose one of"):
+        MegaStrategy(quant="int8", quant_range="minmax")
 
 
 def test_learned_clip_gradient_matches_lsq_formula():

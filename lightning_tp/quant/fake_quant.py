@@ -17,7 +17,9 @@ correction terms, which is what makes the converted layers a plain ``int8 x int8
     absmax (every microbatch's, every accumulated batch's), and the forward uses the range as of
     the last step (as Transformer Engine's delayed scaling does). Why: under pipeline microbatching
     the ``"ema"`` range advances once per microbatch, here once per step, so a pipelined run equals
-    the single-device one. The first step, with no range yet, quantizes weights only.
+    the single-device one. Until the first fold (no calibrated or loaded range yet) activations pass
+    unquantized. Folds follow successful ``optimizer.step()`` calls of any optimizer in the process
+    (an AMP-skipped step folds nothing); a loop that never calls ``step()`` never sets the range.
   - ``"learned"``: an LSQ-style trainable clip ``alpha`` (scale ``alpha / qmax``), initialized from
     the first batch (or from :func:`lightning_tp.quant.calibrate`). Worth it when activations are
     narrow (<= 6 bits) or heavy-tailed. Its gradient is a sum over activation elements, so under
@@ -44,15 +46,16 @@ from .. import comm
 
 EPS = 1e-8  # smallest scale: an all-zero row or tensor (padding, dead units) quantizes to zeros
 RANGE_MODES = ("ema", "learned", "delayed")
-_DELAYED = weakref.WeakSet()  # "delayed" quantizers holding this step's absmax, folded after the step
+# "delayed" quantizer -> the MAX of its batch absmax since the last optimizer step. Kept here, not on
+# the module, so that a deepcopy or a loaded state dict never carries a stale value along.
+_PENDING = weakref.WeakKeyDictionary()
 _FOLD_HOOK = []  # the global optimizer step post-hook, registered once
 
 
 def _fold_delayed(*_) -> None:
-    """After any optimizer step: every delayed quantizer folds the absmax its step saw."""
-    for q in list(_DELAYED):
+    """After any (successful) optimizer step: every delayed quantizer folds the absmax its step saw."""
+    for q in list(_PENDING):
         q.fold()
-    _DELAYED.clear()
 
 
 def qmax_of(bits: int) -> int:
@@ -139,7 +142,7 @@ class _LSQ(torch.autograd.Function):
 
 
 class ActQuantizer(nn.Module):
-    """Per-tensor activation fake quant with an EMA or learned clip range (see the module docstring).
+    """Per-tensor activation fake quant with an EMA, delayed or learned clip range (see the module docstring).
 
     ``tp_ctx``: an object with a ``.group`` attribute (the layer's TPContext), read at call time so a
     strategy that re-binds groups is followed. ``sharded``: this activation is split over tp (a
@@ -163,7 +166,6 @@ class ActQuantizer(nn.Module):
         self.clip = nn.Parameter(torch.ones(())) if range_mode == "learned" else None
         self.observing = False
         self._observed = 0
-        self._pending = None  # "delayed": the MAX of this step's batch absmax, until fold()
         self._known_init = False  # host-side cache of `initialized`: no device sync per forward
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
@@ -175,6 +177,7 @@ class ActQuantizer(nn.Module):
             if prefix + key in missing_keys:
                 missing_keys.remove(prefix + key)
         self._known_init = False
+        _PENDING.pop(self, None)  # a delayed range restarts from what was loaded
 
     @property
     def is_initialized(self) -> bool:
@@ -214,7 +217,8 @@ class ActQuantizer(nn.Module):
         return self.quantize_with_scale(x)[0]
 
     def quantize_with_scale(self, x: torch.Tensor):
-        """``(fake-quantized x, the 0-d scale it used)``; the scale is ``None`` while observing (x passes
+        """``(fake-quantized x, the 0-d scale it used)``; the scale is ``None`` while observing or before a
+        delayed range's first fold (x passes
         unchanged), so a layer can run its matmul on the integer codes (see :class:`CodeLinear`)."""
         if self.observing:  # PTQ calibration: the range is the mean of the batches' absmax
             with torch.no_grad():
@@ -251,21 +255,22 @@ class ActQuantizer(nn.Module):
 
     @torch.no_grad()
     def _record(self, m: torch.Tensor) -> None:
-        self._pending = m if self._pending is None else torch.maximum(self._pending, m)
-        _DELAYED.add(self)
+        m = torch.nan_to_num(m, nan=0.0, posinf=0.0)  # an overflowing batch must not become the range (no sync)
+        _PENDING[self] = torch.maximum(_PENDING[self], m) if self in _PENDING else m
         if not _FOLD_HOOK:
             _FOLD_HOOK.append(register_optimizer_step_post_hook(_fold_delayed))
 
     @torch.no_grad()
     def fold(self) -> None:
         """``"delayed"``: fold the step's absmax into the range (the first step's sets it)."""
-        if self._pending is None:
+        pending = _PENDING.pop(self, None)
+        if pending is None:
             return
-        if self.is_initialized:
-            self.amax.mul_(self.momentum).add_(self._pending * (1.0 - self.momentum))
+        if self.is_initialized:  # a step that saw nothing finite (pending 0) leaves the range alone
+            ema = self.amax * self.momentum + pending * (1.0 - self.momentum)
+            self.amax.copy_(torch.where(pending > 0, ema, self.amax))
         else:
-            self._set_range(self._pending)
-        self._pending = None
+            self._set_range(pending)
 
     def extra_repr(self) -> str:
         return f"bits={self.bits}, range={self.range_mode}, sharded={self.sharded}"

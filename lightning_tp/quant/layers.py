@@ -56,7 +56,7 @@ class _QATMixin:
         reduction of a row-parallel layer) is applied to the exact integer sums, before scaling."""
         xq, s_x = self.act_quant.quantize_with_scale(x)
         wq, s_w = self.quant_weight()
-        if s_x is None or s_w is None:  # observing: plain float matmul
+        if s_x is None or s_w is None:  # observing, or a delayed range not set yet: plain float matmul
             y = F.linear(xq, wq)
             return reduce(y) if reduce is not None else y
         acc, scale = code_linear(xq, s_x, wq, s_w)
