@@ -63,6 +63,13 @@ def first_message(tensor: torch.Tensor, channel, remembered: dict | None) -> tup
     return now + [(torch.zeros(old[0], dtype=old[1], device=tensor.device), 1)], [(tensor, 2)]
 
 
+def release_landed(pending: deque) -> None:
+    """Drop the oldest sends that completed (NCCL); gloo reports a send complete only once waited
+    on, so there the sent tensors stay until the step's final wait."""
+    while pending and pending[0][0].is_completed():
+        pending.popleft()
+
+
 def tag(direction: int, microbatch: int, vstage: int, n_vstages: int) -> int:
     """A message's tag; +1 and +2 are its payload's (+2 after a shape change, see Mailbox)."""
     return ((direction * 100_000 + microbatch) * n_vstages + vstage) * 4
@@ -111,9 +118,7 @@ class Mailbox:
     def send(self, tensor: torch.Tensor, dst: int, t: int, channel) -> None:
         tensor = tensor.detach().contiguous()
         comm._record("send", tensor, None)  # the payload only (not the header): counted like collectives
-        while self.pending and self.pending[0][0] is not None and self.pending[0][0].is_completed():
-            self.pending.popleft()  # free what landed; gloo reports a send complete only once waited on,
-            # so there the sent tensors are released at step end
+        release_landed(self.pending)
         parts = [(tensor, 1)]
         if channel not in self.sent_header:
             self.sent_header.add(channel)
@@ -177,6 +182,5 @@ class Mailbox:
         if leftover:
             raise RuntimeError(f"pipeline receives posted but never used (tags {leftover}): schedule mismatch.")
         for work, _ in self.pending:
-            if work is not None:
-                work.wait()
+            work.wait()
         self.pending.clear()

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
-from .p2p import _HEADER, first_message, shape_of
+from .p2p import _HEADER, first_message, release_landed, shape_of
 
 
 class SlotMailbox:
@@ -33,8 +33,7 @@ class SlotMailbox:
 
     def group(self, sends: list, recvs: list) -> None:
         """Issue one slot: ``sends`` [(tensor, dst, tag, channel)], ``recvs`` [(src, tag, channel)]."""
-        while self.keep and self.keep[0][0].is_completed():  # NCCL; gloo says so only once waited on
-            self.keep.popleft()
+        release_landed(self.keep)
         ops, later, headers = [], [], []
         for tensor, dst, t, channel in sends:
             tensor = tensor.detach().contiguous()
