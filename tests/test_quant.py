@@ -100,6 +100,27 @@ def test_delayed_range_folds_the_steps_max_after_the_optimizer_step():
     assert q.amax.item() == twin.amax.item() == pytest.approx(settled)
 
 
+def test_delayed_range_folds_only_with_the_optimizer_of_its_layer():
+    """Two models, two optimizers (a GAN's generator and critic): each step folds its own layers'
+    ranges; a layer whose optimizer never stepped says so when its scale is asked for."""
+    torch.manual_seed(0)
+    gen, critic = (QATLinear.from_linear(nn.Linear(8, 8), range_mode="delayed") for _ in range(2))
+    opt_g, opt_c = torch.optim.SGD(gen.parameters(), lr=0.1), torch.optim.SGD(critic.parameters(), lr=0.1)
+    x = torch.randn(4, 8)
+    gen(x), critic(x * 2)
+    opt_c.step()
+    assert critic.act_quant.amax.item() == pytest.approx(2 * x.abs().max().item())
+    assert not gen.act_quant.is_initialized  # the critic's step is not the generator's
+    with pytest.raises(RuntimeError, match="never folded: it folds after optimizer.step"):
+        gen.act_quant.scale()
+    opt_g.step()
+    assert gen.act_quant.amax.item() == pytest.approx(x.abs().max().item())
+    frozen = QATLinear.from_linear(nn.Linear(8, 8).requires_grad_(False), range_mode="delayed")
+    frozen(x)
+    opt_g.step()  # a frozen layer is in no optimizer: any step folds it
+    assert frozen.act_quant.amax.item() == pytest.approx(x.abs().max().item())
+
+
 def test_quant_range_needs_quant():
     from lightning_tp import MegaStrategy
 

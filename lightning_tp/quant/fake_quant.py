@@ -18,8 +18,9 @@ correction terms, which is what makes the converted layers a plain ``int8 x int8
     the last step (as Transformer Engine's delayed scaling does). Why: under pipeline microbatching
     the ``"ema"`` range advances once per microbatch, here once per step, so a pipelined run equals
     the single-device one. Until the first fold (no calibrated or loaded range yet) activations pass
-    unquantized. Folds follow successful ``optimizer.step()`` calls of any optimizer in the process
-    (an AMP-skipped step folds nothing); a loop that never calls ``step()`` never sets the range.
+    unquantized. A quantizer folds after a successful ``step()`` of the optimizer that holds its
+    layer's weight (any optimizer's, for a frozen weight or a bare quantizer); an AMP-skipped step
+    folds nothing, and a loop that never calls ``step()`` never sets the range.
   - ``"learned"``: an LSQ-style trainable clip ``alpha`` (scale ``alpha / qmax``), initialized from
     the first batch (or from :func:`lightning_tp.quant.calibrate`). Worth it when activations are
     narrow (<= 6 bits) or heavy-tailed. Its gradient is a sum over activation elements, so under
@@ -46,16 +47,19 @@ from .. import comm
 
 EPS = 1e-8  # smallest scale: an all-zero row or tensor (padding, dead units) quantizes to zeros
 RANGE_MODES = ("ema", "learned", "delayed")
-# "delayed" quantizer -> the MAX of its batch absmax since the last optimizer step. Kept here, not on
-# the module, so that a deepcopy or a loaded state dict never carries a stale value along.
+# "delayed" quantizer -> (the MAX of its batch absmax since its last fold, its layer's weight or None).
+# Kept here, not on the module, so that a deepcopy or a loaded state dict never carries a stale value.
 _PENDING = weakref.WeakKeyDictionary()
 _FOLD_HOOK = []  # the global optimizer step post-hook, registered once
 
 
-def _fold_delayed(*_) -> None:
-    """After any (successful) optimizer step: every delayed quantizer folds the absmax its step saw."""
-    for q in list(_PENDING):
-        q.fold()
+def _fold_delayed(optimizer, *_) -> None:
+    """After a (successful) optimizer step: the delayed quantizers whose layer it updates fold the
+    absmax their step saw. A GAN's two optimizers each fold their own model's ranges."""
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for q, (_, owner) in list(_PENDING.items()):
+        if owner is None or id(owner) in stepped or not owner.requires_grad:
+            q.fold()
 
 
 def qmax_of(bits: int) -> int:
@@ -208,7 +212,9 @@ class ActQuantizer(nn.Module):
     def scale(self) -> torch.Tensor:
         """The inference scale (what :func:`~lightning_tp.quant.convert` bakes in)."""
         if not self.is_initialized:
-            raise RuntimeError("activation range never set: train with QAT or run quant.calibrate() first.")
+            hint = (" It is a delayed range with batches recorded but never folded: it folds after "
+                    "optimizer.step() (a loop without one never sets it).") if self in _PENDING else ""
+            raise RuntimeError("activation range never set: train with QAT or run quant.calibrate() first." + hint)
         if self.clip is not None:  # the same arithmetic as the forward's, so int8 == fake quant
             return self.clip.detach().abs().clamp_min(EPS).float() / self.qmax
         return (self.amax.float() / self.qmax).clamp_min(EPS)
@@ -216,10 +222,11 @@ class ActQuantizer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.quantize_with_scale(x)[0]
 
-    def quantize_with_scale(self, x: torch.Tensor):
+    def quantize_with_scale(self, x: torch.Tensor, owner: nn.Parameter | None = None):
         """``(fake-quantized x, the 0-d scale it used)``; the scale is ``None`` while observing or before a
-        delayed range's first fold (x passes
-        unchanged), so a layer can run its matmul on the integer codes (see :class:`CodeLinear`)."""
+        delayed range's first fold (x passes unchanged), so a layer can run its matmul on the integer
+        codes (see :class:`CodeLinear`). ``owner``: the layer's weight; a delayed range folds after the
+        step of the optimizer that holds it."""
         if self.observing:  # PTQ calibration: the range is the mean of the batches' absmax
             with torch.no_grad():
                 m = self.batch_amax(x)
@@ -240,7 +247,7 @@ class ActQuantizer(nn.Module):
             out = _LSQ.apply(xf, a, self.qmax, 1.0 / math.sqrt(numel * self.qmax), group).to(x.dtype)
             return out, (a / self.qmax).detach()
         if self.range_mode == "delayed" and self.training:  # record now, fold after the optimizer step
-            self._record(self.batch_amax(x))
+            self._record(self.batch_amax(x), owner)
             if not self.is_initialized:
                 return x, None
         elif self.training:  # update first, then quantize with the updated range (frozen in eval)
@@ -254,16 +261,16 @@ class ActQuantizer(nn.Module):
         return fake_quant(x, scale, self.qmax), scale
 
     @torch.no_grad()
-    def _record(self, m: torch.Tensor) -> None:
+    def _record(self, m: torch.Tensor, owner) -> None:
         m = torch.nan_to_num(m, nan=0.0, posinf=0.0)  # an overflowing batch must not become the range (no sync)
-        _PENDING[self] = torch.maximum(_PENDING[self], m) if self in _PENDING else m
+        _PENDING[self] = (torch.maximum(_PENDING[self][0], m) if self in _PENDING else m), owner
         if not _FOLD_HOOK:
             _FOLD_HOOK.append(register_optimizer_step_post_hook(_fold_delayed))
 
     @torch.no_grad()
     def fold(self) -> None:
         """``"delayed"``: fold the step's absmax into the range (the first step's sets it)."""
-        pending = _PENDING.pop(self, None)
+        pending = _PENDING.pop(self, (None, None))[0]
         if pending is None:
             return
         if self.is_initialized:  # a step that saw nothing finite (pending 0) leaves the range alone

@@ -54,7 +54,7 @@ class _QATMixin:
     def quant_matmul(self, x, reduce=None):
         """``x @ W.T`` on fake-quantized operands, computed on their codes; ``reduce`` (the tp
         reduction of a row-parallel layer) is applied to the exact integer sums, before scaling."""
-        xq, s_x = self.act_quant.quantize_with_scale(x)
+        xq, s_x = self.act_quant.quantize_with_scale(x, self.weight)
         wq, s_w = self.quant_weight()
         if s_x is None or s_w is None:  # observing, or a delayed range not set yet: plain float matmul
             y = F.linear(xq, wq)
