@@ -224,7 +224,9 @@ def _instrument_executor():
         def record(dt, args):
             setattr(STATS, field, getattr(STATS, field) + dt)
             if field == "send":  # args[0] is the Mailbox: how much it keeps alive after this send
-                held = sum(t.numel() * t.element_size() for _, t in args[0].pending if t is not None)
+                box = args[0]
+                sent = list(box.pending) + (list(box.sender.works) if box.sender is not None else [])
+                held = sum(t.numel() * t.element_size() for _, t in sent if t is not None)
                 STATS.mailbox_peak = max(STATS.mailbox_peak, held)
         return timing(fn, record)
 
@@ -264,8 +266,9 @@ def run_ours(world, schedule, m, v, n_blocks, tf, tb, steps):
     return timer.rec.result()
 
 
-def run_torch(rank, world, schedule, m, v, n_blocks, tf, tb, steps):
-    """torch.distributed.pipelining on the same blocks, in a plain training loop."""
+def _torch_schedule(rank, world, schedule, m, v, n_blocks, tf, tb):
+    """torch.distributed.pipelining stages of the same blocks, placed as ours (virtual stage
+    k = chunk * p + rank): (schedule object, parameters, is first, is last)."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 
     torch.manual_seed(0)
@@ -273,34 +276,97 @@ def run_torch(rank, world, schedule, m, v, n_blocks, tf, tb, steps):
     per_stage = n_blocks // n_stages
     stages, params = [], []
     for c in range(v):
-        k = c * world + rank  # same placement as ours: virtual stage k = chunk * p + rank
         module = nn.Sequential(*(SleepBlock(tf, tb) for _ in range(per_stage)))
         params += list(module.parameters())
         # shapes inferred at the first step (dynamic mode, a warm-up step here)
-        stages.append(PipelineStage(module, k, n_stages, torch.device("cpu")))
+        stages.append(PipelineStage(module, c * world + rank, n_stages, torch.device("cpu")))
     if schedule == "1f1b":
         sched = Schedule1F1B(stages[0], m, loss_fn=F.mse_loss)
     elif schedule == "interleaved_1f1b":
         sched = ScheduleInterleaved1F1B(stages, m, loss_fn=F.mse_loss)
     else:
         raise ValueError(schedule)
+    return sched, params, any(s.is_first for s in stages), any(s.is_last for s in stages)
+
+
+def _torch_step(sched, first, last, x, y) -> list:
+    losses = []
+    sched.step(*((x,) if first else ()), **(dict(target=y, losses=losses) if last else {}))
+    return losses
+
+
+def run_torch(rank, world, schedule, m, v, n_blocks, tf, tb, steps):
+    """torch.distributed.pipelining on the same blocks, in a plain training loop."""
+    sched, params, first, last = _torch_schedule(rank, world, schedule, m, v, n_blocks, tf, tb)
     opt = torch.optim.SGD(params, lr=1e-3)
     data = Batches(1, m)
-    first = any(s.is_first for s in stages)
-    last = any(s.is_last for s in stages)
     rec = Recorder()
     dist.barrier()
     for _ in range(steps):
         rec.begin()
         x, y = data[0]
-        args = (x,) if first else ()
-        kwargs = dict(target=y, losses=[]) if last else {}
-        sched.step(*args, **kwargs)
+        _torch_step(sched, first, last, x, y)
         opt.step()
         opt.zero_grad()
         rec.finish()
     dist.barrier()
     return rec.result()
+
+
+class TorchPipelined(L.LightningModule):
+    """What a Lightning user writes to run torch.distributed.pipelining: the model rebuilt as the
+    rank's stages, manual optimization, the loss logged where it exists (the last stage)."""
+
+    def __init__(self, rank, world, schedule, m, v, n_blocks, tf, tb):
+        super().__init__()
+        self.automatic_optimization = False
+        sched, params, self.first, self.last = _torch_schedule(rank, world, schedule, m, v, n_blocks, tf, tb)
+        self.sched, self.stage_params = sched, nn.ParameterList(params)
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        losses = _torch_step(self.sched, self.first, self.last, *batch)
+        opt.step()
+        opt.zero_grad()
+        if self.last:
+            self.log("train_loss", torch.stack(losses).mean())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.stage_params.parameters(), lr=1e-3)
+
+
+class _OwnRank(L.pytorch.strategies.SingleDeviceStrategy):
+    """Each process trains its own stage on its CPU; the process group is the one already set up
+    (torch's schedule talks over it), Lightning wraps and synchronises no gradients. It reports the
+    process group's world size, so Lightning's loop does what it does in any multi-process run (a
+    broadcast from rank 0 at every step, of whether it got SIGTERM), as it does around ours."""
+
+    @property
+    def is_global_zero(self) -> bool:
+        return dist.get_rank() == 0
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size()
+
+    @world_size.setter
+    def world_size(self, _) -> None:  # SingleDeviceStrategy sets 1
+        pass
+
+
+def run_torch_lightning(rank, world, schedule, m, v, n_blocks, tf, tb, steps):
+    """torch.distributed.pipelining inside a Lightning Trainer (the same Trainer settings as ours)."""
+    timer = StepTimer()
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=_OwnRank(torch.device("cpu")), max_steps=steps,
+                        callbacks=[timer], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+                        use_distributed_sampler=False)
+    data = torch.utils.data.DataLoader(Batches(steps, m), batch_size=None)
+    module = TorchPipelined(rank, world, schedule, m, v, n_blocks, tf, tb)
+    dist.barrier()
+    trainer.fit(module, data)
+    dist.barrier()
+    return timer.rec.result()
 
 
 # ------------------------------------------------------------------------------ calibration
@@ -405,7 +471,8 @@ def worker(rank, world, plan, tf, tb, n_blocks, warmup, measured):
         else:
             if not dist.is_initialized():
                 dist.init_process_group("gloo")
-            res = run_torch(rank, world, schedule, m, v, n_blocks, tf, tb, warmup + measured)
+            run = run_torch if impl == "torch" else run_torch_lightning
+            res = run(rank, world, schedule, m, v, n_blocks, tf, tb, warmup + measured)
         acc = out.setdefault((impl, schedule, m), dict(start=[], end=[], stats=[], measured=[]))
         for k in ("start", "end", "stats"):
             acc[k] += res[k]

@@ -249,3 +249,105 @@ def test_action_rejects_unknown_kind_and_negative_indices():
         Action("F", -1)
     with pytest.raises(ValueError):
         Action("F", 0, chunk=-1)
+
+
+def test_early_publish_fills_the_last_wait_where_the_last_stage_is_done():
+    """A stage publishes the step's logs before its last receive only where the unit replay has the
+    last stage finished by then (so the numbers are there) and no forward comes after it."""
+    from lightning_tp.pipeline.logs import early_publish
+
+    p, m = 4, 8
+    sched = build_schedule("1f1b", p, m)
+    points = early_publish(sched, p)
+    assert points[p - 1] is None  # the last stage has the numbers itself
+    assert sched[0][points[0]] == Action("RECV_B", m - 1, 0)  # the first stage: before its last gradient
+    res = simulate(sched, p)
+    last_end = max(end for _, end, _ in res.timelines[p - 1])
+    for r, at in enumerate(points[:-1]):
+        last_recv = max(i for i, a in enumerate(sched[r]) if a.kind.startswith("RECV"))
+        computed = [a for a in sched[r][:last_recv] if a.kind in ("F", "B", "W")]
+        reached = res.timelines[r][len(computed) - 1][1]
+        assert at == (last_recv if reached >= last_end else None), r
+    assert early_publish(build_schedule("zb_h1", p, m), p) == [None] * p  # W fills the time: do not wait
+    inter = build_schedule("interleaved_1f1b", p, m, 2)
+    for r, at in enumerate(early_publish(inter, p, 2)[:-1]):
+        assert at is not None and not any(a.kind == "F" for a in inter[r][at:])
+
+
+def _replay_with_publish(sched, p, v, points) -> bool:
+    """Every rank walks its actions with the executor's gloo rules: a RECV waits for its SEND; the
+    step ends with waiting on the rank's sends, each of which completes only once its receiver has
+    posted it (message j of a channel is posted when the receiver takes message j - 2, the Mailbox's
+    depth; the first message when it is taken, as on a first step); PUBLISH (at the rank's point, or
+    at its end after the sends) is a barrier over all ranks, as a step that sends new log names is.
+    True if every rank finishes."""
+    lines = []
+    for r, ops in enumerate(sched):
+        steps = list(ops) + ["WAIT_SENDS"]
+        steps.insert(points[r] if points[r] is not None else len(steps), "PUBLISH")
+        lines.append(steps)
+    pc, sent, reached, published = [0] * p, set(), {}, set()
+    index = {}  # (rank, action) -> its message number on its channel
+    for r, ops in enumerate(sched):
+        count = Counter()
+        for a in ops:
+            if a.kind.startswith("RECV"):
+                index[(r, a)] = count[(a.kind, a.chunk)]
+                count[(a.kind, a.chunk)] += 1
+
+    def receiver(r, a):
+        k = a.chunk * p + r + (1 if a.kind == "SEND_F" else -1)
+        return k % p, Action("RECV_" + a.kind[-1], a.microbatch, k // p)
+
+    def posted(r, a):
+        dst, recv = receiver(r, a)
+        return reached.get((dst, recv.kind, recv.chunk), -1) >= max(index[(dst, recv)] - 2, 0)
+    progressed = True
+    while progressed:
+        progressed = False
+        for r in range(p):
+            while pc[r] < len(lines[r]):
+                step = lines[r][pc[r]]
+                if step == "PUBLISH":
+                    published.add(r)
+                    if len(published) < p:
+                        break
+                elif step == "WAIT_SENDS":
+                    if not all(posted(r, a) for a in sched[r] if a.kind.startswith("SEND")):
+                        break
+                elif step.kind.startswith("SEND"):
+                    sent.add(receiver(r, step))
+                elif step.kind.startswith("RECV"):
+                    key = (r, step.kind, step.chunk)
+                    reached[key] = max(reached.get(key, -1), index[(r, step)])
+                    if (r, step) not in sent:
+                        break
+                pc[r] += 1
+                progressed = True
+        if len(published) == p:  # the barrier opens for everyone
+            for r in range(p):
+                if pc[r] < len(lines[r]) and lines[r][pc[r]] == "PUBLISH":
+                    pc[r] += 1
+                    progressed = True
+            published = {-1}
+    return all(pc[r] == len(lines[r]) for r in range(p))
+
+
+@pytest.mark.parametrize("name", SCHEDULE_NAMES)
+def test_early_publish_never_hangs_even_as_a_barrier(name):
+    from lightning_tp.pipeline.logs import early_publish
+
+    for p in (2, 3, 4, 6):
+        for v in ((1, 2, 3) if name == "interleaved_1f1b" else (1,)):
+            for m in ((p, 2 * p, 4 * p) if name == "interleaved_1f1b" else (1, 2, p, 2 * p + 1)):
+                sched = build_schedule(name, p, m, v)
+                points = early_publish(sched, p, v)
+                assert _replay_with_publish(sched, p, v, points), (name, p, v, m, points)
+                assert _replay_with_publish(sched, p, v, [None] * p)
+    # the replay can fail: a point on rank 1 alone leaves rank 0 waiting for rank 1's last gradient
+    sched = build_schedule("1f1b", 4, 8)
+    assert not _replay_with_publish(sched, 4, 1, [None, early_publish(sched, 4)[1], None, None])
+    # and so can a point before a channel's first message, whose receive is posted only when taken
+    sched = build_schedule("gpipe", 2, 1)
+    assert early_publish(sched, 2) == [None, None]
+    assert not _replay_with_publish(sched, 2, 1, [len(sched[0]) - 2, None])

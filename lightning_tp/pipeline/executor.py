@@ -16,10 +16,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .logs import StageLogs, captured_logs, find_metrics, muted_metrics
+from .logs import StageLogs, captured_logs, early_publish, find_metrics, muted_metrics
 from .p2p import Mailbox, tag
 from .p2p_slots import SlotMailbox
 from .schedules import Action, build_schedule
+from .send_thread import SendThread
 from .slots import slot_plan
 from .stage import StageDone
 from .zb import SplitBackward
@@ -66,6 +67,8 @@ class _Step:
     grads: dict = field(default_factory=dict)  # output gradients received
     input_grads: dict = field(default_factory=dict)  # zero bubble: input gradients computed by B
     deferred: dict = field(default_factory=dict)  # zero bubble: the W half, until its turn
+    numbers: tuple | None = None  # gloo: the posted receive of the last stage's loss and logs
+    published: tuple | None = None  # (the step's loss,) once published before the step's end
 
 
 class PipelineRunner(StageLogs):
@@ -79,11 +82,14 @@ class PipelineRunner(StageLogs):
         full = build_schedule(schedule, layout.pp, microbatches, layout.v)
         self.actions = full[mesh.pp_rank]
         self.slots = slot_plan(full, layout.pp, layout.v)[mesh.pp_rank] if batched else None
+        # gloo: publish the logs before the last receive where that fills a wait (see early_publish)
+        self._publish_at = None if batched else early_publish(full, layout.pp, layout.v)[mesh.pp_rank]
         self.zero_bubble = any(a.kind == "W" for a in self.actions)
         self._log_names = None  # the last stage's logged names as of the previous step (see _share_numbers)
         self._metrics = None  # torchmetrics modules of the user's module (muted in all but the last chunk)
         self._shapes = {"in": {}, "out": {}}  # per P2P channel, last step's shapes (see Mailbox)
         self._receives = self._expected_receives()
+        self._sender = None  # gloo: the thread that issues this stage's sends (see .send_thread)
 
     # ---------------------------------------------------------------- helpers
 
@@ -151,20 +157,26 @@ class PipelineRunner(StageLogs):
             p.grad = None
         device = self._device()  # the run's device even on a stage without trainable parameters
         st = _Step(split_batch(batch, self.m), batch_idx, scale, params, device, [[] for _ in range(self.m)])
-        numbers = self._post_numbers(device)
+        st.numbers = self._post_numbers(device)
         if self.slots is None:
             self._walk_actions(st)
         else:
             self._walk_slots(st)
         for p, old in zip(params, saved):
             p._pp_fresh_grad, p.grad = p.grad, old
+        if st.published is not None:
+            return st.published[0]
         mean_loss = float(sum(st.losses) / len(st.losses)) if st.losses else None
-        return self._publish(st.logs, mean_loss, numbers)
+        return self._publish(st.logs, mean_loss, st.numbers)
 
     def _walk_actions(self, st) -> None:
         """Eager (gloo): the action list in order, sends at once, receives posted ahead."""
-        box = Mailbox(self._receives, device=st.device, remembered=self._shapes)
-        for a in self.actions:
+        if self._sender is None:
+            self._sender = SendThread()
+        box = Mailbox(self._receives, device=st.device, remembered=self._shapes, sender=self._sender)
+        for i, a in enumerate(self.actions):
+            if i == self._publish_at:  # a stage without the loss: it has logged all it will
+                st.published = (self._publish(st.logs, None, st.numbers),)
             if a.kind in ("RECV_F", "RECV_B"):
                 src, t, channel = self._recv_args(a)
                 self._store(a, box.recv(src, t, st.device, channel), st.inputs, st.grads)

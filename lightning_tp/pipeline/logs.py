@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from .p2p import tag
+from .simulate import simulate
 
 
 @contextmanager
@@ -43,6 +44,40 @@ def muted_metrics(metrics: list, mute: bool):
     finally:
         for m in metrics:
             del m.update
+
+
+def early_publish(schedule, p: int, v: int = 1) -> list:
+    """Per rank: the index of the action before which it can publish the step's logs, or None (at
+    step end). Publishing costs a stage Lightning's ``self.log`` work (about 1 ms a call on a CPU) and
+    waits for the last stage's numbers; the first stage ends the step under 1F1B and GPipe, so done at
+    its end that cost lengthens every step. Done instead before the rank's last receive, it fills
+    time the rank would spend waiting for that gradient. Chosen where a unit-cost replay has the last
+    stage finished by then (else the rank would wait for its numbers; ZB-H1 fills that time with W)
+    and no forward (hence no ``self.log`` call) comes after it.
+
+    Why it cannot hang: a publish may be a barrier over the pipeline (the first step, or new log
+    names, travel by ``broadcast_object_list``). What a rank still sends after its point is its last
+    backward's input gradient, which the rank below needs for its own last backward; so a rank gets
+    a point only if every rank below it has one (the chosen ranks are 0..j). And the last receive
+    must not be its channel's first message, whose payload is posted only once the header is in:
+    being a later one, it was posted ahead when the one before it was taken."""
+    res = simulate(schedule, p, v)
+    last_end = max((end for _, end, _ in res.timelines[p - 1]), default=0)
+    points = []
+    for r, ops in enumerate(schedule):
+        recvs = [i for i, a in enumerate(ops) if a.kind in ("RECV_F", "RECV_B")]
+        at = recvs[-1] if recvs else None
+        if r == p - 1 or at is None or any(a.kind == "F" for a in ops[at:]) or (r and points[-1] is None):
+            points.append(None)
+            continue
+        kind, chunk = ops[at].kind, ops[at].chunk
+        if not any(ops[i].kind == kind and ops[i].chunk == chunk for i in recvs[:-1]):
+            points.append(None)  # the first message of its channel
+            continue
+        done = sum(1 for a in ops[:at] if a.kind in ("F", "B", "W"))  # compute actions before it
+        reached = res.timelines[r][done - 1][1] if done else 0
+        points.append(at if reached >= last_end else None)
+    return points
 
 
 def _mean(values):
