@@ -224,9 +224,7 @@ def _instrument_executor():
         def record(dt, args):
             setattr(STATS, field, getattr(STATS, field) + dt)
             if field == "send":  # args[0] is the Mailbox: how much it keeps alive after this send
-                box = args[0]
-                sent = list(box.pending) + (list(box.sender.works) if box.sender is not None else [])
-                held = sum(t.numel() * t.element_size() for _, t in sent if t is not None)
+                held = sum(t.numel() * t.element_size() for _, t in args[0].pending if t is not None)
                 STATS.mailbox_peak = max(STATS.mailbox_peak, held)
         return timing(fn, record)
 

@@ -81,7 +81,7 @@ def _measure(fn, make):
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
     ms = do_bench(step, grad_to_none=list(inputs))
-    del inputs, out, grad
+    inputs = out = grad = None  # free them before empty_cache (step() holds the cells)
     torch.cuda.empty_cache()
     return ms, peak
 

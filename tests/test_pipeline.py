@@ -180,16 +180,13 @@ def _sent(step, mb):
     return (torch.arange(shape[0] * shape[1], dtype=dtype).reshape(shape) + 100 * step + mb)
 
 
-def _mailbox_across_steps(rank, slotted=False, threaded=False):
+def _mailbox_across_steps(rank, slotted=False):
     """Rank 0 sends two microbatches a step to rank 1, the shape changing between some steps: the
     receiver posts each step's first payload with last step's shape (right, wrong, right, ...).
-    ``slotted``: the per-slot groups of p2p="batched" (one slot per microbatch); ``threaded``: the
-    sends issued by a SendThread, as the training walk on gloo does."""
+    ``slotted``: the per-slot groups of p2p="batched" (one slot per microbatch)."""
     from lightning_tp.pipeline.p2p import Mailbox, tag
     from lightning_tp.pipeline.p2p_slots import SlotMailbox
-    from lightning_tp.pipeline.send_thread import SendThread
 
-    sender = SendThread() if threaded else None
     remembered, got, channel, cpu = {"in": {}, "out": {}}, [], (0, 1), torch.device("cpu")
     tags = [tag(0, mb, 1, 2) for mb in range(2)]
     for step in range(len(SHAPE_STEPS)):
@@ -203,7 +200,7 @@ def _mailbox_across_steps(rank, slotted=False, threaded=False):
             if rank == 1:
                 got.append([box.take(channel, t) for t in tags])
         elif rank == 0:
-            box = Mailbox({}, device=cpu, remembered=remembered, sender=sender)
+            box = Mailbox({}, device=cpu, remembered=remembered)
             for mb in range(2):
                 box.send(_sent(step, mb), 1, tags[mb], channel)
         else:
@@ -232,7 +229,6 @@ def _bad_inputs(rank, world):
         "unsplittable": _expect_error(world, DictGPT(), MegaStrategy(pp=2, timeout=30), dicts),
         "mailbox": _mailbox_across_steps(rank),
         "slot_mailbox": _mailbox_across_steps(rank, slotted=True),
-        "threaded_mailbox": _mailbox_across_steps(rank, threaded=True),
     }
 
 
@@ -264,25 +260,13 @@ def test_many_logged_values_and_new_names_reach_every_stage(bad):
         assert all(logged[f"v{k}"] == k + 2 for k in range(70)) and logged["phase"] == 2.0, logged
 
 
-@pytest.mark.parametrize("box", ["mailbox", "slot_mailbox", "threaded_mailbox"])
+@pytest.mark.parametrize("box", ["mailbox", "slot_mailbox"])
 def test_a_shape_change_between_steps_reaches_the_receiver(bad, box):
     got = bad[1][box]
     assert len(got) == len(SHAPE_STEPS)
     for step, pair in enumerate(got):
         for mb, tensor in enumerate(pair):
             torch.testing.assert_close(tensor, _sent(step, mb), atol=0, rtol=0)
-
-
-def test_send_thread_hands_a_failed_send_to_the_step():
-    """A send that fails in the thread raises in drain() (the step's thread), and the thread goes on
-    serving later steps."""
-    from lightning_tp.pipeline.send_thread import SendThread
-
-    sender = SendThread()
-    sender.submit(torch.zeros(2), 1, 0)  # no process group in this process: isend raises
-    with pytest.raises(RuntimeError, match="a pipeline send failed"):
-        sender.drain()
-    sender.drain()  # nothing pending, no stale error
 
 
 def test_validate_and_predict_through_the_pipeline(bad):

@@ -20,7 +20,6 @@ from .logs import StageLogs, captured_logs, early_publish, find_metrics, muted_m
 from .p2p import Mailbox, tag
 from .p2p_slots import SlotMailbox
 from .schedules import Action, build_schedule
-from .send_thread import SendThread
 from .slots import slot_plan
 from .stage import StageDone
 from .zb import SplitBackward
@@ -89,7 +88,6 @@ class PipelineRunner(StageLogs):
         self._metrics = None  # torchmetrics modules of the user's module (muted in all but the last chunk)
         self._shapes = {"in": {}, "out": {}}  # per P2P channel, last step's shapes (see Mailbox)
         self._receives = self._expected_receives()
-        self._sender = None  # gloo: the thread that issues this stage's sends (see .send_thread)
 
     # ---------------------------------------------------------------- helpers
 
@@ -171,9 +169,7 @@ class PipelineRunner(StageLogs):
 
     def _walk_actions(self, st) -> None:
         """Eager (gloo): the action list in order, sends at once, receives posted ahead."""
-        if self._sender is None:
-            self._sender = SendThread()
-        box = Mailbox(self._receives, device=st.device, remembered=self._shapes, sender=self._sender)
+        box = Mailbox(self._receives, device=st.device, remembered=self._shapes)
         for i, a in enumerate(self.actions):
             if i == self._publish_at:  # a stage without the loss: it has logged all it will
                 st.published = (self._publish(st.logs, None, st.numbers),)

@@ -76,17 +76,15 @@ def tag(direction: int, microbatch: int, vstage: int, n_vstages: int) -> int:
 
 
 class Mailbox:
-    """Keeps in-flight sends alive until they complete (checked at each send, waited at step end);
-    with ``sender`` (a :class:`.send_thread.SendThread`, gloo) the sends are issued from its thread.
+    """Keeps in-flight sends alive until they complete (checked at each send, waited at step end).
 
     ``expected``: channel -> ordered ``[(tag, src), ...]`` of this step's receives on it (optional);
     with ``device`` given, each channel's header receive is posted at once, and with ``remembered``
     ({"in": {}, "out": {}}, the caller's across steps; not in batched mode) its first payload too."""
 
     def __init__(self, expected: dict | None = None, depth: int = 2, batched: bool = False, device=None,
-                 remembered: dict | None = None, sender=None):
+                 remembered: dict | None = None):
         self.pending = deque()  # (work, tensor) of sends in flight, oldest first
-        self.sender = None if batched else sender  # a SendThread: sends issued off the step's thread
         self.sent_header, self.shapes = set(), {}  # per channel, for this step
         self.batched = batched  # NCCL: no receive posted ahead (it would hold up the sends behind it)
         self.expected = {} if batched else {c: list(v) for c, v in (expected or {}).items()}
@@ -127,10 +125,7 @@ class Mailbox:
             now, after = first_message(tensor, channel, self.remembered)
             parts = now + after  # no grouping here: all of it leaves at once
         for x, offset in parts:
-            if self.sender is not None:
-                self.sender.submit(x, dst, t + offset)
-            else:
-                self.pending.append((self._isend(x, dst, t + offset), x))
+            self.pending.append((self._isend(x, dst, t + offset), x))
 
     def _learn_shape(self, channel, header) -> None:
         self.shapes[channel] = shape_of(header)
@@ -189,5 +184,3 @@ class Mailbox:
         for work, _ in self.pending:
             work.wait()
         self.pending.clear()
-        if self.sender is not None:
-            self.sender.drain()
