@@ -269,6 +269,24 @@ def test_a_shape_change_between_steps_reaches_the_receiver(bad, box):
             torch.testing.assert_close(tensor, _sent(step, mb), atol=0, rtol=0)
 
 
+def test_captured_logs_do_not_hold_the_graph():
+    """A logged loss is kept detached: zero bubble keeps each microbatch's graph until its W, and a
+    captured loss holding it would keep every microbatch's activations alive until the step ends
+    (the last stage's resident peak was m graphs instead of p in bench/pipeline.py)."""
+    from lightning_tp.pipeline.logs import captured_logs
+
+    module, sink = torch.nn.Linear(2, 1), []
+    x = torch.randn(3, 2)
+    with captured_logs(module, sink):
+        loss = module(x).pow(2).mean()
+        module.log("loss", loss, prog_bar=True)
+        module.log("n", 3)
+    assert not hasattr(module, "log") or "log" not in vars(module)  # the module's own log is back
+    (name, value, args, kwargs), (_, n, _, _) = sink
+    assert name == "loss" and value.grad_fn is None and torch.equal(value, loss.detach()) and n == 3
+    assert kwargs == {"prog_bar": True}
+
+
 def test_validate_and_predict_through_the_pipeline(bad):
     model = make_model("gpt", n_layer=4)
     trainer = L.Trainer(devices=1, max_steps=3, use_distributed_sampler=False, **trainer_kwargs())

@@ -20,8 +20,11 @@ from .simulate import simulate
 
 @contextmanager
 def captured_logs(module, sink: list):
-    """Collect self.log calls instead of sending them to Lightning (once per microbatch)."""
-    module.log = lambda name, value, *args, **kwargs: sink.append((name, value, args, kwargs))
+    """Collect self.log calls instead of sending them to Lightning (once per microbatch). Tensors are
+    kept detached: a logged loss would otherwise hold its microbatch's graph, and under zero bubble
+    (whose backward keeps the graph for W) all its saved activations, until the step ends."""
+    module.log = lambda name, value, *args, **kwargs: sink.append(
+        (name, value.detach() if isinstance(value, torch.Tensor) else value, args, kwargs))
     try:
         yield
     finally:
