@@ -110,6 +110,34 @@ def _sum_replicas(params, mesh) -> None:
         g.copy_(mine)
 
 
+def agree_on_overflow(scaler, group=None) -> None:
+    """fp16 AMP: every rank takes or skips the optimizer step together. GradScaler looks for inf/nan
+    in this rank's gradients only; under tp or pp ranks hold other parameters (or shards of them),
+    so one rank can overflow while another does not: it skips the step and halves its scale while
+    the other steps, and the model's pieces drift apart for good. After unscaling, the found-inf
+    flag is MAX all-reduced over ``group`` (as Megatron's grad scaler does), once per optimizer step
+    and always one tensor per rank, so a rank without gradients still takes part."""
+    if getattr(scaler, "_lightning_tp_agrees", False):
+        return
+    unscale = scaler.unscale_
+
+    def unscale_(optimizer):
+        unscale(optimizer)
+        found = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+        device = scaler._scale.device if scaler._scale is not None else torch.device("cpu")
+        flag = torch.zeros((), dtype=torch.float32, device=device)
+        for value in found.values():
+            flag = torch.maximum(flag, value.to(device))
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        for key in list(found):
+            found[key] = flag.to(found[key].device)
+        if not found:  # no gradients here: the flag still decides whether this rank's step runs
+            found[device] = flag
+
+    scaler.unscale_ = unscale_
+    scaler._lightning_tp_agrees = True
+
+
 def global_grad_norm(params, mesh, norm_type: float = 2.0) -> torch.Tensor:
     """Norm of the full model's gradient: each shard counted once, tp replicas counted once."""
     params = [p for p in params if p.grad is not None]

@@ -192,6 +192,9 @@ class MegaStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        if scaler is not None and self.tp * self.pp > 1:  # fp16 AMP: one skip-or-step decision for all
+            grads.agree_on_overflow(scaler)
 
     def _check_p2p_backend(self) -> None:
         """Pipelines on NCCL: what its P2P semantics cannot run yet is refused now, not hung on later."""
@@ -289,6 +292,9 @@ class MegaStrategy(ParallelStrategy):
             raise ValueError("MegaStrategy(pp>1 or microbatches>1) needs automatic optimization.")
         batch, batch_idx = args[0], args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
         scale = 1.0 / (self._runner.m * self.lightning_module.trainer.accumulate_grad_batches)
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        if scaler is not None:  # fp16 AMP: the backward runs in the step, so the loss scaling goes there too
+            scale *= scaler.get_scale()
         with self.precision_plugin.train_step_context():
             loss = self._runner.train_step(batch, batch_idx, scale)
         return torch.tensor(loss, device=self.root_device)

@@ -293,8 +293,14 @@ class LossRecorder(L.Callback):
 
 
 def trainer_kwargs(**kw):
+    """``fp16=True``: fp16 autocast with a GradScaler, as precision="16-mixed" on a GPU (Lightning
+    turns that flag into bf16 on a CPU, so the plugin is given directly)."""
     base = dict(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
                 enable_model_summary=False, num_sanity_val_steps=0)
+    if kw.pop("fp16", False):
+        from lightning.pytorch.plugins import MixedPrecision
+
+        base["plugins"] = [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]
     base.update(kw)
     return base
 

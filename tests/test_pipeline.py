@@ -9,7 +9,7 @@ import dist
 from lightning_tp import MegaStrategy
 from models import TokenData, Tokens, make_model, trainer_kwargs
 from test_core import _expect_error
-from test_parity import QAT_EXACT_STEPS, _check, _train_all
+from test_parity import FP16, QAT_EXACT_STEPS, _check, _train_all
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1"]
 
@@ -23,6 +23,8 @@ WORLD2 = {f"pp2_{s}": ("gpt", dict(n_layer=4), _pp(2, s), {}) for s in SCHEDULES
 WORLD2.update({
     "pp2_tied_embeddings": ("gpt", dict(n_layer=4, tie_weights=True), _pp(2, "1f1b"), {}),
     "pp2_encoder": ("encoder", dict(layers=4), _pp(2, "1f1b"), {}),
+    # fp16 AMP: the backward runs inside the step, so the GradScaler's scale must be applied there
+    "pp2_1f1b_fp16": ("gpt", dict(n_layer=4), _pp(2, "1f1b"), dict(FP16)),
     # NCCL's transfer mode (send + following receive in one batch_isend_irecv), run here on gloo
     **{f"pp2_{s}_batched_p2p": ("gpt", dict(n_layer=4), _pp(2, s, p2p="batched"), {})
        for s in ("1f1b", "interleaved_1f1b", "zb_h1")},
@@ -210,6 +212,34 @@ def _mailbox_across_steps(rank, slotted=False):
     return got
 
 
+def _overflow_agreement(rank):
+    """fp16 GradScaler with agree_on_overflow: only rank 0 overflows in the first step, yet both
+    ranks skip it and back off their scale; the second step runs on both. Then a rank whose
+    optimizer got no gradient at all still follows rank 0's overflow."""
+    from lightning_tp import grads
+
+    out = []
+    scaler, w = torch.amp.GradScaler("cpu", init_scale=4.0), torch.nn.Parameter(torch.ones(2))
+    grads.agree_on_overflow(scaler)
+    opt = torch.optim.SGD([w], lr=0.5)
+    for step in range(2):
+        scaler.scale((w * (float("inf") if rank == 0 and step == 0 else 1.0)).sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        out.append((w.detach().clone(), scaler.get_scale()))
+    scaler, w = torch.amp.GradScaler("cpu", init_scale=4.0), torch.nn.Parameter(torch.ones(2))
+    grads.agree_on_overflow(scaler)
+    opt = torch.optim.SGD([w], lr=0.5)
+    loss = scaler.scale((w * float("inf")).sum() if rank == 0 else torch.zeros(()))
+    if rank == 0:
+        loss.backward()
+    scaler.step(opt)
+    scaler.update()
+    out.append((w.detach().clone(), scaler.get_scale()))
+    return out
+
+
 def _bad_inputs(rank, world):
     data = TokenData(16, 64, 4)
     dicts = torch.utils.data.DataLoader(DictBatch(), batch_size=4)
@@ -229,6 +259,7 @@ def _bad_inputs(rank, world):
         "unsplittable": _expect_error(world, DictGPT(), MegaStrategy(pp=2, timeout=30), dicts),
         "mailbox": _mailbox_across_steps(rank),
         "slot_mailbox": _mailbox_across_steps(rank, slotted=True),
+        "overflow": _overflow_agreement(rank),
     }
 
 
@@ -267,6 +298,15 @@ def test_a_shape_change_between_steps_reaches_the_receiver(bad, box):
     for step, pair in enumerate(got):
         for mb, tensor in enumerate(pair):
             torch.testing.assert_close(tensor, _sent(step, mb), atol=0, rtol=0)
+
+
+def test_fp16_ranks_agree_on_overflow(bad):
+    ones, halves = torch.ones(2), torch.full((2,), 0.5)
+    for rank_result in bad:
+        (w0, s0), (w1, s1), (w2, s2) = rank_result["overflow"]
+        assert torch.equal(w0, ones) and s0 == 2.0  # skipped everywhere, scale backed off everywhere
+        assert torch.equal(w1, halves) and s1 == 2.0  # the next step runs everywhere
+        assert torch.equal(w2, ones) and s2 == 2.0  # no gradients here, still skipped with rank 0
 
 
 def test_captured_logs_do_not_hold_the_graph():
