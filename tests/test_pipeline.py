@@ -149,6 +149,13 @@ def _many_logs(world):
     return {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(("v", "phase"))}
 
 
+class SkipsBatch(DictGPT):
+    """Returns None from training_step (Lightning: skip this batch)."""
+
+    def training_step(self, batch, i):
+        return None
+
+
 class NoBlocks(L.LightningModule):
     def __init__(self):
         super().__init__()
@@ -257,6 +264,7 @@ def _bad_inputs(rank, world):
                                                          microbatches=2, timeout=30), data),
         "no_blocks": _expect_error(world, NoBlocks(), MegaStrategy(pp=2, timeout=30), data),
         "unsplittable": _expect_error(world, DictGPT(), MegaStrategy(pp=2, timeout=30), dicts),
+        "returns_none": _expect_error(world, SkipsBatch(), MegaStrategy(microbatches=2, timeout=30)),
         "mailbox": _mailbox_across_steps(rank),
         "slot_mailbox": _mailbox_across_steps(rank, slotted=True),
         "overflow": _overflow_agreement(rank),
@@ -270,7 +278,8 @@ def bad(world2):  # after the parity launch: two launches never overlap
 
 @pytest.mark.parametrize("case, words", [
     ("pp_gt_blocks", ["pp=2", "only 1 blocks"]),
-    ("m_not_dividing", ["microbatches=3", "batch[0]", "size 4"]),
+    ("m_not_dividing", ["microbatches=3", "batch[0]", "size 4", "drop_last=True"]),
+    ("returns_none", ["returned NoneType for microbatch 0", "needs a loss tensor", "not supported"]),
     ("interleaved_blocks", ["interleaved", "6 blocks", "pp*virtual_stages = 4"]),
     ("no_blocks", ["block list", "pipeline_blocks="]),
     ("unsplittable", ["batch['name']", "str", "cannot be split"]),

@@ -33,7 +33,8 @@ def split_batch(batch, m: int, path: str = "batch") -> list:
         if batch.dim() == 0 or batch.shape[0] % m:
             size = "a scalar" if batch.dim() == 0 else f"size {batch.shape[0]} along dim 0"
             raise ValueError(f"microbatches={m} must divide the batch, but {path} has {size}; "
-                             f"set MegaStrategy(microbatches=...) to a divisor of the batch size.")
+                             f"set MegaStrategy(microbatches=...) to a divisor of the batch size (a smaller "
+                             f"last batch of an epoch: DataLoader(drop_last=True)).")
         return list(batch.chunk(m))
     if isinstance(batch, Mapping):
         parts = {k: split_batch(v, m, f"{path}[{k!r}]") for k, v in batch.items()}
@@ -212,6 +213,10 @@ class PipelineRunner(StageLogs):
                                       st.logs[a.microbatch])
             if finished:
                 out = out["loss"] if isinstance(out, Mapping) else out
+                if not isinstance(out, torch.Tensor):
+                    raise ValueError(f"training_step returned {type(out).__name__} for microbatch {a.microbatch} "
+                                     f"under a pipeline, which needs a loss tensor (or a dict with 'loss'); "
+                                     f"skipping a batch by returning None is not supported with pp or microbatches.")
                 st.losses.append(out.detach().float())
                 out = out * st.scale
             st.outputs[key] = out
