@@ -16,6 +16,7 @@ STEPS, BATCH, TOL = 20, 4, 1e-5
 QAT_LOSS_TOL, QAT_WEIGHT_TOL = 5e-4, 5e-3
 FP16_TOL = 5e-3  # fp16 autocast: the same ops, but CPU fp16 matmuls may block a microbatch differently
 FP16 = dict(fp16=True, max_steps=10)
+BF16_TOL = 2e-2  # bf16 autocast: 8 bits of mantissa, rounding differs with the microbatch shapes
 # steps that must agree within TOL: int8 holds all 10 (the issue's acceptance); w4a8's coarser grid
 # meets a flip (below) after 5 on this data
 QAT_EXACT_STEPS = {"tp2_sp_int8_qat": 10, "tp2_w4a8_qat": 5, "tp2_sp_int8_qat_delayed": 10}
@@ -109,6 +110,8 @@ def _check(results, name, configs, world):
     if trainer_kw.get("fp16"):  # and the ranks' GradScalers skip or step together (grads.agree_on_overflow)
         tol = weight_tol = FP16_TOL
         assert got["scaler_agrees"]
+    if trainer_kw.get("precision") == "bf16-mixed":
+        tol = weight_tol = BF16_TOL
     # dp replicas without a pipeline average their gradients while backward runs (dp_overlap.py)
     assert got["dp_overlap"] == (dp > 1 and strategy_kw.get("pp", 1) == 1 and not strategy_kw.get("microbatches"))
     assert len(got["losses"]) == len(ref_losses) == steps * trainer_kw.get("accumulate_grad_batches", 1)

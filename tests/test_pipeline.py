@@ -25,6 +25,7 @@ WORLD2.update({
     "pp2_encoder": ("encoder", dict(layers=4), _pp(2, "1f1b"), {}),
     # fp16 AMP: the backward runs inside the step, so the GradScaler's scale must be applied there
     "pp2_1f1b_fp16": ("gpt", dict(n_layer=4), _pp(2, "1f1b"), dict(FP16)),
+    "pp2_zb_h1_bf16": ("gpt", dict(n_layer=4), _pp(2, "zb_h1"), dict(precision="bf16-mixed", max_steps=10)),
     # NCCL's transfer mode (send + following receive in one batch_isend_irecv), run here on gloo
     **{f"pp2_{s}_batched_p2p": ("gpt", dict(n_layer=4), _pp(2, s, p2p="batched"), {})
        for s in ("1f1b", "interleaved_1f1b", "zb_h1")},
