@@ -57,7 +57,7 @@ class _Step:
 
     micro: list
     batch_idx: int
-    scale: float
+    scale: float | torch.Tensor  # the loss's factor: 1 / (microbatches * accumulation), times fp16's loss scale
     params: list
     device: torch.device
     logs: list  # per microbatch: the self.log calls of its run of the user's step
@@ -149,7 +149,7 @@ class PipelineRunner(StageLogs):
 
     # ---------------------------------------------------------------- training
 
-    def train_step(self, batch, batch_idx, scale: float):
+    def train_step(self, batch, batch_idx, scale):
         params = [p for p in self.module.parameters() if p.requires_grad]
         saved = [p.grad for p in params]
         for p in params:

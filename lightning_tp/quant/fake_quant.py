@@ -56,6 +56,8 @@ _FOLD_HOOK = []  # the global optimizer step post-hook, registered once
 def _fold_delayed(optimizer, *_) -> None:
     """After a (successful) optimizer step: the delayed quantizers whose layer it updates fold the
     absmax their step saw. A GAN's two optimizers each fold their own model's ranges."""
+    if not _PENDING:  # the hook stays registered for the process: most steps have nothing to fold
+        return
     stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
     for q, (_, owner) in list(_PENDING.items()):
         if owner is None or id(owner) in stepped or not owner.requires_grad:
