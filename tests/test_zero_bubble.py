@@ -1,6 +1,7 @@
 """ZB split (lightning_tp.pipeline.zb): B gives the input gradient, W the weight gradients, together
 equal to one plain backward, and W does not run the input path again."""
 
+import pytest
 import torch
 from torch import nn
 
@@ -66,3 +67,38 @@ def test_first_stage_has_no_input_and_w_is_the_whole_backward():
     assert split.input_grad() is None and emb.weight.grad is None
     split.weight_grad()
     assert emb.weight.grad[1:4].eq(1).all() and emb.weight.grad[0].eq(0).all()
+
+
+def test_split_backward_through_non_reentrant_activation_checkpointing():
+    """Blocks under torch.utils.checkpoint(use_reentrant=False): B and W recompute what they unpack
+    and give a plain backward's gradients; the reentrant variant is refused by torch itself."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+                           for _ in range(3))
+    params, x0, g = list(blocks.parameters()), torch.randn(4, 8), torch.randn(4, 8)
+
+    def run(reentrant):
+        x = x0.clone().requires_grad_()
+        y = x
+        for b in blocks:
+            y = y + checkpoint(b, y, use_reentrant=reentrant)
+        return x, y
+
+    x, y = run(False)
+    torch.autograd.backward(y, g)
+    ref, ref_x = [p.grad.clone() for p in params], x.grad.clone()
+    for p in params:
+        p.grad = None
+    x, y = run(False)
+    split = SplitBackward(y, g, x, params)
+    assert torch.equal(split.input_grad(), ref_x)
+    split.weight_grad()
+    for p, r in zip(params, ref):
+        assert torch.equal(p.grad, r)
+    for p in params:
+        p.grad = None
+    x, y = run(True)
+    with pytest.raises(RuntimeError, match="use_reentrant=False"):
+        SplitBackward(y, g, x, params).input_grad()
