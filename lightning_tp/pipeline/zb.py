@@ -9,6 +9,13 @@ keeps the gradient arriving at each split node. W runs the backward again from t
 (``GradientEdge``), restricted to the parameters, so each split op computes only its weight-side
 outputs (PyTorch's built-in ops skip outputs nobody needs; a custom ``autograd.Function`` computes
 all of its outputs again) and nothing upstream of it on the input path runs twice.
+
+Each such backward call costs an engine start and a walk of what lies below its roots, which on a
+small stage costs more than the matmuls themselves. The split nodes of Linear (addmm / mm, the
+weight reached through a transpose) and LayerNorm get their weight and bias gradients computed
+directly, by what autograd computes for that node, bit for bit, and accumulated as AccumulateGrad
+does; anything else (autocast casts on the weight path, hooks on the parameters, other ops) takes
+the backward call.
 """
 
 from __future__ import annotations
@@ -72,6 +79,8 @@ class SplitBackward:
                 if found:
                     split[node] = found
         self.groups = [(nodes, [weights[w] for w in ws]) for nodes, ws in _group(split)]
+        self.direct = {id(nodes[0]): _direct_rule(nodes[0], params) for nodes, params in self.groups
+                       if len(nodes) == 1}
         return list(split)
 
     def input_grad(self):
@@ -92,8 +101,12 @@ class SplitBackward:
             torch.autograd.backward(self.out, self.grad, inputs=self.params or None)
         else:
             for nodes, params in self.groups:
-                self._weight_group(nodes, params)
-        self.out = self.grad = self.inp = self.groups = None
+                rule = self.direct.get(id(nodes[0])) if len(nodes) == 1 else None
+                if rule is not None and nodes[0] in self.captured:
+                    _accumulate(self.captured[nodes[0]][0], *rule)
+                else:
+                    self._weight_group(nodes, params)
+        self.out = self.grad = self.inp = self.groups = self.direct = None
         self.captured.clear()
 
     def _weight_group(self, nodes, params) -> None:
@@ -115,6 +128,75 @@ class SplitBackward:
         finally:
             for h in pins:
                 h.remove()
+
+
+def _leaf(node):
+    """The parameter an AccumulateGrad node accumulates into, else None."""
+    return getattr(node, "variable", None) if type(node).__name__ == "AccumulateGrad" else None
+
+
+def _hooked(p) -> bool:
+    return bool(getattr(p, "_backward_hooks", None)) or bool(getattr(p, "_post_accumulate_grad_hooks", None))
+
+
+def _linear(node, edges):
+    """A Linear's addmm / mm: (weight, bias, gradient formula) when its weight grad is exactly
+    ``g.t() @ x``, i.e. a row-major weight reached through TBackward straight from its leaf
+    (mat2 = weight.t() is column-major, so autograd's mm_mat2_backward computes ``(g.t() @ x).t()``
+    and TBackward turns it back); the bias gradient is ``g`` summed to the bias's shape."""
+    kind = type(node).__name__
+    if kind == "AddmmBackward0" and len(edges) == 3 and node._saved_alpha == 1 and node._saved_beta == 1:
+        bias, t, x = _leaf(edges[0]), edges[2], "_saved_mat1"
+    elif kind == "MmBackward0" and len(edges) == 2:
+        bias, t, x = None, edges[1], "_saved_self"
+    else:
+        return None
+    weight = _leaf(t.next_functions[0][0]) if type(t).__name__ == "TBackward0" else None
+    if weight is None or weight.dim() != 2 or not weight.is_contiguous():
+        return None
+    return weight, bias, lambda g: (g.t().mm(getattr(node, x)), None if bias is None else g.sum(0))
+
+
+def _layer_norm(node, edges):
+    """LayerNorm: (weight, bias, formula) calling the kernel autograd calls, weight and bias only."""
+    if type(node).__name__ != "NativeLayerNormBackward0" or len(edges) != 3:
+        return None
+    weight, bias = _leaf(edges[1]), _leaf(edges[2])
+    if weight is None:
+        return None
+
+    def grads(g):
+        _, gw, gb = torch.ops.aten.native_layer_norm_backward(
+            g, node._saved_input, list(node._saved_normalized_shape), node._saved_result1, node._saved_result2,
+            node._saved_weight, node._saved_bias, [False, True, bias is not None])
+        return gw, gb
+    return weight, bias, grads
+
+
+def _direct_rule(node, params):
+    """(weight, bias, formula) for a split node whose weight side is computed without the engine, or
+    None. Only where its parameters are exactly the group's and carry no hooks (the engine would run
+    them; hooks on the AccumulateGrad nodes themselves cannot be seen and are not run)."""
+    edges = [n for n, _ in node.next_functions]
+    rule = _linear(node, edges) or _layer_norm(node, edges)
+    if rule is None:
+        return None
+    found = [p for p in rule[:2] if p is not None]
+    if {id(p) for p in found} != {id(p) for p in params} or any(_hooked(p) for p in found):
+        return None
+    return rule
+
+
+@torch.no_grad()
+def _accumulate(node_grad, weight, bias, formula) -> None:
+    """The weight side of one split node, added into ``.grad`` as AccumulateGrad does."""
+    for p, grad in zip((weight, bias), formula(node_grad)):
+        if p is None:
+            continue
+        if p.grad is None:
+            p.grad = grad
+        else:
+            p.grad += grad
 
 
 def _group(split: dict) -> list:
