@@ -114,28 +114,39 @@ def agree_on_overflow(scaler, group=None) -> None:
     """fp16 AMP: every rank takes or skips the optimizer step together. GradScaler looks for inf/nan
     in this rank's gradients only; under tp or pp ranks hold other parameters (or shards of them),
     so one rank can overflow while another does not: it skips the step and halves its scale while
-    the other steps, and the model's pieces drift apart for good. After unscaling, the found-inf
-    flag is MAX all-reduced over ``group`` (as Megatron's grad scaler does), once per optimizer step
-    and always one tensor per rank, so a rank without gradients still takes part."""
+    the other steps, and the model's pieces drift apart for good. After unscaling (or the inf check
+    of an optimizer that unscales itself), the found-inf flag is MAX all-reduced over ``group`` (as
+    Megatron's grad scaler does), once per optimizer step and always one tensor per rank, so a rank
+    without gradients still takes part. Every rank must step its optimizers alike (a rank skipping
+    a step, e.g. by returning None from training_step, would leave the others waiting)."""
     if getattr(scaler, "_lightning_tp_agrees", False):
         return
-    unscale = scaler.unscale_
+    unscale, check = scaler.unscale_, scaler._check_inf_per_device
 
     def unscale_(optimizer):
         unscale(optimizer)
-        found = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
-        device = scaler._scale.device if scaler._scale is not None else torch.device("cpu")
-        flag = torch.zeros((), dtype=torch.float32, device=device)
-        for value in found.values():
-            flag = torch.maximum(flag, value.to(device))
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        for key in list(found):
-            found[key] = flag.to(found[key].device)
-        if not found:  # no gradients here: the flag still decides whether this rank's step runs
-            found[device] = flag
+        _agree(scaler, scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"], group)
 
-    scaler.unscale_ = unscale_
+    def _check_inf_per_device(optimizer):  # the path of optimizers that unscale themselves (fused Adam)
+        found = check(optimizer)
+        _agree(scaler, found, group)
+        return found
+
+    scaler.unscale_, scaler._check_inf_per_device = unscale_, _check_inf_per_device
     scaler._lightning_tp_agrees = True
+
+
+def _agree(scaler, found: dict, group) -> None:
+    """MAX all-reduce of a GradScaler's per-device found-inf flags, written back in place."""
+    device = scaler._scale.device if scaler._scale is not None else torch.device("cpu")
+    flag = torch.zeros((), dtype=torch.float32, device=device)
+    for value in found.values():
+        flag = torch.maximum(flag, value.to(device))
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    for key in list(found):
+        found[key] = flag.to(found[key].device)
+    if not found:  # no gradients here: the flag still decides whether this rank's step runs
+        found[device] = flag
 
 
 def global_grad_norm(params, mesh, norm_type: float = 2.0) -> torch.Tensor:

@@ -294,7 +294,7 @@ class MegaStrategy(ParallelStrategy):
         scale = 1.0 / (self._runner.m * self.lightning_module.trainer.accumulate_grad_batches)
         scaler = getattr(self.precision_plugin, "scaler", None)
         if scaler is not None:  # fp16 AMP: the backward runs in the step, so the loss scaling goes there too
-            scale = scaler.scale(torch.tensor(scale, device=self.root_device))  # a tensor: no host sync
+            scale = scaler.scale(torch.ones((), device=self.root_device)) * scale  # device ops only, no host sync
         with self.precision_plugin.train_step_context():
             loss = self._runner.train_step(batch, batch_idx, scale)
         return torch.tensor(loss, device=self.root_device)

@@ -245,6 +245,14 @@ def _overflow_agreement(rank):
     scaler.step(opt)
     scaler.update()
     out.append((w.detach().clone(), scaler.get_scale()))
+    # an optimizer that unscales itself (fused Adam): GradScaler checks for inf another way
+    scaler, w = torch.amp.GradScaler("cpu", init_scale=4.0), torch.nn.Parameter(torch.ones(2))
+    grads.agree_on_overflow(scaler)
+    opt = torch.optim.Adam([w], lr=0.5, fused=True)
+    scaler.scale((w * (float("inf") if rank == 0 else 1.0)).sum()).backward()
+    scaler.step(opt)
+    scaler.update()
+    out.append((w.detach().clone(), scaler.get_scale()))
     return out
 
 
@@ -313,10 +321,11 @@ def test_a_shape_change_between_steps_reaches_the_receiver(bad, box):
 def test_fp16_ranks_agree_on_overflow(bad):
     ones, halves = torch.ones(2), torch.full((2,), 0.5)
     for rank_result in bad:
-        (w0, s0), (w1, s1), (w2, s2) = rank_result["overflow"]
+        (w0, s0), (w1, s1), (w2, s2), (w3, s3) = rank_result["overflow"]
         assert torch.equal(w0, ones) and s0 == 2.0  # skipped everywhere, scale backed off everywhere
         assert torch.equal(w1, halves) and s1 == 2.0  # the next step runs everywhere
         assert torch.equal(w2, ones) and s2 == 2.0  # no gradients here, still skipped with rank 0
+        assert torch.equal(w3, ones) and s3 == 2.0  # fused Adam: skipped with rank 0 too
 
 
 def test_captured_logs_do_not_hold_the_graph():

@@ -20,7 +20,10 @@ the backward call.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+import torch.utils.checkpoint
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 
@@ -100,19 +103,24 @@ class SplitBackward:
         if self.split is None:  # first stage (or an input-free output): the plain backward
             torch.autograd.backward(self.out, self.grad, inputs=self.params or None)
         else:
-            for nodes, params in self.groups:
-                rule = self.direct.get(id(nodes[0])) if len(nodes) == 1 else None
-                if rule is not None and nodes[0] in self.captured:
-                    _accumulate(self.captured[nodes[0]][0], *rule)
-                else:
-                    self._weight_group(nodes, params)
+            # non-reentrant checkpointing: each saved tensor read outside one backward (the direct
+            # path's) or in another backward call would recompute its block again; one group for
+            # all of W recomputes each block at most once
+            with _one_recompute():
+                for nodes, params in self.groups:
+                    rule = self.direct.get(id(nodes[0])) if len(nodes) == 1 else None
+                    if rule is None or nodes[0] not in self.captured:
+                        self._weight_group(nodes, params)
+                    elif self.captured[nodes[0]][0] is not None:  # None: no gradient reached it
+                        _accumulate(self.captured[nodes[0]][0], *rule)
         self.out = self.grad = self.inp = self.groups = self.direct = None
         self.captured.clear()
 
     def _weight_group(self, nodes, params) -> None:
         """One backward per group of split nodes that share parameters, restricted to those: the
         engine then leaves the input path alone. Within a group a node can also receive gradient
-        from another one of it (``y * s + s``); a pre-hook pins every node to what B saw for it."""
+        from another one of it (``y * s + s``); a pre-hook pins every node to what B saw for it, a
+        lone node too (hooks on its output tensor ran in B already and would run again)."""
         edges, grads = [], []
         for node in nodes:
             for i, g in enumerate(self.captured.get(node, ())):
@@ -121,13 +129,20 @@ class SplitBackward:
                     grads.append(g)
         if not edges:
             return
-        pins = [n.register_prehook(lambda _, saved=self.captured[n]: saved) for n in nodes if len(nodes) > 1
-                and n in self.captured]
+        pins = [n.register_prehook(lambda _, saved=self.captured[n]: saved) for n in nodes if n in self.captured]
         try:
             torch.autograd.backward(edges, grads, inputs=params, retain_graph=True)
         finally:
             for h in pins:
                 h.remove()
+
+
+def _one_recompute():
+    """torch.utils.checkpoint.GraphExecGroup where it exists and no group is open yet, else nothing."""
+    group = getattr(torch.utils.checkpoint, "GraphExecGroup", None)
+    if group is None or torch._C._get_graph_exec_group() is not None:
+        return contextlib.nullcontext()
+    return group()
 
 
 def _leaf(node):
@@ -147,6 +162,8 @@ def _linear(node, edges):
     kind = type(node).__name__
     if kind == "AddmmBackward0" and len(edges) == 3 and node._saved_alpha == 1 and node._saved_beta == 1:
         bias, t, x = _leaf(edges[0]), edges[2], "_saved_mat1"
+        if bias is not None and bias.dim() != 1:  # addmm(b, x, w.t()) with a 2-d b: not a Linear's bias
+            return None
     elif kind == "MmBackward0" and len(edges) == 2:
         bias, t, x = None, edges[1], "_saved_self"
     else:
