@@ -162,3 +162,25 @@ def test_w_computes_linear_and_layer_norm_weight_grads_directly_bit_for_bit():
     split.input_grad()
     split.weight_grad()
     assert seen == [torch.Size([8, 8])]
+
+
+def test_w_does_not_run_a_hook_on_a_split_nodes_output_twice():
+    """A tensor hook on a split node's output ran in B (its gradient is what B captured); W starting
+    at that node must not run it again (it did for a lone node on the engine path: 2x the grad)."""
+    torch.manual_seed(0)
+    scale, x0, g = nn.Parameter(torch.randn(4)), torch.randn(3, 4), torch.randn(3, 4)
+
+    def forward(x):
+        h = x * scale  # MulBackward0: no direct formula, W takes the engine call
+        h.register_hook(lambda grad: grad * 2)
+        return h.tanh()
+
+    x = x0.clone().requires_grad_()
+    forward(x).backward(g)
+    ref = scale.grad.clone()
+    scale.grad = None
+    x = x0.clone().requires_grad_()
+    split = SplitBackward(forward(x), g, x, [scale])
+    split.input_grad()
+    split.weight_grad()
+    assert torch.equal(scale.grad, ref)
