@@ -85,7 +85,7 @@ def early_publish(schedule, p: int, v: int = 1) -> list:
 
 def _mean(values):
     if all(isinstance(v, (torch.Tensor, int, float)) for v in values):
-        return float(sum(float(v.detach() if isinstance(v, torch.Tensor) else v) for v in values) / len(values))
+        return float(sum(float(v) for v in values) / len(values))  # tensors: captured detached
     return None  # torchmetrics objects and the like: logged by the last stage only
 
 

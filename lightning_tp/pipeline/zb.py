@@ -108,7 +108,7 @@ class SplitBackward:
             # all of W recomputes each block at most once
             with _one_recompute():
                 for nodes, params in self.groups:
-                    rule = self.direct.get(id(nodes[0])) if len(nodes) == 1 else None
+                    rule = self.direct.get(id(nodes[0]))  # keys: the nodes of one-node groups
                     if rule is None or nodes[0] not in self.captured:
                         self._weight_group(nodes, params)
                     elif self.captured[nodes[0]][0] is not None:  # None: no gradient reached it
