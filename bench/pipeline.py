@@ -220,7 +220,7 @@ def report(results):
            f"{'target':>6}  {'model+link':>10}  {'ratio':>6}  {'as timed':>8}  {'ratio':>6}")
     print(hdr)
     print("-" * len(hdr))
-    ideal_by_m, measured = {m: ideals(m) for m in MS}, {}
+    ideal_by_m, measured, models = {m: ideals(m) for m in MS}, {}, {}
     for m in MS:
         for name, v in SCHEDULES:
             span, period = steps_of(get(("ours", name, m)))
@@ -231,6 +231,7 @@ def report(results):
             costs = action_costs(get(("ours", name, m)))
             timed = replay(idl["sched"], P, v, lambda r, a, c=costs: c[r][a.kind])
             ratio = span / model
+            models[(name, m)] = model
             print(f"{name:<18}{m:>3}  {ms(span):>11}  {ms(idl['ideal']):>8}  {span / idl['ideal']:>6.3f}  "
                   f"{ms(model):>7}  {ratio:>6.3f}  {'ok' if ratio <= 1.05 else 'MISSED':>6}  {ms(with_link):>10}  "
                   f"{span / with_link:>6.3f}  {ms(timed):>8}  {span / timed:>6.3f}")
@@ -284,10 +285,11 @@ def report(results):
           "is used")
     print("   work span = first block's work on any rank to the last block's (median): the pipeline alone; the rest\n"
           "   of a period is the step boundary (optimizer step, hooks, self.log, data fetch; in Lightning also its\n"
-          "   per-step SIGTERM broadcast from rank 0)")
+          "   per-step SIGTERM broadcast from rank 0); period/model ideal: each executor's period over the model ideal\n"
+          "   of 1), i.e. what the same link and Lightning cost torch's schedules on this box too")
     hdr = (f"{'schedule':<18}{'m':>3}  {'torch class':<24}{'loop':<10}{'ours ms/step':>12}  {'torch ms/step':>13}  "
            f"{'ours/torch thr':>14}  {'target':>6}  {'work span ours/torch ms':>23}  {'ratio':>6}  "
-           f"{'boundary ours/torch ms':>22}")
+           f"{'boundary ours/torch ms':>22}  {'period/model ideal ours/torch':>29}")
     print(hdr)
     print("-" * len(hdr))
     for m in MS:
@@ -300,7 +302,8 @@ def report(results):
                 t_span = work_spans(get((impl, name, m)))
                 print(f"{name:<18}{m:>3}  {cls:<24}{loop:<10}{ms(o_period):>12}  {ms(t_period):>13}  {ratio:>14.3f}  "
                       f"{'ok' if ratio >= 1.0 else 'MISSED':>6}  {ms(o_span) + ' / ' + ms(t_span):>23}  "
-                      f"{t_span / o_span:>6.3f}  {ms(o_period - o_span) + ' / ' + ms(t_period - t_span):>22}")
+                      f"{t_span / o_span:>6.3f}  {ms(o_period - o_span) + ' / ' + ms(t_period - t_span):>22}  "
+                      f"{o_period / models[(name, m)]:>14.3f} / {t_period / models[(name, m)]:.3f}")
 
     # ---- 3. memory
     m = MS[0]
