@@ -256,6 +256,27 @@ def _overflow_agreement(rank):
     return out
 
 
+def _held_sends(world, m=8):
+    """Peak number of sent payloads a rank's Mailbox keeps alive during a 1F1B step (gloo reports a
+    send complete only once waited on: without the schedule's release points it is m)."""
+    from lightning_tp.pipeline import p2p
+
+    peak, send = [0], p2p.Mailbox.send
+
+    def counting(box, *args):
+        send(box, *args)
+        peak[0] = max(peak[0], sum(1 for _, t in box.pending if t is not None and t.numel() > p2p._HEADER))
+
+    p2p.Mailbox.send = counting
+    try:
+        trainer = L.Trainer(devices=world, strategy=MegaStrategy(pp=2, microbatches=m, timeout=60), max_steps=2,
+                            **trainer_kwargs())
+        trainer.fit(make_model("gpt", n_layer=2), TokenData(2 * m, 64, m))
+    finally:
+        p2p.Mailbox.send = send
+    return peak[0]
+
+
 def _bad_inputs(rank, world):
     data = TokenData(16, 64, 4)
     dicts = torch.utils.data.DataLoader(DictBatch(), batch_size=4)
@@ -277,6 +298,7 @@ def _bad_inputs(rank, world):
         "mailbox": _mailbox_across_steps(rank),
         "slot_mailbox": _mailbox_across_steps(rank, slotted=True),
         "overflow": _overflow_agreement(rank),
+        "held_sends": _held_sends(world),
     }
 
 
@@ -316,6 +338,12 @@ def test_a_shape_change_between_steps_reaches_the_receiver(bad, box):
     for step, pair in enumerate(got):
         for mb, tensor in enumerate(pair):
             torch.testing.assert_close(tensor, _sent(step, mb), atol=0, rtol=0)
+
+
+def test_gloo_drops_sent_tensors_where_the_schedule_proves_them_landed(bad):
+    # pp=2 1F1B, m=8: rank 0's activation i is released when gradient i comes back, rank 1's gradient
+    # i when activation i + 2 arrives (tests/test_landed.py); without that, 8 each until step end
+    assert [r["held_sends"] for r in bad] == [2, 2]
 
 
 def test_fp16_ranks_agree_on_overflow(bad):

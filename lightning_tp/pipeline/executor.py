@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .landed import landed_after
 from .logs import StageLogs, captured_logs, early_publish, find_metrics, muted_metrics
 from .p2p import Mailbox, tag
 from .p2p_slots import SlotMailbox
@@ -84,6 +85,9 @@ class PipelineRunner(StageLogs):
         self.slots = slot_plan(full, layout.pp, layout.v)[mesh.pp_rank] if batched else None
         # gloo: publish the logs before the last receive where that fills a wait (see early_publish)
         self._publish_at = None if batched else early_publish(full, layout.pp, layout.v)[mesh.pp_rank]
+        # gloo: per receive, the tags of the sends it proves landed, to drop them there (see .landed)
+        self._landed = {} if batched else {i: [self._send_tag(self.actions[j]) for j in js]
+                                           for i, js in landed_after(full, layout.pp)[mesh.pp_rank].items()}
         self.zero_bubble = any(a.kind == "W" for a in self.actions)
         self._log_names = None  # the last stage's logged names as of the previous step (see _share_numbers)
         self._metrics = None  # torchmetrics modules of the user's module (muted in all but the last chunk)
@@ -130,14 +134,19 @@ class PipelineRunner(StageLogs):
         k, d = self._vstage(a.chunk), (0 if a.kind == "RECV_F" else 1)
         return self._rank_of(k - 1 if d == 0 else k + 1), tag(d, a.microbatch, k, self.n_vstages), (d, k)
 
+    def _send_tag(self, a) -> int:
+        k = self._vstage(a.chunk)
+        return tag(0, a.microbatch, k + 1, self.n_vstages) if a.kind == "SEND_F" else \
+            tag(1, a.microbatch, k - 1, self.n_vstages)
+
     def _send_args(self, a, outputs, inputs, input_grads):
         """(tensor, dst, tag, channel) of a SEND_F / SEND_B action; drops what the send was the last use of."""
         key, k = (a.microbatch, a.chunk), self._vstage(a.chunk)
         if a.kind == "SEND_F":
-            return outputs[key], self._rank_of(k + 1), tag(0, a.microbatch, k + 1, self.n_vstages), (0, k + 1)
+            return outputs[key], self._rank_of(k + 1), self._send_tag(a), (0, k + 1)
         g = input_grads.pop(key) if key in input_grads else inputs[key].grad
         inputs.pop(key)
-        return g, self._rank_of(k - 1), tag(1, a.microbatch, k - 1, self.n_vstages), (1, k - 1)
+        return g, self._rank_of(k - 1), self._send_tag(a), (1, k - 1)
 
     @staticmethod
     def _store(a, tensor, inputs, grads) -> None:
@@ -169,7 +178,8 @@ class PipelineRunner(StageLogs):
         return self._publish(st.logs, mean_loss, st.numbers)
 
     def _walk_actions(self, st) -> None:
-        """Eager (gloo): the action list in order, sends at once, receives posted ahead."""
+        """Eager (gloo): the action list in order, sends at once, receives posted ahead, sends dropped
+        where a receive proves them landed."""
         box = Mailbox(self._receives, device=st.device, remembered=self._shapes)
         for i, a in enumerate(self.actions):
             if i == self._publish_at:  # a stage without the loss: it has logged all it will
@@ -177,6 +187,8 @@ class PipelineRunner(StageLogs):
             if a.kind in ("RECV_F", "RECV_B"):
                 src, t, channel = self._recv_args(a)
                 self._store(a, box.recv(src, t, st.device, channel), st.inputs, st.grads)
+                for sent in self._landed.get(i, ()):
+                    box.release(sent)
             elif a.kind in ("SEND_F", "SEND_B"):
                 box.send(*self._send_args(a, st.outputs, st.inputs, st.input_grads))
             else:

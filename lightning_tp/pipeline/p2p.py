@@ -65,9 +65,11 @@ def first_message(tensor: torch.Tensor, channel, remembered: dict | None) -> tup
 
 def release_landed(pending: deque) -> None:
     """Drop the oldest sends that completed (NCCL); gloo reports a send complete only once waited
-    on, so there the sent tensors stay until the step's final wait."""
-    while pending and pending[0][0].is_completed():
-        pending.popleft()
+    on, so there a sent tensor stays until :meth:`Mailbox.release` or the step's final wait. Entries
+    are ``[work, tensor]``; one popped here is emptied too, as it may still be listed by tag."""
+    while pending and (pending[0][0] is None or pending[0][0].is_completed()):
+        entry = pending.popleft()
+        entry[0] = entry[1] = None
 
 
 def tag(direction: int, microbatch: int, vstage: int, n_vstages: int) -> int:
@@ -76,7 +78,8 @@ def tag(direction: int, microbatch: int, vstage: int, n_vstages: int) -> int:
 
 
 class Mailbox:
-    """Keeps in-flight sends alive until they complete (checked at each send, waited at step end).
+    """Keeps in-flight sends alive until they complete (checked at each send, waited on where the
+    schedule proves them landed (see :mod:`.landed`), else at step end).
 
     ``expected``: channel -> ordered ``[(tag, src), ...]`` of this step's receives on it (optional);
     with ``device`` given, each channel's header receive is posted at once, and with ``remembered``
@@ -84,7 +87,8 @@ class Mailbox:
 
     def __init__(self, expected: dict | None = None, depth: int = 2, batched: bool = False, device=None,
                  remembered: dict | None = None):
-        self.pending = deque()  # (work, tensor) of sends in flight, oldest first
+        self.pending = deque()  # [work, tensor] of sends in flight, oldest first ([None, None]: released)
+        self.by_tag = {}  # a message's tag -> its entries in pending, until released
         self.sent_header, self.shapes = set(), {}  # per channel, for this step
         self.batched = batched  # NCCL: no receive posted ahead (it would hold up the sends behind it)
         self.expected = {} if batched else {c: list(v) for c, v in (expected or {}).items()}
@@ -124,8 +128,16 @@ class Mailbox:
             self.sent_header.add(channel)
             now, after = first_message(tensor, channel, self.remembered)
             parts = now + after  # no grouping here: all of it leaves at once
-        for x, offset in parts:
-            self.pending.append((self._isend(x, dst, t + offset), x))
+        entries = [[self._isend(x, dst, t + offset), x] for x, offset in parts]
+        self.pending.extend(entries)
+        self.by_tag[t] = entries
+
+    def release(self, t: int) -> None:
+        """Wait on the message sent with tag ``t``, known to have landed, and drop its tensors."""
+        for entry in self.by_tag.pop(t, ()):
+            if entry[0] is not None:
+                entry[0].wait()
+            entry[0] = entry[1] = None
 
     def _learn_shape(self, channel, header) -> None:
         self.shapes[channel] = shape_of(header)
@@ -182,5 +194,7 @@ class Mailbox:
         if leftover:
             raise RuntimeError(f"pipeline receives posted but never used (tags {leftover}): schedule mismatch.")
         for work, _ in self.pending:
-            work.wait()
+            if work is not None:
+                work.wait()
         self.pending.clear()
+        self.by_tag.clear()

@@ -29,7 +29,7 @@ class SlotMailbox:
         self.shapes, self.sent_first = {}, set()  # per channel, this step
         self.arrived = {}  # (channel, tag) -> [work, buffer] of a posted payload
         self.unissued = {}  # id(buffer) -> its entry in arrived, until its group is issued
-        self.keep = deque()  # sends in flight (work, tensor), oldest first
+        self.keep = deque()  # sends in flight [work, tensor], oldest first
 
     def group(self, sends: list, recvs: list) -> None:
         """Issue one slot: ``sends`` [(tensor, dst, tag, channel)], ``recvs`` [(src, tag, channel)]."""
@@ -86,7 +86,7 @@ class SlotMailbox:
         works = works if len(works) == len(ops) else [works[-1]] * len(ops)
         for (op, x, _, _), work in zip(ops, works):
             if op is dist.isend:  # a receive's work is waited on exactly once (gloo: a second wait hangs)
-                self.keep.append((work, x))
+                self.keep.append([work, x])
             elif id(x) in self.unissued:
                 self.unissued.pop(id(x))[0] = work
         return works

@@ -1,0 +1,69 @@
+"""When a sent tensor has certainly arrived, read off the schedule.
+
+Gloo reports a send complete only once it is waited on, so a sender that waits on its sends at step
+end keeps every sent tensor alive until then: m activations and m gradients per channel, which
+undoes 1F1B's bound of p - s microbatches in flight. But a send has certainly landed once the
+sender has received a message that its receiver sent *after* receiving it: the receive of that
+later message proves it. Which receive that is follows from the action lists alone, by vector
+clocks over a replay (program order on each rank, and a message from its send to its receive), so
+the executor can wait on the send there, which returns at once, and drop the tensor.
+
+Example, 1F1B: the gradient of microbatch i comes back from the next stage only after that stage
+received microbatch i's activation, so RECV_B(i) releases SEND_F(i).
+"""
+
+from __future__ import annotations
+
+from .schedules import Schedule
+
+
+def message(a, rank: int, p: int) -> tuple:
+    """(direction, microbatch, receiving virtual stage) of a SEND or RECV action."""
+    k = a.chunk * p + rank
+    if a.kind == "SEND_F":
+        return "F", a.microbatch, k + 1
+    if a.kind == "SEND_B":
+        return "B", a.microbatch, k - 1
+    return a.kind[-1], a.microbatch, k
+
+
+def landed_after(schedule: Schedule, p: int) -> list[dict[int, list[int]]]:
+    """Per rank: {index of a RECV: [indices of this rank's SENDs known to have arrived once it
+    returned]}, each send at its earliest such receive; a send with none stays to step end.
+    Assumes a deadlock-free schedule (``simulate`` checks that)."""
+    n = len(schedule)
+    clocks = [[0] * n for _ in range(n)]  # clocks[r][q]: actions of rank q that happen before r's next
+    stamp = [[None] * len(ops) for ops in schedule]  # vector clock after each action
+    sent, received_at = {}, {}  # message -> sender's clock at the send; -> (rank, index) of its receive
+    pc = [0] * n
+    progressed = True
+    while progressed:
+        progressed = False
+        for r, ops in enumerate(schedule):
+            while pc[r] < len(ops):
+                a = ops[pc[r]]
+                if a.kind in ("RECV_F", "RECV_B"):
+                    key = message(a, r, p)
+                    if key not in sent:
+                        break
+                    clocks[r] = [max(x, y) for x, y in zip(clocks[r], sent[key])]
+                    received_at[key] = (r, pc[r])
+                clocks[r][r] = pc[r] + 1
+                if a.kind in ("SEND_F", "SEND_B"):
+                    sent[message(a, r, p)] = list(clocks[r])
+                stamp[r][pc[r]] = list(clocks[r])
+                pc[r] += 1
+                progressed = True
+    out = []
+    for r, ops in enumerate(schedule):
+        points: dict[int, list[int]] = {}
+        recvs = [i for i, a in enumerate(ops) if a.kind in ("RECV_F", "RECV_B")]
+        for j, a in enumerate(ops):
+            if a.kind not in ("SEND_F", "SEND_B"):
+                continue
+            q, at = received_at[message(a, r, p)]
+            proof = next((i for i in recvs if i > j and stamp[r][i][q] > at), None)
+            if proof is not None:
+                points.setdefault(proof, []).append(j)
+        out.append(points)
+    return out
