@@ -184,3 +184,14 @@ def test_w_does_not_run_a_hook_on_a_split_nodes_output_twice():
     split.input_grad()
     split.weight_grad()
     assert torch.equal(scale.grad, ref)
+
+
+def test_split_nodes_sharing_parameters_are_grouped_transitively():
+    from lightning_tp.pipeline.zb import _group
+
+    a, b, c, d, e = (object() for _ in range(5))  # weight nodes
+    split = {"n1": {a}, "n2": {b}, "n3": {a, c}, "n4": {c, b}, "n5": {d}, "n6": {e, d}}
+    groups = sorted((sorted(nodes), members) for nodes, members in _group(split))
+    # n1-n3 share a, n3-n4 share c, n4-n2 share b: one group; n5-n6 share d
+    assert groups == [(["n1", "n2", "n3", "n4"], {a, b, c}), (["n5", "n6"], {d, e})]
+    assert [sorted(nodes) for nodes, _ in _group({"x": {a}, "y": {b}})] == [["x"], ["y"]]

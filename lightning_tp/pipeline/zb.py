@@ -27,24 +27,21 @@ import torch.utils.checkpoint
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 
-def _children(node):
-    return [child for child, _ in node.next_functions if child is not None]
-
-
-def _post_order(root) -> list:
-    """Every node reachable from ``root``, children before parents (iterative: graphs are deep)."""
-    order, seen, stack = [], set(), [(root, False)]
+def _post_order(root) -> tuple[list, dict]:
+    """Every node reachable from ``root``, children before parents (iterative: graphs are deep), and
+    each node's children (``next_functions`` builds a fresh tuple per call: read it once)."""
+    order, kids, stack = [], {}, [(root, False)]
     while stack:
         node, expanded = stack.pop()
         if expanded:
             order.append(node)
             continue
-        if node in seen:
+        if node in kids:
             continue
-        seen.add(node)
+        kids[node] = children = [child for child, _ in node.next_functions if child is not None]
         stack.append((node, True))
-        stack.extend((child, False) for child in _children(node) if child not in seen)
-    return order
+        stack.extend((child, False) for child in children if child not in kids)
+    return order, kids
 
 
 class SplitBackward:
@@ -62,15 +59,20 @@ class SplitBackward:
 
     def _split_nodes(self) -> list | None:
         target = get_gradient_edge(self.inp).node
-        weights = {get_gradient_edge(p).node: p for p in self.params}
+        params = {id(p): p for p in self.params}
+        weights = {}  # AccumulateGrad node -> its parameter, found on the walk (one lookup per node)
         reach_in, below = {}, {}  # below: weight nodes under a weight-only node
-        order = _post_order(self.out.grad_fn)
+        order, kids = _post_order(self.out.grad_fn)
         for node in order:
-            kids = _children(node)
-            reach_in[node] = node is target or any(reach_in[c] for c in kids)
+            children = kids[node]
+            reach_in[node] = node is target or any(reach_in[c] for c in children)
             if not reach_in[node]:
-                found = {node} if node in weights else set()
-                for c in kids:
+                leaf = _leaf(node)
+                found = set()
+                if leaf is not None and id(leaf) in params:
+                    weights[node] = leaf
+                    found.add(node)
+                for c in children:
                     found |= below[c]
                 below[node] = found
         if not reach_in[self.out.grad_fn]:
@@ -78,7 +80,7 @@ class SplitBackward:
         split = {}
         for node in order:
             if reach_in[node]:
-                found = set().union(*(below[c] for c in _children(node) if c in below))
+                found = set().union(*(below[c] for c in kids[node] if c in below))
                 if found:
                     split[node] = found
         self.groups = [(nodes, [weights[w] for w in ws]) for nodes, ws in _group(split)]
@@ -112,7 +114,8 @@ class SplitBackward:
                     if rule is None or nodes[0] not in self.captured:
                         self._weight_group(nodes, params)
                     elif self.captured[nodes[0]][0] is not None:  # None: no gradient reached it
-                        _accumulate(self.captured[nodes[0]][0], *rule)
+                        with torch.no_grad():
+                            _accumulate(self.captured[nodes[0]][0], *rule)
         self.out = self.grad = self.inp = self.groups = self.direct = None
         self.captured.clear()
 
@@ -204,9 +207,8 @@ def _direct_rule(node, params):
     return rule
 
 
-@torch.no_grad()
 def _accumulate(node_grad, weight, bias, formula) -> None:
-    """The weight side of one split node, added into ``.grad`` as AccumulateGrad does."""
+    """The weight side of one split node, added into ``.grad`` as AccumulateGrad does (under no_grad)."""
     for p, grad in zip((weight, bias), formula(node_grad)):
         if p is None:
             continue
@@ -217,13 +219,28 @@ def _accumulate(node_grad, weight, bias, formula) -> None:
 
 
 def _group(split: dict) -> list:
-    """Merge split nodes whose parameter sets overlap: ``[(nodes, weight nodes)]``."""
-    groups: list = []
+    """Merge split nodes whose parameter sets overlap: ``[(nodes, weight nodes)]``, in first-seen
+    order (union-find over the weight nodes: linear in the graph, not quadratic in the groups)."""
+    parent = {}
+
+    def root(w):
+        while parent[w] is not w:
+            parent[w] = parent[parent[w]]
+            w = parent[w]
+        return w
+
+    for ws in split.values():
+        first = None
+        for w in ws:
+            parent.setdefault(w, w)
+            r = root(w)
+            if first is None:
+                first = r
+            elif r is not first:
+                parent[r] = first
+    groups: dict = {}
     for node, ws in split.items():
-        nodes, ws = [node], set(ws)
-        for other in [g for g in groups if g[1] & ws]:
-            groups.remove(other)
-            nodes += other[0]
-            ws |= other[1]
-        groups.append((nodes, ws))
-    return groups
+        nodes, members = groups.setdefault(root(next(iter(ws))), ([], set()))
+        nodes.append(node)
+        members |= ws
+    return list(groups.values())
