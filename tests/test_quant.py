@@ -335,3 +335,35 @@ def test_sixteen_bit_inputs_round_in_fp32():
     x = torch.randn(64, 32).bfloat16()
     assert q(x).dtype == torch.bfloat16
     assert torch.equal(q(x), q(x.float()).bfloat16())  # codes from fp32 division, as int8 inference
+
+
+def test_delayed_ranges_reduce_over_ranks_once_per_step_for_all_quantizers(monkeypatch):
+    """Under tp/dp a delayed range records the local absmax per microbatch and takes the MAX over
+    ranks at the fold: one all-reduce for every quantizer of the step, not one per microbatch."""
+    from lightning_tp import comm
+
+    calls = []
+
+    def fake_all_reduce(t, group, op=None):  # the other rank's local absmax is 10 for the first layer
+        calls.append((tuple(t.shape), group, op))
+        other = torch.zeros_like(t)
+        other.view(-1)[0] = 10.0
+        return torch.maximum(t, other)
+
+    monkeypatch.setattr(comm, "group_size", lambda g: 1 if g is None else 2)
+    monkeypatch.setattr(comm, "all_reduce", fake_all_reduce)
+    torch.manual_seed(0)
+    layers = [QATLinear.from_linear(nn.Linear(8, 8), range_mode="delayed") for _ in range(3)]
+    for layer in layers:
+        layer.act_quant.dp_group = "dp"
+    opt = torch.optim.SGD([p for layer in layers for p in layer.parameters()], lr=0.1)
+    micro = [torch.randn(4, 8) * (k + 1) for k in range(4)]
+    for x in micro:
+        for layer in layers:
+            layer(x)
+    assert calls == []  # nothing reduced per microbatch
+    opt.step()
+    assert [shape for shape, _, _ in calls] == [(3,)] and calls[0][1] == "dp"  # one, for all three
+    local = max(x.abs().max().item() for x in micro)
+    assert layers[0].act_quant.amax.item() == pytest.approx(max(local, 10.0))
+    assert [layer.act_quant.amax.item() for layer in layers[1:]] == [pytest.approx(local)] * 2

@@ -20,7 +20,9 @@ correction terms, which is what makes the converted layers a plain ``int8 x int8
     the single-device one. Until the first fold (no calibrated or loaded range yet) activations pass
     unquantized. A quantizer folds after a successful ``step()`` of the optimizer that holds its
     layer's weight (any optimizer's, for a frozen weight or a bare quantizer); an AMP-skipped step
-    folds nothing, and a loop that never calls ``step()`` never sets the range.
+    folds nothing, and a loop that never calls ``step()`` never sets the range. Each rank records
+    its local absmax and the MAX over tp/dp ranks is taken at the fold, one all-reduce for all
+    quantizers of a step instead of one per quantizer per microbatch.
   - ``"learned"``: an LSQ-style trainable clip ``alpha`` (scale ``alpha / qmax``), initialized from
     the first batch (or from :func:`lightning_tp.quant.calibrate`). Worth it when activations are
     narrow (<= 6 bits) or heavy-tailed. Its gradient is a sum over activation elements, so under
@@ -59,9 +61,27 @@ def _fold_delayed(optimizer, *_) -> None:
     if not _PENDING:  # the hook stays registered for the process: most steps have nothing to fold
         return
     stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    for q, (_, owner) in list(_PENDING.items()):
-        if owner is None or id(owner) in stepped or not owner.requires_grad:
-            q.fold()
+    due = [q for q, (_, owner) in list(_PENDING.items())
+           if owner is None or id(owner) in stepped or not owner.requires_grad]
+    _reduce_pending(due)
+    for q in due:
+        q.fold()
+
+
+def _reduce_pending(quantizers: list) -> None:
+    """The MAX over ranks of what each quantizer recorded locally this step: one all-reduce per set
+    of groups for all of them, not one per quantizer per microbatch. Every rank of those groups
+    runs the same optimizer steps and records the same quantizers in the same (forward) order; an
+    fp16 step skipped for overflow is skipped on all of them (see grads.agree_on_overflow)."""
+    by_groups: dict = {}
+    for q in quantizers:
+        by_groups.setdefault(q.range_groups(), []).append(q)
+    for groups, qs in by_groups.items():
+        if all(comm.group_size(g) == 1 for g in groups):
+            continue
+        reduced = reduce_max(torch.stack([_PENDING[q][0].reshape(()) for q in qs]), *groups)
+        for q, m in zip(qs, reduced):
+            _PENDING[q] = m, _PENDING[q][1]
 
 
 def qmax_of(bits: int) -> int:
@@ -195,13 +215,18 @@ class ActQuantizer(nn.Module):
     def _tp_group(self):
         return getattr(self.tp_ctx, "group", None)
 
-    def batch_amax(self, x: torch.Tensor) -> torch.Tensor:
+    def range_groups(self) -> tuple:
+        """The groups whose ranks see parts of one batch of this activation: MAX-reduced over."""
+        return self._tp_group if self.sharded else None, self.dp_group
+
+    def local_amax(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() == 0:
-            local = x.new_zeros(1, dtype=torch.float32)
-        else:
-            lo, hi = torch.aminmax(x.detach())  # one pass instead of abs() then amax()
-            local = torch.maximum(-lo, hi).float().reshape(1)
-        return reduce_max(local, self._tp_group if self.sharded else None, self.dp_group).reshape(())
+            return x.new_zeros(1, dtype=torch.float32)
+        lo, hi = torch.aminmax(x.detach())  # one pass instead of abs() then amax()
+        return torch.maximum(-lo, hi).float().reshape(1)
+
+    def batch_amax(self, x: torch.Tensor) -> torch.Tensor:
+        return reduce_max(self.local_amax(x), *self.range_groups()).reshape(())
 
     @torch.no_grad()
     def _set_range(self, value: torch.Tensor) -> None:
@@ -248,8 +273,8 @@ class ActQuantizer(nn.Module):
             a = alpha.to(xf.dtype)
             out = _LSQ.apply(xf, a, self.qmax, 1.0 / math.sqrt(numel * self.qmax), group).to(x.dtype)
             return out, (a / self.qmax).detach()
-        if self.range_mode == "delayed" and self.training:  # record now, fold after the optimizer step
-            self._record(self.batch_amax(x), owner)
+        if self.range_mode == "delayed" and self.training:  # record now, reduce and fold after the step
+            self._record(self.local_amax(x).reshape(()), owner)
             if not self.is_initialized:
                 return x, None
         elif self.training:  # update first, then quantize with the updated range (frozen in eval)
