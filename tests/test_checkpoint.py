@@ -1,5 +1,6 @@
-"""Sharded checkpoints in one 2-process launch (tp=2, sp): exact resume, a crash mid-save that leaves
-the previous checkpoint whole, and consolidation into the original single-device module."""
+"""Sharded checkpoints in one 2-process launch (tp=2, sp; and pp=2 interleaved): exact resume, a crash
+mid-save that leaves the previous checkpoint whole, and consolidation into the original single-device
+module."""
 
 import os
 from unittest import mock
@@ -17,11 +18,16 @@ from models import LossRecorder, TokenData, Tokens, make_model, trainer_kwargs
 EPOCHS, BATCHES, BATCH = 4, 3, 4
 
 
-def _fit(world, ckdir, ckpt_path=None, epochs=EPOCHS):
-    model, rec = make_model("gpt"), LossRecorder()
+TP = dict(tp=2, sp=True)
+# pipeline: each rank saves its stage (two chunks each here) and resumes it, optimizer state included
+PP = dict(pp=2, schedule="interleaved_1f1b", virtual_stages=2, microbatches=2)
+
+
+def _fit(world, ckdir, ckpt_path=None, epochs=EPOCHS, layout=TP):
+    model, rec = make_model("gpt", n_layer=4 if "pp" in layout else 2), LossRecorder()
     saver = ModelCheckpoint(dirpath=ckdir, filename="{epoch}", every_n_epochs=1, save_top_k=-1, save_last=True)
     kw = trainer_kwargs(enable_checkpointing=True)
-    trainer = L.Trainer(devices=world, strategy=MegaStrategy(tp=2, sp=True, timeout=60), max_epochs=epochs,
+    trainer = L.Trainer(devices=world, strategy=MegaStrategy(**layout, timeout=60), max_epochs=epochs,
                         callbacks=[rec, saver], **kw)
     data = TokenData(BATCHES * BATCH, 64, BATCH)  # Lightning shuffles with a seeded, epoch-keyed sampler
     trainer.fit(model, data, ckpt_path=ckpt_path)
@@ -57,6 +63,10 @@ def _scenario(rank, world, ckdir):
     out["after_crash_step"] = torch.load(os.path.join(last, C.META), weights_only=False)["global_step"]
     out["step_before"] = step_before
     _, _, out["after_crash_resume"] = _fit(world, ckdir + "_again", ckpt_path=last, epochs=EPOCHS + 1)
+
+    _, _, out["pp_full"] = _fit(world, ckdir + "_pp", layout=PP)
+    _, _, out["pp_resumed"] = _fit(world, ckdir + "_pp_resumed", ckpt_path=os.path.join(ckdir + "_pp", "epoch=1.ckpt"),
+                                   layout=PP)
     return out
 
 
@@ -66,12 +76,14 @@ def scenario(tmp_path_factory):
     return dist.run(2, _scenario, ckdir), ckdir
 
 
-def test_resume_reproduces_the_uninterrupted_run_exactly(scenario):
+@pytest.mark.parametrize("run", ["", "pp_"])
+def test_resume_reproduces_the_uninterrupted_run_exactly(scenario, run):
     results, _ = scenario
-    full, resumed = results[0]["full"], results[0]["resumed"]
+    full, resumed = results[0][run + "full"], results[0][run + "resumed"]
     assert len(full) == EPOCHS * BATCHES and len(resumed) == (EPOCHS - 2) * BATCHES
     assert resumed == full[2 * BATCHES:]
     assert full[0] != full[BATCHES]  # epochs differ, so matching the right ones means something
+    assert all(r[run + "resumed"] == resumed for r in results)  # every rank reports the same losses
 
 
 def test_checkpoint_is_a_directory_of_shards(scenario):
