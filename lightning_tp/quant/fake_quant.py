@@ -21,8 +21,10 @@ correction terms, which is what makes the converted layers a plain ``int8 x int8
     unquantized. A quantizer folds after a successful ``step()`` of the optimizer that holds its
     layer's weight (any optimizer's, for a frozen weight or a bare quantizer); an AMP-skipped step
     folds nothing, and a loop that never calls ``step()`` never sets the range. Each rank records
-    its local absmax and the MAX over tp/dp ranks is taken at the fold, one all-reduce for all
-    quantizers of a step instead of one per quantizer per microbatch.
+    its local absmax and the MAX over tp/dp ranks is taken at the fold, one all-reduce per group
+    for all quantizers of a step instead of one per quantizer per microbatch; so every rank of a
+    tp/dp group must step the same optimizers (as Lightning's loop does). A non-finite value counts
+    as 0 on the rank that saw it (the other ranks' absmax still counts).
   - ``"learned"``: an LSQ-style trainable clip ``alpha`` (scale ``alpha / qmax``), initialized from
     the first batch (or from :func:`lightning_tp.quant.calibrate`). Worth it when activations are
     narrow (<= 6 bits) or heavy-tailed. Its gradient is a sum over activation elements, so under
@@ -49,7 +51,8 @@ from .. import comm
 
 EPS = 1e-8  # smallest scale: an all-zero row or tensor (padding, dead units) quantizes to zeros
 RANGE_MODES = ("ema", "learned", "delayed")
-# "delayed" quantizer -> (the MAX of its batch absmax since its last fold, its layer's weight or None).
+# "delayed" quantizer -> (the MAX of this rank's local absmax since its last fold, reduced over ranks
+# just before the fold; its layer's weight or None).
 # Kept here, not on the module, so that a deepcopy or a loaded state dict never carries a stale value.
 _PENDING = weakref.WeakKeyDictionary()
 _FOLD_HOOK = []  # the global optimizer step post-hook, registered once
@@ -69,10 +72,11 @@ def _fold_delayed(optimizer, *_) -> None:
 
 
 def _reduce_pending(quantizers: list) -> None:
-    """The MAX over ranks of what each quantizer recorded locally this step: one all-reduce per set
-    of groups for all of them, not one per quantizer per microbatch. Every rank of those groups
-    runs the same optimizer steps and records the same quantizers in the same (forward) order; an
-    fp16 step skipped for overflow is skipped on all of them (see grads.agree_on_overflow)."""
+    """The MAX over ranks of what each quantizer recorded locally this step: for all of them at once,
+    one all-reduce per group (tp for sharded activations, dp), not one per quantizer per
+    microbatch. Needs every rank of those groups to run the same optimizer steps and to record the
+    same quantizers in the same (forward) order, as SPMD training does; an fp16 step skipped for
+    overflow is skipped on all of them (see grads.agree_on_overflow)."""
     by_groups: dict = {}
     for q in quantizers:
         by_groups.setdefault(q.range_groups(), []).append(q)
