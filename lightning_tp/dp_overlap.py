@@ -9,7 +9,12 @@ collectives in the same order whatever order its hooks fire in. :meth:`DPOverlap
 where the synchronous all-reduce used to run) launches what is left, e.g. buckets holding unused
 parameters, and waits.
 
-Only for runs without a pipeline: there the backward runs per microbatch inside the step.
+Under a pipeline the backward runs per microbatch inside the step, and a gradient is final only
+after its last microbatch: there the hooks are registered around the step's final backward only
+(``hooked=False``, see :meth:`hook`; the executor does it, not for zero bubble, whose last
+backward is split), so that backward's buckets start while it goes on (on the first stage, which
+ends a 1F1B or GPipe step, that is the critical path), and whatever was not final then starts in
+:meth:`finish`.
 """
 
 from __future__ import annotations
@@ -18,8 +23,9 @@ from .grads import BUCKET_BYTES, settle, start_all_reduce
 
 
 class DPOverlap:
-    def __init__(self, params, group, dp: int, armed, bucket_bytes: int = BUCKET_BYTES):
-        """``armed()``: whether this backward is the one to sync (False while Lightning accumulates)."""
+    def __init__(self, params, group, dp: int, armed, bucket_bytes: int = BUCKET_BYTES, hooked: bool = True):
+        """``armed()``: whether this backward is the one to sync (False while Lightning accumulates).
+        ``hooked``: register the hooks now and keep them (else :meth:`hook` / :meth:`remove`)."""
         self.group, self.scale, self.armed = group, 1.0 / dp, armed
         self.buckets, size = [[]], 0
         for p in reversed([p for p in params if p.requires_grad]):
@@ -31,8 +37,15 @@ class DPOverlap:
             self.buckets[-1].append(p)
             size += nbytes
         self.bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
-        self.hooks = [p.register_post_accumulate_grad_hook(self._ready) for b in self.buckets for p in b]
+        self.hooks = []
+        if hooked:
+            self.hook()
         self._reset()
+
+    def hook(self) -> None:
+        """Count each parameter's gradient into its bucket as autograd accumulates it."""
+        if not self.hooks:
+            self.hooks = [p.register_post_accumulate_grad_hook(self._ready) for b in self.buckets for p in b]
 
     def _reset(self) -> None:
         self.count, self.next, self.works = [0] * len(self.buckets), 0, []
@@ -53,6 +66,7 @@ class DPOverlap:
 
     def finish(self) -> None:
         """Launch the buckets not yet complete (unused parameters), wait for all, average into .grad."""
+        self.launched_early = self.next  # buckets the backward started (read by tests)
         while self.next < len(self.buckets):
             self._launch(self.next)
         settle(self.works, self.scale)

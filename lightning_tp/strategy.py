@@ -260,9 +260,15 @@ class MegaStrategy(ParallelStrategy):
         if self._dp_overlap is not None:
             self._dp_overlap.remove()
         self._dp_overlap = None
-        if self.mesh.dp > 1 and not self._pipelined:  # a pipeline's backward runs per microbatch in the step
+        if self.mesh.dp > 1 and not self._pipelined:
             self._dp_overlap = DPOverlap(module.parameters(), self.mesh.dp_group, self.mesh.dp,
                                          armed=lambda: self._sync_grads)
+        elif self.mesh.dp > 1:  # a pipeline's backward runs per microbatch: only its last one starts the sync,
+            # and only without accumulation over batches (its tensor is then the whole gradient, see merge_grads)
+            self._dp_overlap = DPOverlap(module.parameters(), self.mesh.dp_group, self.mesh.dp, hooked=False,
+                                         armed=lambda: self._sync_grads and
+                                         self.lightning_module.trainer.accumulate_grad_batches == 1)
+            self._runner.dp_overlap = self._dp_overlap
         contexts = {id(m.ctx): m.ctx for m in replaced.values() if hasattr(m, "ctx")}
         module._lightning_tp = {"tp": self.tp, "sp": self.sp, "pp": self.pp, "contexts": list(contexts.values()),
                                 "runner": self._runner}

@@ -69,7 +69,10 @@ def _train_all(rank, world, configs, ckdir):
         trainer.save_checkpoint(path)
         replicated = {n: p.detach().clone() for n, p in model.named_parameters() if not hasattr(p, "_tp_spec")}
         scaler = getattr(trainer.precision_plugin, "scaler", None)
-        out[name] = dict(losses=rec.losses, dp_overlap=trainer.strategy._dp_overlap is not None, weights=consolidate(path) if rank == 0 else None,
+        overlap = trainer.strategy._dp_overlap
+        out[name] = dict(losses=rec.losses, dp_overlap=overlap is not None, weights=consolidate(path) if rank == 0 else None,
+                         launched_early=getattr(overlap, "launched_early", None),
+                         buckets=None if overlap is None else len(overlap.buckets),
                          scaler_agrees=getattr(scaler, "_lightning_tp_agrees", False),
                          replicated=replicated, metrics={k: float(v) for k, v in trainer.callback_metrics.items()})
     return out
@@ -112,8 +115,16 @@ def _check(results, name, configs, world):
         assert got["scaler_agrees"]
     if trainer_kw.get("precision") == "bf16-mixed":
         tol = weight_tol = BF16_TOL
-    # dp replicas without a pipeline average their gradients while backward runs (dp_overlap.py)
-    assert got["dp_overlap"] == (dp > 1 and strategy_kw.get("pp", 1) == 1 and not strategy_kw.get("microbatches"))
+    # dp replicas average their gradients while backward runs (dp_overlap.py); under a pipeline, the
+    # step's final backward starts the sync of every gradient it finalizes: all of them with one chunk
+    # per rank, none under ZB-H1 (split backward) or while Lightning accumulates over batches
+    assert got["dp_overlap"] == (dp > 1)
+    if dp > 1 and (strategy_kw.get("pp", 1) > 1 or strategy_kw.get("microbatches", 1) > 1):
+        schedule, accumulate = strategy_kw.get("schedule", "1f1b"), trainer_kw.get("accumulate_grad_batches", 1)
+        if accumulate > 1 or schedule == "zb_h1":
+            assert got["launched_early"] == 0
+        elif schedule in ("gpipe", "1f1b"):
+            assert got["launched_early"] == got["buckets"] > 0
     assert len(got["losses"]) == len(ref_losses) == steps * trainer_kw.get("accumulate_grad_batches", 1)
     if "tokens" in ref_metrics:  # a torchmetrics SumMetric: synced over dp only, not tp replicas
         assert got["metrics"]["tokens"] == ref_metrics["tokens"]

@@ -40,6 +40,8 @@ WORLD4.update({
     "tp2_pp2_tied_interleaved": ("gpt", dict(n_layer=4, tie_weights=True), dict(tp=2, **_pp(2, "interleaved_1f1b")),
                                  {}),
     **{f"pp2_dp2_{s}": ("gpt", dict(n_layer=4), _pp(2, s), {}) for s in SCHEDULES},
+    # accumulating over batches: the pipeline's final backward may not start the dp sync (the sum is not done)
+    "pp2_dp2_1f1b_accumulate": ("gpt", dict(n_layer=4), _pp(2, "1f1b"), dict(accumulate_grad_batches=2)),
     "tp2_pp2_gpipe": ("gpt", dict(n_layer=4), dict(tp=2, **_pp(2, "gpipe")), {}),
     "tp2_pp2_zb_h1": ("gpt", dict(n_layer=4), dict(tp=2, **_pp(2, "zb_h1")), {}),
     "tp2_pp2_interleaved_batched_p2p": ("gpt", dict(n_layer=4), dict(tp=2, **_pp(2, "interleaved_1f1b", p2p="batched")),

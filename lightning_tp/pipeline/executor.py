@@ -89,6 +89,9 @@ class PipelineRunner(StageLogs):
         self._landed = {} if batched else {i: [self._send_tag(self.actions[j]) for j in js]
                                            for i, js in landed_after(full, layout.pp)[mesh.pp_rank].items()}
         self.zero_bubble = any(a.kind == "W" for a in self.actions)
+        # dp > 1: the strategy's DPOverlap, hooked around the step's final backward (not ZB's split one)
+        self.dp_overlap = None
+        self._final_b = None if self.zero_bubble else next((a for a in reversed(self.actions) if a.kind == "B"), None)
         self._log_names = None  # the last stage's logged names as of the previous step (see _share_numbers)
         self._metrics = None  # torchmetrics modules of the user's module (muted in all but the last chunk)
         self._shapes = {"in": {}, "out": {}}  # per P2P channel, last step's shapes (see Mailbox)
@@ -233,9 +236,17 @@ class PipelineRunner(StageLogs):
                 out = out * st.scale
             st.outputs[key] = out
         elif a.kind == "B":
-            with no_autocast(st.device):  # the step runs inside Lightning's autocast; backward must not
-                self._backward(key, k, st.outputs.pop(key), st.grads.pop(key, None), st.inputs, st.input_grads,
-                               st.deferred, st.params)
+            overlap = self.dp_overlap if a == self._final_b and self.dp_overlap is not None and \
+                self.dp_overlap.armed() else None
+            if overlap is not None:  # every gradient this backward accumulates is final: start their dp sync
+                overlap.hook()
+            try:
+                with no_autocast(st.device):  # the step runs inside Lightning's autocast; backward must not
+                    self._backward(key, k, st.outputs.pop(key), st.grads.pop(key, None), st.inputs,
+                                   st.input_grads, st.deferred, st.params)
+            finally:
+                if overlap is not None:
+                    overlap.remove()
         else:
             with no_autocast(st.device):
                 st.deferred.pop(key).weight_grad()
@@ -253,11 +264,15 @@ class PipelineRunner(StageLogs):
 
     @staticmethod
     def merge_grads(module) -> None:
-        """Hand the step's gradients to Lightning, after its zero_grad (adds to accumulated ones)."""
+        """Hand the step's gradients to Lightning, after its zero_grad (adds to accumulated ones). The
+        step's own tensor becomes ``.grad``: a dp all-reduce started on it in the step (see
+        DPOverlap) writes its result there."""
         for p in module.parameters():
             fresh = getattr(p, "_pp_fresh_grad", None)
             if fresh is not None:
-                p.grad = fresh if p.grad is None else p.grad + fresh
+                if p.grad is not None:
+                    fresh.add_(p.grad)
+                p.grad = fresh
                 p._pp_fresh_grad = None
 
     # ---------------------------------------------------------------- forward only
