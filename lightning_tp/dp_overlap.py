@@ -43,19 +43,31 @@ class DPOverlap:
         self._reset()
 
     def hook(self) -> None:
-        """Count each parameter's gradient into its bucket as autograd accumulates it."""
+        """Count each parameter's gradient into its bucket as autograd accumulates it. A step that
+        raised after starting buckets left their count behind: it starts over."""
         if not self.hooks:
+            self._reset()
             self.hooks = [p.register_post_accumulate_grad_hook(self._ready) for b in self.buckets for p in b]
 
     def _reset(self) -> None:
-        self.count, self.next, self.works = [0] * len(self.buckets), 0, []
+        self.seen, self.next, self.works = [set() for _ in self.buckets], 0, []
+        self.after = []  # (grad, addend): added once the grad's all-reduce is settled (see add_after_sync)
 
     def _ready(self, p) -> None:
         if not self.armed():
             return
-        self.count[self.bucket_of[id(p)]] += 1
-        while self.next < len(self.buckets) and self.count[self.next] == len(self.buckets[self.next]):
+        self.seen[self.bucket_of[id(p)]].add(id(p))  # a set: a hook firing twice counts once
+        while self.next < len(self.buckets) and len(self.seen[self.next]) == len(self.buckets[self.next]):
             self._launch(self.next)
+
+    def started(self, p) -> bool:
+        """Whether ``p``'s bucket is being all-reduced already (its gradient was taken at launch)."""
+        return self.bucket_of.get(id(p), len(self.buckets)) < self.next
+
+    def add_after_sync(self, grad, addend) -> None:
+        """``grad += addend`` once ``grad``'s started all-reduce has written its average back: for a
+        value every dp rank holds alike (a gradient synced at an earlier step and not zeroed)."""
+        self.after.append((grad, addend))
 
     def _launch(self, i: int) -> None:
         grads = [p.grad for p in self.buckets[i] if p.grad is not None]
@@ -70,6 +82,8 @@ class DPOverlap:
         while self.next < len(self.buckets):
             self._launch(self.next)
         settle(self.works, self.scale)
+        for grad, addend in self.after:
+            grad.add_(addend)
         self._reset()
 
     def remove(self) -> None:

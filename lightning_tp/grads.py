@@ -68,8 +68,10 @@ def sync_gradients(params, mesh, dp_overlap=None) -> None:
         _reduce([p.grad for p in params if getattr(p, "_pp_tied", False)], mesh.emb_group)
     _reduce([p.grad for p in params if getattr(p, "_tp_sp_partial", False)], mesh.tp_group)
     _sum_replicas(params, mesh)
-    if dp_overlap is None:
-        _reduce([p.grad for p in params], mesh.dp_group, scale=1.0 / mesh.dp)
+    # without an overlap every grad; with one, those of parameters it does not know (made trainable
+    # after setup, e.g. by a fine-tuning callback)
+    _reduce([p.grad for p in params if dp_overlap is None or id(p) not in dp_overlap.bucket_of], mesh.dp_group,
+            scale=1.0 / mesh.dp)
 
 
 def _replicated_pieces(p, tp_rank: int):

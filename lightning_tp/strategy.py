@@ -227,6 +227,7 @@ class MegaStrategy(ParallelStrategy):
             self._runner = done["runner"]
             if self._runner is not None:
                 self._runner.mesh = self.mesh
+                self._runner.dp_overlap = None  # the last strategy's; this one syncs after the step
             return
         # 1. every check, on every rank alike, before any collective
         self._check_p2p_backend()
@@ -264,7 +265,7 @@ class MegaStrategy(ParallelStrategy):
             self._dp_overlap = DPOverlap(module.parameters(), self.mesh.dp_group, self.mesh.dp,
                                          armed=lambda: self._sync_grads)
         elif self.mesh.dp > 1:  # a pipeline's backward runs per microbatch: only its last one starts the sync,
-            # and only without accumulation over batches (its tensor is then the whole gradient, see merge_grads)
+            # and only without accumulation over batches (then its tensor is the step's gradient, see merge_grads)
             self._dp_overlap = DPOverlap(module.parameters(), self.mesh.dp_group, self.mesh.dp, hooked=False,
                                          armed=lambda: self._sync_grads and
                                          self.lightning_module.trainer.accumulate_grad_batches == 1)
@@ -327,7 +328,7 @@ class MegaStrategy(ParallelStrategy):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
-        PipelineRunner.merge_grads(self.lightning_module)
+        PipelineRunner.merge_grads(self.lightning_module, self._dp_overlap)
         closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
         self.post_backward(closure_loss)
         return closure_loss

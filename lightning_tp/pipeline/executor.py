@@ -263,14 +263,17 @@ class PipelineRunner(StageLogs):
         deferred[key] = split
 
     @staticmethod
-    def merge_grads(module) -> None:
+    def merge_grads(module, overlap=None) -> None:
         """Hand the step's gradients to Lightning, after its zero_grad (adds to accumulated ones). The
-        step's own tensor becomes ``.grad``: a dp all-reduce started on it in the step (see
-        DPOverlap) writes its result there."""
+        step's own tensor becomes ``.grad``: a dp all-reduce started on it in the step (``overlap``,
+        see DPOverlap) writes its result there, and what ``.grad`` held (not zeroed: a gradient
+        synced at an earlier step) is added after that."""
         for p in module.parameters():
             fresh = getattr(p, "_pp_fresh_grad", None)
             if fresh is not None:
-                if p.grad is not None:
+                if p.grad is not None and overlap is not None and overlap.started(p):
+                    overlap.add_after_sync(fresh, p.grad)
+                elif p.grad is not None:
                     fresh.add_(p.grad)
                 p.grad = fresh
                 p._pp_fresh_grad = None
