@@ -10,10 +10,10 @@ where the synchronous all-reduce used to run) launches what is left, e.g. bucket
 parameters, and waits.
 
 Under a pipeline the backward runs per microbatch inside the step, and a gradient is final only
-after its last microbatch: there the hooks are registered around the step's final backward only
-(``hooked=False``, see :meth:`hook`; the executor does it, not for zero bubble, whose last
-backward is split), so that backward's buckets start while it goes on (on the first stage, which
-ends a 1F1B or GPipe step, that is the critical path), and whatever was not final then starts in
+after its last microbatch: there the hooks are registered around each model chunk's final backward
+of the step only (``hooked=False``, see :meth:`hook`; the executor does it, not for zero bubble,
+whose last backward is split), so those backwards' buckets start while they go on (on the first
+stage, which ends the step, that is the critical path), and whatever was not final then starts in
 :meth:`finish`.
 """
 
@@ -43,11 +43,13 @@ class DPOverlap:
         self._reset()
 
     def hook(self) -> None:
-        """Count each parameter's gradient into its bucket as autograd accumulates it. A step that
-        raised after starting buckets left their count behind: it starts over."""
+        """Count each parameter's gradient into its bucket as autograd accumulates it."""
         if not self.hooks:
-            self._reset()
             self.hooks = [p.register_post_accumulate_grad_hook(self._ready) for b in self.buckets for p in b]
+
+    def restart(self) -> None:
+        """Forget what a step that raised after starting buckets left behind (none: no-op)."""
+        self._reset()
 
     def _reset(self) -> None:
         self.seen, self.next, self.works = [set() for _ in self.buckets], 0, []

@@ -89,9 +89,11 @@ class PipelineRunner(StageLogs):
         self._landed = {} if batched else {i: [self._send_tag(self.actions[j]) for j in js]
                                            for i, js in landed_after(full, layout.pp)[mesh.pp_rank].items()}
         self.zero_bubble = any(a.kind == "W" for a in self.actions)
-        # dp > 1: the strategy's DPOverlap, hooked around the step's final backward (not ZB's split one)
+        # dp > 1: the strategy's DPOverlap, hooked around each chunk's final backward of the step (its
+        # gradients are then final; not ZB's split one). Chunks finish last-first, as the buckets go.
         self.dp_overlap = None
-        self._final_b = None if self.zero_bubble else next((a for a in reversed(self.actions) if a.kind == "B"), None)
+        self._final_b = set() if self.zero_bubble else \
+            {next(a for a in reversed(self.actions) if a.kind == "B" and a.chunk == c) for c in range(layout.v)}
         self._log_names = None  # the last stage's logged names as of the previous step (see _share_numbers)
         self._metrics = None  # torchmetrics modules of the user's module (muted in all but the last chunk)
         self._shapes = {"in": {}, "out": {}}  # per P2P channel, last step's shapes (see Mailbox)
@@ -162,6 +164,8 @@ class PipelineRunner(StageLogs):
     # ---------------------------------------------------------------- training
 
     def train_step(self, batch, batch_idx, scale):
+        if self.dp_overlap is not None:
+            self.dp_overlap.restart()  # a step that raised may have left a count behind
         params = [p for p in self.module.parameters() if p.requires_grad]
         saved = [p.grad for p in params]
         for p in params:
@@ -236,7 +240,7 @@ class PipelineRunner(StageLogs):
                 out = out * st.scale
             st.outputs[key] = out
         elif a.kind == "B":
-            overlap = self.dp_overlap if a == self._final_b and self.dp_overlap is not None and \
+            overlap = self.dp_overlap if a in self._final_b and self.dp_overlap is not None and \
                 self.dp_overlap.armed() else None
             if overlap is not None:  # every gradient this backward accumulates is final: start their dp sync
                 overlap.hook()
