@@ -37,7 +37,7 @@ import dist  # noqa: E402  (tests/dist.py: torchrun-like local processes)
 from _pipeline_model import ROWS, WIDTH, worker  # noqa: E402
 
 from lightning_tp.pipeline.landed import landed_after  # noqa: E402
-from lightning_tp.pipeline.schedules import build_schedule  # noqa: E402
+from lightning_tp.pipeline.schedules import build_schedule, message  # noqa: E402
 from lightning_tp.pipeline.simulate import simulate  # noqa: E402
 
 P = 4  # pipeline stages = world size
@@ -66,11 +66,11 @@ def replay(schedule, p, v, duration, latency: float = 0.0, rendezvous: bool = Fa
         for r in range(p):
             ops = schedule[r]
             while pc[r] < len(ops):
-                a, k = ops[pc[r]], ops[pc[r]].chunk * p + r
+                a = ops[pc[r]]
                 if a.kind in ("SEND_F", "SEND_B"):
-                    sent[(a.kind[-1], a.microbatch, k + 1 if a.kind == "SEND_F" else k - 1)] = clock[r]
+                    sent[message(a, r, p)] = clock[r]
                 elif a.kind in ("RECV_F", "RECV_B"):
-                    key = (a.kind[-1], a.microbatch, k)
+                    key = message(a, r, p)
                     if key not in sent:
                         break
                     clock[r] = max(clock[r], sent[key]) + latency if rendezvous else \

@@ -14,17 +14,7 @@ received microbatch i's activation, so RECV_B(i) releases SEND_F(i).
 
 from __future__ import annotations
 
-from .schedules import Schedule
-
-
-def message(a, rank: int, p: int) -> tuple:
-    """(direction, microbatch, receiving virtual stage) of a SEND or RECV action."""
-    k = a.chunk * p + rank
-    if a.kind == "SEND_F":
-        return "F", a.microbatch, k + 1
-    if a.kind == "SEND_B":
-        return "B", a.microbatch, k - 1
-    return a.kind[-1], a.microbatch, k
+from .schedules import Schedule, message
 
 
 def landed_after(schedule: Schedule, p: int) -> list[dict[int, list[int]]]:

@@ -62,6 +62,17 @@ class Action:
 Schedule = list[list[Action]]
 
 
+def message(a: Action, rank: int, p: int) -> tuple:
+    """The transfer a SEND or RECV action on ``rank`` takes part in: (direction "F" or "B",
+    microbatch, receiving virtual stage), the same for both of its ends."""
+    k = a.chunk * p + rank
+    if a.kind == "SEND_F":
+        return "F", a.microbatch, k + 1
+    if a.kind == "SEND_B":
+        return "B", a.microbatch, k - 1
+    return a.kind[-1], a.microbatch, k
+
+
 def _check_positive(**values: int) -> None:
     for name, value in values.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from numbers import Real
 
-from .schedules import Action, Schedule
+from .schedules import Action, Schedule, message
 
 DEFAULT_COST = {"F": 1, "B": 2, "W": 1}
 
@@ -103,16 +103,16 @@ def simulate(schedule: Schedule, p: int, v: int = 1, cost: dict | None = None) -
             fail(r, a, "duplicate action")
         if a.kind in ("SEND_F", "SEND_B"):
             fwd = a.kind == "SEND_F"
-            dest = k + 1 if fwd else k - 1
-            if not 0 <= dest <= last:
+            tkey = message(a, r.rank, p)
+            if not 0 <= tkey[2] <= last:
                 fail(r, a, f"virtual stage {k} has no {'next' if fwd else 'previous'} stage")
             if ("F" if fwd else "B", a.microbatch, a.chunk) not in r.done:
                 fail(r, a, "sends a result that has not been computed yet")
-            sent[(a.kind[-1], a.microbatch, dest)] = r.clock
+            sent[tkey] = r.clock
         elif a.kind in ("RECV_F", "RECV_B"):
             if (a.kind == "RECV_F" and k == 0) or (a.kind == "RECV_B" and k == last):
                 fail(r, a, f"virtual stage {k} has no peer to receive from")
-            tkey = (a.kind[-1], a.microbatch, k)
+            tkey = message(a, r.rank, p)
             if tkey not in sent:
                 return False
             consumed.add(tkey)
