@@ -56,12 +56,13 @@ def _train_all(rank, world, configs, ckdir):
         model = make_model(kind, **model_kw)
         dp = world // (strategy_kw.get("tp", 1) * strategy_kw.get("pp", 1))
         rec = LossRecorder()
+        batch = trainer_kw.get("batch", BATCH)
         steps, trainer_kw = _steps(trainer_kw)
         trainer = L.Trainer(devices=world, strategy=MegaStrategy(**strategy_kw, timeout=120), max_steps=steps,
                             callbacks=[rec], **trainer_kwargs(**trainer_kw))
-        n = steps * BATCH * dp * trainer_kw.get("accumulate_grad_batches", 1)
+        n = steps * batch * dp * trainer_kw.get("accumulate_grad_batches", 1)
         with torch_path() if strategy_kw.get("kernels") else contextlib.nullcontext():
-            trainer.fit(model, TokenData(n, vocab_of(model), BATCH))
+            trainer.fit(model, TokenData(n, vocab_of(model), batch))
         if strategy_kw.get("kernels"):
             fused = [type(m).__name__ for m in model.modules() if type(m).__name__.startswith("Fused")]
             assert {"FusedLayerNorm", "FusedBiasGeLU"} <= set(fused), fused
@@ -89,16 +90,18 @@ def world4(tmp_path_factory):
 
 
 def _steps(trainer_kw):
-    """A config may ask for fewer steps (``max_steps`` in its trainer kwargs); 20 by default."""
-    rest = {k: v for k, v in trainer_kw.items() if k != "max_steps"}
+    """A config may ask for fewer steps (``max_steps`` in its trainer kwargs; 20 by default) and
+    another per-replica batch size (``batch``; BATCH by default): both are taken out of the kwargs."""
+    rest = {k: v for k, v in trainer_kw.items() if k not in ("max_steps", "batch")}
     return trainer_kw.get("max_steps", STEPS), rest
 
 
 def _check(results, name, configs, world):
     kind, model_kw, strategy_kw, trainer_kw = configs[name]
     dp = world // (strategy_kw.get("tp", 1) * strategy_kw.get("pp", 1))
+    batch = trainer_kw.get("batch", BATCH)
     steps, trainer_kw = _steps(trainer_kw)
-    ref_losses, ref_weights, ref_metrics = reference_run(kind, model_kw, steps, BATCH * dp, **trainer_kw)
+    ref_losses, ref_weights, ref_metrics = reference_run(kind, model_kw, steps, batch * dp, **trainer_kw)
     got = results[0][name]
     tol, weight_tol = TOL, TOL
     if "quant" in strategy_kw:

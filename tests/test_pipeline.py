@@ -36,6 +36,10 @@ WORLD4 = {f"pp4_uneven_{s}": ("gpt", dict(n_layer=6), _pp(4, s), {}) for s in ("
 WORLD4.update({
     "pp4_interleaved_1f1b": ("gpt", dict(n_layer=8), _pp(4, "interleaved_1f1b"), {}),
     "pp4_interleaved_batched_p2p": ("gpt", dict(n_layer=8), _pp(4, "interleaved_1f1b", p2p="batched"), {}),
+    # microbatches not a multiple of pp: one group of 6 (>= pp) walks both chunks; fewer than pp (2)
+    "pp4_interleaved_m6": ("gpt", dict(n_layer=8), _pp(4, "interleaved_1f1b", m=6), dict(batch=6, max_steps=10)),
+    "pp4_interleaved_m2_batched_p2p": ("gpt", dict(n_layer=8), _pp(4, "interleaved_1f1b", m=2, p2p="batched"),
+                                       dict(max_steps=10)),
     "tp2_sp_pp2": ("gpt", dict(n_layer=4), dict(tp=2, sp=True, **_pp(2, "1f1b")), {}),
     "tp2_pp2_tied_interleaved": ("gpt", dict(n_layer=4, tie_weights=True), dict(tp=2, **_pp(2, "interleaved_1f1b")),
                                  {}),

@@ -146,42 +146,51 @@ def one_f_one_b(p: int, m: int) -> Schedule:
     return schedule
 
 
-def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
-    """Megatron's interleaved 1F1B with v model chunks per rank.
+def microbatch_groups(p: int, m: int) -> list[int]:
+    """Sizes of the groups interleaved 1F1B walks through all chunks before the next: as many as
+    fit with at least ``p`` each (one if ``m < p``), sizes as equal as possible, larger first.
 
-    Work proceeds in groups of p microbatches per chunk, so the order needs
-    m % p == 0. Each rank's bubble shrinks by v because every pass is 1/v as
-    long, at the price of v times more P2P traffic. The warmup count
-    ``2 * (p - s - 1) + (v - 1) * p`` and the all-warmup special case m == p
-    follow Megatron-LM's ``forward_backward_pipelining_with_interleaving``.
+    A group of at least p microbatches keeps rank 0 busy until the group's first microbatch is
+    back from rank p - 1 for its next chunk, so the bubble stays (p-1)/(v*m+p-1) for any
+    m >= p (Megatron-LM's groups of exactly p need m % p == 0; torch's flexible interleaved
+    takes m // p rounds but needs m divisible by them). m < p runs, with rank 0 waiting at each
+    chunk change.
+    """
+    n = max(1, m // p)
+    return [m // n + (i < m % n) for i in range(n)]
+
+
+def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
+    """Megatron's interleaved 1F1B with v model chunks per rank, for any number of microbatches.
+
+    Work proceeds in groups of microbatches (:func:`microbatch_groups`: p each when m % p == 0,
+    as in Megatron-LM): each group runs through every chunk before the next group starts.
+    Each rank's bubble shrinks by v because every pass is 1/v as long, at the price of v times
+    more P2P traffic. Rank s warms up with ``2 * (p - s - 1) + (v - 1) * g`` forwards (g: the
+    first, largest group), Megatron-LM's count, which brings the last chunk's first backward
+    within reach; no other all-forward special case is needed (the replay shows the same bubble
+    with fewer activations held).
     """
     _check_positive(p=p, m=m, v=v)
-    if m % p != 0:
-        raise ValueError(
-            f"interleaved_1f1b needs the number of microbatches ({m}) to be a "
-            f"multiple of the pipeline size ({p}), as in Megatron-LM"
-        )
-    total = m * v
-    group = p * v
-
-    def chunk_of(k: int, forward: bool) -> int:
-        c = (k % group) // p
-        return c if forward else v - 1 - c
-
-    def mb_of(k: int) -> int:
-        return (k // group) * p + k % p
+    forward, backward, first = [], [], 0
+    for g in microbatch_groups(p, m):
+        for c in range(v):
+            forward += [(first + j, c) for j in range(g)]
+            backward += [(first + j, v - 1 - c) for j in range(g)]
+        first += g
+    total, group = m * v, microbatch_groups(p, m)[0]
 
     schedule = []
     for s in range(p):
         r = _RankOps(s, p, v)
-        warmup = total if m == p else min(2 * (p - s - 1) + (v - 1) * p, total)
+        warmup = min(2 * (p - s - 1) + (v - 1) * group, total)
         for k in range(warmup):
-            r.forward(mb_of(k), chunk_of(k, True))
+            r.forward(*forward[k])
         for i in range(total - warmup):
-            r.forward(mb_of(warmup + i), chunk_of(warmup + i, True))
-            r.backward(mb_of(i), chunk_of(i, False))
+            r.forward(*forward[warmup + i])
+            r.backward(*backward[i])
         for k in range(total - warmup, total):
-            r.backward(mb_of(k), chunk_of(k, False))
+            r.backward(*backward[k])
         schedule.append(r.ops)
     return schedule
 
