@@ -10,11 +10,11 @@ where the synchronous all-reduce used to run) launches what is left, e.g. bucket
 parameters, and waits.
 
 Under a pipeline the backward runs per microbatch inside the step, and a gradient is final only
-after its last microbatch: there the hooks are registered around each model chunk's final backward
-of the step only (``hooked=False``, see :meth:`hook`; the executor does it, not for zero bubble,
-whose last backward is split), so those backwards' buckets start while they go on (on the first
-stage, which ends the step, that is the critical path), and whatever was not final then starts in
-:meth:`finish`.
+after its last microbatch: there the hooks are registered around each model chunk's final
+weight-gradient pass of the step only (``hooked=False``, see :meth:`hook`; the executor does it:
+the last backward, or zero bubble's last W, whose direct formulas run the hooks too), so those
+passes' buckets start while they go on (on the first stage, which ends the step, that is the
+critical path), and whatever was not final then starts in :meth:`finish`.
 """
 
 from __future__ import annotations

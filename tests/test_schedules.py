@@ -20,6 +20,7 @@ from lightning_tp.pipeline.schedules import (
     build_schedule,
     gpipe,
     interleaved_1f1b,
+    message,
     microbatch_groups,
     one_f_one_b,
     zb_h1,
@@ -118,6 +119,23 @@ def test_gpipe_holds_all_m_activations_and_1f1b_at_most_p_minus_s(p, m):
     for s, peak in enumerate(o_sim.peak_inflight):
         assert peak <= p - s
         assert peak == min(p - s, m)
+
+
+@pytest.mark.parametrize("name,p,m,v", CASES, ids=CASE_IDS)
+def test_both_ends_of_every_channel_walk_its_microbatches_in_increasing_order(name, p, m, v):
+    """The eager Mailbox's contract (pipeline/p2p.py): per channel (direction, receiving virtual
+    stage) sender and receiver take the same microbatches in increasing order, so they agree on
+    which message carries the header. simulate() matches messages by name and would not notice
+    a receiver taking microbatch 1 before 0, which hangs gloo."""
+    sends, recvs = {}, {}
+    for rank, ops in enumerate(build_schedule(name, p, m, v)):
+        for a in ops:
+            if a.kind in ("SEND_F", "SEND_B", "RECV_F", "RECV_B"):
+                direction, mb, k = message(a, rank, p)
+                (sends if a.kind.startswith("SEND") else recvs).setdefault((direction, k), []).append(mb)
+    assert set(sends) == set(recvs)
+    for channel, order in sends.items():
+        assert order == recvs[channel] == sorted(order) == list(range(m)), (channel, order, recvs[channel])
 
 
 @pytest.mark.parametrize("p,m", PM)

@@ -164,6 +164,57 @@ def test_w_computes_linear_and_layer_norm_weight_grads_directly_bit_for_bit():
     assert seen == [torch.Size([8, 8])]
 
 
+def test_direct_w_runs_post_accumulate_grad_hooks_as_a_plain_backward_does():
+    """The dp overlap counts gradients with post-accumulate-grad hooks; W's direct formulas bypass
+    AccumulateGrad, so they run those hooks themselves: once per parameter per microbatch, after
+    ``.grad`` holds the sum, as a plain backward does (else ZB's dp sync could not start early)."""
+    torch.manual_seed(0)
+    stage = Mixed()
+    params = list(stage.parameters())
+    x, g = torch.randn(2, 3, 8), torch.randn(2, 3, 8)
+
+    def run(split: bool):
+        calls = []
+        hooks = [p.register_post_accumulate_grad_hook(lambda p, i=i: calls.append((i, p.grad.clone())))
+                 for i, p in enumerate(params)]
+        try:
+            for _ in range(2):  # two microbatches: the second hook call sees the accumulated sum
+                inp = x.clone().requires_grad_()
+                if not split:
+                    stage(inp).backward(g)
+                    continue
+                sb = SplitBackward(stage(inp), g, inp, params)
+                assert len(sb.direct) == 5 and all(r is not None for r in sb.direct.values())  # still direct
+                sb.input_grad()
+                sb.weight_grad()
+        finally:
+            for h in hooks:
+                h.remove()
+        grads = [p.grad.clone() for p in params]
+        stage.zero_grad(set_to_none=True)
+        return calls, grads
+
+    ref_calls, ref_grads = run(split=False)
+    calls, grads = run(split=True)
+    # output side first, as a plain backward (the dp overlap's buckets launch last layer first):
+    # per microbatch, the layers in the order their first parameter's hook fired
+    layer = {id(p): name.split(".")[0] for name, p in stage.named_parameters()}
+    names = [n for n, _ in stage.named_parameters()]
+
+    def layers(order):
+        out = []
+        for i in order[:len(params)]:
+            if layer[id(params[i])] not in out:
+                out.append(layer[id(params[i])])
+        return out
+    assert layers([i for i, _ in calls]) == layers([i for i, _ in ref_calls]) == ["c", "b", "n2", "a", "n1"], names
+    calls, ref_calls = sorted(calls, key=lambda c: c[0]), sorted(ref_calls, key=lambda c: c[0])
+    assert [i for i, _ in calls] == [i for i, _ in ref_calls] == sorted(list(range(len(params))) * 2)
+    for (_, a), (_, b) in zip(calls, ref_calls):
+        assert torch.equal(a, b)
+    assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
+
+
 def test_w_does_not_run_a_hook_on_a_split_nodes_output_twice():
     """A tensor hook on a split node's output ran in B (its gradient is what B captured); W starting
     at that node must not run it again (it did for a lone node on the engine path: 2x the grad)."""

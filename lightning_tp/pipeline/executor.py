@@ -11,6 +11,7 @@ the step returns the true loss everywhere (:mod:`.logs`). Transfers: :mod:`.p2p`
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -89,11 +90,12 @@ class PipelineRunner(StageLogs):
         self._landed = {} if batched else {i: [self._send_tag(self.actions[j]) for j in js]
                                            for i, js in landed_after(full, layout.pp)[mesh.pp_rank].items()}
         self.zero_bubble = any(a.kind == "W" for a in self.actions)
-        # dp > 1: the strategy's DPOverlap, hooked around each chunk's final backward of the step (its
-        # gradients are then final; not ZB's split one). Chunks finish last-first, as the buckets go.
+        # dp > 1: the strategy's DPOverlap, hooked around each chunk's final weight-gradient pass of the
+        # step (B, or ZB's W): its gradients are then final. Chunks finish last-first, as the buckets go.
         self.dp_overlap = None
-        self._final_b = set() if self.zero_bubble else \
-            {next(a for a in reversed(self.actions) if a.kind == "B" and a.chunk == c) for c in range(layout.v)}
+        last = "W" if self.zero_bubble else "B"
+        self._final = {next(a for a in reversed(self.actions) if a.kind == last and a.chunk == c)
+                       for c in range(layout.v)}
         self._log_names = None  # the last stage's logged names as of the previous step (see _share_numbers)
         self._metrics = None  # torchmetrics modules of the user's module (muted in all but the last chunk)
         self._shapes = {"in": {}, "out": {}}  # per P2P channel, last step's shapes (see Mailbox)
@@ -239,21 +241,27 @@ class PipelineRunner(StageLogs):
                 st.losses.append(out.detach().float())
                 out = out * st.scale
             st.outputs[key] = out
-        elif a.kind == "B":
-            overlap = self.dp_overlap if a in self._final_b and self.dp_overlap is not None and \
-                self.dp_overlap.armed() else None
-            if overlap is not None:  # every gradient this backward accumulates is final: start their dp sync
-                overlap.hook()
-            try:
-                with no_autocast(st.device):  # the step runs inside Lightning's autocast; backward must not
+        else:  # the step runs inside Lightning's autocast; backward must not
+            with no_autocast(st.device), self._syncing(a):
+                if a.kind == "B":
                     self._backward(key, k, st.outputs.pop(key), st.grads.pop(key, None), st.inputs,
                                    st.input_grads, st.deferred, st.params)
-            finally:
-                if overlap is not None:
-                    overlap.remove()
-        else:
-            with no_autocast(st.device):
-                st.deferred.pop(key).weight_grad()
+                else:
+                    st.deferred.pop(key).weight_grad()
+
+    @contextlib.contextmanager
+    def _syncing(self, a):
+        """Around a chunk's final weight-gradient pass of the step: every gradient it accumulates is
+        final, so the dp overlap's hooks start each bucket's all-reduce as it completes."""
+        overlap = self.dp_overlap
+        if a not in self._final or overlap is None or not overlap.armed():
+            yield
+            return
+        overlap.hook()
+        try:
+            yield
+        finally:
+            overlap.remove()
 
     def _backward(self, key, k, out, grad, inputs, input_grads, deferred, params):
         if not self.zero_bubble:

@@ -14,8 +14,10 @@ Each such backward call costs an engine start and a walk of what lies below its 
 small stage costs more than the matmuls themselves. The split nodes of Linear (addmm / mm, the
 weight reached through a transpose) and LayerNorm get their weight and bias gradients computed
 directly, by what autograd computes for that node, bit for bit, and accumulated as AccumulateGrad
-does; anything else (autocast casts on the weight path, hooks on the parameters, other ops) takes
-the backward call.
+does, post-accumulate-grad hooks included; anything else (autocast casts on the weight path,
+gradient hooks on the parameters, other ops) takes the backward call. W runs its groups from the
+output side back, as a plain backward does, so gradients complete last layer first (the order the
+dp overlap's buckets launch in).
 """
 
 from __future__ import annotations
@@ -83,7 +85,8 @@ class SplitBackward:
                 found = set().union(*(below[c] for c in kids[node] if c in below))
                 if found:
                     split[node] = found
-        self.groups = [(nodes, [weights[w] for w in ws]) for nodes, ws in _group(split)]
+        # output side first (the walk lists children first): the last layers' gradients complete first
+        self.groups = [(nodes, [weights[w] for w in ws]) for nodes, ws in _group(split)][::-1]
         self.direct = {id(nodes[0]): _direct_rule(nodes[0], params) for nodes, params in self.groups
                        if len(nodes) == 1}
         return list(split)
@@ -154,7 +157,9 @@ def _leaf(node):
 
 
 def _hooked(p) -> bool:
-    return bool(getattr(p, "_backward_hooks", None)) or bool(getattr(p, "_post_accumulate_grad_hooks", None))
+    """A gradient hook (it may change the gradient: the engine runs it); post-accumulate-grad hooks
+    only read ``.grad`` and :func:`_accumulate` runs them, as AccumulateGrad does."""
+    return bool(getattr(p, "_backward_hooks", None))
 
 
 def _linear(node, edges):
@@ -195,8 +200,8 @@ def _layer_norm(node, edges):
 
 def _direct_rule(node, params):
     """(weight, bias, formula) for a split node whose weight side is computed without the engine, or
-    None. Only where its parameters are exactly the group's and carry no hooks (the engine would run
-    them; hooks on the AccumulateGrad nodes themselves cannot be seen and are not run)."""
+    None. Only where its parameters are exactly the group's and carry no gradient hooks (the engine
+    would run them; hooks on the AccumulateGrad nodes themselves cannot be seen and are not run)."""
     edges = [n for n, _ in node.next_functions]
     rule = _linear(node, edges) or _layer_norm(node, edges)
     if rule is None:
@@ -208,7 +213,8 @@ def _direct_rule(node, params):
 
 
 def _accumulate(node_grad, weight, bias, formula) -> None:
-    """The weight side of one split node, added into ``.grad`` as AccumulateGrad does (under no_grad)."""
+    """The weight side of one split node, added into ``.grad`` as AccumulateGrad does (under no_grad),
+    then the parameter's post-accumulate-grad hooks (e.g. the dp overlap's, see DPOverlap)."""
     for p, grad in zip((weight, bias), formula(node_grad)):
         if p is None:
             continue
@@ -216,6 +222,8 @@ def _accumulate(node_grad, weight, bias, formula) -> None:
             p.grad = grad
         else:
             p.grad += grad
+        for hook in (getattr(p, "_post_accumulate_grad_hooks", None) or {}).values():
+            hook(p)
 
 
 def _group(split: dict) -> list:
