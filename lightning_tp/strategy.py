@@ -298,7 +298,7 @@ class MegaStrategy(ParallelStrategy):
         if not self.lightning_module.automatic_optimization:
             raise ValueError("MegaStrategy(pp>1 or microbatches>1) needs automatic optimization.")
         batch, batch_idx = args[0], args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
-        scale = 1.0 / (self._runner.m * self.lightning_module.trainer.accumulate_grad_batches)
+        scale = 1.0 / self.lightning_module.trainer.accumulate_grad_batches  # the runner divides by the microbatches
         scaler = getattr(self.precision_plugin, "scaler", None)
         if scaler is not None:  # fp16 AMP: the backward runs in the step, so the loss scaling goes there too
             scale = scaler.scale(torch.ones((), device=self.root_device)) * scale  # device ops only, no host sync

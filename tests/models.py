@@ -305,13 +305,14 @@ def trainer_kwargs(**kw):
     return base
 
 
-def reference_run(kind: str, model_kw: dict, steps: int, batch: int, **trainer_kw):
-    """The ground truth: the same seeded module trained by Lightning on one process."""
+def reference_run(kind: str, model_kw: dict, steps: int, batch: int, samples: int | None = None, **trainer_kw):
+    """The ground truth: the same seeded module trained by Lightning on one process (on ``samples``
+    samples, epoch after epoch, if given)."""
     model = make_model(kind, reference=True, **model_kw)
     rec = LossRecorder()
     trainer = L.Trainer(devices=1, max_steps=steps, callbacks=[rec], use_distributed_sampler=False,
                         **trainer_kwargs(**trainer_kw))
-    n = steps * batch * trainer_kw.get("accumulate_grad_batches", 1)
+    n = samples or steps * batch * trainer_kw.get("accumulate_grad_batches", 1)
     trainer.fit(model, TokenData(n, vocab_of(model), batch, single=True))
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     return rec.losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, metrics

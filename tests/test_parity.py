@@ -56,11 +56,11 @@ def _train_all(rank, world, configs, ckdir):
         model = make_model(kind, **model_kw)
         dp = world // (strategy_kw.get("tp", 1) * strategy_kw.get("pp", 1))
         rec = LossRecorder()
-        batch = trainer_kw.get("batch", BATCH)
+        batch, samples = trainer_kw.get("batch", BATCH), trainer_kw.get("samples")
         steps, trainer_kw = _steps(trainer_kw)
         trainer = L.Trainer(devices=world, strategy=MegaStrategy(**strategy_kw, timeout=120), max_steps=steps,
                             callbacks=[rec], **trainer_kwargs(**trainer_kw))
-        n = steps * batch * dp * trainer_kw.get("accumulate_grad_batches", 1)
+        n = samples or steps * batch * dp * trainer_kw.get("accumulate_grad_batches", 1)
         with torch_path() if strategy_kw.get("kernels") else contextlib.nullcontext():
             trainer.fit(model, TokenData(n, vocab_of(model), batch))
         if strategy_kw.get("kernels"):
@@ -90,18 +90,20 @@ def world4(tmp_path_factory):
 
 
 def _steps(trainer_kw):
-    """A config may ask for fewer steps (``max_steps`` in its trainer kwargs; 20 by default) and
-    another per-replica batch size (``batch``; BATCH by default): both are taken out of the kwargs."""
-    rest = {k: v for k, v in trainer_kw.items() if k not in ("max_steps", "batch")}
+    """A config may ask for fewer steps (``max_steps`` in its trainer kwargs; 20 by default), another
+    per-replica batch size (``batch``; BATCH by default) and a dataset size (``samples``, dp = 1 only:
+    e.g. one that leaves each epoch a smaller last batch): all are taken out of the kwargs."""
+    rest = {k: v for k, v in trainer_kw.items() if k not in ("max_steps", "batch", "samples")}
     return trainer_kw.get("max_steps", STEPS), rest
 
 
 def _check(results, name, configs, world):
     kind, model_kw, strategy_kw, trainer_kw = configs[name]
     dp = world // (strategy_kw.get("tp", 1) * strategy_kw.get("pp", 1))
-    batch = trainer_kw.get("batch", BATCH)
+    batch, samples = trainer_kw.get("batch", BATCH), trainer_kw.get("samples")
     steps, trainer_kw = _steps(trainer_kw)
-    ref_losses, ref_weights, ref_metrics = reference_run(kind, model_kw, steps, batch * dp, **trainer_kw)
+    ref_losses, ref_weights, ref_metrics = reference_run(kind, model_kw, steps, batch * dp, samples=samples,
+                                                         **trainer_kw)
     got = results[0][name]
     tol, weight_tol = TOL, TOL
     if "quant" in strategy_kw:

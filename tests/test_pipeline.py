@@ -29,6 +29,11 @@ WORLD2.update({
     # NCCL's transfer mode (send + following receive in one batch_isend_irecv), run here on gloo
     **{f"pp2_{s}_batched_p2p": ("gpt", dict(n_layer=4), _pp(2, s, p2p="batched"), {})
        for s in ("1f1b", "interleaved_1f1b", "zb_h1")},
+    # an epoch's smaller last batch (DataLoader(drop_last=False)): 4, 4, 3 runs the 3 as 3 microbatches,
+    # 4, 4, 2 as 2 (interleaved); 2 epochs each
+    "pp2_1f1b_short_last_batch": ("gpt", dict(n_layer=4), _pp(2, "1f1b"), dict(samples=11, max_steps=6)),
+    "pp2_interleaved_short_last_batch": ("gpt", dict(n_layer=4), _pp(2, "interleaved_1f1b"),
+                                         dict(samples=10, max_steps=6)),
     "pp2_clip_accumulate": ("gpt", dict(n_layer=4, tie_weights=True), _pp(2, "zb_h1"),
                             dict(gradient_clip_val=0.05, accumulate_grad_batches=2)),
 })
@@ -180,10 +185,10 @@ def _eval_after_fit(world, strategy):
     model = make_model("gpt", n_layer=4)
     trainer = L.Trainer(devices=world, strategy=strategy, max_steps=3, **trainer_kwargs())
     trainer.fit(model, TokenData(3 * 4, 64, 4))
-    val = torch.utils.data.DataLoader(Tokens(8, 64), batch_size=4)
+    val = torch.utils.data.DataLoader(Tokens(11, 64), batch_size=4)  # 4, 4, 3: the 3 runs as 1 microbatch
     out = {"val": trainer.validate(model, val, verbose=False)[0]["val_loss"]}
-    inputs = torch.utils.data.DataLoader([Tokens(4, 64)[i][0] for i in range(4)], batch_size=4)
-    out["pred"] = trainer.predict(model, inputs)[0]
+    inputs = torch.utils.data.DataLoader([Tokens(5, 64)[i][0] for i in range(5)], batch_size=4)  # 4, 1
+    out["pred"] = torch.cat(trainer.predict(model, inputs))
     return out
 
 
@@ -320,7 +325,7 @@ def bad(world2):  # after the parity launch: two launches never overlap
 
 @pytest.mark.parametrize("case, words", [
     ("pp_gt_blocks", ["pp=2", "only 1 blocks"]),
-    ("m_not_dividing", ["microbatches=3", "batch[0]", "size 4", "drop_last=True"]),
+    ("m_not_dividing", ["microbatches=3", "batch[0]", "size 4", "divisor of the batch size"]),
     ("returns_none", ["returned NoneType for microbatch 0", "needs a loss tensor", "not supported"]),
     ("interleaved_blocks", ["interleaved", "6 blocks", "pp*virtual_stages = 4"]),
     ("no_blocks", ["block list", "pipeline_blocks="]),
@@ -391,14 +396,28 @@ def test_validate_and_predict_through_the_pipeline(bad):
     model = make_model("gpt", n_layer=4)
     trainer = L.Trainer(devices=1, max_steps=3, use_distributed_sampler=False, **trainer_kwargs())
     trainer.fit(model, TokenData(3 * 4, 64, 4, single=True))
-    val = torch.utils.data.DataLoader(Tokens(8, 64), batch_size=4)
+    val = torch.utils.data.DataLoader(Tokens(11, 64), batch_size=4)
     ref_val = trainer.validate(model, val, verbose=False)[0]["val_loss"]
-    inputs = torch.utils.data.DataLoader([Tokens(4, 64)[i][0] for i in range(4)], batch_size=4)
-    ref_pred = trainer.predict(model, inputs)[0]
+    inputs = torch.utils.data.DataLoader([Tokens(5, 64)[i][0] for i in range(5)], batch_size=4)
+    ref_pred = torch.cat(trainer.predict(model, inputs))
+    assert ref_pred.shape[0] == 5
     for rank_result in bad:  # every stage gets the last stage's outputs, in either P2P mode
         for mode in ("eval", "eval_batched"):
             assert abs(rank_result[mode]["val"] - ref_val) < 1e-5, mode
             torch.testing.assert_close(rank_result[mode]["pred"], ref_pred, atol=1e-5, rtol=0)
+
+
+def test_a_smaller_last_batch_gets_the_most_microbatches_that_divide_it():
+    from lightning_tp.pipeline.microbatch import microbatches_for
+
+    four, three, two, five = (torch.zeros(n, 3) for n in (4, 3, 2, 5))
+    assert microbatches_for(four, 4, True, 0) == 4
+    assert microbatches_for(three, 4, True, 0) == 4  # an epoch's first batch: a wrong size, split_batch says so
+    assert [microbatches_for(b, 4, True, 2) for b in (three, two, five)] == [3, 2, 1]
+    assert microbatches_for(three, 4, False, 0) == 3  # forward only: any batch
+    assert microbatches_for({"a": torch.zeros(6), "b": [torch.zeros(4, 2)]}, 4, True, 1) == 2  # gcd(6, 4)
+    assert microbatches_for((three, torch.tensor(1.0)), 4, True, 1) == 4  # a scalar: split_batch says so
+    assert microbatches_for(three, 1, True, 1) == 1
 
 
 def test_unknown_schedule_is_refused_at_construction():

@@ -19,34 +19,13 @@ import torch
 
 from .landed import landed_after
 from .logs import StageLogs, captured_logs, early_publish, find_metrics, muted_metrics
+from .microbatch import microbatches_for, split_batch
 from .p2p import Mailbox, tag
 from .p2p_slots import SlotMailbox
 from .schedules import Action, build_schedule
 from .slots import slot_plan
 from .stage import StageDone
 from .zb import SplitBackward
-
-
-def split_batch(batch, m: int, path: str = "batch") -> list:
-    """``m`` microbatches along dim 0 of every tensor in the batch."""
-    if m == 1:
-        return [batch]
-    if isinstance(batch, torch.Tensor):
-        if batch.dim() == 0 or batch.shape[0] % m:
-            size = "a scalar" if batch.dim() == 0 else f"size {batch.shape[0]} along dim 0"
-            raise ValueError(f"microbatches={m} must divide the batch, but {path} has {size}; "
-                             f"set MegaStrategy(microbatches=...) to a divisor of the batch size (a smaller "
-                             f"last batch of an epoch: DataLoader(drop_last=True)).")
-        return list(batch.chunk(m))
-    if isinstance(batch, Mapping):
-        parts = {k: split_batch(v, m, f"{path}[{k!r}]") for k, v in batch.items()}
-        return [type(batch)({k: parts[k][i] for k in batch}) for i in range(m)]
-    if isinstance(batch, (list, tuple)):
-        parts = [split_batch(v, m, f"{path}[{i}]") for i, v in enumerate(batch)]
-        rows = [[p[i] for p in parts] for i in range(m)]
-        return [type(batch)(*r) if hasattr(batch, "_fields") else type(batch)(r) for r in rows]
-    raise ValueError(f"{path} is a {type(batch).__name__}, which cannot be split along dim 0 into microbatches; "
-                     f"make the batch tensors (or lists/dicts of tensors), or use microbatches=1.")
 
 
 def no_autocast(device):
@@ -81,25 +60,12 @@ class PipelineRunner(StageLogs):
         self.batched = batched  # NCCL: transfers grouped per time slot (see .slots)
         self.schedule, self.m = schedule, microbatches
         self.n_vstages = layout.pp * layout.v
-        full = build_schedule(schedule, layout.pp, microbatches, layout.v)
-        self.actions = full[mesh.pp_rank]
-        self.slots = slot_plan(full, layout.pp, layout.v)[mesh.pp_rank] if batched else None
-        # gloo: publish the logs before the last receive where that fills a wait (see early_publish)
-        self._publish_at = None if batched else early_publish(full, layout.pp, layout.v)[mesh.pp_rank]
-        # gloo: per receive, the tags of the sends it proves landed, to drop them there (see .landed)
-        self._landed = {} if batched else {i: [self._send_tag(self.actions[j]) for j in js]
-                                           for i, js in landed_after(full, layout.pp)[mesh.pp_rank].items()}
-        self.zero_bubble = any(a.kind == "W" for a in self.actions)
-        # dp > 1: the strategy's DPOverlap, hooked around each chunk's final weight-gradient pass of the
-        # step (B, or ZB's W): its gradients are then final. Chunks finish last-first, as the buckets go.
-        self.dp_overlap = None
-        last = "W" if self.zero_bubble else "B"
-        self._final = {next(a for a in reversed(self.actions) if a.kind == last and a.chunk == c)
-                       for c in range(layout.v)}
+        self.dp_overlap = None  # dp > 1: the strategy's DPOverlap, hooked around self._final (see _syncing)
+        self._plans, self._warned = {}, set()
+        self._use(microbatches)
         self._log_names = None  # the last stage's logged names as of the previous step (see _share_numbers)
         self._metrics = None  # torchmetrics modules of the user's module (muted in all but the last chunk)
         self._shapes = {"in": {}, "out": {}}  # per P2P channel, last step's shapes (see Mailbox)
-        self._receives = self._expected_receives()
 
     # ---------------------------------------------------------------- helpers
 
@@ -127,10 +93,46 @@ class PipelineRunner(StageLogs):
             return self.device
         return next((p.device for p in self.module.parameters()), torch.device("cpu"))
 
-    def _expected_receives(self) -> dict:
+    def _use(self, m: int) -> None:
+        """Point the runner at the action lists for ``m`` microbatches and what is read off them,
+        built once per m (an epoch's smaller last batch may run with fewer, see .microbatch)."""
+        if m not in self._plans:
+            pp, v, rank = self.layout.pp, self.layout.v, self.mesh.pp_rank
+            full = build_schedule(self.schedule, pp, m, v)
+            actions = full[rank]
+            zero_bubble = any(a.kind == "W" for a in actions)
+            self._plans[m] = dict(
+                actions=actions, zero_bubble=zero_bubble, receives=self._expected_receives(actions),
+                slots=slot_plan(full, pp, v)[rank] if self.batched else None,
+                # gloo: publish the logs before the last receive where that fills a wait (see early_publish)
+                publish_at=None if self.batched else early_publish(full, pp, v)[rank],
+                # gloo: per receive, the tags of the sends it proves landed, to drop them there (see .landed)
+                landed={} if self.batched else {i: [self._send_tag(actions[j]) for j in js]
+                                                for i, js in landed_after(full, pp)[rank].items()},
+                # each chunk's final weight-gradient pass of the step (B, or ZB's W): its gradients are then
+                # final, so the dp overlap starts their sync there. Chunks finish last-first, as buckets go.
+                final={next(a for a in reversed(actions) if a.kind == ("W" if zero_bubble else "B") and a.chunk == c)
+                       for c in range(v)})
+        plan = self._plans[m]
+        self.actions, self.zero_bubble, self._receives = plan["actions"], plan["zero_bubble"], plan["receives"]
+        self.slots, self._publish_at, self._landed, self._final = (plan["slots"], plan["publish_at"], plan["landed"],
+                                                                   plan["final"])
+
+    def _microbatches(self, batch, hook: str, batch_idx: int) -> int:
+        """This batch's microbatch count (see .microbatch), warning once per hook when it is not m."""
+        m = microbatches_for(batch, self.m, hook == "training_step", batch_idx)
+        if m != self.m and hook not in self._warned:
+            from lightning.pytorch.utilities import rank_zero_warn
+
+            self._warned.add(hook)
+            rank_zero_warn(f"{hook}: a batch that microbatches={self.m} does not divide (an epoch's smaller last "
+                           f"batch?) runs as {m} microbatch(es), overlapping less across stages (warned once).")
+        return m
+
+    def _expected_receives(self, actions) -> dict:
         """channel -> ordered [(tag, src)] of this rank's receives in one training step."""
         out = {}
-        for a in self.actions:
+        for a in actions:
             if a.kind in ("RECV_F", "RECV_B"):
                 src, t, channel = self._recv_args(a)
                 out.setdefault(channel, []).append((t, src))
@@ -166,6 +168,10 @@ class PipelineRunner(StageLogs):
     # ---------------------------------------------------------------- training
 
     def train_step(self, batch, batch_idx, scale):
+        """One training step; ``scale``: the loss's factor but for the microbatches' (1 / accumulation,
+        times fp16's loss scale), as their number is this batch's (see .microbatch)."""
+        m = self._microbatches(batch, "training_step", batch_idx)
+        self._use(m)
         if self.dp_overlap is not None:
             self.dp_overlap.restart()  # a step that raised may have left a count behind
         params = [p for p in self.module.parameters() if p.requires_grad]
@@ -173,7 +179,7 @@ class PipelineRunner(StageLogs):
         for p in params:
             p.grad = None
         device = self._device()  # the run's device even on a stage without trainable parameters
-        st = _Step(split_batch(batch, self.m), batch_idx, scale, params, device, [[] for _ in range(self.m)])
+        st = _Step(split_batch(batch, m), batch_idx, scale / m, params, device, [[] for _ in range(m)])
         st.numbers = self._post_numbers(device)
         if self.slots is None:
             self._walk_actions(st)
@@ -293,11 +299,12 @@ class PipelineRunner(StageLogs):
     # ---------------------------------------------------------------- forward only
 
     def eval_step(self, hook: str, batch, batch_idx):
-        micro = split_batch(batch, self.m)
-        logs, results, box = [[] for _ in range(self.m)], [], Mailbox(batched=self.batched)
+        m = self._microbatches(batch, hook, batch_idx)
+        micro = split_batch(batch, m)
+        logs, results, box = [[] for _ in range(m)], [], Mailbox(batched=self.batched)
         device = next((b.device for b in self.module.buffers()), None) or next(self.module.parameters()).device
         with torch.no_grad():
-            for mb in range(self.m):
+            for mb in range(m):
                 for c in range(self.layout.v):
                     k = self._vstage(c)
                     received = None

@@ -1,0 +1,64 @@
+"""Microbatches: splitting a batch along dim 0, and how many a batch gets.
+
+A training batch must split into ``microbatches`` equal parts: a batch size they do not divide is
+a configuration error, said at the first step. An epoch's last batch is often smaller
+(``DataLoader(drop_last=False)``, Lightning's default); that step runs with the most microbatches
+up to the configured number that divide it (each microbatch's loss is scaled by one over that
+number, so the gradients are still the batch's mean's, as on one device) instead of stopping the
+run at the end of its first epoch. Forward-only steps (validate/test/predict) split any batch
+that way: their microbatch count only sets how much the stages overlap.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+
+
+def split_batch(batch, m: int, path: str = "batch") -> list:
+    """``m`` microbatches along dim 0 of every tensor in the batch."""
+    if m == 1:
+        return [batch]
+    if isinstance(batch, torch.Tensor):
+        if batch.dim() == 0 or batch.shape[0] % m:
+            size = "a scalar" if batch.dim() == 0 else f"size {batch.shape[0]} along dim 0"
+            raise ValueError(f"microbatches={m} must divide the batch, but {path} has {size}; "
+                             f"set MegaStrategy(microbatches=...) to a divisor of the batch size (an epoch's "
+                             f"smaller last batch is fine: it runs with fewer microbatches).")
+        return list(batch.chunk(m))
+    if isinstance(batch, Mapping):
+        parts = {k: split_batch(v, m, f"{path}[{k!r}]") for k, v in batch.items()}
+        return [type(batch)({k: parts[k][i] for k in batch}) for i in range(m)]
+    if isinstance(batch, (list, tuple)):
+        parts = [split_batch(v, m, f"{path}[{i}]") for i, v in enumerate(batch)]
+        rows = [[p[i] for p in parts] for i in range(m)]
+        return [type(batch)(*r) if hasattr(batch, "_fields") else type(batch)(r) for r in rows]
+    raise ValueError(f"{path} is a {type(batch).__name__}, which cannot be split along dim 0 into microbatches; "
+                     f"make the batch tensors (or lists/dicts of tensors), or use microbatches=1.")
+
+
+def rows(batch) -> list:
+    """The dim-0 size of every tensor in the batch, None for a scalar or a leaf that is no tensor."""
+    if isinstance(batch, torch.Tensor):
+        return [batch.shape[0] if batch.dim() else None]
+    if isinstance(batch, Mapping):
+        return [r for v in batch.values() for r in rows(v)]
+    if isinstance(batch, (list, tuple)):
+        return [r for v in batch for r in rows(v)]
+    return [None]
+
+
+def microbatches_for(batch, m: int, training: bool, batch_idx: int) -> int:
+    """How many microbatches this batch gets (see the module docstring): ``m`` where it divides
+    every tensor's dim 0, and for the first batch of a training epoch (a wrong batch size, which
+    :func:`split_batch` then explains; later batches can only be an epoch's smaller last one, also
+    when a run resumes mid-epoch); else the most microbatches up to ``m`` that divide the batch."""
+    sizes = rows(batch)
+    if m == 1 or not sizes or None in sizes:
+        return m  # split_batch says what cannot be split
+    divisor = math.gcd(*sizes)
+    if divisor % m == 0 or (training and batch_idx == 0):
+        return m
+    return max(d for d in range(1, m + 1) if divisor % d == 0)
