@@ -18,6 +18,7 @@ from lightning_tp.pipeline.schedules import (
     SCHEDULE_NAMES,
     Action,
     build_schedule,
+    forward_only,
     gpipe,
     interleaved_1f1b,
     message,
@@ -136,6 +137,41 @@ def test_both_ends_of_every_channel_walk_its_microbatches_in_increasing_order(na
     assert set(sends) == set(recvs)
     for channel, order in sends.items():
         assert order == recvs[channel] == sorted(order) == list(range(m)), (channel, order, recvs[channel])
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 6])
+@pytest.mark.parametrize("v", [1, 2, 3])
+def test_forward_only_keeps_the_pipeline_full(p, v):
+    """validate/predict: m forwards of a whole microbatch (cost 1, a chunk 1/v) end at m + (p-1)/v
+    for m >= p, as a full pipeline of p*v virtual stages does; one microbatch at a time through
+    every chunk (the order before) leaves ranks idle while it travels, for any v > 1."""
+    for m in range(1, 3 * p + 2):
+        sched = forward_only(p, m, v)
+        assert all(a.kind in ("F", "SEND_F", "RECV_F") for ops in sched for a in ops)
+        res = simulate(sched, p, v, cost=unit_cost(v))
+        assert res.busy == [m] * p
+        if m >= p:
+            assert res.makespan == m + Fraction(p - 1, v)
+        one_at_a_time = []
+        for s in range(p):
+            ops = [op for mb in range(m) for c in range(v)
+                   for op in _one_forward(s, p, v, mb, c)]
+            one_at_a_time.append(ops)
+        before = simulate(one_at_a_time, p, v, cost=unit_cost(v)).makespan
+        assert res.makespan <= before and (res.makespan < before or v == 1 or m == 1 or p == 1)
+        sends, recvs = {}, {}
+        for rank, ops in enumerate(sched):  # the Mailbox's channel order holds here too
+            for a in ops:
+                if a.kind != "F":
+                    direction, mb, k = message(a, rank, p)
+                    (sends if a.kind == "SEND_F" else recvs).setdefault(k, []).append(mb)
+        assert sends == recvs and all(order == list(range(m)) for order in sends.values())
+
+
+def _one_forward(s, p, v, mb, c):
+    k = c * p + s
+    return ([Action("RECV_F", mb, c)] if k > 0 else []) + [Action("F", mb, c)] + \
+        ([Action("SEND_F", mb, c)] if k < p * v - 1 else [])
 
 
 @pytest.mark.parametrize("p,m", PM)

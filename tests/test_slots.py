@@ -6,11 +6,16 @@ transfers issued one by one in action-list order, so it can fail."""
 
 import pytest
 
-from lightning_tp.pipeline.schedules import Action, build_schedule
+from lightning_tp.pipeline.schedules import Action, build_schedule, forward_only
 from lightning_tp.pipeline.slots import producer, slot_plan
 
 CASES = [(name, p, m, 2 if name == "interleaved_1f1b" else 1)
          for name in ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1") for p in (2, 3, 4) for m in (3, 4, 8, 10, 12)]
+CASES += [("forward_only", p, m, v) for p in (2, 3, 4) for m in (1, 3, 4, 10) for v in (1, 2, 3)]  # validate/predict
+
+
+def _schedule(name, p, m, v):
+    return forward_only(p, m, v) if name == "forward_only" else build_schedule(name, p, m, v)
 
 
 def _message(a, rank, p):
@@ -49,7 +54,7 @@ def rendezvous(groups: list) -> bool:
 
 @pytest.mark.parametrize("name, p, m, v", CASES)
 def test_each_transfer_shares_a_slot_and_nccl_cannot_deadlock(name, p, m, v):
-    plan = slot_plan(build_schedule(name, p, m, v), p, v)
+    plan = slot_plan(_schedule(name, p, m, v), p, v)
     slot_of = {}
     for r, line in enumerate(plan):
         seen = set()

@@ -22,7 +22,7 @@ from .logs import StageLogs, captured_logs, early_publish, find_metrics, muted_m
 from .microbatch import microbatches_for, split_batch
 from .p2p import Mailbox, tag
 from .p2p_slots import SlotMailbox
-from .schedules import Action, build_schedule
+from .schedules import Action, build_schedule, forward_only
 from .slots import slot_plan
 from .stage import StageDone
 from .zb import SplitBackward
@@ -61,7 +61,7 @@ class PipelineRunner(StageLogs):
         self.schedule, self.m = schedule, microbatches
         self.n_vstages = layout.pp * layout.v
         self.dp_overlap = None  # dp > 1: the strategy's DPOverlap, hooked around self._final (see _syncing)
-        self._plans, self._warned = {}, set()
+        self._plans, self._eval_plans, self._warned = {}, {}, set()
         self._use(microbatches)
         self._log_names = None  # the last stage's logged names as of the previous step (see _share_numbers)
         self._metrics = None  # torchmetrics modules of the user's module (muted in all but the last chunk)
@@ -298,24 +298,59 @@ class PipelineRunner(StageLogs):
 
     # ---------------------------------------------------------------- forward only
 
+    def _eval_recv_args(self, a):
+        """(src, tag, channel) of a forward-only RECV_F (direction 2: apart from training's)."""
+        k = self._vstage(a.chunk)
+        return self._rank_of(k - 1), tag(2, a.microbatch, k, self.n_vstages), (2, k)
+
+    def _eval_send_args(self, a):
+        """(dst, tag, channel) of a forward-only SEND_F."""
+        k = self._vstage(a.chunk) + 1
+        return self._rank_of(k), tag(2, a.microbatch, k, self.n_vstages), (2, k)
+
     def eval_step(self, hook: str, batch, batch_idx):
+        """validate/test/predict: the forwards of :func:`.schedules.forward_only` (a group of
+        microbatches through every chunk before the next), eager or one transfer group per slot."""
         m = self._microbatches(batch, hook, batch_idx)
-        micro = split_batch(batch, m)
-        logs, results, box = [[] for _ in range(m)], [], Mailbox(batched=self.batched)
+        micro, logs, results, received, outputs = split_batch(batch, m), [[] for _ in range(m)], [], {}, {}
         device = next((b.device for b in self.module.buffers()), None) or next(self.module.parameters()).device
+        if m not in self._eval_plans:
+            full = forward_only(self.layout.pp, m, self.layout.v)
+            slots = slot_plan(full, self.layout.pp, self.layout.v) if self.batched else None
+            self._eval_plans[m] = full[self.mesh.pp_rank], slots and slots[self.mesh.pp_rank]
+        actions, slots = self._eval_plans[m]
+
+        def forward(a):
+            key = (a.microbatch, a.chunk)
+            finished, out = self._run(hook, micro[a.microbatch], batch_idx, self._vstage(a.chunk),
+                                      received.pop(key, None), logs[a.microbatch])
+            if finished:
+                results.append(out)  # the last virtual stage takes microbatches in order
+            else:
+                outputs[key] = out
+
         with torch.no_grad():
-            for mb in range(m):
-                for c in range(self.layout.v):
-                    k = self._vstage(c)
-                    received = None
-                    if k > 0:
-                        t = tag(2, mb, k, self.n_vstages)
-                        received = box.recv(self._rank_of(k - 1), t, device, (2, k))
-                    finished, out = self._run(hook, micro[mb], batch_idx, k, received, logs[mb])
-                    if finished:
-                        results.append(out)
+            if slots is None:
+                box = Mailbox()
+                for a in actions:
+                    if a.kind == "RECV_F":
+                        src, t, channel = self._eval_recv_args(a)
+                        received[(a.microbatch, a.chunk)] = box.recv(src, t, device, channel)
+                    elif a.kind == "SEND_F":
+                        box.send(outputs.pop((a.microbatch, a.chunk)), *self._eval_send_args(a))
                     else:
-                        box.send(out, self._rank_of(k + 1), tag(2, mb, k + 1, self.n_vstages), (2, k + 1))
+                        forward(a)
+            else:
+                box = SlotMailbox({"in": {}, "out": {}}, device)
+                for slot in slots:
+                    if slot.compute is not None:
+                        a = slot.compute
+                        if self._vstage(a.chunk) > 0:
+                            _, t, channel = self._eval_recv_args(a)
+                            received[(a.microbatch, a.chunk)] = box.take(channel, t)
+                        forward(a)
+                    box.group([(outputs.pop((a.microbatch, a.chunk)), *self._eval_send_args(a)) for a in slot.sends],
+                              [self._eval_recv_args(a) for a in slot.recvs])
         box.wait()
         merged = None
         if results and all(isinstance(r, torch.Tensor) for r in results):

@@ -160,6 +160,17 @@ def microbatch_groups(p: int, m: int) -> list[int]:
     return [m // n + (i < m % n) for i in range(n)]
 
 
+def _group_order(p: int, m: int, v: int, reverse: bool = False) -> list[tuple[int, int]]:
+    """(microbatch, chunk) pairs: group by group, each through every chunk (last first if
+    ``reverse``: the backward), microbatches in order within a chunk."""
+    order, first = [], 0
+    for g in microbatch_groups(p, m):
+        for c in range(v):
+            order += [(first + j, v - 1 - c if reverse else c) for j in range(g)]
+        first += g
+    return order
+
+
 def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
     """Megatron's interleaved 1F1B with v model chunks per rank, for any number of microbatches.
 
@@ -172,12 +183,7 @@ def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
     with fewer activations held).
     """
     _check_positive(p=p, m=m, v=v)
-    forward, backward, first = [], [], 0
-    for g in microbatch_groups(p, m):
-        for c in range(v):
-            forward += [(first + j, c) for j in range(g)]
-            backward += [(first + j, v - 1 - c) for j in range(g)]
-        first += g
+    forward, backward = _group_order(p, m, v), _group_order(p, m, v, reverse=True)
     total, group = m * v, microbatch_groups(p, m)[0]
 
     schedule = []
@@ -227,6 +233,22 @@ def zb_h1(p: int, m: int) -> Schedule:
             backward_then_maybe_w(mb, mb)
         while pending_w:
             r.weight(pending_w.popleft())
+        schedule.append(r.ops)
+    return schedule
+
+
+def forward_only(p: int, m: int, v: int = 1) -> Schedule:
+    """validate/test/predict: the forwards alone, in interleaved 1F1B's order (GPipe's for v = 1).
+    Groups of at least p microbatches (:func:`microbatch_groups`) keep the first stage busy until a
+    group's first microbatch is back for its next chunk, so the pipeline stays full: makespan
+    m + (p - 1) / v forward times for m >= p. (One microbatch at a time through every chunk would
+    leave each rank idle while it travels round the other ranks.)"""
+    _check_positive(p=p, m=m, v=v)
+    schedule = []
+    for s in range(p):
+        r = _RankOps(s, p, v)
+        for mb, c in _group_order(p, m, v):
+            r.forward(mb, c)
         schedule.append(r.ops)
     return schedule
 
