@@ -43,13 +43,14 @@ def _on_nccl() -> bool:
 
 
 class MegaStrategy(ParallelStrategy):
-    """Tensor (tp), sequence (sp) and data parallelism for an unchanged LightningModule.
+    """Tensor (tp), sequence (sp), pipeline (pp) and data parallelism for an unchanged LightningModule.
 
     Args:
         tp: tensor-parallel size (ranks that split each layer).
         pp: pipeline-parallel size (stages of contiguous blocks).
         sp: sequence parallelism inside the TP region (needs tp > 1).
-        microbatches: microbatches per batch under pp (default: pp); must divide the batch size.
+        microbatches: microbatches per batch under pp (default: pp); must divide the batch size (an
+            epoch's smaller last batch runs with the most microbatches up to this that divide it).
         schedule: ``"1f1b"``, ``"gpipe"``, ``"interleaved_1f1b"`` or ``"zb_h1"``.
         virtual_stages: model chunks per rank for the interleaved schedule.
         pipeline_blocks: path of the repeated block list, when the plan or the search cannot find it.

@@ -317,8 +317,14 @@ class PipelineRunner(StageLogs):
         if m not in self._eval_plans:
             full = forward_only(self.layout.pp, m, self.layout.v)
             slots = slot_plan(full, self.layout.pp, self.layout.v) if self.batched else None
-            self._eval_plans[m] = full[self.mesh.pp_rank], slots and slots[self.mesh.pp_rank]
-        actions, slots = self._eval_plans[m]
+            actions = full[self.mesh.pp_rank]
+            expected = {}  # channel -> [(tag, src)]: the eager Mailbox posts them ahead
+            for a in actions:
+                if a.kind == "RECV_F":
+                    src, t, channel = self._eval_recv_args(a)
+                    expected.setdefault(channel, []).append((t, src))
+            self._eval_plans[m] = actions, slots and slots[self.mesh.pp_rank], expected
+        actions, slots, expected = self._eval_plans[m]
 
         def forward(a):
             key = (a.microbatch, a.chunk)
@@ -331,7 +337,7 @@ class PipelineRunner(StageLogs):
 
         with torch.no_grad():
             if slots is None:
-                box = Mailbox()
+                box = Mailbox(expected, device=device)
                 for a in actions:
                     if a.kind == "RECV_F":
                         src, t, channel = self._eval_recv_args(a)
