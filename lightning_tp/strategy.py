@@ -50,7 +50,7 @@ class MegaStrategy(ParallelStrategy):
         pp: pipeline-parallel size (stages of contiguous blocks).
         sp: sequence parallelism inside the TP region (needs tp > 1).
         microbatches: microbatches per batch under pp (default: pp); must divide the batch size (an
-            epoch's smaller last batch runs with the most microbatches up to this that divide it).
+            epoch's smaller last batch runs with the fewest microbatches, at least this many, that divide it).
         schedule: ``"1f1b"``, ``"gpipe"``, ``"interleaved_1f1b"`` or ``"zb_h1"``.
         virtual_stages: model chunks per rank for the interleaved schedule.
         pipeline_blocks: path of the repeated block list, when the plan or the search cannot find it.

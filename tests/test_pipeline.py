@@ -30,10 +30,11 @@ WORLD2.update({
     **{f"pp2_{s}_batched_p2p": ("gpt", dict(n_layer=4), _pp(2, s, p2p="batched"), {})
        for s in ("1f1b", "interleaved_1f1b", "zb_h1")},
     # an epoch's smaller last batch (DataLoader(drop_last=False)): 4, 4, 3 runs the 3 as 3 microbatches,
-    # 4, 4, 2 as 2 (interleaved); 2 epochs each
+    # 4, 4, 2 as 2 (interleaved); 2 epochs each. Batch 8 in 4: a last 6 runs as 6 of one row (none larger).
     "pp2_1f1b_short_last_batch": ("gpt", dict(n_layer=4), _pp(2, "1f1b"), dict(samples=11, max_steps=6)),
     "pp2_interleaved_short_last_batch": ("gpt", dict(n_layer=4), _pp(2, "interleaved_1f1b"),
                                          dict(samples=10, max_steps=6)),
+    "pp2_zb_h1_short_last_batch": ("gpt", dict(n_layer=4), _pp(2, "zb_h1"), dict(batch=8, samples=22, max_steps=6)),
     "pp2_clip_accumulate": ("gpt", dict(n_layer=4, tie_weights=True), _pp(2, "zb_h1"),
                             dict(gradient_clip_val=0.05, accumulate_grad_batches=2)),
 })
@@ -185,7 +186,7 @@ def _eval_after_fit(world, strategy):
     model = make_model("gpt", n_layer=4)
     trainer = L.Trainer(devices=world, strategy=strategy, max_steps=3, **trainer_kwargs())
     trainer.fit(model, TokenData(3 * 4, 64, 4))
-    val = torch.utils.data.DataLoader(Tokens(11, 64), batch_size=4)  # 4, 4, 3: the 3 runs as 1 microbatch
+    val = torch.utils.data.DataLoader(Tokens(11, 64), batch_size=4)  # 4, 4, 3: the 3 runs as 3 microbatches
     out = {"val": trainer.validate(model, val, verbose=False)[0]["val_loss"]}
     inputs = torch.utils.data.DataLoader([Tokens(5, 64)[i][0] for i in range(5)], batch_size=4)  # 4, 1
     out["pred"] = torch.cat(trainer.predict(model, inputs))
@@ -407,17 +408,25 @@ def test_validate_and_predict_through_the_pipeline(bad):
             torch.testing.assert_close(rank_result[mode]["pred"], ref_pred, atol=1e-5, rtol=0)
 
 
-def test_a_smaller_last_batch_gets_the_most_microbatches_that_divide_it():
+def test_a_smaller_last_batch_gets_the_fewest_microbatches_that_divide_it_none_larger_than_usual():
     from lightning_tp.pipeline.microbatch import microbatches_for
 
-    four, three, two, five = (torch.zeros(n, 3) for n in (4, 3, 2, 5))
-    assert microbatches_for(four, 4, True, 0) == 4
-    assert microbatches_for(three, 4, True, 0) == 4  # an epoch's first batch: a wrong size, split_batch says so
-    assert [microbatches_for(b, 4, True, 2) for b in (three, two, five)] == [3, 2, 1]
-    assert microbatches_for(three, 4, False, 0) == 3  # forward only: any batch
+    def rows(n):
+        return torch.zeros(n, 3)
+
+    assert microbatches_for(rows(4), 4, True, 0) == 4
+    assert microbatches_for(rows(3), 4, True, 0) == 4  # an epoch's first batch: a wrong size, split_batch says so
+    assert [microbatches_for(rows(n), 4, True, 2) for n in (3, 2, 5, 6, 12)] == [3, 2, 5, 6, 4]
+    # batch 64 in 16 microbatches of 4 rows; a last batch of 62 in 31 of 2 (not 2 of 31: 8x the activations)
+    assert [microbatches_for(rows(n), 16, True, 3) for n in (62, 40, 36)] == [31, 20, 18]
+    for n in range(1, 65):
+        for m in (2, 3, 4, 8, 16):
+            k = microbatches_for(rows(n), m, True, 1)
+            assert n % k == 0 and n // k <= max(1, -(-64 // m))  # never more rows than a full batch's
+    assert microbatches_for(rows(3), 4, False, 0) == 3  # forward only: any batch
     assert microbatches_for({"a": torch.zeros(6), "b": [torch.zeros(4, 2)]}, 4, True, 1) == 2  # gcd(6, 4)
-    assert microbatches_for((three, torch.tensor(1.0)), 4, True, 1) == 4  # a scalar: split_batch says so
-    assert microbatches_for(three, 1, True, 1) == 1
+    assert microbatches_for((rows(3), torch.tensor(1.0)), 4, True, 1) == 4  # a scalar: split_batch says so
+    assert microbatches_for(rows(3), 1, True, 1) == 1
 
 
 def test_unknown_schedule_is_refused_at_construction():

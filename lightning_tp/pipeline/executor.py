@@ -66,6 +66,7 @@ class PipelineRunner(StageLogs):
         self._log_names = None  # the last stage's logged names as of the previous step (see _share_numbers)
         self._metrics = None  # torchmetrics modules of the user's module (muted in all but the last chunk)
         self._shapes = {"in": {}, "out": {}}  # per P2P channel, last step's shapes (see Mailbox)
+        self._eval_shapes = {"in": {}, "out": {}}  # the same for forward-only steps in slots (NCCL)
 
     # ---------------------------------------------------------------- helpers
 
@@ -126,7 +127,7 @@ class PipelineRunner(StageLogs):
 
             self._warned.add(hook)
             rank_zero_warn(f"{hook}: a batch that microbatches={self.m} does not divide (an epoch's smaller last "
-                           f"batch?) runs as {m} microbatch(es), overlapping less across stages (warned once).")
+                           f"batch?) runs as {m} microbatches, none larger than usual (warned once).")
         return m
 
     def _expected_receives(self, actions) -> dict:
@@ -347,7 +348,7 @@ class PipelineRunner(StageLogs):
                     else:
                         forward(a)
             else:
-                box = SlotMailbox({"in": {}, "out": {}}, device)
+                box = SlotMailbox(self._eval_shapes, device)
                 for slot in slots:
                     if slot.compute is not None:
                         a = slot.compute

@@ -2,11 +2,14 @@
 
 A training batch must split into ``microbatches`` equal parts: a batch size they do not divide is
 a configuration error, said at the first step. An epoch's last batch is often smaller
-(``DataLoader(drop_last=False)``, Lightning's default); that step runs with the most microbatches
-up to the configured number that divide it (each microbatch's loss is scaled by one over that
-number, so the gradients are still the batch's mean's, as on one device) instead of stopping the
-run at the end of its first epoch. Forward-only steps (validate/test/predict) split any batch
-that way: their microbatch count only sets how much the stages overlap.
+(``DataLoader(drop_last=False)``, Lightning's default); that step runs with the fewest microbatches,
+at least the configured number, that divide it, so that no microbatch is larger than usual (the
+stages hold as much as in any step; a prime size gives one-row microbatches) and each one's loss
+is scaled by one over their number (the gradients are still the batch mean's, as on one device),
+instead of stopping the run at the end of its first epoch. Forward-only steps (validate/test/
+predict) split any batch that way: their microbatch count only sets how much the stages overlap.
+(Microbatches of unequal sizes would need a header per transfer: every transfer of a step has one
+shape.)
 """
 
 from __future__ import annotations
@@ -25,8 +28,8 @@ def split_batch(batch, m: int, path: str = "batch") -> list:
         if batch.dim() == 0 or batch.shape[0] % m:
             size = "a scalar" if batch.dim() == 0 else f"size {batch.shape[0]} along dim 0"
             raise ValueError(f"microbatches={m} must divide the batch, but {path} has {size}; "
-                             f"set MegaStrategy(microbatches=...) to a divisor of the batch size (an epoch's "
-                             f"smaller last batch is fine: it runs with fewer microbatches).")
+                             f"set MegaStrategy(microbatches=...) to a divisor of the batch size (checked on an "
+                             f"epoch's first batch; a smaller last batch later in the epoch is split otherwise).")
         return list(batch.chunk(m))
     if isinstance(batch, Mapping):
         parts = {k: split_batch(v, m, f"{path}[{k!r}]") for k, v in batch.items()}
@@ -54,11 +57,12 @@ def microbatches_for(batch, m: int, training: bool, batch_idx: int) -> int:
     """How many microbatches this batch gets (see the module docstring): ``m`` where it divides
     every tensor's dim 0, and for the first batch of a training epoch (a wrong batch size, which
     :func:`split_batch` then explains; later batches can only be an epoch's smaller last one, also
-    when a run resumes mid-epoch); else the most microbatches up to ``m`` that divide the batch."""
+    when a run resumes mid-epoch); else the fewest microbatches, at least ``m``, that divide the
+    batch (all of its rows, one each, when it has fewer than ``m``)."""
     sizes = rows(batch)
     if m == 1 or not sizes or None in sizes:
         return m  # split_batch says what cannot be split
     divisor = math.gcd(*sizes)
     if divisor % m == 0 or (training and batch_idx == 0):
         return m
-    return max(d for d in range(1, m + 1) if divisor % d == 0)
+    return min(d for d in range(min(m, divisor), divisor + 1) if divisor % d == 0)
