@@ -121,7 +121,8 @@ class PipelineRunner(StageLogs):
 
     def _microbatches(self, batch, hook: str, batch_idx: int) -> int:
         """This batch's microbatch count (see .microbatch), warning once per hook when it is not m."""
-        m = microbatches_for(batch, self.m, hook == "training_step", batch_idx)
+        m = microbatches_for(batch, self.m, strict=hook == "training_step" and batch_idx == 0 and
+                             self._batches_per_epoch() != 1)
         if m != self.m and hook not in self._warned:
             from lightning.pytorch.utilities import rank_zero_warn
 
@@ -129,6 +130,13 @@ class PipelineRunner(StageLogs):
             rank_zero_warn(f"{hook}: a batch that microbatches={self.m} does not divide (an epoch's smaller last "
                            f"batch?) runs as {m} microbatches, none larger than usual (warned once).")
         return m
+
+    def _batches_per_epoch(self):
+        """Lightning's training batches per epoch (1: a dataset smaller than one batch), if known."""
+        try:
+            return self.module.trainer.num_training_batches
+        except (AttributeError, RuntimeError):  # no trainer attached
+            return None
 
     def _expected_receives(self, actions) -> dict:
         """channel -> ordered [(tag, src)] of this rank's receives in one training step."""

@@ -1,7 +1,8 @@
 """Microbatches: splitting a batch along dim 0, and how many a batch gets.
 
 A training batch must split into ``microbatches`` equal parts: a batch size they do not divide is
-a configuration error, said at the first step. An epoch's last batch is often smaller
+a configuration error, said at the first step (unless an epoch is that one batch: a dataset
+smaller than one batch). An epoch's last batch is often smaller
 (``DataLoader(drop_last=False)``, Lightning's default); that step runs with the fewest microbatches,
 at least the configured number, that divide it, so that no microbatch is larger than usual (the
 stages hold as much as in any step; a prime size gives one-row microbatches) and each one's loss
@@ -53,9 +54,10 @@ def rows(batch) -> list:
     return [None]
 
 
-def microbatches_for(batch, m: int, training: bool, batch_idx: int) -> int:
+def microbatches_for(batch, m: int, strict: bool) -> int:
     """How many microbatches this batch gets (see the module docstring): ``m`` where it divides
-    every tensor's dim 0, and for the first batch of a training epoch (a wrong batch size, which
+    every tensor's dim 0, and where ``strict`` (a training epoch's first batch, unless it is the
+    epoch's only one: there a size m does not divide is a wrong batch size, which
     :func:`split_batch` then explains; later batches can only be an epoch's smaller last one, also
     when a run resumes mid-epoch); else the fewest microbatches, at least ``m``, that divide the
     batch (all of its rows, one each, when it has fewer than ``m``)."""
@@ -63,6 +65,6 @@ def microbatches_for(batch, m: int, training: bool, batch_idx: int) -> int:
     if m == 1 or not sizes or None in sizes:
         return m  # split_batch says what cannot be split
     divisor = math.gcd(*sizes)
-    if divisor % m == 0 or (training and batch_idx == 0):
+    if divisor % m == 0 or strict:
         return m
     return min(d for d in range(min(m, divisor), divisor + 1) if divisor % d == 0)
