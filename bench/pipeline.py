@@ -16,7 +16,7 @@ Ideal times come from simulate() (and, for ZB-H1 under our executor, a replay wi
 rules and a per-rank cost); the executor's sends, receives and log broadcast are timed by wrapping
 them in the worker processes, nothing in lightning_tp is changed.
 
-    .venv/bin/python bench/pipeline.py [--block-ms 10]
+    .venv/bin/python bench/pipeline.py [--block-ms 10] [--microbatches 8,16]
 """
 
 from __future__ import annotations
@@ -41,13 +41,18 @@ from lightning_tp.pipeline.schedules import build_schedule, message  # noqa: E40
 from lightning_tp.pipeline.simulate import simulate  # noqa: E402
 
 P = 4  # pipeline stages = world size
-MS = (8, 16)  # microbatches
+MS = (8, 16)  # microbatches (--microbatches)
 TF, TB = 0.010, 0.020  # seconds per block: forward sleep, backward sleep (tb = 2 tf)
 N_BLOCKS = 8  # 2 blocks per stage; interleaved v=2: 1 block per virtual stage
 WARMUP, MEASURED, ROUNDS = 2, 6, 3  # per run: steps skipped, steps timed; every run is repeated ROUNDS times
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1)]
 TORCH = {"1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B"}
 ACT_BYTES = ROWS * WIDTH * 4  # saved activation of one block for one microbatch
+
+
+def torch_runs(name: str, m: int) -> bool:
+    """Whether torch has the schedule for m: its interleaved 1F1B needs m divisible by max(1, m // p)."""
+    return name in TORCH and (name != "interleaved_1f1b" or m % max(1, m // P) == 0)
 
 
 # ------------------------------------------------------------------------------ ideal times
@@ -200,7 +205,7 @@ def measure():
         for m in MS:
             for name, v in SCHEDULES:  # ours next to torch's on the schedules both have
                 plan.append(("ours", name, m, v))
-                if name in TORCH:
+                if torch_runs(name, m):
                     plan.append(("torch", name, m, v))
                     plan.append(("torch_lightning", name, m, v))
             plan.append(("probe", None, m, None))
@@ -308,6 +313,9 @@ def report(results):
     print("-" * len(hdr))
     for m in MS:
         for name, cls in TORCH.items():
+            if not torch_runs(name, m):
+                print(f"{name:<18}{m:>3}  {cls:<24}(torch refuses this m: it needs m divisible by max(1, m // {P}))")
+                continue
             o_period = measured[(name, m)][1]
             o_span = work_spans(get(("ours", name, m)))
             for impl, loop in (("torch", "plain"), ("torch_lightning", "Lightning")):
@@ -344,6 +352,8 @@ def report(results):
         if name == "zb_h1":
             mem_row("ours zb_h1 resident (until W)", get(("ours", name, m)), "resident_peak", unit, [P] * P)
     for name, cls in TORCH.items():
+        if not torch_runs(name, m):
+            continue
         unit = ACT_BYTES * N_BLOCKS // (P * (2 if name == "interleaved_1f1b" else 1))
         mem_row(f"torch {cls} live", get(("torch", name, m)), "inflight_peak", unit, ideal_by_m[m][name]["peak"])
     print(f"   zb_h1 resident: p - s graphs in flight plus s deferred W keep p graphs on every stage (exp {P}), "
@@ -372,12 +382,17 @@ def report(results):
 
 
 def main():
-    global TF, TB
+    global TF, TB, MS
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--block-ms", type=float, default=TF * 1e3,
                         help="forward cost of one block in ms (backward: twice that); the executor's cost per "
                              "transfer is fixed, so its share of a step shrinks as blocks get longer")
-    TF = parser.parse_args().block_ms / 1e3
+    parser.add_argument("--microbatches", default=",".join(map(str, MS)),
+                        help="comma-separated microbatch counts to run, e.g. 6,8 (any m: ours groups interleaved "
+                             "1F1B's microbatches by at least p; the first one is used for the memory table)")
+    args = parser.parse_args()
+    MS = tuple(int(x) for x in args.microbatches.split(","))
+    TF = args.block_ms / 1e3
     TB = 2 * TF
     t0 = time.perf_counter()
     header()

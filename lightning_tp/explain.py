@@ -45,6 +45,7 @@ import copy
 import math
 import warnings
 from collections import defaultdict
+from fractions import Fraction
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -224,6 +225,9 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
             raise
         layout = None  # no block list: the whole model is one stage
     peaks = simulate(build_schedule(schedule, pp, m, v), pp, v).peak_inflight if pipelined else [1]
+    # idle share of a step with equal blocks, backward = 2 forwards (ZB: its halves alike), free transfers
+    unit = {"F": Fraction(1, v), "B": Fraction(2, v), "W": Fraction(1, v)}
+    bubble = float(simulate(build_schedule(schedule, pp, m, v), pp, v, unit).bubble_fraction) if pp > 1 else 0.0
 
     bpath = layout.blocks_path if layout else None
     order = {name: i for i, (name, _) in enumerate(base.named_modules())}
@@ -245,7 +249,7 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
 
     rep = Explanation(dict(tp=tp, pp=pp, dp=dp, world=tp * pp * dp, sp=sp, microbatches=m, schedule=schedule,
                            virtual_stages=v, batch_shape=(B, T), dtype_bytes=dtype_bytes, grad_bytes=grad_bytes,
-                           accumulate_grad_batches=acc, blocks=bpath, hidden=hidden,
+                           accumulate_grad_batches=acc, blocks=bpath, hidden=hidden, bubble=bubble,
                            plans=[(mt.prefix, mt.plan.name) for mt in matches]))
     counts = {}
     for mt in matches:
@@ -321,6 +325,9 @@ def _format(rep: Explanation) -> str:
                   for k, r, lo, hi in rep.stages]
         lines.append(f"  first stage also holds: {', '.join(rep.outer['first']) or '-'}; "
                      f"last stage: {', '.join(rep.outer['last']) or '-'}")
+    if c["pp"] > 1:
+        lines.append(f"  pipeline bubble: {c['bubble']:.1%} of a step idle on each stage (equal blocks, backward = 2 "
+                     f"forwards, free transfers; more microbatches or virtual stages shrink it)")
     lines += ["", "Per rank, per optimizer step (bytes = recorded elements x element size: the payload each rank "
               "passes to a collective or send, not ring wire bytes):",
               f"  {'stage':>5} {'tp':>3} {'params':>12} {'TP act':>11} {'PP send':>11} {'SP grads':>10} "

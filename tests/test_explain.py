@@ -128,6 +128,18 @@ def test_megatron_count_per_layer():
                                  ("reduce_scatter", 32, "bwd")] * 2)
 
 
+@pytest.mark.parametrize("schedule, v, m, expected", [
+    ("1f1b", 1, 4, 3 / 7), ("gpipe", 1, 8, 3 / 11), ("interleaved_1f1b", 2, 8, 3 / 19), ("interleaved_1f1b", 2, 6, 3 / 15),
+    ("zb_h1", 1, 8, 3 / 27)])
+def test_explain_gives_the_pipeline_bubble_of_the_schedule(schedule, v, m, expected):
+    # (p-1)/(m+p-1) for GPipe/1F1B, (p-1)/(v*m+p-1) interleaved, (p-1)/(3m+p-1) ZB-H1 with F = B = W
+    model = make_model("gpt", n_layer=8)
+    report = explain(model, pp=4, microbatches=m, schedule=schedule, virtual_stages=v, batch_shape=(24, SEQ),
+                     print_report=False)
+    assert report.config["bubble"] == pytest.approx(expected, abs=1e-12)
+    assert f"pipeline bubble: {expected:.1%}" in str(report)
+
+
 def test_explain_leaves_module_and_torch_distributed_alone(capsys):
     model = make_model("gpt", n_layer=4, tie_weights=True)
     state = {k: v.clone() for k, v in model.state_dict().items()}
