@@ -50,7 +50,8 @@ class MegaStrategy(ParallelStrategy):
         pp: pipeline-parallel size (stages of contiguous blocks).
         sp: sequence parallelism inside the TP region (needs tp > 1).
         microbatches: microbatches per batch under pp (default: pp); must divide the batch size (an
-            epoch's smaller last batch runs with the fewest microbatches, at least this many, that divide it).
+            epoch's smaller last batch runs with the fewest microbatches, at least this many or one per
+            row, that divide it: see ``step_microbatches``).
         schedule: ``"1f1b"``, ``"gpipe"``, ``"interleaved_1f1b"`` or ``"zb_h1"``.
         virtual_stages: model chunks per rank for the interleaved schedule.
         pipeline_blocks: path of the repeated block list, when the plan or the search cannot find it.
@@ -139,6 +140,13 @@ class MegaStrategy(ParallelStrategy):
     @property
     def num_processes(self) -> int:
         return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def step_microbatches(self) -> int:
+        """Microbatches of the current (or last) step: ``microbatches``, except on a batch it does not
+        divide (an epoch's smaller last batch, see pipeline/microbatch.py); 1 without a pipeline.
+        A sum-reduced loss multiplied by it gives the whole batch's sum."""
+        return self._runner.step_m if self._runner is not None else 1
 
     @property
     def is_distributed(self) -> bool:

@@ -115,6 +115,7 @@ class PipelineRunner(StageLogs):
                 final={next(a for a in reversed(actions) if a.kind == ("W" if zero_bubble else "B") and a.chunk == c)
                        for c in range(v)})
         plan = self._plans[m]
+        self.step_m = m  # this step's microbatch count (MegaStrategy.step_microbatches)
         self.actions, self.zero_bubble, self._receives = plan["actions"], plan["zero_bubble"], plan["receives"]
         self.slots, self._publish_at, self._landed, self._final = (plan["slots"], plan["publish_at"], plan["landed"],
                                                                    plan["final"])
