@@ -148,24 +148,30 @@ class PipelineRunner(StageLogs):
                 out.setdefault(channel, []).append((t, src))
         return out
 
-    def _recv_args(self, a):
-        """(src, tag, channel) of a RECV_F / RECV_B action."""
-        k, d = self._vstage(a.chunk), (0 if a.kind == "RECV_F" else 1)
-        return self._rank_of(k - 1 if d == 0 else k + 1), tag(d, a.microbatch, k, self.n_vstages), (d, k)
+    def _recv_args(self, a, forward_only: bool = False):
+        """(src, tag, channel) of a RECV_F / RECV_B action; forward-only steps (validate/test/predict)
+        use direction 2, apart from training's."""
+        k = self._vstage(a.chunk)
+        d = 2 if forward_only else (0 if a.kind == "RECV_F" else 1)
+        return self._rank_of(k + 1 if d == 1 else k - 1), tag(d, a.microbatch, k, self.n_vstages), (d, k)
+
+    def _send_route(self, a, forward_only: bool = False):
+        """(dst, tag, channel) of a SEND_F / SEND_B action (direction 2: see _recv_args)."""
+        k = self._vstage(a.chunk)
+        d, k = ((2 if forward_only else 0), k + 1) if a.kind == "SEND_F" else (1, k - 1)
+        return self._rank_of(k), tag(d, a.microbatch, k, self.n_vstages), (d, k)
 
     def _send_tag(self, a) -> int:
-        k = self._vstage(a.chunk)
-        return tag(0, a.microbatch, k + 1, self.n_vstages) if a.kind == "SEND_F" else \
-            tag(1, a.microbatch, k - 1, self.n_vstages)
+        return self._send_route(a)[1]
 
     def _send_args(self, a, outputs, inputs, input_grads):
         """(tensor, dst, tag, channel) of a SEND_F / SEND_B action; drops what the send was the last use of."""
-        key, k = (a.microbatch, a.chunk), self._vstage(a.chunk)
+        key = (a.microbatch, a.chunk)
         if a.kind == "SEND_F":
-            return outputs[key], self._rank_of(k + 1), self._send_tag(a), (0, k + 1)
+            return (outputs[key], *self._send_route(a))
         g = input_grads.pop(key) if key in input_grads else inputs[key].grad
         inputs.pop(key)
-        return g, self._rank_of(k - 1), self._send_tag(a), (1, k - 1)
+        return (g, *self._send_route(a))
 
     @staticmethod
     def _store(a, tensor, inputs, grads) -> None:
@@ -308,16 +314,6 @@ class PipelineRunner(StageLogs):
 
     # ---------------------------------------------------------------- forward only
 
-    def _eval_recv_args(self, a):
-        """(src, tag, channel) of a forward-only RECV_F (direction 2: apart from training's)."""
-        k = self._vstage(a.chunk)
-        return self._rank_of(k - 1), tag(2, a.microbatch, k, self.n_vstages), (2, k)
-
-    def _eval_send_args(self, a):
-        """(dst, tag, channel) of a forward-only SEND_F."""
-        k = self._vstage(a.chunk) + 1
-        return self._rank_of(k), tag(2, a.microbatch, k, self.n_vstages), (2, k)
-
     def eval_step(self, hook: str, batch, batch_idx):
         """validate/test/predict: the forwards of :func:`.schedules.forward_only` (a group of
         microbatches through every chunk before the next), eager or one transfer group per slot."""
@@ -331,7 +327,7 @@ class PipelineRunner(StageLogs):
             expected = {}  # channel -> [(tag, src)]: the eager Mailbox posts them ahead
             for a in actions:
                 if a.kind == "RECV_F":
-                    src, t, channel = self._eval_recv_args(a)
+                    src, t, channel = self._recv_args(a, forward_only=True)
                     expected.setdefault(channel, []).append((t, src))
             self._eval_plans[m] = actions, slots and slots[self.mesh.pp_rank], expected
         actions, slots, expected = self._eval_plans[m]
@@ -350,10 +346,10 @@ class PipelineRunner(StageLogs):
                 box = Mailbox(expected, device=device)
                 for a in actions:
                     if a.kind == "RECV_F":
-                        src, t, channel = self._eval_recv_args(a)
+                        src, t, channel = self._recv_args(a, forward_only=True)
                         received[(a.microbatch, a.chunk)] = box.recv(src, t, device, channel)
                     elif a.kind == "SEND_F":
-                        box.send(outputs.pop((a.microbatch, a.chunk)), *self._eval_send_args(a))
+                        box.send(outputs.pop((a.microbatch, a.chunk)), *self._send_route(a, forward_only=True))
                     else:
                         forward(a)
             else:
@@ -362,11 +358,11 @@ class PipelineRunner(StageLogs):
                     if slot.compute is not None:
                         a = slot.compute
                         if self._vstage(a.chunk) > 0:
-                            _, t, channel = self._eval_recv_args(a)
+                            _, t, channel = self._recv_args(a, forward_only=True)
                             received[(a.microbatch, a.chunk)] = box.take(channel, t)
                         forward(a)
-                    box.group([(outputs.pop((a.microbatch, a.chunk)), *self._eval_send_args(a)) for a in slot.sends],
-                              [self._eval_recv_args(a) for a in slot.recvs])
+                    box.group([(outputs.pop((a.microbatch, a.chunk)), *self._send_route(a, forward_only=True))
+                               for a in slot.sends], [self._recv_args(a, forward_only=True) for a in slot.recvs])
         box.wait()
         merged = None
         if results and all(isinstance(r, torch.Tensor) for r in results):
