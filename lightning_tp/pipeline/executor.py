@@ -139,12 +139,12 @@ class PipelineRunner(StageLogs):
         except (AttributeError, RuntimeError):  # no trainer attached
             return None
 
-    def _expected_receives(self, actions) -> dict:
-        """channel -> ordered [(tag, src)] of this rank's receives in one training step."""
+    def _expected_receives(self, actions, forward_only: bool = False) -> dict:
+        """channel -> ordered [(tag, src)] of this rank's receives in one step (the Mailbox posts them ahead)."""
         out = {}
         for a in actions:
             if a.kind in ("RECV_F", "RECV_B"):
-                src, t, channel = self._recv_args(a)
+                src, t, channel = self._recv_args(a, forward_only)
                 out.setdefault(channel, []).append((t, src))
         return out
 
@@ -324,12 +324,8 @@ class PipelineRunner(StageLogs):
             full = forward_only(self.layout.pp, m, self.layout.v)
             slots = slot_plan(full, self.layout.pp, self.layout.v) if self.batched else None
             actions = full[self.mesh.pp_rank]
-            expected = {}  # channel -> [(tag, src)]: the eager Mailbox posts them ahead
-            for a in actions:
-                if a.kind == "RECV_F":
-                    src, t, channel = self._recv_args(a, forward_only=True)
-                    expected.setdefault(channel, []).append((t, src))
-            self._eval_plans[m] = actions, slots and slots[self.mesh.pp_rank], expected
+            self._eval_plans[m] = (actions, slots and slots[self.mesh.pp_rank],
+                                   self._expected_receives(actions, forward_only=True))
         actions, slots, expected = self._eval_plans[m]
 
         def forward(a):
