@@ -36,7 +36,12 @@ input (the preceding Linear's local output), a loss's input, and for attention (
 width / tp. Dropout masks and per-row statistics are left out. A stage's estimate is the heaviest
 chunk's blocks (plus the first stage's pre-block and the last stage's post-block modules) times
 (B/m)*T times the schedule's peak in-flight microbatches from :func:`pipeline.simulate.simulate`
-(ZB-H1 keeps part of each microbatch until its W, which this does not count).
+(ZB-H1 keeps part of each microbatch until its W, which this does not count). With activation
+checkpointing a recomputed block keeps only its input (h per token, h/tp under SP), and during the
+backward one recomputed block at a time holds all of its activations again, for one microbatch
+(``recompute_bytes``, included in the total); its forward collectives run again then, at most all of
+them (``tp_recompute_bytes``, included in TP act: torch stops recomputing once every saved tensor is
+back, so a block's last collective often does not run again).
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ from .pipeline.schedules import build_schedule
 from .pipeline.simulate import simulate
 from .pipeline.split import _outer_modules, apply_split, plan_stages
 from .plans import apply as planner
+from . import recompute
 
 _ACTIVATIONS = ("torch.nn.modules.activation", "transformers.activations")
 
@@ -75,6 +81,8 @@ class RankEstimate:
     dp_bytes: int = 0
     act_bytes: int = 0
     peak_microbatches: int = 1
+    recompute_bytes: int = 0  # of act_bytes: one recomputed block's activations, during its backward
+    tp_recompute_bytes: int = 0  # of tp_bytes: at most, recomputed blocks' forward collectives run again
 
 
 @dataclass
@@ -199,7 +207,7 @@ def _saved_widths(base, style_of, tp, locate):
 def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, microbatches=None,
             batch_shape=(8, 128), schedule: str = "1f1b", virtual_stages: int = 1, plan="auto", dp: int = 1,
             dtype_bytes: int = 4, *, grad_bytes=None, accumulate_grad_batches: int = 1, pipeline_blocks=None,
-            stage_layers=None, print_report: bool = True) -> Explanation:
+            stage_layers=None, activation_checkpointing=False, print_report: bool = True) -> Explanation:
     """Parameters, stages, communication and activation memory of ``MegaStrategy(tp, pp, sp, ...)``
     with ``dp`` replicas on ``module``. ``batch_shape`` = (per-process batch, sequence length);
     ``dtype_bytes`` sizes activations, ``grad_bytes`` (default: the same) gradients. Prints the
@@ -209,6 +217,7 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
     sp, m = bool(sp) and tp > 1, microbatches if microbatches is not None else pp
     v = virtual_stages if pp > 1 else 1
     (B, T), grad_bytes, acc = batch_shape, grad_bytes or dtype_bytes, accumulate_grad_batches
+    recompute.check_option(activation_checkpointing, None)
     if B % m:
         raise ValueError(f"microbatches={m} must divide the per-process batch size {B}.")
     base = _meta_copy(module)
@@ -223,6 +232,9 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
     except ValueError:
         if pipelined:
             raise
+        if activation_checkpointing:
+            raise ValueError("explain(activation_checkpointing=...) models one block list and found none "
+                             "(an encoder-decoder has two); name it with pipeline_blocks='path.to.blocks'.") from None
         layout = None  # no block list: the whole model is one stage
     peaks = simulate(build_schedule(schedule, pp, m, v), pp, v).peak_inflight if pipelined else [1]
     # idle share of a step with equal blocks, backward = 2 forwards (ZB: its halves alike), free transfers
@@ -250,6 +262,7 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
     rep = Explanation(dict(tp=tp, pp=pp, dp=dp, world=tp * pp * dp, sp=sp, microbatches=m, schedule=schedule,
                            virtual_stages=v, batch_shape=(B, T), dtype_bytes=dtype_bytes, grad_bytes=grad_bytes,
                            accumulate_grad_batches=acc, blocks=bpath, hidden=hidden, bubble=bubble,
+                           activation_checkpointing=activation_checkpointing,
                            plans=[(mt.prefix, mt.plan.name) for mt in matches]))
     counts = {}
     for mt in matches:
@@ -266,12 +279,18 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
     tokens = B * T * acc
     for r in range(pp):
         mine = {loc for loc in list(ops) + list(width) if r in ranks_of(loc)}
-        chunks = [sum(width[("block", i)] for i in range(lo, hi + 1))
+        again = {i for _, i in recompute.targets(base, activation_checkpointing, layout, r)} \
+            if activation_checkpointing else set()
+        kept = {("block", i): hidden / (tp if sp_on else 1) if i in again else width[("block", i)]
+                for i in range(len(base.get_submodule(bpath)))} if layout else {}
+        chunks = [sum(kept[("block", i)] for i in range(lo, hi + 1))
                   for k, (lo, hi) in enumerate(layout.ranges) if k % pp == r] if layout else []
+        transient = max((width[("block", i)] for i in again), default=0)  # one block recomputing
         act = max(chunks, default=0) + (width[("first",)] if r == 0 else 0) + (width[("last",)] if r == pp - 1 else 0)
         ks = layout.vstages_of(r) if layout else []
         sends = sum(k < layout.last_vstage for k in ks) + sum(k > 0 for k in ks)
         tp_elems = sum(w for loc in mine for _, w, phase in ops[loc])
+        tp_again = sum(w for i in again for _, w, phase in ops[("block", i)] if phase == "fwd")
         for t in range(tp):
             local = copy.deepcopy(base)  # split, then shard, as the strategy does (deepcopy drops param marks)
             if pp > 1:
@@ -285,12 +304,14 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
             tied = sum(p.numel() for p in params if p.requires_grad and getattr(p, "_pp_tied", False))
             rep.ranks.append(RankEstimate(
                 stage=r, tp_rank=t, params=sum(p.numel() for p in params),
-                tp_bytes=round(tokens * tp_elems * dtype_bytes) if tp > 1 else 0,
+                tp_bytes=round(tokens * (tp_elems + tp_again) * dtype_bytes) if tp > 1 else 0,
+                tp_recompute_bytes=round(tokens * tp_again * dtype_bytes) if tp > 1 else 0,
                 pp_bytes=round(tokens * sends * hidden / (tp if sp_on else 1) * dtype_bytes),
                 sp_bytes=partial * grad_bytes if tp > 1 else 0,
                 tied_bytes=tied * grad_bytes if pp > 1 and r in (0, pp - 1) else 0,
                 dp_bytes=trained * grad_bytes if dp > 1 else 0,
-                act_bytes=round(peaks[r] * (B // m) * T * act * dtype_bytes), peak_microbatches=peaks[r]))
+                act_bytes=round((peaks[r] * act + transient) * (B // m) * T * dtype_bytes), peak_microbatches=peaks[r],
+                recompute_bytes=round(transient * (B // m) * T * dtype_bytes)))
     if print_report:
         print(rep)
     return rep
@@ -337,4 +358,10 @@ def _format(rep: Explanation) -> str:
                      f"{_size(r.sp_bytes):>10} {_size(r.tied_bytes):>10} {_size(r.dp_bytes):>11} "
                      f"{_size(r.act_bytes):>11} {r.peak_microbatches:>7}")
     lines.append("(act mem: estimated activations saved for backward; see lightning_tp/explain.py for the model)")
+    if c["activation_checkpointing"]:
+        n = c["activation_checkpointing"]
+        lines.append(f"(activation checkpointing: {'every block' if n is True else f'the first {n} blocks of each stage'}"
+                     f" keeps its input only; act mem includes one block's recompute, up to "
+                     f"{_size(max(r.recompute_bytes for r in rep.ranks))}; TP act counts its forward collectives "
+                     f"twice, at most {_size(max(r.tp_recompute_bytes for r in rep.ranks))} more)")
     return "\n".join(lines)

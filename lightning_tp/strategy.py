@@ -24,6 +24,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from . import checkpoint as ckpt
 from . import comm
 from . import grads
+from . import recompute
 from .dp_overlap import DPOverlap
 from .kernels.inject import apply_kernels, kernel_names
 from .plain import load_full
@@ -56,6 +57,10 @@ class MegaStrategy(ParallelStrategy):
         virtual_stages: model chunks per rank for the interleaved schedule.
         pipeline_blocks: path of the repeated block list, when the plan or the search cannot find it.
         stage_layers: blocks per (virtual) stage, instead of the parameter-balanced split.
+        activation_checkpointing: recompute each block's forward in its backward instead of keeping its
+            activations (``torch.utils.checkpoint``, non-reentrant): ``True`` for every block of the
+            model's block list (of each such list without a pipeline), an int ``n`` for the first n
+            blocks of each (virtual) stage (Megatron's ``recompute_method="block"``).
         p2p: how pipeline transfers go out: ``"eager"`` (isend at once, receives posted ahead; gloo),
             ``"batched"`` (one ``batch_isend_irecv`` per time slot of the schedule, the same slot on
             both sides of every transfer: what NCCL needs, where a send waits for its receive and a
@@ -79,6 +84,7 @@ class MegaStrategy(ParallelStrategy):
     def __init__(self, tp: int = 1, pp: int = 1, sp: bool = False, plan: Any = "auto",
                  microbatches: Optional[int] = None, schedule: str = "1f1b", virtual_stages: int = 1,
                  pipeline_blocks: Optional[str] = None, stage_layers: Optional[list] = None,
+                 activation_checkpointing: Union[bool, int] = False,
                  p2p: Literal["auto", "eager", "batched"] = "auto",
                  kernels: Union[bool, list, None] = False, quant: Optional[str] = None, quant_range: str = "ema",
                  load_full: Optional[str] = None, sync_init: bool = True,
@@ -115,6 +121,8 @@ class MegaStrategy(ParallelStrategy):
         if quant is None and quant_range != "ema":
             raise ValueError(f"MegaStrategy(quant_range={quant_range!r}) needs quant='int8' or 'w4a8' as well.")
         self.quant, self.quant_range = quant, quant_range
+        recompute.check_option(activation_checkpointing, quant)
+        self.activation_checkpointing = activation_checkpointing
         self._process_group_backend = process_group_backend
         self._timeout = timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout
         self._start_method = start_method
@@ -246,11 +254,15 @@ class MegaStrategy(ParallelStrategy):
             blocks = self.pipeline_blocks or planner.blocks_path(module, self.plan)
             layout = plan_stages(module, self.pp, self.virtual_stages, blocks, self.stage_layers,
                                  interleaved=self.schedule == "interleaved_1f1b")
+        elif self._pipelined:  # microbatching without stages: one stage holding every block
+            layout = plan_stages(module, 1, 1, self.pipeline_blocks or planner.blocks_path(module, self.plan))
+        recomputed = recompute.targets(module, self.activation_checkpointing, layout, self.mesh.pp_rank,
+                                       self.pipeline_blocks) if self.activation_checkpointing else []
         full_keys = list(module.state_dict().keys())
         # 2. one set of initial weights, then keep this rank's stage and shards
         if self.sync_init and self.mesh.world_size > 1:
             self._broadcast_initial_weights(module)
-        split = apply_split(module, layout, self.mesh.pp_rank) if layout is not None else {"before": {}}
+        split = apply_split(module, layout, self.mesh.pp_rank) if self.pp > 1 else {"before": {}}
         replaced = planner.apply(module, matches, self.mesh.tp_group, self.tp, self.mesh.tp_rank, self.sp)
         apply_kernels(module, self.kernels)
         if self.quant is not None:
@@ -258,10 +270,9 @@ class MegaStrategy(ParallelStrategy):
                       act_range=self.quant_range)
         if self.load_full is not None:
             load_full(module, self.load_full, full_keys, self.mesh.tp_rank)
+        recompute.apply(module, recomputed)  # inside the stage wrappers below
         self._runner = None
         if self._pipelined:
-            if layout is None:  # microbatching without stages: one stage holding every block
-                layout = plan_stages(module, 1, 1, self.pipeline_blocks or planner.blocks_path(module, self.plan))
             before = [(module.get_submodule(name), twin) for name, twin in split["before"].items()]
             state = install_stages(module.get_submodule(layout.blocks_path), layout, self.mesh.pp_rank, before)
             batched = self.p2p == "batched" or (self.p2p == "auto" and _on_nccl())

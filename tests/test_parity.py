@@ -35,6 +35,9 @@ WORLD2 = {
     "tp2_sp_clip": ("gpt", {}, dict(tp=2, sp=True), CLIP),
     "dp2_accumulate": ("gpt", {}, dict(tp=1), ACCUMULATE),
     "tp2_demo_transformer": ("demo_transformer", {}, dict(tp=2), {}),  # nn.Transformer encoder-decoder
+    # activation checkpointing without a pipeline: both of the encoder-decoder's block lists recompute
+    "tp2_demo_transformer_recompute": ("demo_transformer", {}, dict(tp=2, activation_checkpointing=True), {}),
+    "tp2_sp_recompute": ("gpt", {}, dict(tp=2, sp=True, activation_checkpointing=True), {}),
     "tp2_sp_kernels": ("gpt", {}, dict(tp=2, sp=True, kernels=True), {}),  # torch twins of the fused modules
     "dp2_kernels": ("gpt", {}, dict(tp=1, kernels=True), {}),
     "tp2_sp_int8_qat": ("gpt", dict(quant="int8"), dict(tp=2, sp=True, quant="int8"), {"max_steps": 10}),

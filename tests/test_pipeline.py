@@ -36,7 +36,12 @@ WORLD2.update({
                                          dict(samples=10, max_steps=6)),
     "pp2_zb_h1_short_last_batch": ("gpt", dict(n_layer=4), _pp(2, "zb_h1"), dict(batch=8, samples=22, max_steps=6)),
     "pp2_clip_accumulate": ("gpt", dict(n_layer=4, tie_weights=True), _pp(2, "zb_h1"),
-                            dict(gradient_clip_val=0.05, accumulate_grad_batches=2)),
+                            dict(gradient_clip_val=0.05, accumulate_grad_batches=2)),    # activation checkpointing: recomputed blocks give the numbers of a run that keeps activations,
+    # under ZB-H1's split backward too; an int recomputes the first n blocks of each virtual stage
+    "pp2_1f1b_recompute": ("gpt", dict(n_layer=4), _pp(2, "1f1b", activation_checkpointing=True), {}),
+    "pp2_zb_h1_recompute": ("gpt", dict(n_layer=4), _pp(2, "zb_h1", activation_checkpointing=True), {}),
+    "pp2_interleaved_recompute_first1": ("gpt", dict(n_layer=8), _pp(2, "interleaved_1f1b", activation_checkpointing=1),
+                                         dict(max_steps=10)),
 })
 WORLD4 = {f"pp4_uneven_{s}": ("gpt", dict(n_layer=6), _pp(4, s), {}) for s in ("gpipe", "1f1b", "zb_h1")}
 WORLD4.update({
@@ -53,6 +58,9 @@ WORLD4.update({
     # accumulating over batches: the pipeline's final backward may not start the dp sync (the sum is not done)
     "pp2_dp2_1f1b_accumulate": ("gpt", dict(n_layer=4), _pp(2, "1f1b"), dict(accumulate_grad_batches=2)),
     "tp2_pp2_gpipe": ("gpt", dict(n_layer=4), dict(tp=2, **_pp(2, "gpipe")), {}),
+    # the recomputed forward runs the tp/sp collectives again, inside the backward
+    "tp2_sp_pp2_recompute": ("gpt", dict(n_layer=4), dict(tp=2, sp=True, **_pp(2, "1f1b", activation_checkpointing=True)),
+                             {}),
     "tp2_pp2_zb_h1": ("gpt", dict(n_layer=4), dict(tp=2, **_pp(2, "zb_h1")), {}),
     "tp2_pp2_interleaved_batched_p2p": ("gpt", dict(n_layer=4), dict(tp=2, **_pp(2, "interleaved_1f1b", p2p="batched")),
                                         {}),
@@ -303,6 +311,16 @@ def _one_small_batch(world):
     return trainer.global_step, trainer.strategy.step_microbatches
 
 
+def _recompute_marks(world):
+    """pp=2 over 4 blocks with activation_checkpointing=1: each rank checkpoints the first block of
+    its stage (Megatron's block method), after a step that ran through them."""
+    trainer = L.Trainer(devices=world, strategy=MegaStrategy(pp=2, microbatches=2, activation_checkpointing=1,
+                                                             timeout=60), max_steps=1, **trainer_kwargs())
+    model = make_model("gpt", n_layer=4)
+    trainer.fit(model, TokenData(4, 64, 4))
+    return [i for i, b in enumerate(model.model.transformer.h) if getattr(b, "_lightning_tp_recompute", False)]
+
+
 def _bad_inputs(rank, world):
     data = TokenData(16, 64, 4)
     dicts = torch.utils.data.DataLoader(DictBatch(), batch_size=4)
@@ -320,6 +338,9 @@ def _bad_inputs(rank, world):
                                             MegaStrategy(pp=2, virtual_stages=2, schedule="interleaved_1f1b",
                                                          microbatches=2, timeout=30), data),
         "no_blocks": _expect_error(world, NoBlocks(), MegaStrategy(pp=2, timeout=30), data),
+        "recompute_no_blocks": _expect_error(world, NoBlocks(), MegaStrategy(activation_checkpointing=True,
+                                                                             timeout=30), data),
+        "recompute_marks": _recompute_marks(world),
         "unsplittable": _expect_error(world, DictGPT(), MegaStrategy(pp=2, timeout=30), dicts),
         "returns_none": _expect_error(world, SkipsBatch(), MegaStrategy(microbatches=2, timeout=30)),
         "mailbox": _mailbox_across_steps(rank),
@@ -334,6 +355,10 @@ def bad(world2):  # after the parity launch: two launches never overlap
     return dist.run(2, _bad_inputs)
 
 
+def test_activation_checkpointing_recomputes_the_first_n_blocks_of_each_stage(bad):
+    assert [r["recompute_marks"] for r in bad] == [[0], [2]]
+
+
 def test_a_dataset_smaller_than_one_batch_trains(bad):
     assert [r["one_small_batch"] for r in bad] == [(2, 6), (2, 6)]  # 2 steps of 6 one-row microbatches
 
@@ -344,6 +369,7 @@ def test_a_dataset_smaller_than_one_batch_trains(bad):
     ("returns_none", ["returned NoneType for microbatch 0", "needs a loss tensor", "not supported"]),
     ("interleaved_blocks", ["interleaved", "6 blocks", "pp*virtual_stages = 4"]),
     ("no_blocks", ["block list", "pipeline_blocks="]),
+    ("recompute_no_blocks", ["activation_checkpointing", "none was found in NoBlocks", "pipeline_blocks="]),
     ("unsplittable", ["batch['name']", "str", "cannot be split"]),
 ])
 def test_pipeline_bad_input_raises_on_every_rank(bad, case, words):

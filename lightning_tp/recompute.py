@@ -1,0 +1,90 @@
+"""Activation checkpointing of the model's repeated blocks (Megatron's "full" recompute).
+
+Why: a block's activations saved for backward (attention scores, the MLP's hidden layer, norms'
+inputs) are many times its input, and a pipeline stage holds them for several microbatches at once
+(1F1B: p - s on stage s; interleaved more). Under ``torch.utils.checkpoint`` (non-reentrant) a block
+keeps only its inputs and runs its forward again inside its backward: about one more forward per
+step for most of the activation memory. With an int ``n`` only the first n blocks of each
+(virtual) stage recompute, Megatron's ``recompute_method="block"``: memory saved where it is
+needed, time spent only there.
+
+The wrapper goes on each block's ``forward`` (an instance attribute, as the pipeline's stage
+wrappers), so module paths, state-dict keys and module hooks stay as they were. torch's checkpoint
+replays the RNG state (dropout masks), so the numbers are those of a run without it. Parallel layers
+inside a block run their collectives again in the recomputation, on every tensor-parallel rank at
+the same point of the backward.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+def check_option(value, quant) -> None:
+    """``activation_checkpointing``: False, True, or a positive int; not with quantization-aware
+    layers, whose activation ranges would be updated again by the recomputed forward."""
+    if isinstance(value, bool) or value is None:
+        ok = True
+    else:
+        ok = isinstance(value, int) and value >= 1
+    if not ok:
+        raise ValueError(f"MegaStrategy(activation_checkpointing={value!r}): use True (every block), False, or a "
+                         f"positive int n (the first n blocks of each pipeline stage).")
+    if value and quant is not None:
+        raise ValueError(f"MegaStrategy(activation_checkpointing=..., quant={quant!r}) is not supported: the "
+                         f"recomputed forward would update the quantizers' activation ranges a second time. "
+                         f"Use one of the two.")
+
+
+def block_lists(model: nn.Module, name: str | None = None) -> list[str]:
+    """Paths of the block lists to checkpoint without a pipeline: ``name`` (``pipeline_blocks=``), else
+    every outermost ``nn.ModuleList`` of two or more same-class modules (an encoder-decoder has two)."""
+    if name is not None:
+        from .pipeline.split import find_blocks
+
+        return [find_blocks(model, name)[0]]
+    found = []
+    for path, module in model.named_modules():
+        if any(path.startswith(p + ".") for p in found):
+            continue  # a list inside a block (experts, heads): its block is checkpointed whole
+        if isinstance(module, nn.ModuleList) and len(module) >= 2 and len({type(b) for b in module}) == 1:
+            found.append(path)
+    if not found:
+        raise ValueError(f"MegaStrategy(activation_checkpointing=...) checkpoints the model's repeated blocks (an "
+                         f"nn.ModuleList of same-class blocks), and none was found in {type(model).__name__}. "
+                         f"Name the list: MegaStrategy(activation_checkpointing=True, pipeline_blocks='path.to.blocks').")
+    return found
+
+
+def targets(model: nn.Module, n, layout=None, pp_rank: int = 0, name: str | None = None) -> list[tuple[str, int]]:
+    """(list path, index) of each block to checkpoint: with a pipeline ``layout``, this rank's blocks
+    (all of them, or the first ``n`` of each virtual stage); without, every block of the lists (or
+    the first n of each list). Found before anything changes, so a bad model fails on every rank."""
+    first = None if n is True else n
+    if layout is not None:
+        out = []
+        for k in layout.vstages_of(pp_rank):
+            lo, hi = layout.ranges[k]
+            out += [(layout.blocks_path, i) for i in range(lo, hi + 1)][:first]
+        return out
+    return [(path, i) for path in block_lists(model, name) for i in range(len(model.get_submodule(path)))[:first]]
+
+
+def apply(model: nn.Module, blocks: list[tuple[str, int]]) -> None:
+    """Wrap each listed block's forward in a non-reentrant checkpoint (plain forward without grad)."""
+    for path, i in blocks:
+        _wrap(model.get_submodule(path)[i])
+
+
+def _wrap(block: nn.Module) -> None:
+    original = block.forward
+
+    def forward(*args, **kwargs):
+        if not torch.is_grad_enabled():  # validation, prediction: nothing to save
+            return original(*args, **kwargs)
+        return checkpoint(original, *args, use_reentrant=False, **kwargs)
+
+    block.forward = forward
+    block._lightning_tp_recompute = True
