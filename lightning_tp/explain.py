@@ -39,7 +39,8 @@ chunk's blocks (plus the first stage's pre-block and the last stage's post-block
 (ZB-H1 keeps part of each microbatch until its W, which this does not count). With activation
 checkpointing a recomputed block keeps only its input (h per token, h/tp under SP), and during the
 backward one recomputed block at a time holds all of its activations again, for one microbatch
-(``recompute_bytes``, included in the total); its forward collectives run again then, at most all of
+(``recompute_bytes``, included in the total; under ZB-H1 the weight half's recomputation of a chunk
+is kept until that W ends, so the whole chunk's); its forward collectives run again then, at most all of
 them (``tp_recompute_bytes``, included in TP act: torch stops recomputing once every saved tensor is
 back, so a block's last collective often does not run again).
 """
@@ -217,7 +218,7 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
     sp, m = bool(sp) and tp > 1, microbatches if microbatches is not None else pp
     v = virtual_stages if pp > 1 else 1
     (B, T), grad_bytes, acc = batch_shape, grad_bytes or dtype_bytes, accumulate_grad_batches
-    recompute.check_option(activation_checkpointing, None)
+    recompute.check_option(activation_checkpointing, None, schedule if pp > 1 or m > 1 else None)
     if B % m:
         raise ValueError(f"microbatches={m} must divide the per-process batch size {B}.")
     base = _meta_copy(module)
@@ -285,7 +286,10 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
                 for i in range(len(base.get_submodule(bpath)))} if layout else {}
         chunks = [sum(kept[("block", i)] for i in range(lo, hi + 1))
                   for k, (lo, hi) in enumerate(layout.ranges) if k % pp == r] if layout else []
-        transient = max((width[("block", i)] for i in again), default=0)  # one block recomputing
+        # recomputing: one block at a time; ZB-H1's W keeps what it recomputes for the chunk until it ends
+        transient = max((sum(width[("block", i)] for i in again if lo <= i <= hi) if schedule == "zb_h1"
+                         else max((width[("block", i)] for i in again if lo <= i <= hi), default=0)
+                         for k, (lo, hi) in enumerate(layout.ranges) if k % pp == r), default=0) if layout else 0
         act = max(chunks, default=0) + (width[("first",)] if r == 0 else 0) + (width[("last",)] if r == pp - 1 else 0)
         ks = layout.vstages_of(r) if layout else []
         sends = sum(k < layout.last_vstage for k in ks) + sum(k > 0 for k in ks)

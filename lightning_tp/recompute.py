@@ -8,27 +8,37 @@ step for most of the activation memory. With an int ``n`` only the first n block
 (virtual) stage recompute, Megatron's ``recompute_method="block"``: memory saved where it is
 needed, time spent only there.
 
-The wrapper goes on each block's ``forward`` (an instance attribute, as the pipeline's stage
-wrappers), so module paths, state-dict keys and module hooks stay as they were. torch's checkpoint
-replays the RNG state (dropout masks), so the numbers are those of a run without it. Parallel layers
-inside a block run their collectives again in the recomputation, on every tensor-parallel rank at
-the same point of the backward.
+The wrapper goes on each block's ``forward`` (an instance attribute bound to the block, as
+``copy.deepcopy`` rebinds it: an EMA copy runs its own weights), so module paths, state-dict keys and
+module hooks stay as they were. Every argument reaches torch's checkpoint positionally, so it sees
+each tensor's device (it replays the RNG state of those devices: dropout masks are the same, and the
+numbers are those of a run without it) and no keyword of the block's can collide with its own.
+Parallel layers inside a block run their collectives again in the recomputation, on every
+tensor-parallel rank at the same point of the backward. What a recomputed forward would change a
+second time is refused: BatchNorm's running statistics, quantizers' activation ranges; a key/value
+cache (Hugging Face's ``use_cache`` while training) is switched off for the recomputed blocks, as
+Hugging Face's own gradient checkpointing does.
 """
 
 from __future__ import annotations
+
+import types
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+_CACHE_KWARGS = ("past_key_value", "past_key_values", "layer_past")
 
-def check_option(value, quant) -> None:
-    """``activation_checkpointing``: False, True, or a positive int; not with quantization-aware
-    layers, whose activation ranges would be updated again by the recomputed forward."""
+
+def check_option(value, quant, schedule: str | None = None) -> None:
+    """``activation_checkpointing``: False (or 0), True, or a positive int; not with quantization-aware
+    layers, whose activation ranges would be updated again by the recomputed forward; with ZB-H1 only
+    where torch can share one recomputation among the weight half's backward calls."""
     if isinstance(value, bool) or value is None:
         ok = True
     else:
-        ok = isinstance(value, int) and value >= 1
+        ok = isinstance(value, int) and value >= 0
     if not ok:
         raise ValueError(f"MegaStrategy(activation_checkpointing={value!r}): use True (every block), False, or a "
                          f"positive int n (the first n blocks of each pipeline stage).")
@@ -36,11 +46,16 @@ def check_option(value, quant) -> None:
         raise ValueError(f"MegaStrategy(activation_checkpointing=..., quant={quant!r}) is not supported: the "
                          f"recomputed forward would update the quantizers' activation ranges a second time. "
                          f"Use one of the two.")
+    if value and schedule == "zb_h1" and getattr(torch.utils.checkpoint, "GraphExecGroup", None) is None:
+        raise ValueError(f"MegaStrategy(activation_checkpointing=..., schedule='zb_h1') needs torch >= 2.10 "
+                         f"(torch.utils.checkpoint.GraphExecGroup; this is {torch.__version__}): without it the "
+                         f"weight half would recompute each block once per backward call. Use schedule='1f1b'.")
 
 
 def block_lists(model: nn.Module, name: str | None = None) -> list[str]:
-    """Paths of the block lists to checkpoint without a pipeline: ``name`` (``pipeline_blocks=``), else
-    every outermost ``nn.ModuleList`` of two or more same-class modules (an encoder-decoder has two)."""
+    """Paths of the block lists to checkpoint without a pipeline: ``name`` (``pipeline_blocks=`` or the
+    plan's ``blocks``), else every outermost ``nn.ModuleList`` of two or more same-class modules (an
+    encoder-decoder has two)."""
     if name is not None:
         from .pipeline.split import find_blocks
 
@@ -68,23 +83,39 @@ def targets(model: nn.Module, n, layout=None, pp_rank: int = 0, name: str | None
         for k in layout.vstages_of(pp_rank):
             lo, hi = layout.ranges[k]
             out += [(layout.blocks_path, i) for i in range(lo, hi + 1)][:first]
-        return out
-    return [(path, i) for path in block_lists(model, name) for i in range(len(model.get_submodule(path)))[:first]]
+    else:
+        out = [(path, i) for path in block_lists(model, name) for i in range(len(model.get_submodule(path)))[:first]]
+    for path, i in out:
+        stateful = next((f"{path}.{i}.{sub}".rstrip(".") for sub, m in model.get_submodule(path)[i].named_modules()
+                         if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats), None)
+        if stateful is not None:
+            raise ValueError(f"MegaStrategy(activation_checkpointing=...): {stateful} keeps running statistics, "
+                             f"which the recomputed forward would update a second time. Use "
+                             f"activation_checkpointing=False, or an int n that leaves block {i} out.")
+    return out
 
 
 def apply(model: nn.Module, blocks: list[tuple[str, int]]) -> None:
     """Wrap each listed block's forward in a non-reentrant checkpoint (plain forward without grad)."""
     for path, i in blocks:
-        _wrap(model.get_submodule(path)[i])
+        block = model.get_submodule(path)[i]
+        block._lightning_tp_inner_forward = block.forward
+        block.forward = types.MethodType(_checkpointed_forward, block)
+        block._lightning_tp_recompute = True
 
 
-def _wrap(block: nn.Module) -> None:
-    original = block.forward
+def _checkpointed_forward(self, *args, **kwargs):
+    inner = self._lightning_tp_inner_forward
+    if not torch.is_grad_enabled():  # validation, prediction: nothing to save
+        return inner(*args, **kwargs)
+    for key in _CACHE_KWARGS:  # a cache updated in the forward would be updated again in the recompute
+        if kwargs.get(key) is not None:
+            kwargs[key] = None
+    if kwargs.get("use_cache"):
+        kwargs["use_cache"] = False
+    keys, n = tuple(kwargs), len(args)
 
-    def forward(*args, **kwargs):
-        if not torch.is_grad_enabled():  # validation, prediction: nothing to save
-            return original(*args, **kwargs)
-        return checkpoint(original, *args, use_reentrant=False, **kwargs)
+    def run(*flat):
+        return inner(*flat[:n], **dict(zip(keys, flat[n:])))
 
-    block.forward = forward
-    block._lightning_tp_recompute = True
+    return checkpoint(run, *args, *kwargs.values(), use_reentrant=False)

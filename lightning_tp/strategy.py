@@ -121,7 +121,7 @@ class MegaStrategy(ParallelStrategy):
         if quant is None and quant_range != "ema":
             raise ValueError(f"MegaStrategy(quant_range={quant_range!r}) needs quant='int8' or 'w4a8' as well.")
         self.quant, self.quant_range = quant, quant_range
-        recompute.check_option(activation_checkpointing, quant)
+        recompute.check_option(activation_checkpointing, quant, schedule if self._pipelined else None)
         self.activation_checkpointing = activation_checkpointing
         self._process_group_backend = process_group_backend
         self._timeout = timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout
@@ -236,9 +236,11 @@ class MegaStrategy(ParallelStrategy):
     def _parallelize(self, module) -> None:
         done = getattr(module, "_lightning_tp", None)
         if done is not None:
-            if (done["tp"], done["sp"], done["pp"]) != (self.tp, self.sp, self.pp):
+            if (done["tp"], done["sp"], done["pp"], done["recompute"]) != (self.tp, self.sp, self.pp,
+                                                                           self.activation_checkpointing):
                 raise ValueError(f"{type(module).__name__} was already parallelized with tp={done['tp']}, "
-                                 f"sp={done['sp']}, pp={done['pp']}; build a fresh module for this layout.")
+                                 f"sp={done['sp']}, pp={done['pp']}, activation_checkpointing={done['recompute']}; "
+                                 f"build a fresh module for this layout.")
             for ctx in done["contexts"]:
                 ctx.group = self.mesh.tp_group
             self._runner = done["runner"]
@@ -257,7 +259,8 @@ class MegaStrategy(ParallelStrategy):
         elif self._pipelined:  # microbatching without stages: one stage holding every block
             layout = plan_stages(module, 1, 1, self.pipeline_blocks or planner.blocks_path(module, self.plan))
         recomputed = recompute.targets(module, self.activation_checkpointing, layout, self.mesh.pp_rank,
-                                       self.pipeline_blocks) if self.activation_checkpointing else []
+                                       self.pipeline_blocks or self._plan_blocks(module)) \
+            if self.activation_checkpointing else []
         full_keys = list(module.state_dict().keys())
         # 2. one set of initial weights, then keep this rank's stage and shards
         if self.sync_init and self.mesh.world_size > 1:
@@ -292,8 +295,16 @@ class MegaStrategy(ParallelStrategy):
             self._runner.dp_overlap = self._dp_overlap
         contexts = {id(m.ctx): m.ctx for m in replaced.values() if hasattr(m, "ctx")}
         module._lightning_tp = {"tp": self.tp, "sp": self.sp, "pp": self.pp, "contexts": list(contexts.values()),
-                                "runner": self._runner}
+                                "runner": self._runner, "recompute": self.activation_checkpointing}
         self._set_metric_groups(module)
+
+    def _plan_blocks(self, module) -> Optional[str]:
+        """The block list a plan names, if one does and can be staged (else activation checkpointing
+        without a pipeline looks for every list of same-class blocks)."""
+        try:
+            return planner.blocks_path(module, self.plan)
+        except ValueError:  # an encoder-decoder's plan: two lists
+            return None
 
     def _set_metric_groups(self, module) -> None:
         try:

@@ -318,7 +318,14 @@ def _recompute_marks(world):
                                                              timeout=60), max_steps=1, **trainer_kwargs())
     model = make_model("gpt", n_layer=4)
     trainer.fit(model, TokenData(4, 64, 4))
-    return [i for i, b in enumerate(model.model.transformer.h) if getattr(b, "_lightning_tp_recompute", False)]
+    staged = [i for i, b in enumerate(model.model.transformer.h) if getattr(b, "_lightning_tp_recompute", False)]
+    # without a pipeline: every block of each list of same-class blocks (an encoder-decoder has two)
+    trainer = L.Trainer(devices=world, strategy=MegaStrategy(activation_checkpointing=True, timeout=60), max_steps=1,
+                        **trainer_kwargs())
+    demo = make_model("demo_transformer")
+    trainer.fit(demo, TokenData(4, 64, 2))
+    marked = sorted(name for name, m in demo.named_modules() if getattr(m, "_lightning_tp_recompute", False))
+    return staged, marked
 
 
 def _bad_inputs(rank, world):
@@ -356,7 +363,9 @@ def bad(world2):  # after the parity launch: two launches never overlap
 
 
 def test_activation_checkpointing_recomputes_the_first_n_blocks_of_each_stage(bad):
-    assert [r["recompute_marks"] for r in bad] == [[0], [2]]
+    assert [r["recompute_marks"][0] for r in bad] == [[0], [2]]
+    layers = [f"model.transformer.{part}.layers.{i}" for part in ("decoder", "encoder") for i in range(2)]
+    assert all(r["recompute_marks"][1] == layers for r in bad)
 
 
 def test_a_dataset_smaller_than_one_batch_trains(bad):

@@ -2,6 +2,8 @@
 activations (dropout on), less saved for backward, which blocks it picks, and its bad input. The
 distributed layouts (pp schedules, tp+sp, the encoder-decoder) are in the parity launches."""
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -71,8 +73,9 @@ def test_which_blocks():
     layout = plan_stages(gpt, 2, 1, "model.transformer.h")  # blocks 0-1 on rank 0, 2-3 on rank 1
     assert recompute.targets(gpt, 1, layout, pp_rank=1) == [("model.transformer.h", 2)]
     assert recompute.targets(gpt, True, layout, pp_rank=0) == [("model.transformer.h", 0), ("model.transformer.h", 1)]
-    interleaved = plan_stages(make_model("gpt", n_layer=8), 2, 2, "model.transformer.h", interleaved=True)
-    assert recompute.targets(gpt, 1, interleaved, pp_rank=0) == [("model.transformer.h", 0), ("model.transformer.h", 4)]
+    gpt8 = make_model("gpt", n_layer=8)
+    interleaved = plan_stages(gpt8, 2, 2, "model.transformer.h", interleaved=True)
+    assert recompute.targets(gpt8, 1, interleaved, pp_rank=0) == [("model.transformer.h", 0), ("model.transformer.h", 4)]
     # an encoder-decoder without a pipeline: both lists; a list inside a block is left to its block
     demo = make_model("demo_transformer")
     assert [p for p, _ in recompute.targets(demo, 1)] == ["model.transformer.encoder.layers",
@@ -89,13 +92,81 @@ def test_which_blocks():
     assert recompute.block_lists(nested, "blocks.0.experts") == ["blocks.0.experts"]
 
 
-@pytest.mark.parametrize("value", [0, -1, 1.5, "yes"])
+@pytest.mark.parametrize("value", [-1, 1.5, "yes"])
 def test_bad_option_values_are_refused_at_construction(value):
     with pytest.raises(ValueError, match="activation_checkpointing="):
         MegaStrategy(activation_checkpointing=value)
+    MegaStrategy(activation_checkpointing=0)  # 0 is off, as False
 
 
-def test_quantization_aware_layers_are_refused_with_it():
+def test_what_a_recomputed_forward_would_change_twice_is_refused(monkeypatch):
     with pytest.raises(ValueError, match="quantizers' activation ranges"):
         MegaStrategy(activation_checkpointing=True, quant="int8")
     MegaStrategy(activation_checkpointing=False, quant="int8")  # off: fine
+    model = nn.Module()
+    model.blocks = nn.ModuleList(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)) for _ in range(2))
+    with pytest.raises(ValueError, match=r"blocks.0.1 keeps running statistics"):
+        recompute.targets(model, True)
+    # ZB-H1's weight half needs one recomputation shared among its backward calls (torch >= 2.10)
+    monkeypatch.delattr(torch.utils.checkpoint, "GraphExecGroup", raising=False)
+    with pytest.raises(ValueError, match="torch >= 2.10"):
+        MegaStrategy(pp=2, schedule="zb_h1", activation_checkpointing=True)
+
+
+class KwargsOnly(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.drop = nn.Linear(8, 8), nn.Dropout(0.5)
+
+    def forward(self, *, x, scale=1.0):
+        return self.drop(self.lin(x)) * scale
+
+
+def test_keyword_only_blocks_and_deep_copies():
+    """Keywords reach torch's checkpoint as positional arguments (it reads devices off those), and a
+    deep copy (an EMA callback's) runs its own weights, not the original's."""
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.blocks = nn.ModuleList(KwargsOnly() for _ in range(2))
+    x = torch.randn(4, 8)
+
+    def loss_and_grads(m):
+        torch.manual_seed(1)
+        y = x
+        for b in m.blocks:
+            y = b(x=y, scale=2.0)
+        y.sum().backward()
+        out = y.sum().item(), [p.grad.clone() for p in m.parameters()]
+        m.zero_grad()
+        return out
+
+    ref = loss_and_grads(model)
+    recompute.apply(model, recompute.targets(model, True))
+    got = loss_and_grads(model)
+    assert got[0] == ref[0] and all(torch.equal(a, b) for a, b in zip(got[1], ref[1]))
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.zero_()
+    assert loss_and_grads(twin)[0] == 0.0 and loss_and_grads(model)[0] == ref[0]
+
+
+def test_a_hugging_face_key_value_cache_is_left_out_of_recomputed_blocks():
+    """Llama with use_cache=True (its config's default) while training: a cache updated again in the
+    recompute would double the key/value length; the recomputed blocks run without it."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, use_cache=True)
+
+    def run(checkpointed):
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(config)
+        if checkpointed:
+            recompute.apply(model, recompute.targets(model, True))
+        x = _batch(2)[0]
+        model(input_ids=x, labels=x).loss.backward()
+        return [p.grad for p in model.parameters()]
+
+    ref = run(False)
+    for a, b in zip(run(True), ref):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
