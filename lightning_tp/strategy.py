@@ -247,6 +247,7 @@ class MegaStrategy(ParallelStrategy):
             if self._runner is not None:
                 self._runner.mesh = self.mesh
                 self._runner.dp_overlap = None  # the last strategy's; this one syncs after the step
+                self._runner._trained = False  # a new run: its first batch is checked (see must_divide)
             return
         # 1. every check, on every rank alike, before any collective
         self._check_p2p_backend()

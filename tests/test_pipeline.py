@@ -328,6 +328,30 @@ def _recompute_marks(world):
     return staged, marked
 
 
+def _resumed_with_another_batch_size(world):
+    """A run checkpointed mid-epoch (step 2 of 4 batches of 4) resumed with batches of 3, which
+    microbatches=2 does not divide: the resumed run's first batch (batch_idx 2) says so."""
+    import os
+    import tempfile
+    import time
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    ckdir = os.path.join(tempfile.gettempdir(), f"ltp_resume_{os.getppid()}")  # the same on every rank
+    saver = ModelCheckpoint(dirpath=ckdir, filename="mid", every_n_train_steps=2, save_top_k=-1)
+    trainer = L.Trainer(devices=world, strategy=MegaStrategy(pp=2, microbatches=2, timeout=60), max_steps=2,
+                        callbacks=[saver], **trainer_kwargs(enable_checkpointing=True))
+    trainer.fit(make_model("gpt", n_layer=2), TokenData(16, 64, 4))
+    start = time.monotonic()
+    try:
+        trainer = L.Trainer(devices=world, strategy=MegaStrategy(pp=2, microbatches=2, timeout=30), max_steps=4,
+                            **trainer_kwargs())
+        trainer.fit(make_model("gpt", n_layer=2), TokenData(16, 64, 3), ckpt_path=os.path.join(ckdir, "mid.ckpt"))
+    except Exception as e:  # noqa: BLE001 - returned to the test
+        return f"{type(e).__name__}: {e}", time.monotonic() - start
+    return None, time.monotonic() - start
+
+
 def _bad_inputs(rank, world):
     data = TokenData(16, 64, 4)
     dicts = torch.utils.data.DataLoader(DictBatch(), batch_size=4)
@@ -341,6 +365,7 @@ def _bad_inputs(rank, world):
         "m_not_dividing": _expect_error(world, make_model("gpt", n_layer=2), MegaStrategy(pp=2, microbatches=3,
                                                                                           timeout=30), data),
         "one_small_batch": _one_small_batch(world),
+        "resumed_batch_size": _resumed_with_another_batch_size(world),
         "interleaved_blocks": _expect_error(world, make_model("gpt", n_layer=6),
                                             MegaStrategy(pp=2, virtual_stages=2, schedule="interleaved_1f1b",
                                                          microbatches=2, timeout=30), data),
@@ -375,6 +400,7 @@ def test_a_dataset_smaller_than_one_batch_trains(bad):
 @pytest.mark.parametrize("case, words", [
     ("pp_gt_blocks", ["pp=2", "only 1 blocks"]),
     ("m_not_dividing", ["microbatches=3", "batch[0]", "size 4", "divisor of the batch size"]),
+    ("resumed_batch_size", ["microbatches=2", "batch[0]", "size 3", "a resumed run's first"]),
     ("returns_none", ["returned NoneType for microbatch 0", "needs a loss tensor", "not supported"]),
     ("interleaved_blocks", ["interleaved", "6 blocks", "pp*virtual_stages = 4"]),
     ("no_blocks", ["block list", "pipeline_blocks="]),
@@ -475,6 +501,20 @@ def test_a_smaller_last_batch_gets_the_fewest_microbatches_that_divide_it_none_l
     assert microbatches_for({"a": torch.zeros(6), "b": [torch.zeros(4, 2)]}, 4, strict=False) == 2  # gcd(6, 4)
     assert microbatches_for((rows(3), torch.tensor(1.0)), 4, strict=False) == 4  # a scalar: split_batch says so
     assert microbatches_for(rows(3), 1, strict=False) == 1
+
+
+def test_which_batches_must_divide():
+    from lightning_tp.pipeline.microbatch import must_divide
+
+    inf = float("inf")
+    assert must_divide("training_step", 0, True, 10) and must_divide("training_step", 0, False, inf)
+    assert not must_divide("training_step", 0, True, 1)  # an epoch of one batch: also its last
+    assert not must_divide("training_step", 9, False, 10)  # later batches: an epoch's smaller last one
+    assert not must_divide("training_step", 4, False, 10)  # (or a loader with varying batch sizes)
+    assert must_divide("training_step", 4, True, 10)  # resumed mid-epoch: the run's first batch is checked
+    assert must_divide("training_step", 4, True, None)
+    assert not must_divide("training_step", 9, True, 10)  # ... unless it is the epoch's last
+    assert not must_divide("validation_step", 0, True, 10)
 
 
 def test_unknown_schedule_is_refused_at_construction():

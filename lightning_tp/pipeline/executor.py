@@ -19,7 +19,7 @@ import torch
 
 from .landed import landed_after
 from .logs import StageLogs, captured_logs, early_publish, find_metrics, muted_metrics
-from .microbatch import microbatches_for, split_batch
+from .microbatch import microbatches_for, must_divide, split_batch
 from .p2p import Mailbox, tag
 from .p2p_slots import SlotMailbox
 from .schedules import Action, build_schedule, forward_only
@@ -62,6 +62,7 @@ class PipelineRunner(StageLogs):
         self.n_vstages = layout.pp * layout.v
         self.dp_overlap = None  # dp > 1: the strategy's DPOverlap, hooked around self._final (see _syncing)
         self._plans, self._eval_plans, self._warned = {}, {}, set()
+        self._trained = False  # a training step ran (the first of a run is checked, see must_divide)
         self._use(microbatches)
         self._log_names = None  # the last stage's logged names as of the previous step (see _share_numbers)
         self._metrics = None  # torchmetrics modules of the user's module (muted in all but the last chunk)
@@ -122,8 +123,9 @@ class PipelineRunner(StageLogs):
 
     def _microbatches(self, batch, hook: str, batch_idx: int) -> int:
         """This batch's microbatch count (see .microbatch), warning once per hook when it is not m."""
-        m = microbatches_for(batch, self.m, strict=hook == "training_step" and batch_idx == 0 and
-                             self._batches_per_epoch() != 1)
+        m = microbatches_for(batch, self.m, strict=must_divide(hook, batch_idx, not self._trained,
+                                                               self._batches_per_epoch()))
+        self._trained = self._trained or hook == "training_step"
         if m != self.m and hook not in self._warned:
             from lightning.pytorch.utilities import rank_zero_warn
 

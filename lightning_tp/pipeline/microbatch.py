@@ -1,8 +1,9 @@
 """Microbatches: splitting a batch along dim 0, and how many a batch gets.
 
 A training batch must split into ``microbatches`` equal parts: a batch size they do not divide is
-a configuration error, said at the first step (unless an epoch is that one batch: a dataset
-smaller than one batch). An epoch's last batch is often smaller
+a configuration error, said at the first step of an epoch, or at the first step a resumed run takes
+(unless that batch is the epoch's last: a dataset smaller than one batch, or a run resumed right
+before its smaller last batch). An epoch's last batch is often smaller
 (``DataLoader(drop_last=False)``, Lightning's default); that step runs with the fewest microbatches,
 at least the configured number, that divide it, so that no microbatch is larger than usual (the
 stages hold as much as in any step; a prime size gives one-row microbatches) and each one's loss
@@ -30,7 +31,8 @@ def split_batch(batch, m: int, path: str = "batch") -> list:
             size = "a scalar" if batch.dim() == 0 else f"size {batch.shape[0]} along dim 0"
             raise ValueError(f"microbatches={m} must divide the batch, but {path} has {size}; "
                              f"set MegaStrategy(microbatches=...) to a divisor of the batch size (checked on an "
-                             f"epoch's first batch; a smaller last batch later in the epoch is split otherwise).")
+                             f"epoch's first batch and a resumed run's first; a smaller last batch is split "
+                             f"otherwise).")
         return list(batch.chunk(m))
     if isinstance(batch, Mapping):
         parts = {k: split_batch(v, m, f"{path}[{k!r}]") for k, v in batch.items()}
@@ -54,13 +56,23 @@ def rows(batch) -> list:
     return [None]
 
 
+def must_divide(hook: str, batch_idx: int, first_of_run: bool, batches_per_epoch) -> bool:
+    """Whether ``microbatches`` not dividing this batch is a wrong batch size rather than an epoch's
+    smaller last batch: a training batch that is its epoch's first, or the first this run takes (a
+    run resumed mid-epoch, maybe with another batch size), unless it is the epoch's last
+    (``batches_per_epoch``: Lightning's count, inf or None when the loader has no length). Later
+    batches are not checked, so a loader whose batch sizes vary runs on."""
+    if hook != "training_step" or not (batch_idx == 0 or first_of_run):
+        return False
+    return not (isinstance(batches_per_epoch, int) and batch_idx == batches_per_epoch - 1)
+
+
 def microbatches_for(batch, m: int, strict: bool) -> int:
     """How many microbatches this batch gets (see the module docstring): ``m`` where it divides
-    every tensor's dim 0, and where ``strict`` (a training epoch's first batch, unless it is the
-    epoch's only one: there a size m does not divide is a wrong batch size, which
-    :func:`split_batch` then explains; later batches can only be an epoch's smaller last one, also
-    when a run resumes mid-epoch); else the fewest microbatches, at least ``m``, that divide the
-    batch (all of its rows, one each, when it has fewer than ``m``)."""
+    every tensor's dim 0, and where ``strict`` (:func:`must_divide`: there a size m does not divide
+    is a wrong batch size, which :func:`split_batch` then explains); else the fewest microbatches,
+    at least ``m``, that divide the batch (all of its rows, one each, when it has fewer than
+    ``m``)."""
     sizes = rows(batch)
     if m == 1 or not sizes or None in sizes:
         return m  # split_batch says what cannot be split
