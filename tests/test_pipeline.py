@@ -328,6 +328,27 @@ def _recompute_marks(world):
     return staged, marked
 
 
+def _dropped_outputs(world):
+    """Per P2P mode: (elements, bytes held) of each stage output when its backward starts (1F1B, pp=2)."""
+    from lightning_tp.pipeline.executor import PipelineRunner
+
+    seen, backward = {}, PipelineRunner._backward
+
+    def recording(self, key, k, out, *args):
+        seen.setdefault(mode, []).append((out.numel(), out.untyped_storage().nbytes()))
+        return backward(self, key, k, out, *args)
+
+    PipelineRunner._backward = recording
+    try:
+        for mode in ("eager", "batched"):
+            trainer = L.Trainer(devices=world, strategy=MegaStrategy(pp=2, microbatches=4, p2p=mode, timeout=60),
+                                max_steps=1, **trainer_kwargs())
+            trainer.fit(make_model("gpt", n_layer=2), TokenData(4, 64, 4))
+    finally:
+        PipelineRunner._backward = backward
+    return seen
+
+
 def _resumed_with_another_batch_size(world):
     """A run checkpointed mid-epoch (step 2 of 4 batches of 4) resumed with batches of 3, which
     microbatches=2 does not divide: the resumed run's first batch (batch_idx 2) says so."""
@@ -366,6 +387,7 @@ def _bad_inputs(rank, world):
                                                                                           timeout=30), data),
         "one_small_batch": _one_small_batch(world),
         "resumed_batch_size": _resumed_with_another_batch_size(world),
+        "dropped_outputs": _dropped_outputs(world),
         "interleaved_blocks": _expect_error(world, make_model("gpt", n_layer=6),
                                             MegaStrategy(pp=2, virtual_stages=2, schedule="interleaved_1f1b",
                                                          microbatches=2, timeout=30), data),
@@ -391,6 +413,13 @@ def test_activation_checkpointing_recomputes_the_first_n_blocks_of_each_stage(ba
     assert [r["recompute_marks"][0] for r in bad] == [[0], [2]]
     layers = [f"model.transformer.{part}.layers.{i}" for part in ("decoder", "encoder") for i in range(2)]
     assert all(r["recompute_marks"][1] == layers for r in bad)
+
+
+def test_a_sent_stage_output_keeps_its_graph_not_its_values(bad):
+    first, last = bad[0]["dropped_outputs"], bad[1]["dropped_outputs"]
+    for mode in ("eager", "batched"):  # the first stage's 4 outputs (1 x 16 x 32) are sent, then dropped
+        assert first[mode] == [(16 * 32, 4)] * 4, (mode, first[mode])
+        assert last[mode] == [(1, 4)] * 4  # the last stage's: its scaled losses
 
 
 def test_a_dataset_smaller_than_one_batch_trains(bad):

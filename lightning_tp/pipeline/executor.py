@@ -176,6 +176,24 @@ class PipelineRunner(StageLogs):
         return (g, *self._send_route(a))
 
     @staticmethod
+    def _drop_sent_values(a, st) -> None:
+        """Megatron's deallocate_output_tensor: once sent, a stage output is needed here only for its
+        graph (its backward starts at its grad_fn with the gradient received), so its values go; what
+        is kept per microbatch in flight is then its input and what its blocks saved (with activation
+        checkpointing: the blocks' inputs). The tensor keeps its shape (a one-element storage, expanded),
+        so backward's shape checks hold. The transfer holds its own alias of the values until it has
+        landed (see .p2p). Left alone: a view, or an output sharing the stage input's storage."""
+        if a.kind != "SEND_F":
+            return
+        key = (a.microbatch, a.chunk)
+        out, inp = st.outputs[key], st.inputs.get(key)
+        if out.grad_fn is None or out._base is not None or out.numel() <= 1:
+            return
+        if inp is not None and out.untyped_storage().data_ptr() == inp.untyped_storage().data_ptr():
+            return
+        out.data = torch.empty((1,), dtype=out.dtype, device=out.device).expand(out.shape)
+
+    @staticmethod
     def _store(a, tensor, inputs, grads) -> None:
         key = (a.microbatch, a.chunk)
         if a.kind == "RECV_F":
@@ -224,6 +242,7 @@ class PipelineRunner(StageLogs):
                     box.release(sent)
             elif a.kind in ("SEND_F", "SEND_B"):
                 box.send(*self._send_args(a, st.outputs, st.inputs, st.input_grads))
+                self._drop_sent_values(a, st)
             else:
                 self._compute(a, st)
         box.wait()
@@ -240,6 +259,8 @@ class PipelineRunner(StageLogs):
                 self._compute(slot.compute, st)
             box.group([self._send_args(a, st.outputs, st.inputs, st.input_grads) for a in slot.sends],
                       [self._recv_args(a) for a in slot.recvs])
+            for a in slot.sends:
+                self._drop_sent_values(a, st)
         box.wait()
 
     def _input_of(self, a):
