@@ -3,6 +3,7 @@
 import os
 
 import lightning as L
+import pytest
 import yaml
 
 import lightning_tp
@@ -22,6 +23,19 @@ def test_yaml_config_builds_mega_strategy(tmp_path):
     assert isinstance(strategy, lightning_tp.MegaStrategy)
     assert (strategy.tp, strategy.sp, strategy.num_processes) == (2, True, 4)
     assert cli.model.hparams.n_layer == 1
+
+
+@pytest.mark.parametrize("value", [True, 2, False])
+def test_yaml_activation_checkpointing_keeps_its_type(tmp_path, value):
+    """true (every block), an int (the first n of each stage), false: jsonargparse must not turn 2 into True."""
+    config = {"trainer": {"accelerator": "cpu", "devices": 2, "max_steps": 1, "logger": False,
+                          "strategy": {"class_path": "lightning_tp.MegaStrategy",
+                                       "init_args": {"pp": 2, "activation_checkpointing": value}}},
+              "model": {"n_layer": 2, "n_embd": 32}}
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    got = main(["--config", str(path)], run=False).trainer.strategy.activation_checkpointing
+    assert got == value and type(got) is type(value)
 
 
 def test_example_config_parses():
