@@ -10,7 +10,6 @@ backward), so the time ratio to expect is ~1.3 for True.
 
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -18,22 +17,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 
+from bench.overhead import StepTimer  # noqa: E402
 from examples.gpt.lit import LitGPT, ShakespeareData  # noqa: E402
 from lightning_tp import MegaStrategy  # noqa: E402
 
 STEPS, WARMUP, ROUNDS = 30, 5, 3
 CHOICES = (False, True, 2)
-
-
-class StepTimer(L.Callback):
-    def __init__(self):
-        self.times = []
-
-    def on_train_batch_start(self, *args):
-        self._t = time.perf_counter()
-
-    def on_train_batch_end(self, *args):
-        self.times.append(time.perf_counter() - self._t)
 
 
 class SavedBytes(L.Callback):

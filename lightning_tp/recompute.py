@@ -85,6 +85,13 @@ def targets(model: nn.Module, n, layout=None, pp_rank: int = 0, name: str | None
             out += [(layout.blocks_path, i) for i in range(lo, hi + 1)][:first]
     else:
         out = [(path, i) for path in block_lists(model, name) for i in range(len(model.get_submodule(path)))[:first]]
+    twice = [f"{path}.{i}" for path, i in out if getattr(model.get_submodule(path)[i], "gradient_checkpointing", False)]
+    if twice:
+        from lightning.pytorch.utilities import rank_zero_warn
+
+        rank_zero_warn(f"{twice[0]} (and {len(twice) - 1} more) already recompute with Hugging Face's gradient "
+                       f"checkpointing; MegaStrategy(activation_checkpointing=...) recomputes them a second time. "
+                       f"Turn one off (model.gradient_checkpointing_disable()).")
     for path, i in out:
         stateful = next((f"{path}.{i}.{sub}".rstrip(".") for sub, m in model.get_submodule(path)[i].named_modules()
                          if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats), None)

@@ -170,3 +170,8 @@ def test_a_hugging_face_key_value_cache_is_left_out_of_recomputed_blocks():
     ref = run(False)
     for a, b in zip(run(True), ref):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+
+    model = transformers.LlamaForCausalLM(config)
+    model.gradient_checkpointing_enable()
+    with pytest.warns(UserWarning, match="model.layers.0 .and 1 more. already recompute"):
+        recompute.targets(model, True)
