@@ -38,6 +38,7 @@ WORLD2 = {
     # activation checkpointing without a pipeline: both of the encoder-decoder's block lists recompute
     "tp2_demo_transformer_recompute": ("demo_transformer", {}, dict(tp=2, activation_checkpointing=True), {}),
     "tp2_sp_recompute": ("gpt", {}, dict(tp=2, sp=True, activation_checkpointing=True), {}),
+    "dp2_recompute": ("gpt", {}, dict(tp=1, activation_checkpointing=True), {}),  # dp buckets start in backward
     "tp2_sp_kernels": ("gpt", {}, dict(tp=2, sp=True, kernels=True), {}),  # torch twins of the fused modules
     "dp2_kernels": ("gpt", {}, dict(tp=1, kernels=True), {}),
     "tp2_sp_int8_qat": ("gpt", dict(quant="int8"), dict(tp=2, sp=True, quant="int8"), {"max_steps": 10}),
