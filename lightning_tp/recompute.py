@@ -54,8 +54,8 @@ def check_option(value, quant, schedule: str | None = None) -> None:
 
 def block_lists(model: nn.Module, name: str | None = None) -> list[str]:
     """Paths of the block lists to checkpoint without a pipeline: ``name`` (``pipeline_blocks=`` or the
-    plan's ``blocks``), else every outermost ``nn.ModuleList`` of two or more same-class modules (an
-    encoder-decoder has two)."""
+    plan's ``blocks``), else every outermost ``nn.ModuleList`` of two or more same-class modules with
+    trainable parameters (an encoder-decoder has two)."""
     if name is not None:
         from .pipeline.split import find_blocks
 
@@ -64,7 +64,8 @@ def block_lists(model: nn.Module, name: str | None = None) -> list[str]:
     for path, module in model.named_modules():
         if any(path.startswith(p + ".") for p in found):
             continue  # a list inside a block (experts, heads): its block is checkpointed whole
-        if isinstance(module, nn.ModuleList) and len(module) >= 2 and len({type(b) for b in module}) == 1:
+        if isinstance(module, nn.ModuleList) and len(module) >= 2 and len({type(b) for b in module}) == 1 \
+                and any(p.requires_grad for p in module.parameters()):  # not a list of metrics or frozen parts
             found.append(path)
     if not found:
         raise ValueError(f"MegaStrategy(activation_checkpointing=...) checkpoints the model's repeated blocks (an "

@@ -89,6 +89,9 @@ def test_which_blocks():
     nested = nn.Module()
     nested.blocks = nn.ModuleList(Experts() for _ in range(2))
     assert recompute.block_lists(nested) == ["blocks"]
+    nested.frozen = nn.ModuleList(nn.Linear(2, 2).requires_grad_(False) for _ in range(2))
+    nested.metrics = nn.ModuleList(nn.Identity() for _ in range(2))
+    assert recompute.block_lists(nested) == ["blocks"]  # nothing to recompute for in those
     assert recompute.block_lists(nested, "blocks.0.experts") == ["blocks.0.experts"]
 
 
