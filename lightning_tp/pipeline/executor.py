@@ -19,8 +19,8 @@ import torch
 
 from .landed import landed_after
 from .logs import StageLogs, captured_logs, early_publish, find_metrics, muted_metrics
-from .microbatch import microbatches_for, must_divide, split_batch
-from .p2p import Mailbox, tag
+from .microbatch import batches_per_epoch, microbatches_for, must_divide, resumable_loader, split_batch
+from .p2p import Mailbox, drop_sent_values, tag
 from .p2p_slots import SlotMailbox
 from .schedules import Action, build_schedule, forward_only
 from .slots import slot_plan
@@ -123,8 +123,9 @@ class PipelineRunner(StageLogs):
 
     def _microbatches(self, batch, hook: str, batch_idx: int) -> int:
         """This batch's microbatch count (see .microbatch), warning once per hook when it is not m."""
-        m = microbatches_for(batch, self.m, strict=must_divide(hook, batch_idx, not self._trained,
-                                                               self._batches_per_epoch()))
+        first_of_run = not self._trained and not resumable_loader(self.module)
+        m = microbatches_for(batch, self.m, strict=must_divide(hook, batch_idx, first_of_run,
+                                                               batches_per_epoch(self.module)))
         self._trained = self._trained or hook == "training_step"
         if m != self.m and hook not in self._warned:
             from lightning.pytorch.utilities import rank_zero_warn
@@ -133,13 +134,6 @@ class PipelineRunner(StageLogs):
             rank_zero_warn(f"{hook}: a batch that microbatches={self.m} does not divide (an epoch's smaller last "
                            f"batch?) runs as {m} microbatches, none larger than usual (warned once).")
         return m
-
-    def _batches_per_epoch(self):
-        """Lightning's training batches per epoch (1: a dataset smaller than one batch), if known."""
-        try:
-            return self.module.trainer.num_training_batches
-        except (AttributeError, RuntimeError):  # no trainer attached
-            return None
 
     def _expected_receives(self, actions, forward_only: bool = False) -> dict:
         """channel -> ordered [(tag, src)] of this rank's receives in one step (the Mailbox posts them ahead)."""
@@ -177,21 +171,9 @@ class PipelineRunner(StageLogs):
 
     @staticmethod
     def _drop_sent_values(a, st) -> None:
-        """Megatron's deallocate_output_tensor: once sent, a stage output is needed here only for its
-        graph (its backward starts at its grad_fn with the gradient received), so its values go; what
-        is kept per microbatch in flight is then its input and what its blocks saved (with activation
-        checkpointing: the blocks' inputs). The tensor keeps its shape (a one-element storage, expanded),
-        so backward's shape checks hold. The transfer holds its own alias of the values until it has
-        landed (see .p2p). Left alone: a view, or an output sharing the stage input's storage."""
-        if a.kind != "SEND_F":
-            return
-        key = (a.microbatch, a.chunk)
-        out, inp = st.outputs[key], st.inputs.get(key)
-        if out.grad_fn is None or out._base is not None or out.numel() <= 1:
-            return
-        if inp is not None and out.untyped_storage().data_ptr() == inp.untyped_storage().data_ptr():
-            return
-        out.data = torch.empty((1,), dtype=out.dtype, device=out.device).expand(out.shape)
+        if a.kind == "SEND_F":
+            key = (a.microbatch, a.chunk)
+            drop_sent_values(st.outputs, key, st.inputs.get(key))
 
     @staticmethod
     def _store(a, tensor, inputs, grads) -> None:

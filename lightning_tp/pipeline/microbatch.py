@@ -59,12 +59,33 @@ def rows(batch) -> list:
 def must_divide(hook: str, batch_idx: int, first_of_run: bool, batches_per_epoch) -> bool:
     """Whether ``microbatches`` not dividing this batch is a wrong batch size rather than an epoch's
     smaller last batch: a training batch that is its epoch's first, or the first this run takes (a
-    run resumed mid-epoch, maybe with another batch size), unless it is the epoch's last
-    (``batches_per_epoch``: Lightning's count, inf or None when the loader has no length). Later
-    batches are not checked, so a loader whose batch sizes vary runs on."""
+    run resumed mid-epoch, maybe with another batch size, from a loader that starts its epoch over:
+    the caller says so in ``first_of_run``), unless it is the epoch's last (``batches_per_epoch``:
+    Lightning's count, inf or None when the loader has no length). Later batches are not checked,
+    so a loader whose batch sizes vary runs on."""
     if hook != "training_step" or not (batch_idx == 0 or first_of_run):
         return False
     return not (isinstance(batches_per_epoch, int) and batch_idx == batches_per_epoch - 1)
+
+
+def batches_per_epoch(module):
+    """Lightning's training batches per epoch (1: a dataset smaller than one batch), if known."""
+    try:
+        return module.trainer.num_training_batches
+    except (AttributeError, RuntimeError):  # no trainer attached
+        return None
+
+
+def resumable_loader(module) -> bool:
+    """Whether the training loaders save their place (``state_dict``): a resumed run then goes on
+    with the epoch's next batch, whose size may rightly differ (bucketing, a short tail)."""
+    try:
+        from lightning.fabric.utilities.types import _Stateful
+
+        loader = module.trainer.fit_loop._combined_loader
+        return loader is not None and all(isinstance(x, _Stateful) for x in loader.flattened)
+    except (AttributeError, RuntimeError, ImportError):
+        return False
 
 
 def microbatches_for(batch, m: int, strict: bool) -> int:

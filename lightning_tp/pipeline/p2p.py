@@ -18,6 +18,7 @@ posted: a late post costs a round trip on every transfer).
 
 from __future__ import annotations
 
+import sys
 from collections import deque
 
 import torch
@@ -70,6 +71,28 @@ def release_landed(pending: deque) -> None:
     while pending and (pending[0][0] is None or pending[0][0].is_completed()):
         entry = pending.popleft()
         entry[0] = entry[1] = None
+
+
+def drop_sent_values(outputs: dict, key, inp) -> None:
+    """Megatron's deallocate_output_tensor: once sent, a stage output (``outputs[key]``) is needed
+    here only for its graph (its backward starts at its grad_fn with the gradient received), so its
+    values go; what is kept per microbatch in flight is then its input and what its blocks saved
+    (with activation checkpointing: the blocks' inputs). The tensor keeps its shape (a one-element
+    storage, expanded), so backward's shape checks hold; the transfer holds its own alias of the
+    values until it has landed. Nothing is freed where the stage's last op saved its own output (a
+    ReLU, a softmax): autograd holds the values then. Left alone: a view, a tensor subclass, an
+    output sharing the stage input's (``inp``) storage, and one that something else holds (a
+    forward hook's list, a ``ctx`` attribute), which would read the dropped values."""
+    out = outputs[key]
+    if type(out) is not torch.Tensor or out.grad_fn is None or out._base is not None or out.numel() <= 1:
+        return
+    if inp is not None and out.untyped_storage().data_ptr() == inp.untyped_storage().data_ptr():
+        return
+    held = {0: torch.empty(0)}
+    probe = held[0]  # held as out is (a dict entry, a local): more references to out are someone else's
+    if sys.getrefcount(out) > sys.getrefcount(probe):
+        return
+    out.data = torch.empty((1,), dtype=out.dtype, device=out.device).expand(out.shape)
 
 
 def tag(direction: int, microbatch: int, vstage: int, n_vstages: int) -> int:
