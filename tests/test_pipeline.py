@@ -619,3 +619,32 @@ def test_nccl_refuses_what_its_p2p_cannot_run(monkeypatch):
         MegaStrategy(pp=2, p2p="eager")._check_p2p_backend()
     MegaStrategy(pp=2, schedule="zb_h1")._check_p2p_backend()  # batched by default: allowed
     MegaStrategy(tp=2, p2p="eager")._check_p2p_backend()  # no pipeline: nothing to refuse
+
+
+def test_placeholders_remember_output_shapes_per_argument_signature():
+    """A module on another stage answers with fresh zeros of its true output shape; the meta run that
+    finds the shape happens once per signature (shapes, dtypes, plain values), or every time when an
+    argument has none (a list)."""
+    from lightning_tp.pipeline.split import ShapeOnly
+
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.runs = torch.nn.Embedding(10, 4), 0
+
+        def forward(self, idx, width=1, extra=None):
+            self.runs += 1
+            return self.emb(idx).repeat(1, 1, width), None
+
+    placeholder = ShapeOnly(Scaled(), "scaled")
+    twin = placeholder._twin[0]
+    idx = torch.zeros(2, 3, dtype=torch.long)
+    first, none = placeholder(idx)
+    again, _ = placeholder(idx)
+    assert none is None and first.shape == (2, 3, 4) and torch.equal(first, torch.zeros(2, 3, 4))
+    assert again is not first and twin.runs == 1  # fresh zeros, one meta run
+    assert placeholder(idx, width=2)[0].shape == (2, 3, 8) and twin.runs == 2  # another signature
+    assert placeholder(torch.zeros(1, 5, dtype=torch.long), width=2)[0].shape == (1, 5, 8) and twin.runs == 3
+    placeholder(idx, extra=[1])
+    placeholder(idx, extra=[1])
+    assert twin.runs == 5  # no signature: run every time
