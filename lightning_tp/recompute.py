@@ -28,6 +28,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .pipeline.split import find_blocks, is_block_list
+
 _CACHE_KWARGS = ("past_key_value", "past_key_values", "layer_past")
 
 
@@ -57,15 +59,12 @@ def block_lists(model: nn.Module, name: str | None = None) -> list[str]:
     plan's ``blocks``), else every outermost ``nn.ModuleList`` of two or more same-class modules with
     trainable parameters (an encoder-decoder has two)."""
     if name is not None:
-        from .pipeline.split import find_blocks
-
         return [find_blocks(model, name)[0]]
     found = []
     for path, module in model.named_modules():
         if any(path.startswith(p + ".") for p in found):
             continue  # a list inside a block (experts, heads): its block is checkpointed whole
-        if isinstance(module, nn.ModuleList) and len(module) >= 2 and len({type(b) for b in module}) == 1 \
-                and any(p.requires_grad for p in module.parameters()):  # not a list of metrics or frozen parts
+        if is_block_list(module) and any(p.requires_grad for p in module.parameters()):  # not metrics, frozen parts
             found.append(path)
     if not found:
         raise ValueError(f"MegaStrategy(activation_checkpointing=...) checkpoints the model's repeated blocks (an "

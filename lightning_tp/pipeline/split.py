@@ -117,6 +117,11 @@ def _tensors(args, kwargs):
 # ------------------------------------------------------------------------------ finding the blocks
 
 
+def is_block_list(module: nn.Module) -> bool:
+    """An ``nn.ModuleList`` of two or more modules of one class: a model's repeated blocks."""
+    return isinstance(module, nn.ModuleList) and len(module) >= 2 and len({type(b) for b in module}) == 1
+
+
 def find_blocks(model: nn.Module, name: str | None = None) -> tuple[str, nn.ModuleList]:
     if name is not None:
         try:
@@ -128,7 +133,7 @@ def find_blocks(model: nn.Module, name: str | None = None) -> tuple[str, nn.Modu
         return name, blocks
     best = None
     for path, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) >= 2 and len({type(b) for b in module}) == 1:
+        if is_block_list(module):
             if best is None or len(module) > len(best[1]):
                 best = (path, module)
     if best is None:
