@@ -39,6 +39,8 @@ WORLD2 = {
     "tp2_demo_transformer_recompute": ("demo_transformer", {}, dict(tp=2, activation_checkpointing=True), {}),
     "tp2_sp_recompute": ("gpt", {}, dict(tp=2, sp=True, activation_checkpointing=True), {}),
     "dp2_recompute": ("gpt", {}, dict(tp=1, activation_checkpointing=True), {}),  # dp buckets start in backward
+    # microbatches without stages: the first block of the one stage recomputes
+    "dp2_m2_recompute_first1": ("gpt", {}, dict(tp=1, microbatches=2, activation_checkpointing=1), {}),
     "tp2_sp_kernels": ("gpt", {}, dict(tp=2, sp=True, kernels=True), {}),  # torch twins of the fused modules
     "dp2_kernels": ("gpt", {}, dict(tp=1, kernels=True), {}),
     "tp2_sp_int8_qat": ("gpt", dict(quant="int8"), dict(tp=2, sp=True, quant="int8"), {"max_steps": 10}),
