@@ -237,10 +237,12 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
             raise ValueError("explain(activation_checkpointing=...) models one block list and found none "
                              "(an encoder-decoder has two); name it with pipeline_blocks='path.to.blocks'.") from None
         layout = None  # no block list: the whole model is one stage
-    peaks = simulate(build_schedule(schedule, pp, m, v), pp, v).peak_inflight if pipelined else [1]
-    # idle share of a step with equal blocks, backward = 2 forwards (ZB: its halves alike), free transfers
+    # one replay of the schedule: peak in-flight microbatches (set by each rank's action order alone) and
+    # the idle share of a step with equal blocks, backward = 2 forwards (ZB: its halves alike), free transfers
     unit = {"F": Fraction(1, v), "B": Fraction(2, v), "W": Fraction(1, v)}
-    bubble = float(simulate(build_schedule(schedule, pp, m, v), pp, v, unit).bubble_fraction) if pp > 1 else 0.0
+    replayed = simulate(build_schedule(schedule, pp, m, v), pp, v, unit) if pipelined else None
+    peaks = replayed.peak_inflight if replayed else [1]
+    bubble = float(replayed.bubble_fraction) if pp > 1 else 0.0
 
     bpath = layout.blocks_path if layout else None
     order = {name: i for i, (name, _) in enumerate(base.named_modules())}
