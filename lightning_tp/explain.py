@@ -230,6 +230,9 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
     try:
         layout = plan_stages(base, pp, v, pipeline_blocks or planner.blocks_path(base, plan), stage_layers,
                              interleaved=schedule == "interleaved_1f1b")
+        if layout.lists:
+            raise ValueError("explain models one block list, and an encoder-decoder has two: its pipeline "
+                             "layouts are not modelled yet (tp and dp are, with pp=1 and microbatches=1).")
     except ValueError:
         if pipelined:
             raise

@@ -56,15 +56,15 @@ def _reduce(grads: list, group, scale: float = 1.0) -> None:
 
 
 def sync_gradients(params, mesh, dp_overlap=None) -> None:
-    """Tied first/last-stage weights summed over their two stages, SP-partial grads summed over tp,
-    then every grad averaged over dp (already started during backward when ``dp_overlap`` is given:
-    it is finished first; the sums commute)."""
+    """Tied weights summed over the stages holding them (first and last; an encoder-decoder's: see
+    use_tied_ranks), SP-partial grads summed over tp, then every grad averaged over dp (already
+    started during backward when ``dp_overlap`` is given: it is finished first; the sums commute)."""
     if mesh.world_size == 1:
         return
     if dp_overlap is not None:
         dp_overlap.finish()
     params = [p for p in params if p.grad is not None]
-    if mesh.emb_group is not None and mesh.pp_rank in (0, mesh.pp - 1):
+    if mesh.emb_group is not None and mesh.pp_rank in (mesh.emb_ranks or (0, mesh.pp - 1)):
         _reduce([p.grad for p in params if getattr(p, "_pp_tied", False)], mesh.emb_group)
     _reduce([p.grad for p in params if getattr(p, "_tp_sp_partial", False)], mesh.tp_group)
     _sum_replicas(params, mesh)

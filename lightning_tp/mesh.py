@@ -50,6 +50,7 @@ class ParallelMesh:
     pp_group: Optional[dist.ProcessGroup] = None
     mp_group: Optional[dist.ProcessGroup] = None  # tp x pp: one full copy of the model
     emb_group: Optional[dist.ProcessGroup] = None  # first + last stage: tied input/output embeddings
+    emb_ranks: tuple = ()  # the pp ranks of emb_group when not (0, pp - 1) (see use_tied_ranks)
     device_mesh: object = field(default=None, repr=False)
 
     @property
@@ -99,3 +100,16 @@ def build_mesh(tp: int = 1, pp: int = 1, device_type: str = "cpu") -> ParallelMe
                 if (t, d) == (mesh.tp_rank, mesh.dp_rank):
                     mesh.emb_group = group
     return mesh
+
+
+def use_tied_ranks(mesh: ParallelMesh, pp_ranks: tuple) -> None:
+    """Point ``emb_group`` at other pp ranks (an encoder-decoder's embedding copies: the first stage and
+    the decoder's first). Every rank must call this with the same ranks (new_group is collective)."""
+    if tuple(pp_ranks) == (mesh.emb_ranks or (0, mesh.pp - 1)) or not (dist.is_available() and dist.is_initialized()):
+        return
+    mesh.emb_group, mesh.emb_ranks = None, tuple(pp_ranks)
+    for d in range(mesh.dp):
+        for t in range(mesh.tp):
+            group = dist.new_group([mesh.global_rank(t, d, p) for p in pp_ranks])
+            if (t, d) == (mesh.tp_rank, mesh.dp_rank):
+                mesh.emb_group = group

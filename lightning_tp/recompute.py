@@ -58,8 +58,8 @@ def block_lists(model: nn.Module, name: str | None = None) -> list[str]:
     """Paths of the block lists to checkpoint without a pipeline: ``name`` (``pipeline_blocks=`` or the
     plan's ``blocks``), else every outermost ``nn.ModuleList`` of two or more same-class modules with
     trainable parameters (an encoder-decoder has two)."""
-    if name is not None:
-        return [find_blocks(model, name)[0]]
+    if name is not None:  # one path, or an encoder-decoder's two
+        return [find_blocks(model, n)[0] for n in ([name] if isinstance(name, str) else name)]
     found = []
     for path, module in model.named_modules():
         if any(path.startswith(p + ".") for p in found):
@@ -82,7 +82,7 @@ def targets(model: nn.Module, n, layout=None, pp_rank: int = 0, name: str | None
         out = []
         for k in layout.vstages_of(pp_rank):
             lo, hi = layout.ranges[k]
-            out += [(layout.blocks_path, i) for i in range(lo, hi + 1)][:first]
+            out += [layout.locate(i) for i in range(lo, hi + 1)][:first]
     else:
         out = [(path, i) for path in block_lists(model, name) for i in range(len(model.get_submodule(path)))[:first]]
     twice = [f"{path}.{i}" for path, i in out if getattr(model.get_submodule(path)[i], "gradient_checkpointing", False)]

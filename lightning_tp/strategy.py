@@ -30,7 +30,7 @@ from .kernels.inject import apply_kernels, kernel_names
 from .plain import load_full
 from .quant import apply_qat, bits_of
 from .quant.fake_quant import RANGE_MODES
-from .mesh import ParallelMesh, build_mesh, data_parallel_size
+from .mesh import ParallelMesh, build_mesh, data_parallel_size, use_tied_ranks
 from .pipeline.executor import PipelineRunner
 from .pipeline.schedules import build_schedule
 from .pipeline.split import apply_split, plan_stages
@@ -55,7 +55,8 @@ class MegaStrategy(ParallelStrategy):
             row, that divide it: see ``step_microbatches``).
         schedule: ``"1f1b"``, ``"gpipe"``, ``"interleaved_1f1b"`` or ``"zb_h1"``.
         virtual_stages: model chunks per rank for the interleaved schedule.
-        pipeline_blocks: path of the repeated block list, when the plan or the search cannot find it.
+        pipeline_blocks: path of the repeated block list, when the plan or the search cannot find it; an
+            encoder-decoder's two as a list (encoder, then decoder; nn.Transformer's plan names them).
         stage_layers: blocks per (virtual) stage, instead of the parameter-balanced split.
         activation_checkpointing: recompute each block's forward in its backward instead of keeping its
             activations (``torch.utils.checkpoint``, non-reentrant): ``True`` for every block of the
@@ -83,7 +84,7 @@ class MegaStrategy(ParallelStrategy):
 
     def __init__(self, tp: int = 1, pp: int = 1, sp: bool = False, plan: Any = "auto",
                  microbatches: Optional[int] = None, schedule: str = "1f1b", virtual_stages: int = 1,
-                 pipeline_blocks: Optional[str] = None, stage_layers: Optional[list] = None,
+                 pipeline_blocks: Optional[Union[str, list[str]]] = None, stage_layers: Optional[list] = None,
                  activation_checkpointing: Union[bool, int] = False,
                  p2p: Literal["auto", "eager", "batched"] = "auto",
                  kernels: Union[bool, list, None] = False, quant: Optional[str] = None, quant_range: str = "ema",
@@ -243,6 +244,8 @@ class MegaStrategy(ParallelStrategy):
                                  f"build a fresh module for this layout.")
             for ctx in done["contexts"]:
                 ctx.group = self.mesh.tp_group
+            if len(done.get("tied_ranks", ())) > 1:
+                use_tied_ranks(self.mesh, done["tied_ranks"])
             self._runner = done["runner"]
             if self._runner is not None:
                 self._runner.mesh = self.mesh
@@ -266,7 +269,10 @@ class MegaStrategy(ParallelStrategy):
         # 2. one set of initial weights, then keep this rank's stage and shards
         if self.sync_init and self.mesh.world_size > 1:
             self._broadcast_initial_weights(module)
-        split = apply_split(module, layout, self.mesh.pp_rank) if self.pp > 1 else {"before": {}}
+        split = apply_split(module, layout, self.mesh.pp_rank) if self.pp > 1 else {"silence": {}}
+        tied_ranks = layout.replica_ranks() if self.pp > 1 and layout.lists else ()
+        if len(tied_ranks) > 1:
+            use_tied_ranks(self.mesh, tied_ranks)
         replaced = planner.apply(module, matches, self.mesh.tp_group, self.tp, self.mesh.tp_rank, self.sp)
         apply_kernels(module, self.kernels)
         if self.quant is not None:
@@ -277,8 +283,8 @@ class MegaStrategy(ParallelStrategy):
         recompute.apply(module, recomputed)  # inside the stage wrappers below
         self._runner = None
         if self._pipelined:
-            before = [(module.get_submodule(name), twin) for name, twin in split["before"].items()]
-            state = install_stages(module.get_submodule(layout.blocks_path), layout, self.mesh.pp_rank, before)
+            silence = [(module.get_submodule(name), twin, runs) for name, (twin, runs) in split["silence"].items()]
+            state = install_stages(layout.blocks(module), layout, self.mesh.pp_rank, silence)
             batched = self.p2p == "batched" or (self.p2p == "auto" and _on_nccl())
             self._runner = PipelineRunner(module, self.mesh, layout, state, self.schedule, self.microbatches,
                                           batched=batched, device=self.root_device)
@@ -296,15 +302,16 @@ class MegaStrategy(ParallelStrategy):
             self._runner.dp_overlap = self._dp_overlap
         contexts = {id(m.ctx): m.ctx for m in replaced.values() if hasattr(m, "ctx")}
         module._lightning_tp = {"tp": self.tp, "sp": self.sp, "pp": self.pp, "contexts": list(contexts.values()),
-                                "runner": self._runner, "recompute": self.activation_checkpointing}
+                                "runner": self._runner, "recompute": self.activation_checkpointing,
+                                "tied_ranks": tied_ranks}
         self._set_metric_groups(module)
 
-    def _plan_blocks(self, module) -> Optional[str]:
-        """The block list a plan names, if one does and can be staged (else activation checkpointing
+    def _plan_blocks(self, module):
+        """The block list(s) a plan names, if one does and can be staged (else activation checkpointing
         without a pipeline looks for every list of same-class blocks)."""
         try:
             return planner.blocks_path(module, self.plan)
-        except ValueError:  # an encoder-decoder's plan: two lists
+        except ValueError:  # a family the plan marks as not staged
             return None
 
     def _set_metric_groups(self, module) -> None:

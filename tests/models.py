@@ -156,17 +156,25 @@ class LitGPTLM(L.LightningModule):
 class DemoTransformerLM(L.LightningModule):
     """Lightning's own demo model (nn.Transformer encoder-decoder), dropout off for parity."""
 
-    def __init__(self):
+    def __init__(self, nlayers: int = 2):
         super().__init__()
         from lightning.pytorch.demos import Transformer
 
-        self.model = Transformer(vocab_size=64, ninp=32, nhead=4, nhid=64, nlayers=2, dropout=0.0)
+        self.model = Transformer(vocab_size=64, ninp=32, nhead=4, nhid=64, nlayers=nlayers, dropout=0.0)
 
     def training_step(self, batch, batch_idx):
         x, y = batch
         loss = F.nll_loss(self.model(x, y), y.reshape(-1))
         self.log("train_loss", loss, sync_dist=True)
         return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.nll_loss(self.model(x, y), y.reshape(-1)))
+
+    def predict_step(self, batch, batch_idx):
+        x, y = batch
+        return self.model(x, y).view(x.shape[0], -1, self.model.vocab_size)
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=3e-3, eps=ADAM_EPS)

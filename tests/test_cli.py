@@ -38,6 +38,17 @@ def test_yaml_activation_checkpointing_keeps_its_type(tmp_path, value):
     assert got == value and type(got) is type(value)
 
 
+@pytest.mark.parametrize("value", ["model.transformer.h", ["model.encoder.layers", "model.decoder.layers"]])
+def test_yaml_pipeline_blocks_takes_a_path_or_an_encoder_decoders_two(tmp_path, value):
+    config = {"trainer": {"accelerator": "cpu", "devices": 2, "max_steps": 1, "logger": False,
+                          "strategy": {"class_path": "lightning_tp.MegaStrategy",
+                                       "init_args": {"pp": 2, "pipeline_blocks": value}}},
+              "model": {"n_layer": 2, "n_embd": 32}}
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert main(["--config", str(path)], run=False).trainer.strategy.pipeline_blocks == value
+
+
 def test_example_config_parses():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cli = main(["--config", os.path.join(root, "examples", "gpt", "config.yaml")], run=False)

@@ -43,6 +43,19 @@ WORLD2.update({
     "pp2_interleaved_recompute_first1": ("gpt", dict(n_layer=8), _pp(2, "interleaved_1f1b", activation_checkpointing=1),
                                          dict(max_steps=10)),
 })
+# an encoder-decoder (Lightning's demo nn.Transformer): its two block lists are one chain of stages; a
+# decoder stage receives the encoder's output with its hidden states, the decoder's first stage holds a
+# copy of the embedding (gradients summed with the first stage's). Splits: 2+2 blocks over pp=2 cut at
+# the decoder's start; 3+3 cut inside the decoder (hidden states and memory in one message); interleaved
+# 1 block a stage crosses every kind of boundary.
+WORLD2.update({
+    "pp2_demo_transformer_1f1b": ("demo_transformer", {}, _pp(2, "1f1b"), {}),
+    "pp2_demo_transformer_interleaved": ("demo_transformer", {}, _pp(2, "interleaved_1f1b"), {}),
+    "pp2_demo_transformer_zb_h1": ("demo_transformer", dict(nlayers=3), _pp(2, "zb_h1"), {}),
+    "pp2_demo_transformer_gpipe_recompute": ("demo_transformer", dict(nlayers=3),
+                                             _pp(2, "gpipe", activation_checkpointing=True), {}),
+    "dp2_m2_demo_transformer": ("demo_transformer", {}, dict(microbatches=2), {}),  # one stage: the whole chain
+})
 WORLD4 = {f"pp4_uneven_{s}": ("gpt", dict(n_layer=6), _pp(4, s), {}) for s in ("gpipe", "1f1b", "zb_h1")}
 WORLD4.update({
     "pp4_interleaved_1f1b": ("gpt", dict(n_layer=8), _pp(4, "interleaved_1f1b"), {}),
@@ -65,6 +78,12 @@ WORLD4.update({
     "tp2_pp2_interleaved_batched_p2p": ("gpt", dict(n_layer=4), dict(tp=2, **_pp(2, "interleaved_1f1b", p2p="batched")),
                                         {}),
     "tp2_sp_pp2_encoder": ("encoder", dict(layers=4), dict(tp=2, sp=True, **_pp(2, "1f1b")), {}),
+    # the embedding's copy on stage 2 (its gradients summed over pp ranks 0 and 2, a group of their own)
+    "pp4_demo_transformer_1f1b": ("demo_transformer", {}, _pp(4, "1f1b"), {}),
+    # 4+4 blocks over 4 stages (3, 2, 1, 2): stage 1 ends the encoder and starts the decoder
+    "pp4_demo_transformer_uneven_gpipe": ("demo_transformer", dict(nlayers=4), _pp(4, "gpipe"), {}),
+    "tp2_pp2_demo_transformer": ("demo_transformer", {}, dict(tp=2, **_pp(2, "1f1b")), {}),
+    "pp2_dp2_demo_transformer_zb_h1": ("demo_transformer", dict(nlayers=3), _pp(2, "zb_h1"), {}),
     # issue 4's family check runs 10 steps (at 20 this layout drifts to 1.2e-5: fp32 rounding, 3e-6 relative)
     "tp2_pp2_encoder": ("encoder", dict(layers=4), dict(tp=2, **_pp(2, "gpipe")), dict(max_steps=10)),
 })
@@ -189,15 +208,16 @@ class NoBlocks(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def _eval_after_fit(world, strategy):
+def _eval_after_fit(world, strategy, kind="gpt"):
     """fit 3 steps, then validate and predict through the pipeline."""
-    model = make_model("gpt", n_layer=4)
+    model = make_model(kind, **({"n_layer": 4} if kind == "gpt" else {}))
     trainer = L.Trainer(devices=world, strategy=strategy, max_steps=3, **trainer_kwargs())
     trainer.fit(model, TokenData(3 * 4, 64, 4))
     val = torch.utils.data.DataLoader(Tokens(11, 64), batch_size=4)  # 4, 4, 3: the 3 runs as 3 microbatches
     out = {"val": trainer.validate(model, val, verbose=False)[0]["val_loss"]}
-    inputs = torch.utils.data.DataLoader([Tokens(5, 64)[i][0] for i in range(5)], batch_size=4)  # 4, 1
-    out["pred"] = torch.cat(trainer.predict(model, inputs))
+    samples = [Tokens(5, 64)[i] for i in range(5)]  # an encoder-decoder predicts from (inputs, targets)
+    inputs = torch.utils.data.DataLoader([s if kind == "demo_transformer" else s[0] for s in samples], batch_size=4)
+    out["pred"] = torch.cat(trainer.predict(model, inputs))  # batches of 4, 1
     return out
 
 
@@ -388,6 +408,10 @@ def _bad_inputs(rank, world):
                                                     virtual_stages=2, timeout=60)),
         "eval_batched": _eval_after_fit(world, MegaStrategy(pp=2, microbatches=2, schedule="interleaved_1f1b",
                                                             virtual_stages=2, p2p="batched", timeout=60)),
+        # an encoder-decoder through every kind of stage boundary (interleaved, one block a stage)
+        "eval_encoder_decoder": _eval_after_fit(world, MegaStrategy(pp=2, microbatches=2, virtual_stages=2,
+                                                                    schedule="interleaved_1f1b", timeout=60),
+                                                "demo_transformer"),
         "many_logs": _many_logs(world),
         "pp_gt_blocks": _expect_error(world, make_model("gpt", n_layer=1), MegaStrategy(pp=2, timeout=30), data),
         "m_not_dividing": _expect_error(world, make_model("gpt", n_layer=2), MegaStrategy(pp=2, microbatches=3,
@@ -520,6 +544,21 @@ def test_validate_and_predict_through_the_pipeline(bad):
         for mode in ("eval", "eval_batched"):
             assert abs(rank_result[mode]["val"] - ref_val) < 1e-5, mode
             torch.testing.assert_close(rank_result[mode]["pred"], ref_pred, atol=1e-5, rtol=0)
+
+
+def test_an_encoder_decoder_validates_and_predicts_through_the_pipeline(bad):
+    model = make_model("demo_transformer")
+    trainer = L.Trainer(devices=1, max_steps=3, use_distributed_sampler=False, **trainer_kwargs())
+    trainer.fit(model, TokenData(3 * 4, 64, 4, single=True))
+    ref_val = trainer.validate(model, torch.utils.data.DataLoader(Tokens(11, 64), batch_size=4),
+                               verbose=False)[0]["val_loss"]
+    ref_pred = torch.cat(trainer.predict(model, torch.utils.data.DataLoader([Tokens(5, 64)[i] for i in range(5)],
+                                                                            batch_size=4)))
+    assert ref_pred.shape[0] == 5
+    for rank_result in bad:
+        got = rank_result["eval_encoder_decoder"]
+        assert abs(got["val"] - ref_val) < 1e-5
+        torch.testing.assert_close(got["pred"], ref_pred, atol=1e-5, rtol=0)
 
 
 def test_a_smaller_last_batch_gets_the_fewest_microbatches_that_divide_it_none_larger_than_usual():

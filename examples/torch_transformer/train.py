@@ -1,19 +1,25 @@
-"""Lightning's demo Transformer (torch's nn.Transformer encoder-decoder) trained with tensor
-parallelism on 2 CPU processes, on the byte-level Tiny Shakespeare of examples/gpt.
+"""Lightning's demo Transformer (torch's nn.Transformer encoder-decoder) trained with tensor and/or
+pipeline parallelism on CPU processes, on the byte-level Tiny Shakespeare of examples/gpt.
 
-    python examples/torch_transformer/train.py
+    python examples/torch_transformer/train.py               # tp=2 on 2 processes
+    python examples/torch_transformer/train.py --pp 2 --tp 1  # pp=2 (1F1B, 4 microbatches) on 2
+    python examples/torch_transformer/train.py --pp 2         # tp=2 x pp=2 on 4
 
 The LightningModule wraps ``lightning.pytorch.demos.Transformer`` as Lightning's own demo does; the
 only parallel line is the Trainer's ``strategy=MegaStrategy(tp=2)``. plan="auto" finds the built-in
 nn.Transformer plan: every self- and cross-attention becomes head-parallel, linear1 column- and
 linear2 row-parallel. The embedding and the output layer sit outside nn.Transformer and stay
-replicated. This family is tensor parallel only: no sequence parallelism, and pp > 1 is refused.
+replicated. No sequence parallelism for this family. Under pp the encoder's and the decoder's
+blocks form one chain of stages: a decoder stage receives the encoder's output with its hidden
+states, and the decoder's first stage holds a copy of the embedding for the decoder's own input
+(its gradients summed with the first stage's, as Megatron's T5 does).
 
 Like Lightning's demo, the decoder is fed the target sequence (under a causal mask) and the encoder
 sees the whole input, so the loss falls fast: this shows the parallel training runs, not a
 language model worth sampling from.
 """
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -52,8 +58,15 @@ class PrintLoss(L.Callback):
 
 
 if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--microbatches", type=int, default=4, help="under pp")
+    args = parser.parse_args()
     L.seed_everything(0)
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=MegaStrategy(tp=2), max_steps=40,
+    pipeline = dict(pp=args.pp, microbatches=args.microbatches) if args.pp > 1 else {}
+    trainer = L.Trainer(accelerator="cpu", devices=args.tp * args.pp, strategy=MegaStrategy(tp=args.tp, **pipeline),
+                        max_steps=40,
                         callbacks=[PrintLoss()], logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(DemoTransformerLM(), ShakespeareData(block_size=64, batch_size=16))

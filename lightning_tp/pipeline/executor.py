@@ -88,7 +88,7 @@ class PipelineRunner(StageLogs):
         except StageDone as done:
             return False, done.output
         finally:
-            self.state.received = None
+            self.state.received, self.state.stand_ins = None, {}
 
     def _device(self):
         if self.device is not None:

@@ -13,6 +13,7 @@ the user's forward still runs from top to bottom on every stage.
 from __future__ import annotations
 
 import copy
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -123,6 +124,8 @@ def is_block_list(module: nn.Module) -> bool:
 
 
 def find_blocks(model: nn.Module, name: str | None = None) -> tuple[str, nn.ModuleList]:
+    if isinstance(name, (list, tuple)) and len(name) == 1:
+        name = name[0]
     if name is not None:
         try:
             blocks = model.get_submodule(name)
@@ -172,25 +175,117 @@ def balanced_split(weights: list, parts: int) -> list:
 
 @dataclass
 class StageLayout:
-    """Which blocks each virtual stage runs. Virtual stage k = chunk * pp + pp_rank."""
+    """Which blocks each virtual stage runs. Virtual stage k = chunk * pp + pp_rank.
 
-    blocks_path: str
+    An encoder-decoder's two block lists form one chain (``lists``): block i of the chain is encoder
+    block i below the encoder's length, else decoder block i - length (see :mod:`.stage`)."""
+
+    blocks_path: str  # an encoder-decoder's: its two paths joined by " + "
     ranges: list  # per virtual stage: (first block index, last block index)
     pp: int
     v: int
+    lists: tuple = ()  # an encoder-decoder: ((encoder path, length), (decoder path, length))
 
     @property
     def last_vstage(self) -> int:
         return self.pp * self.v - 1
 
+    @property
+    def decoder_start(self):
+        """The chain index of the decoder's first block, or None (one block list)."""
+        return self.lists[0][1] if self.lists else None
+
     def vstages_of(self, pp_rank: int) -> list:
         return [c * self.pp + pp_rank for c in range(self.v)]
 
+    def vstage_of(self, block: int) -> int:
+        return next(k for k, (lo, hi) in enumerate(self.ranges) if lo <= block <= hi)
 
-def plan_stages(model: nn.Module, pp: int, v: int = 1, blocks: str | None = None, stage_layers=None,
+    def locate(self, block: int) -> tuple[str, int]:
+        """(list path, index in that list) of a chain index."""
+        if not self.lists:
+            return self.blocks_path, block
+        (encoder, n), (decoder, _) = self.lists
+        return (encoder, block) if block < n else (decoder, block - n)
+
+    def blocks(self, model: nn.Module) -> "ChainedBlocks":
+        return ChainedBlocks(model, self)
+
+    def runs(self) -> dict:
+        """Virtual stages that run each kind of module outside the blocks: the first stage's (embeddings),
+        the last's (head), and an encoder-decoder's modules between its lists (the encoder's final norm),
+        on the stage holding the encoder's last block. An encoder-decoder's decoder takes its own input
+        from the embeddings, so the stage holding the decoder's first block holds them too (Megatron's
+        T5 does the same): their gradients are summed over both copies, as tied weights are."""
+        runs = {"before": {0}, "between": set(), "after": {self.last_vstage}}
+        if self.lists:
+            runs["before"].add(self.vstage_of(self.decoder_start))
+            runs["between"].add(self.vstage_of(self.decoder_start - 1))
+        return runs
+
+    def replica_ranks(self) -> tuple:
+        """pp ranks holding a copy of the first stage's modules (an encoder-decoder's decoder stage)."""
+        return tuple(sorted({k % self.pp for k in self.runs()["before"]}))
+
+
+class ChainedBlocks:
+    """Blocks by chain index, read and replaced in their own lists (so state-dict keys stay)."""
+
+    def __init__(self, model: nn.Module, layout: StageLayout):
+        self.model, self.layout = model, layout
+
+    def __len__(self) -> int:
+        return self.layout.ranges[-1][1] + 1
+
+    def __getitem__(self, i: int) -> nn.Module:
+        path, j = self.layout.locate(i)
+        return self.model.get_submodule(path)[j]
+
+    def __setitem__(self, i: int, module: nn.Module) -> None:
+        path, j = self.layout.locate(i)
+        self.model.get_submodule(path)[j] = module
+
+    def name(self, i: int) -> str:
+        path, j = self.layout.locate(i)
+        return f"{path}.{j}"
+
+
+def encoder_decoder(model: nn.Module, names) -> tuple:
+    """((path, length), (path, length)) of an encoder-decoder's two block lists, checked."""
+    if len(names) != 2:
+        raise ValueError(f"pipeline_blocks={list(names)}: name one block list, or an encoder-decoder's two "
+                         f"(encoder first, then decoder).")
+    found = [find_blocks(model, n) for n in names]
+    lists = tuple((path, len(blocks)) for path, blocks in found)
+    params = inspect.signature(found[1][1][0].forward).parameters.values()
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(positional) < 2 and not any(p.kind == p.VAR_POSITIONAL for p in params):
+        raise ValueError(f"pipeline_blocks={list(names)}: two block lists are taken as an encoder and a decoder "
+                         f"whose blocks take the encoder's output as a second argument, but the blocks of "
+                         f"{found[1][0]} take {len(positional)}. Name one block list.")
+    if pp_tied_head(model, lists):
+        raise ValueError(f"pipeline_blocks={list(names)}: an encoder-decoder whose output head shares its weight "
+                         f"with the embedding is not supported under pp yet; untie them, or use tp/dp only.")
+    return lists
+
+
+def pp_tied_head(model: nn.Module, lists: tuple) -> bool:
+    groups = _outer_groups(model, [p for p, _ in lists])
+    first = {id(p) for _, m in groups["before"] for p in m.parameters()}
+    return any(id(p) in first for _, m in groups["after"] + groups["between"] for p in m.parameters())
+
+
+def plan_stages(model: nn.Module, pp: int, v: int = 1, blocks=None, stage_layers=None,
                 interleaved: bool = False) -> StageLayout:
-    """Validate and assign; raises ValueError (same on every rank) before anything changes."""
-    path, module = find_blocks(model, blocks)
+    """Validate and assign; raises ValueError (same on every rank) before anything changes. ``blocks``:
+    a block list's path, or an encoder-decoder's two (a list: encoder, then decoder)."""
+    lists = ()
+    if isinstance(blocks, (list, tuple)) and len(blocks) != 1:
+        lists = encoder_decoder(model, blocks)
+        path = " + ".join(p for p, _ in lists)
+        module = [b for p, _ in lists for b in model.get_submodule(p)]
+    else:
+        path, module = find_blocks(model, blocks)
     n, parts = len(module), pp * v
     if stage_layers is not None:
         stage_layers = list(stage_layers)
@@ -210,55 +305,76 @@ def plan_stages(model: nn.Module, pp: int, v: int = 1, blocks: str | None = None
     for size in sizes:
         ranges.append((start, start + size - 1))
         start += size
-    return StageLayout(path, ranges, pp, v)
+    return StageLayout(path, ranges, pp, v, lists)
 
 
 def apply_split(model: nn.Module, layout: StageLayout, pp_rank: int) -> dict:
-    """Replace what this rank does not own with placeholders. Returns {"tied": [shared Parameters]}."""
-    blocks = model.get_submodule(layout.blocks_path)
+    """Replace what this rank does not own with placeholders. Returns {"tied": [shared Parameters],
+    "silence": {module path: (meta twin, virtual stages it runs in)}}: modules this rank holds that
+    another of its chunks would rerun (and their collectives) for nothing."""
+    blocks = layout.blocks(model)
     mine = set()
     for k in layout.vstages_of(pp_rank):
         lo, hi = layout.ranges[k]
         mine.update(range(lo, hi + 1))
-    first, last = pp_rank == 0, pp_rank == layout.pp - 1
-    before, after = _outer_modules(model, layout.blocks_path)
-    params_before = {id(p) for _, m in before for p in m.parameters()}
-    tied = [p for _, m in after for p in m.parameters() if id(p) in params_before]
+    groups = _outer_groups(model, [p for p, _ in layout.lists] or [layout.blocks_path])
+    params_before = {id(p) for _, m in groups["before"] for p in m.parameters()}
+    if layout.lists:  # the decoder's copy of the embeddings (see StageLayout.runs)
+        tied = [p for _, m in groups["before"] for p in m.parameters()] if len(layout.replica_ranks()) > 1 else []
+    else:
+        tied = [p for _, m in groups["after"] for p in m.parameters() if id(p) in params_before]
     for i in range(len(blocks)):
         if i not in mine:
-            blocks[i] = SkippedBlock(blocks[i], f"{layout.blocks_path}.{i}")
-    for owned, group in ((first, before), (last, after)):
-        if not owned:
-            for name, m in group:
+            blocks[i] = SkippedBlock(blocks[i], blocks.name(i))
+    silence, my_vstages = {}, set(layout.vstages_of(pp_rank))
+    for kind, runs in layout.runs().items():
+        owned = bool(runs & my_vstages)
+        for name, m in groups[kind]:
+            if not owned:
                 _set(model, name, ShapeOnly(m, name))
+            elif kind != "after" and my_vstages - runs:
+                silence[name] = (meta_twin(m), runs)
     for p in tied:
         p._pp_tied = True
-    # chunks after the first would rerun these (and their collectives) for nothing: keep shape twins
-    twins = {name: meta_twin(m) for name, m in before} if first and layout.v > 1 else {}
-    return {"tied": tied if (first or last) else [], "before": twins}
+    holds_tied = pp_rank in (layout.replica_ranks() if layout.lists else (0, layout.pp - 1))
+    return {"tied": tied if holds_tied else [], "silence": silence}
 
 
 def _outer_modules(model: nn.Module, blocks_path: str):
-    """Top-most modules with parameters outside the block list, split by registration order."""
-    before, after, seen_blocks, taken = [], [], False, []
+    """Top-most modules with parameters outside the block list: (first stage's, last stage's)."""
+    groups = _outer_groups(model, [blocks_path])
+    return groups["before"], groups["after"]
+
+
+def _outer_groups(model: nn.Module, paths: list) -> dict:
+    """Top-most modules with parameters outside the block lists, by where they run: "before" (the
+    first stage: embeddings, or anything before the blocks without a Linear), "between" (an
+    encoder-decoder's modules between its lists without a Linear: the encoder's final norm), "after"."""
+    groups, seen, taken = {"before": [], "between": [], "after": []}, 0, []
     for name, m in model.named_modules():
-        if name == blocks_path:
-            seen_blocks = True
+        if name in paths:
+            seen += 1
             taken.append(name)
             continue
-        if not name or any(name.startswith(t + ".") for t in taken) or blocks_path.startswith(name + "."):
+        if not name or any(name.startswith(t + ".") for t in taken) or any(p.startswith(name + ".") for p in paths):
             continue
         if any(True for _ in m.parameters(recurse=False)) or _is_leafy_owner(m):
-            (before if _runs_first(m, seen_blocks) else after).append((name, m))
+            kind = "before" if _runs_first(m, seen > 0) else "after"
+            if kind == "after" and seen == 1 and len(paths) == 2 and not _has_linear(m):
+                kind = "between"
+            groups[kind].append((name, m))
             taken.append(name)
-    return before, after
+    return groups
 
 
 def _runs_first(m: nn.Module, after_blocks: bool) -> bool:
-    kinds = [type(c) for c in m.modules()]
-    if any(issubclass(k, nn.Embedding) for k in kinds):
+    if any(isinstance(c, nn.Embedding) for c in m.modules()):
         return True
-    return not after_blocks and not any(issubclass(k, nn.Linear) or k.__name__ == "Conv1D" for k in kinds)
+    return not after_blocks and not _has_linear(m)
+
+
+def _has_linear(m: nn.Module) -> bool:
+    return any(isinstance(c, nn.Linear) or type(c).__name__ == "Conv1D" for c in m.modules())
 
 
 def _is_leafy_owner(m: nn.Module) -> bool:

@@ -5,11 +5,19 @@ state-dict keys stay the same). While virtual stage k runs, blocks outside k's r
 input through, k's first block takes the activation received from stage k-1 instead of what the
 user's code computed, and k's last block stops the user's step by raising :class:`StageDone`
 with its output, unless k is the last stage, where the user's code runs on to the loss.
+
+An encoder-decoder (two block lists, see ``StageLayout.lists``) sends more than one tensor: a
+decoder block takes the encoder's output (``memory``) besides its hidden states, so a stage stops
+at the entry of the next stage's first block and sends that block's floating-point positional
+arguments (packed into one flat tensor); the receiver puts them in the same places, and in its
+later blocks puts each received tensor wherever the tensor it stands for is passed again (the
+same ``memory`` object goes to every decoder block). At the decoder's first block the hidden
+states come from the decoder's own embedding copy, so only the rest travels.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,30 +38,44 @@ class StageState:
     last_vstage: int
     active: int = 0
     received: torch.Tensor | None = None
+    # an encoder-decoder, while a stage runs: id(tensor the user's code computed) -> (it, received stand-in)
+    stand_ins: dict = field(default_factory=dict)
 
 
-def install(blocks, layout, pp_rank: int, before=()) -> StageState:
-    """``before``: (module, meta twin) pairs of first-stage modules to silence in later chunks."""
+def install(blocks, layout, pp_rank: int, silence=()) -> StageState:
+    """``silence``: (module, meta twin, virtual stages it runs in) of modules outside the blocks that
+    this rank's other chunks must not rerun (they return zeros of their shape there)."""
     state = StageState(layout.ranges, layout.last_vstage)
+    chained = layout.decoder_start is not None
     for k in layout.vstages_of(pp_rank):
         lo, hi = layout.ranges[k]
         for i in range(lo, hi + 1):
-            _wrap(blocks[i], i, state)
-    for module, twin in before:
-        _wrap_first_stage_module(module, twin, state)
+            if chained:
+                _wrap_chained(blocks[i], i, state, i == layout.decoder_start)
+            else:
+                _wrap(blocks[i], i, state)
+        if chained and k < layout.last_vstage:
+            _stop_at(blocks[hi + 1], k, state, hi + 1 == layout.decoder_start, blocks.name(hi + 1))
+    for module, twin, runs in silence:
+        _silence_outside(module, twin, runs, state)
     return state
 
 
-def _wrap_first_stage_module(module, twin, state: StageState) -> None:
-    """An embedding only feeds virtual stage 0: in a later chunk's run it returns zeros of its shape."""
+def _silence_outside(module, twin, runs: set, state: StageState) -> None:
+    """An embedding only feeds virtual stage 0 (and an encoder-decoder's decoder stage): in another
+    chunk's run it returns zeros of its shape."""
     original = module.forward
 
     def forward(*args, **kwargs):
-        if state.active > 0:
+        if state.active not in runs:
             return zeros_like_output(twin, args, kwargs)
         return original(*args, **kwargs)
 
     module.forward = forward
+
+
+def _passthrough(args, kwargs):
+    return args[0] if args else next(iter(kwargs.values()))
 
 
 def _wrap(block, index: int, state: StageState) -> None:
@@ -62,7 +84,7 @@ def _wrap(block, index: int, state: StageState) -> None:
     def forward(*args, **kwargs):
         lo, hi = state.ranges[state.active]
         if not lo <= index <= hi:
-            return args[0] if args else next(iter(kwargs.values()))
+            return _passthrough(args, kwargs)
         if index == lo and state.active > 0:
             if args:
                 args = (state.received,) + tuple(args[1:])
@@ -73,5 +95,81 @@ def _wrap(block, index: int, state: StageState) -> None:
         if index == hi and state.active < state.last_vstage:
             raise StageDone(out if isinstance(out, torch.Tensor) else out[0])  # (hidden, ...) tuples
         return out
+
+    block.forward = forward
+
+
+# ------------------------------------------------------------------------------ an encoder-decoder
+
+
+def _carried(args, list_start: bool) -> list:
+    """Positions of the arguments that travel between stages: floating-point tensors, but for the
+    hidden states of a list's first block (the decoder's: made from the embeddings on every stage)."""
+    return [i for i, a in enumerate(args) if i >= list_start and isinstance(a, torch.Tensor) and a.is_floating_point()]
+
+
+def pack(parts: list) -> torch.Tensor:
+    if len(parts) == 1:
+        return parts[0]
+    if len({p.dtype for p in parts}) > 1:
+        raise ValueError(f"pipeline: a stage sends tensors of dtypes {[p.dtype for p in parts]} together; they "
+                         f"travel as one message and must share a dtype.")
+    return torch.cat([p.reshape(-1) for p in parts])
+
+
+def unpack(message: torch.Tensor, like: list) -> list:
+    """Split a packed message into tensors shaped like ``like`` (what this stage's code computed)."""
+    if len(like) == 1:
+        return [message.view(like[0].shape)]
+    sizes = [t.numel() for t in like]
+    if message.numel() != sum(sizes):
+        raise ValueError(f"pipeline: received {message.numel()} values for tensors of shapes "
+                         f"{[tuple(t.shape) for t in like]}; every stage must see the same batch shapes.")
+    return [part.view(t.shape) for part, t in zip(message.split(sizes), like)]
+
+
+def _stand_in(value, state: StageState):
+    held = state.stand_ins.get(id(value)) if isinstance(value, torch.Tensor) else None
+    return held[1] if held is not None and held[0] is value else value
+
+
+def _wrap_chained(block, index: int, state: StageState, list_start: bool) -> None:
+    original = block.forward
+
+    def forward(*args, **kwargs):
+        lo, hi = state.ranges[state.active]
+        if not lo <= index <= hi:
+            return _passthrough(args, kwargs)
+        if index == lo and state.active > 0:
+            positions = _carried(args, list_start)
+            parts = unpack(state.received, [args[i] for i in positions])
+            state.stand_ins = {id(args[i]): (args[i], part) for i, part in zip(positions, parts)}
+        if state.stand_ins:
+            args = tuple(_stand_in(a, state) for a in args)
+            kwargs = {key: _stand_in(a, state) for key, a in kwargs.items()}
+        return original(*args, **kwargs)
+
+    block.forward = forward
+
+
+def _stop_at(block, vstage: int, state: StageState, list_start: bool, name: str) -> None:
+    """At the entry of virtual stage ``vstage + 1``'s first block, end ``vstage``'s run: what that block
+    would be given (the encoder's output included) is the message."""
+    original = block.forward
+
+    def forward(*args, **kwargs):
+        if state.active == vstage:
+            lost = [key for key, a in kwargs.items() if isinstance(a, torch.Tensor) and a.requires_grad]
+            if lost:  # the next stage would see its own placeholder values there: refuse, not train wrong
+                raise ValueError(f"pipeline: {name} is given {lost} by keyword, computed on earlier stages; only "
+                                 f"positional arguments travel between an encoder-decoder's stages (as "
+                                 f"nn.TransformerDecoder passes memory). Use tp/dp for this model.")
+            positions = _carried(args, list_start)
+            if not positions:
+                raise ValueError("pipeline: two block lists are taken as an encoder and a decoder, but the second "
+                                 "list's first block is given no tensor besides its own input (the encoder's "
+                                 "output). Name one block list: pipeline_blocks='path.to.blocks'.")
+            raise StageDone(pack([_stand_in(args[i], state) for i in positions]))
+        return original(*args, **kwargs)
 
     block.forward = forward

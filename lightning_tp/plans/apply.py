@@ -333,14 +333,15 @@ def _held(model: nn.Module, path: str):
     return None if isinstance(module, PipelinePlaceholder) else module
 
 
-def blocks_path(model: nn.Module, plan) -> str | None:
-    """The block list a plan names (for pipeline parallelism), if any."""
+def blocks_path(model: nn.Module, plan):
+    """The block list a plan names (for pipeline parallelism), if any: a path, or an encoder-decoder's
+    two (a tuple)."""
     for prefix, p in _find(model, plan):
         if not p.pipeline:
             raise ValueError(f"pipeline parallelism (pp > 1) is not supported for {prefix or 'the model'} (plan "
                              f"{p.name!r}): its blocks are not one chain of stages. Use tp/dp only.")
         if p.blocks:
-            return _join(prefix, p.blocks)
+            return _join(prefix, p.blocks) if isinstance(p.blocks, str) else tuple(_join(prefix, b) for b in p.blocks)
     return None
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
-from typing import Optional
+from typing import Optional, Union
 
 STYLES = {
     "colwise": "column-parallel Linear that enters the TP region itself (copy, or all-gather under SP)",
@@ -77,8 +77,8 @@ class Plan:
     sp_end:   glob; the last matching module's output is gathered (SP ends), if a replicated
               consumer follows. Unneeded when an 'lm_head' gathers its input itself.
     seq_dim:  the sequence dimension of activations (1 for batch-first).
-    blocks:   the repeated block list (for pipeline parallelism).
-    pipeline: False where the family cannot be cut into stages (an encoder-decoder).
+    blocks:   the repeated block list (for pipeline parallelism); an encoder-decoder's two as a tuple.
+    pipeline: False where the family cannot be cut into stages.
     targets:  class names this plan is found by under ``plan="auto"``.
     requires: submodule paths that must exist for an auto match (tells same-named classes apart).
     """
@@ -89,7 +89,7 @@ class Plan:
     sp_start: Optional[str] = None
     sp_end: Optional[str] = None
     seq_dim: int = 1
-    blocks: Optional[str] = None
+    blocks: Optional[Union[str, tuple]] = None
     pipeline: bool = True
     targets: tuple = ()
     requires: tuple = ()
@@ -114,6 +114,8 @@ class Plan:
     def from_dict(cls, d: dict) -> "Plan":
         d = dict(d)
         d.setdefault("name", "user")
+        if isinstance(d.get("blocks"), list):
+            d["blocks"] = tuple(d["blocks"])
         for key in ("targets", "requires"):
             if key in d:
                 d[key] = tuple(d[key])

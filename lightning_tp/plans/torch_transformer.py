@@ -27,8 +27,8 @@ TRANSFORMER_ENCODER_LAYER = Plan(
     sp_end="",
 )
 
-# nn.Transformer (encoder-decoder; so also Lightning's demo Transformer): tensor parallelism only.
-# The decoder's cross-attention enters the TP region for its memory input on its own.
+# nn.Transformer (encoder-decoder; so also Lightning's demo Transformer). The decoder's cross-attention
+# enters the TP region for its memory input on its own. Under pp its two lists form one chain of stages.
 TRANSFORMER = Plan(
     name="torch_transformer",
     targets=("Transformer",),
@@ -36,7 +36,7 @@ TRANSFORMER = Plan(
     styles={f"encoder.layers.*.{k}": v for k, v in _LAYER.items() if v != "sp_norm"}
     | {f"decoder.layers.*.{k}": v for k, v in _LAYER.items() if v != "sp_norm"}
     | {"decoder.layers.*.multihead_attn": "mha"},
-    pipeline=False,
+    blocks=("encoder.layers", "decoder.layers"),
 )
 
 MULTIHEAD_ATTENTION = Plan(name="torch_multihead_attention", targets=("MultiheadAttention",), styles={"": "mha"})

@@ -1,0 +1,146 @@
+"""An encoder-decoder under pp, without processes: which stage holds what, the message format, and
+what is refused. Training parity (every schedule, tp, dp, pp=4) is in test_pipeline's launches."""
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_tp.explain import explain
+from lightning_tp.pipeline.split import ShapeOnly, SkippedBlock, apply_split, plan_stages
+from lightning_tp.pipeline.stage import StageDone, StageState, _stop_at, pack, unpack
+from lightning_tp.plans import apply as planner
+from models import make_model
+
+ENC, DEC = "model.transformer.encoder.layers", "model.transformer.decoder.layers"
+
+
+def _layout(pp, v=1, nlayers=2, **kw):
+    model = make_model("demo_transformer", nlayers=nlayers)
+    return model, plan_stages(model, pp, v, planner.blocks_path(model, "auto"), **kw)
+
+
+def test_the_plan_names_both_lists_as_one_chain():
+    model, layout = _layout(2)
+    assert layout.lists == ((ENC, 2), (DEC, 2)) and layout.decoder_start == 2
+    assert [layout.locate(i) for i in range(4)] == [(ENC, 0), (ENC, 1), (DEC, 0), (DEC, 1)]
+    assert layout.blocks(model)[3] is model.model.transformer.decoder.layers[1]
+
+
+@pytest.mark.parametrize("pp, v, nlayers, layers, runs", [
+    # cut at the decoder's start: the decoder's stage (1) holds the embedding's copy
+    (2, 1, 2, [2, 2], {"before": {0, 1}, "between": {0}, "after": {1}}),
+    # cut inside the decoder: stage 0 runs the encoder's norm and the decoder's first block itself
+    (2, 1, 3, [4, 2], {"before": {0}, "between": {0}, "after": {1}}),
+    # one block a stage, interleaved: the decoder starts at virtual stage 2, on pp rank 0
+    (2, 2, 2, [1, 1, 1, 1], {"before": {0, 2}, "between": {1}, "after": {3}}),
+])
+def test_stages_that_run_the_modules_outside_the_blocks(pp, v, nlayers, layers, runs):
+    _, layout = _layout(pp, v, nlayers, stage_layers=layers)
+    assert layout.runs() == runs
+    assert layout.replica_ranks() == tuple(sorted({k % pp for k in runs["before"]}))
+
+
+def test_each_rank_keeps_its_blocks_its_embedding_copy_and_the_norms_it_runs():
+    kept = {}
+    for rank in (0, 1):
+        model, layout = _layout(2, stage_layers=[2, 2])
+        split = apply_split(model, layout, rank)
+        t = model.model.transformer
+        kept[rank] = dict(embedding=not isinstance(model.model.embedding, ShapeOnly),
+                          encoder_norm=not isinstance(t.encoder.norm, ShapeOnly),
+                          decoder_norm=not isinstance(t.decoder.norm, ShapeOnly),
+                          head=not isinstance(model.model.decoder, ShapeOnly),
+                          encoder=[not isinstance(b, SkippedBlock) for b in t.encoder.layers],
+                          decoder=[not isinstance(b, SkippedBlock) for b in t.decoder.layers],
+                          tied=sorted(getattr(p, "_pp_tied", False) for p in split["tied"]))
+    assert kept[0] == dict(embedding=True, encoder_norm=True, decoder_norm=False, head=False,
+                           encoder=[True, True], decoder=[False, False], tied=[True])
+    assert kept[1] == dict(embedding=True, encoder_norm=False, decoder_norm=True, head=True,
+                           encoder=[False, False], decoder=[True, True], tied=[True])
+
+
+def test_interleaved_chunks_silence_what_they_do_not_run():
+    # 3+3 blocks as 1, 1, 1, 3 over pp=2, v=2: the decoder starts at virtual stage 3 (rank 1), the
+    # encoder ends in stage 2 (rank 0)
+    silenced = {}
+    for rank in (0, 1):
+        model, layout = _layout(2, 2, nlayers=3, stage_layers=[1, 1, 1, 3])
+        split = apply_split(model, layout, rank)
+        silenced[rank] = {name: runs for name, (_, runs) in split["silence"].items()}
+        assert len(split["tied"]) == 1  # the embedding, copied to both ranks
+    assert silenced[0] == {"model.embedding": {0, 3}, "model.transformer.encoder.norm": {2}}
+    assert silenced[1] == {"model.embedding": {0, 3}}
+    model, layout = _layout(2, 2)  # one block a stage: both of rank 0's chunks (0, 2) use the embedding
+    assert apply_split(model, layout, 0) == {"tied": [], "silence": {}}
+
+
+def test_a_message_packs_several_tensors_and_unpacks_to_the_receivers_shapes():
+    hidden, memory = torch.randn(2, 3, 4), torch.randn(2, 5, 4)
+    message = pack([hidden, memory])
+    assert message.shape == (2 * 3 * 4 + 2 * 5 * 4,)
+    got = unpack(message, [torch.zeros(2, 3, 4), torch.zeros(2, 5, 4)])
+    assert torch.equal(got[0], hidden) and torch.equal(got[1], memory)
+    assert pack([hidden]) is hidden and unpack(hidden, [hidden])[0].shape == hidden.shape
+    with pytest.raises(ValueError, match="same batch shapes"):
+        unpack(message, [torch.zeros(2, 3, 4), torch.zeros(2, 6, 4)])
+    with pytest.raises(ValueError, match="share a dtype"):
+        pack([hidden, memory.double()])
+
+
+def test_gradients_reach_both_senders_through_one_message():
+    hidden, memory = torch.randn(2, 3, requires_grad=True), torch.randn(4, requires_grad=True)
+    leaf = pack([hidden * 2, memory * 3]).detach().requires_grad_()  # what the next stage receives
+    h, m = unpack(leaf, [torch.zeros(2, 3), torch.zeros(4)])
+    (h.sum() + (m * m).sum()).backward()
+    pack([hidden * 2, memory * 3]).backward(leaf.grad)
+    assert torch.equal(hidden.grad, torch.full((2, 3), 2.0))
+    torch.testing.assert_close(memory.grad, 2 * (memory.detach() * 3) * 3)
+
+
+def test_a_stage_ends_at_the_next_stages_first_block_with_what_it_is_given():
+    state = StageState([(0, 0), (1, 1)], 1)
+    block = nn.TransformerDecoderLayer(8, 2, 16, 0.0, batch_first=True)
+    _stop_at(block, 0, state, False, "decoder.layers.1")
+    hidden, memory = torch.randn(2, 3, 8, requires_grad=True), torch.randn(2, 5, 8, requires_grad=True)
+    with pytest.raises(StageDone) as done:
+        block(hidden, memory, tgt_mask=torch.zeros(3, 3))
+    assert torch.equal(done.value.output, torch.cat([hidden.reshape(-1), memory.reshape(-1)]))
+    with pytest.raises(ValueError, match=r"given \['memory'\] by keyword"):  # would train on placeholder zeros
+        block(hidden, memory=memory)
+    state.active = 1  # the stage that holds it: the block runs
+    assert block(hidden, memory).shape == hidden.shape
+
+
+class _TiedDemo(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embedding = nn.Embedding(16, 8)
+        self.transformer = nn.Transformer(8, 2, 1, 1, 16, 0.0, batch_first=True)
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.embedding.weight
+
+
+class _TwoStacks(nn.Module):  # two lists where the second continues the first: not an encoder-decoder
+    def __init__(self):
+        super().__init__()
+        self.down = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+        self.up = nn.ModuleList(nn.LayerNorm(8) for _ in range(2))
+
+
+@pytest.mark.parametrize("model, blocks, words", [
+    (_TiedDemo(), ["transformer.encoder.layers", "transformer.decoder.layers"], ["shares its weight", "untie"]),
+    (_TwoStacks(), ["down", "up"], ["second argument", "take 1", "Name one block list"]),
+    (_TwoStacks(), ["down", "up", "down"], ["encoder-decoder's two"]),
+])
+def test_what_an_encoder_decoder_pipeline_refuses(model, blocks, words):
+    with pytest.raises(ValueError) as err:
+        plan_stages(model, 2, 1, blocks)
+    for w in words:
+        assert w in str(err.value)
+
+
+def test_explain_says_it_does_not_model_an_encoder_decoder_pipeline():
+    with pytest.raises(ValueError, match="not modelled yet"):
+        explain(make_model("demo_transformer"), pp=2, print_report=False)
+    report = explain(make_model("demo_transformer"), tp=2, batch_shape=(4, 8), print_report=False)
+    assert report.config["blocks"] is None and report.config["plans"]  # tp alone: the whole model one stage
