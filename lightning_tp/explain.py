@@ -16,15 +16,18 @@ Per optimizer step, with n = B*T tokens per replica (B: the batch one process lo
   * TP activations, counted on the stage that runs the planned module (once per microbatch: under
     the interleaved schedule later chunks skip the first rank's pre-block modules). 'region'/'colwise'/'mha'/
     'lm_head' enter the TP region: a backward all-reduce of n*w (under SP, a forward all-gather of
-    n*w/tp plus a backward reduce-scatter of n*w). 'rowwise' (and mha's out_proj) leave it: a forward
+    n*w/tp plus a backward reduce-scatter of n*w; an nn.TransformerDecoderLayer's cross-attention
+    enters twice: query and memory). 'rowwise' (and mha's out_proj) leave it: a forward
     all-reduce (SP: reduce-scatter n*w, then a backward all-gather n*w/tp). 'vocab': a forward
     all-reduce n*d. 'vocab_ce': 3n (row max, then sum-exp and target logit). An 'lm_head' without
     'vocab_ce' all-gathers n*V/tp. SP start/end: an all-gather of n*h/tp. For the example GPT this is
     Megatron's 4 all-reduces of b*s*h per layer.
   * PP: each virtual stage sends m activations of (B/m)*T*h (/tp under SP) unless it is the last,
-    and m gradients back unless it is the first.
+    and m gradients back unless it is the first; inside an encoder-decoder's decoder a message also
+    holds the encoder's output (2h, source and target of one length assumed).
   * SP grads (replicated params with partial grads, plus the all-heads buffer of key/value heads
-    copied to several tp ranks), tied embeddings (first and last stage), DP
+    copied to several tp ranks), tied embeddings (first and last stage; an encoder-decoder's embedding
+    and its copy on the decoder's first stage), DP
     (every grad this rank holds, when dp > 1): one all-reduce each, as :mod:`lightning_tp.grads` does.
   Gradient clipping's scalar all-reduce, validation and Lightning's own logging syncs are left out.
 
@@ -61,7 +64,7 @@ from .grads import replica_buffer_numel
 from .layers.shard import padded_size
 from .pipeline.schedules import build_schedule
 from .pipeline.simulate import simulate
-from .pipeline.split import _outer_modules, apply_split, plan_stages
+from .pipeline.split import _outer_groups, apply_split, plan_stages
 from .plans import apply as planner
 from . import recompute
 
@@ -93,6 +96,7 @@ class Explanation:
     stages: list = field(default_factory=list)  # (virtual stage, pp rank, first block, last block)
     outer: dict = field(default_factory=dict)  # {"first": [paths], "last": [paths]}
     layer_ops: list = field(default_factory=list)  # TP collectives of block 0: (op, elements per token)
+    decoder_ops: list = field(default_factory=list)  # an encoder-decoder's: those of the decoder's block 0
     ranks: list = field(default_factory=list)
 
     def rank(self, stage: int, tp_rank: int = 0) -> RankEstimate:
@@ -148,6 +152,12 @@ def _leave(w, sp, tp):
     return [("reduce_scatter", w, "fwd"), ("all_gather", w / tp, "bwd")] if sp else [("all_reduce", w, "fwd")]
 
 
+def _cross_attention(base, path: str) -> bool:
+    """nn.TransformerDecoderLayer's attention over the encoder's output (query and memory enter apart)."""
+    parent, _, leaf = path.rpartition(".")
+    return leaf == "multihead_attn" and isinstance(base.get_submodule(parent), nn.TransformerDecoderLayer)
+
+
 def _tp_ops(base, matches, sp, tp, hidden, locate):
     """TP collectives per location ("block", i) / ("first",) / ("last",), as (op, elements per
     token, pass), from the plan entries; and {path: (style, sp on, options)}."""
@@ -160,6 +170,8 @@ def _tp_ops(base, matches, sp, tp, hidden, locate):
             style_of[path] = (style, esp, options)
             mod, loc = base.get_submodule(path), locate(path)
             if style in ("region", "colwise", "lm_head", "mha"):
+                ops[loc] += _enter(_width_in(mod), esp, tp)
+            if style == "mha" and _cross_attention(base, path):  # the encoder's output enters too
                 ops[loc] += _enter(_width_in(mod), esp, tp)
             if style in ("rowwise", "mha"):
                 ops[loc] += _leave(_io(mod)[1] if _io(mod) else getattr(mod, "embed_dim", None) or mod.embedding_dim,
@@ -230,15 +242,12 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
     try:
         layout = plan_stages(base, pp, v, pipeline_blocks or planner.blocks_path(base, plan), stage_layers,
                              interleaved=schedule == "interleaved_1f1b")
-        if layout.lists:
-            raise ValueError("explain models one block list, and an encoder-decoder has two: its pipeline "
-                             "layouts are not modelled yet (tp and dp are, with pp=1 and microbatches=1).")
     except ValueError:
         if pipelined:
             raise
         if activation_checkpointing:
-            raise ValueError("explain(activation_checkpointing=...) models one block list and found none "
-                             "(an encoder-decoder has two); name it with pipeline_blocks='path.to.blocks'.") from None
+            raise ValueError("explain(activation_checkpointing=...) models the model's block list and found none; "
+                             "name it with pipeline_blocks='path.to.blocks'.") from None
         layout = None  # no block list: the whole model is one stage
     # one replay of the schedule: peak in-flight microbatches (set by each rank's action order alone) and
     # the idle share of a step with equal blocks, backward = 2 forwards (ZB: its halves alike), free transfers
@@ -248,19 +257,34 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
     bubble = float(replayed.bubble_fraction) if pp > 1 else 0.0
 
     bpath = layout.blocks_path if layout else None
+    lists = (layout.lists or ((bpath, None),)) if layout else ()  # (path, length) per block list
+    offset = {path: sum(n for _, n in lists[:i]) for i, (path, _) in enumerate(lists)}  # chain index of each's first
+    runs = layout.runs() if layout else {"before": {0}, "between": set(), "after": {0}}
     order = {name: i for i, (name, _) in enumerate(base.named_modules())}
 
     def locate(path):
-        if bpath and path.startswith(bpath + "."):
-            return ("block", int(path[len(bpath) + 1:].split(".")[0]))
-        return ("first",) if bpath is None or order[path] < order[bpath] else ("last",)
+        for lpath, first in offset.items():
+            if path.startswith(lpath + "."):
+                return ("block", first + int(path[len(lpath) + 1:].split(".")[0]))
+        if bpath is None or order[path] < order[lists[0][0]]:
+            return ("first",)
+        return ("between",) if len(lists) > 1 and order[path] < order[lists[1][0]] else ("last",)
 
-    def ranks_of(loc):
+    def times(loc, r):
+        """How often rank r runs ``loc`` per microbatch (an encoder-decoder's embedding copy may run twice)."""
         if loc[0] == "block":
-            return {next(k for k, (lo, hi) in enumerate(layout.ranges) if lo <= loc[1] <= hi) % pp}
-        return {0} if loc[0] == "first" else {pp - 1}
+            return int(layout.vstage_of(loc[1]) % pp == r)
+        vstages = {"first": runs["before"], "between": runs["between"], "last": runs["after"]}[loc[0]]
+        return sum(k % pp == r for k in vstages) if layout else 1
 
-    hidden = _width_in(base.get_submodule(bpath)[0] if bpath else base)
+    def message(k):
+        """Elements per token virtual stage k sends on (its gradient comes back alike): the hidden states,
+        and inside an encoder-decoder's decoder the encoder's output too (same sequence length assumed)."""
+        if not layout.lists:
+            return hidden / (tp if sp_on else 1)
+        return hidden * (2 if layout.ranges[k + 1][0] > layout.decoder_start else 1)
+
+    hidden = _width_in(base.get_submodule(lists[0][0])[0] if bpath else base)
     ops, style_of = _tp_ops(base, matches, sp, tp, hidden, locate)
     width = _saved_widths(base, style_of, tp, locate)
     sp_on = any(sp and mt.sp_start is not None for mt in matches)
@@ -273,32 +297,37 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
     counts = {}
     for mt in matches:
         for path, style, _ in _entries(mt):
-            key = (f"{bpath}.*.{path[len(bpath) + 1:].partition('.')[2]}".rstrip(".")
-                   if bpath and path.startswith(bpath + ".") else path, style)
+            lpath = next((lp for lp in offset if path.startswith(lp + ".")), None)
+            key = (f"{lpath}.*.{path[len(lpath) + 1:].partition('.')[2]}".rstrip(".") if lpath else path, style)
             counts[key] = counts.get(key, 0) + 1
     rep.styles = [(p, s, c) for (p, s), c in counts.items()]
     if layout:
         rep.stages = [(k, k % pp, lo, hi) for k, (lo, hi) in enumerate(layout.ranges)]
-        before, after = _outer_modules(base, bpath)
-        rep.outer = {"first": [n for n, _ in before], "last": [n for n, _ in after]}
+        groups = _outer_groups(base, list(offset))
+        rep.outer = {"first": [n for n, _ in groups["before"]], "last": [n for n, _ in groups["after"]],
+                     "between": [n for n, _ in groups["between"]]}
         rep.layer_ops = list(ops[("block", 0)])
+        rep.decoder_ops = list(ops[("block", layout.decoder_start)]) if layout.lists else []
     tokens = B * T * acc
+    tied_ranks = layout.replica_ranks() if layout and layout.lists else (0, pp - 1)
+    n_blocks = layout.ranges[-1][1] + 1 if layout else 0
     for r in range(pp):
-        mine = {loc for loc in list(ops) + list(width) if r in ranks_of(loc)}
-        again = {i for _, i in recompute.targets(base, activation_checkpointing, layout, r)} \
+        mine = [(loc, times(loc, r)) for loc in set(ops) | set(width) if times(loc, r)]
+        again = {offset[path] + i for path, i in recompute.targets(base, activation_checkpointing, layout, r)} \
             if activation_checkpointing else set()
         kept = {("block", i): hidden / (tp if sp_on else 1) if i in again else width[("block", i)]
-                for i in range(len(base.get_submodule(bpath)))} if layout else {}
+                for i in range(n_blocks)}
         chunks = [sum(kept[("block", i)] for i in range(lo, hi + 1))
                   for k, (lo, hi) in enumerate(layout.ranges) if k % pp == r] if layout else []
         # recomputing: one block at a time; ZB-H1's W keeps what it recomputes for the chunk until it ends
         transient = max((sum(width[("block", i)] for i in again if lo <= i <= hi) if schedule == "zb_h1"
                          else max((width[("block", i)] for i in again if lo <= i <= hi), default=0)
                          for k, (lo, hi) in enumerate(layout.ranges) if k % pp == r), default=0) if layout else 0
-        act = max(chunks, default=0) + (width[("first",)] if r == 0 else 0) + (width[("last",)] if r == pp - 1 else 0)
+        act = max(chunks, default=0) + sum(width[(kind,)] for kind in ("first", "between", "last")
+                                           if times((kind,), r) and (kind, ) in width)
         ks = layout.vstages_of(r) if layout else []
-        sends = sum(k < layout.last_vstage for k in ks) + sum(k > 0 for k in ks)
-        tp_elems = sum(w for loc in mine for _, w, phase in ops[loc])
+        sends = sum(message(k) for k in ks if k < layout.last_vstage) + sum(message(k - 1) for k in ks if k > 0)
+        tp_elems = sum(n * w for loc, n in mine for _, w, phase in ops[loc])
         tp_again = sum(w for i in again for _, w, phase in ops[("block", i)] if phase == "fwd")
         for t in range(tp):
             local = copy.deepcopy(base)  # split, then shard, as the strategy does (deepcopy drops param marks)
@@ -315,9 +344,9 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
                 stage=r, tp_rank=t, params=sum(p.numel() for p in params),
                 tp_bytes=round(tokens * (tp_elems + tp_again) * dtype_bytes) if tp > 1 else 0,
                 tp_recompute_bytes=round(tokens * tp_again * dtype_bytes) if tp > 1 else 0,
-                pp_bytes=round(tokens * sends * hidden / (tp if sp_on else 1) * dtype_bytes),
+                pp_bytes=round(tokens * sends * dtype_bytes),
                 sp_bytes=partial * grad_bytes if tp > 1 else 0,
-                tied_bytes=tied * grad_bytes if pp > 1 and r in (0, pp - 1) else 0,
+                tied_bytes=tied * grad_bytes if pp > 1 and r in tied_ranks else 0,
                 dp_bytes=trained * grad_bytes if dp > 1 else 0,
                 act_bytes=round((peaks[r] * act + transient) * (B // m) * T * dtype_bytes), peak_microbatches=peaks[r],
                 recompute_bytes=round(transient * (B // m) * T * dtype_bytes)))
@@ -343,18 +372,24 @@ def _format(rep: Explanation) -> str:
              "Plan" + ("" if c["tp"] > 1 else " (tp=1: not applied)") + ": "
              + ", ".join(f"{name} at {prefix or '<root>'}" for prefix, name in c["plans"])]
     lines += [f"  {p:<44} {s:<14}" + (f" x{n}" if n > 1 else "") for p, s, n in rep.styles]
-    if rep.layer_ops:
-        counts = {}
-        for op in rep.layer_ops:
-            counts[op] = counts.get(op, 0) + 1
-        lines.append("  TP collectives of one block, elements recorded per token: "
-                     + ", ".join(f"{n} x {op} {w:g} ({phase})" for (op, w, phase), n in counts.items()))
+    for ops, what in ((rep.layer_ops, "one block" if not rep.decoder_ops else "an encoder block"),
+                      (rep.decoder_ops, "a decoder block")):
+        if ops:
+            counts = {}
+            for op in ops:
+                counts[op] = counts.get(op, 0) + 1
+            lines.append(f"  TP collectives of {what}, elements recorded per token: "
+                         + ", ".join(f"{n} x {op} {w:g} ({phase})" for (op, w, phase), n in counts.items()))
     if rep.stages:
         lines += ["", f"Stages (blocks of {c['blocks']}):"]
         lines += [f"  virtual stage {k} on pp rank {r}: blocks {lo}..{hi} ({hi - lo + 1})"
                   for k, r, lo, hi in rep.stages]
         lines.append(f"  first stage also holds: {', '.join(rep.outer['first']) or '-'}; "
                      f"last stage: {', '.join(rep.outer['last']) or '-'}")
+        if rep.decoder_ops:  # an encoder-decoder (see StageLayout.runs)
+            lines.append(f"  the stage of the decoder's first block holds a copy of the first stage's; the one of the "
+                         f"encoder's last block runs {', '.join(rep.outer['between']) or '-'}; a decoder stage sends "
+                         f"the encoder's output with its hidden states")
     if c["pp"] > 1:
         lines.append(f"  pipeline bubble: {c['bubble']:.1%} of a step idle on each stage (equal blocks, backward = 2 "
                      f"forwards, free transfers; more microbatches or virtual stages shrink it)")

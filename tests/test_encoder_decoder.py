@@ -139,8 +139,14 @@ def test_what_an_encoder_decoder_pipeline_refuses(model, blocks, words):
         assert w in str(err.value)
 
 
-def test_explain_says_it_does_not_model_an_encoder_decoder_pipeline():
-    with pytest.raises(ValueError, match="not modelled yet"):
-        explain(make_model("demo_transformer"), pp=2, print_report=False)
-    report = explain(make_model("demo_transformer"), tp=2, batch_shape=(4, 8), print_report=False)
-    assert report.config["blocks"] is None and report.config["plans"]  # tp alone: the whole model one stage
+def test_explain_models_both_lists():
+    report = explain(make_model("demo_transformer"), tp=2, pp=2, microbatches=2, batch_shape=(4, 8),
+                     print_report=False)
+    assert report.config["blocks"] == f"{ENC} + {DEC}" and report.stages == [(0, 0, 0, 1), (1, 1, 2, 3)]
+    # an encoder block: self-attention and the MLP (2 in, 2 out); a decoder block adds cross-attention,
+    # whose query and memory enter the TP region apart
+    assert sorted(report.layer_ops) == [("all_reduce", 32, "bwd")] * 2 + [("all_reduce", 32, "fwd")] * 2
+    assert sorted(report.decoder_ops) == [("all_reduce", 32, "bwd")] * 4 + [("all_reduce", 32, "fwd")] * 3
+    assert report.outer == {"first": ["model.embedding"], "between": ["model.transformer.encoder.norm"],
+                            "last": ["model.transformer.decoder.norm", "model.decoder"]}
+    assert "copy of the first stage's" in str(report)

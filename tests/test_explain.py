@@ -31,7 +31,25 @@ CONFIGS = {
     # the first block of each stage recomputes its forward, collectives included, in the backward
     "tp2_sp_pp2_recompute_first1": (dict(n_layer=4), dict(tp=2, pp=2, sp=True, microbatches=2,
                                                           activation_checkpointing=1)),
+    # an encoder-decoder (Lightning's demo nn.Transformer, 2 + 2 blocks): one block a stage, so the
+    # messages are hidden states, then the encoder's output alone, then both; the decoder's first stage
+    # (pp rank 2) keeps an embedding copy whose gradients are summed with rank 0's
+    "pp4_demo_transformer": (dict(kind="demo_transformer", tie_weights=True), dict(pp=4, microbatches=2)),
+    # the same chain interleaved over pp=2: rank 0 runs the embedding for virtual stages 0 and 2, no copy
+    "pp2_dp2_demo_transformer_interleaved": (dict(kind="demo_transformer"),
+                                             dict(pp=2, microbatches=2, schedule="interleaved_1f1b",
+                                                  virtual_stages=2)),
+    "tp2_pp2_demo_transformer": (dict(kind="demo_transformer", tie_weights=True), dict(tp=2, pp=2, microbatches=2)),
 }
+
+
+def _model(model_kw):
+    """tie_weights: the GPT's head and embedding; for the encoder-decoder, the embedding copy's sum."""
+    kw = dict(model_kw)
+    kind = kw.pop("kind", "gpt")
+    if kind != "gpt":
+        kw.pop("tie_weights", None)
+    return make_model(kind, **kw)
 
 
 class StepCounter(L.Callback):
@@ -77,7 +95,7 @@ def _worker(rank, world, configs):
     torch.distributed.init_process_group("gloo")
     results = {}
     for name, (model_kw, strategy_kw) in configs.items():
-        model, counter = make_model("gpt", **model_kw), StepCounter()
+        model, counter = _model(model_kw), StepCounter()
         strategy = MegaStrategy(**strategy_kw)
         trainer = L.Trainer(devices=world, strategy=strategy, max_steps=STEPS, callbacks=[counter],
                             limit_val_batches=0, **trainer_kwargs())
@@ -97,7 +115,7 @@ def measured():
 def _estimate(name):
     model_kw, strategy_kw = CONFIGS[name]
     dp = WORLD // (strategy_kw.get("tp", 1) * strategy_kw.get("pp", 1))
-    return explain(make_model("gpt", **model_kw), batch_shape=(B, SEQ), dp=dp, print_report=False, **strategy_kw)
+    return explain(_model(model_kw), batch_shape=(B, SEQ), dp=dp, print_report=False, **strategy_kw)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -119,8 +137,9 @@ def test_estimates_match_a_real_run(measured, name):
             assert got[kind] == pytest.approx(getattr(est, f"{kind}_bytes"), rel=0.05), (kind, r, est)
     assert len(seen) == WORLD
     strategy_kw = CONFIGS[name][1]
-    for kind, used in (("tp", True), ("pp", strategy_kw.get("pp", 1) > 1), ("sp", strategy_kw.get("sp", False)),
-                       ("dp", strategy_kw.get("pp", 1) == 1), ("tied", CONFIGS[name][0].get("tie_weights", False))):
+    tp, pp = strategy_kw.get("tp", 1), strategy_kw.get("pp", 1)
+    for kind, used in (("tp", tp > 1), ("pp", pp > 1), ("sp", strategy_kw.get("sp", False)),
+                       ("dp", WORLD // (tp * pp) > 1), ("tied", CONFIGS[name][0].get("tie_weights", False))):
         total = sum(getattr(r, f"{kind}_bytes") for r in report.ranks)
         assert (total > 0) == used, (kind, total)  # each layout exercises what it is meant to
 

@@ -64,17 +64,18 @@ class TPMultiheadAttention(nn.Module):
             TPMultiheadAttention._warned_weights = True
             warnings.warn("lightning_tp: attention weights are not returned under tensor parallelism "
                           "(need_weights=True returns None); pass need_weights=False to silence this.")
-        self_attention = query is key and key is value
+        self_attention, shared_kv = query is key and key is value, key is value
         if not self.batch_first:
             query, key, value = (t.transpose(0, 1) for t in (query, key, value))
         w = self.in_proj_weight.chunk(3)
         b = self.in_proj_bias.chunk(3) if self.in_proj_bias is not None else (None, None, None)
         if self_attention:
             q, k, v = F.linear(self.ctx.enter_region(query), self.in_proj_weight, self.in_proj_bias).chunk(3, -1)
-        else:
+        else:  # cross-attention: the memory enters once for k and v (one backward all-reduce, not two)
             q = F.linear(self.ctx.enter_region(query), w[0], b[0])
-            k = F.linear(self.ctx.enter_region(key), w[1], b[1])
-            v = F.linear(self.ctx.enter_region(value), w[2], b[2])
+            memory = self.ctx.enter_region(key) if shared_kv else None
+            k = F.linear(memory if memory is not None else self.ctx.enter_region(key), w[1], b[1])
+            v = F.linear(memory if memory is not None else self.ctx.enter_region(value), w[2], b[2])
         q, k, v = self._heads(q), self._heads(k), self._heads(v)
         mask = self._mask(attn_mask, key_padding_mask, q)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
