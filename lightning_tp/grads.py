@@ -63,9 +63,14 @@ def sync_gradients(params, mesh, dp_overlap=None) -> None:
         return
     if dp_overlap is not None:
         dp_overlap.finish()
-    params = [p for p in params if p.grad is not None]
+    params = list(params)
     if mesh.emb_group is not None and mesh.pp_rank in (mesh.emb_ranks or (0, mesh.pp - 1)):
-        _reduce([p.grad for p in params if getattr(p, "_pp_tied", False)], mesh.emb_group)
+        tied = [p for p in params if getattr(p, "_pp_tied", False) and p.requires_grad]
+        for p in tied:  # every copy takes part, used here or not (an encoder-decoder's decoder stage may
+            if p.grad is None:  # use its target embedding only): the same tensors on every rank
+                p.grad = torch.zeros_like(p)
+        _reduce([p.grad for p in tied], mesh.emb_group)
+    params = [p for p in params if p.grad is not None]
     _reduce([p.grad for p in params if getattr(p, "_tp_sp_partial", False)], mesh.tp_group)
     _sum_replicas(params, mesh)
     # without an overlap every grad; with one, those of parameters it does not know (made trainable

@@ -98,6 +98,32 @@ class EncoderLM(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.lr, eps=ADAM_EPS)
 
 
+class Seq2SeqLM(L.LightningModule):
+    """An encoder-decoder built from torch's parts as a user might write one: a source and a target
+    embedding of its own, an encoder without a final norm, and a Linear bridge to the decoder."""
+
+    def __init__(self, vocab=64, d=32, heads=4, layers=2, ff=64):
+        super().__init__()
+        self.src_emb, self.tgt_emb = nn.Embedding(vocab, d), nn.Embedding(vocab, d)
+        self.encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(d, heads, ff, 0.0, batch_first=True), layers,
+                                             enable_nested_tensor=False)
+        self.bridge = nn.Linear(d, d)
+        self.decoder = nn.TransformerDecoder(nn.TransformerDecoderLayer(d, heads, ff, 0.0, batch_first=True), layers)
+        self.head = nn.Linear(d, vocab)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1])
+        memory = self.bridge(self.encoder(self.src_emb(x)))
+        out = self.head(self.decoder(self.tgt_emb(x), memory, tgt_mask=mask, tgt_is_causal=True))
+        loss = F.cross_entropy(out.flatten(0, 1), y.flatten())
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=3e-3, eps=ADAM_EPS)
+
+
 class HFCausalLM(L.LightningModule):
     """A minimal LightningModule around a Hugging Face causal LM built from a config (no download)."""
 
@@ -275,6 +301,8 @@ def _build(kind: str, **kw):
         return LitGPTLM(**kw)
     if kind == "demo_transformer":
         return DemoTransformerLM(**kw)
+    if kind == "seq2seq":
+        return Seq2SeqLM(**kw)
     raise ValueError(kind)
 
 

@@ -1,6 +1,6 @@
-"""Sharded checkpoints in one 2-process launch (tp=2, sp; and pp=2 interleaved): exact resume, a crash
-mid-save that leaves the previous checkpoint whole, and consolidation into the original single-device
-module."""
+"""Sharded checkpoints in one 2-process launch (tp=2, sp; pp=2 interleaved; an encoder-decoder at pp=2):
+exact resume, a crash mid-save that leaves the previous checkpoint whole, and consolidation into the
+original single-device module."""
 
 import os
 from unittest import mock
@@ -21,10 +21,13 @@ EPOCHS, BATCHES, BATCH = 4, 3, 4
 TP = dict(tp=2, sp=True)
 # pipeline: each rank saves its stage (two chunks each here) and resumes it, optimizer state included
 PP = dict(pp=2, schedule="interleaved_1f1b", virtual_stages=2, microbatches=2)
+# an encoder-decoder (Lightning's demo nn.Transformer): the decoder's stage saves its embedding copy
+ED = dict(pp=2, microbatches=2)
 
 
-def _fit(world, ckdir, ckpt_path=None, epochs=EPOCHS, layout=TP):
-    model, rec = make_model("gpt", n_layer=4 if "pp" in layout else 2), LossRecorder()
+def _fit(world, ckdir, ckpt_path=None, epochs=EPOCHS, layout=TP, kind="gpt"):
+    model = make_model(kind, n_layer=4 if "pp" in layout else 2) if kind == "gpt" else make_model(kind)
+    rec = LossRecorder()
     saver = ModelCheckpoint(dirpath=ckdir, filename="{epoch}", every_n_epochs=1, save_top_k=-1, save_last=True)
     kw = trainer_kwargs(enable_checkpointing=True)
     trainer = L.Trainer(devices=world, strategy=MegaStrategy(**layout, timeout=60), max_epochs=epochs,
@@ -67,6 +70,9 @@ def _scenario(rank, world, ckdir):
     _, _, out["pp_full"] = _fit(world, ckdir + "_pp", layout=PP)
     _, _, out["pp_resumed"] = _fit(world, ckdir + "_pp_resumed", ckpt_path=os.path.join(ckdir + "_pp", "epoch=1.ckpt"),
                                    layout=PP)
+    _, _, out["ed_full"] = _fit(world, ckdir + "_ed", layout=ED, kind="demo_transformer")
+    _, _, out["ed_resumed"] = _fit(world, ckdir + "_ed_resumed", ckpt_path=os.path.join(ckdir + "_ed", "epoch=1.ckpt"),
+                                   layout=ED, kind="demo_transformer")
     return out
 
 
@@ -76,7 +82,7 @@ def scenario(tmp_path_factory):
     return dist.run(2, _scenario, ckdir), ckdir
 
 
-@pytest.mark.parametrize("run", ["", "pp_"])
+@pytest.mark.parametrize("run", ["", "pp_", "ed_"])
 def test_resume_reproduces_the_uninterrupted_run_exactly(scenario, run):
     results, _ = scenario
     full, resumed = results[0][run + "full"], results[0][run + "resumed"]

@@ -1,13 +1,15 @@
 """An encoder-decoder under pp, without processes: which stage holds what, the message format, and
 what is refused. Training parity (every schedule, tp, dp, pp=4) is in test_pipeline's launches."""
 
+import copy
+
 import pytest
 import torch
 from torch import nn
 
 from lightning_tp.explain import explain
 from lightning_tp.pipeline.split import ShapeOnly, SkippedBlock, apply_split, plan_stages
-from lightning_tp.pipeline.stage import StageDone, StageState, _stop_at, pack, unpack
+from lightning_tp.pipeline.stage import StageDone, StageState, _stop_at, install, pack, unpack
 from lightning_tp.plans import apply as planner
 from models import make_model
 
@@ -105,10 +107,62 @@ def test_a_stage_ends_at_the_next_stages_first_block_with_what_it_is_given():
     with pytest.raises(StageDone) as done:
         block(hidden, memory, tgt_mask=torch.zeros(3, 3))
     assert torch.equal(done.value.output, torch.cat([hidden.reshape(-1), memory.reshape(-1)]))
-    with pytest.raises(ValueError, match=r"given \['memory'\] by keyword"):  # would train on placeholder zeros
-        block(hidden, memory=memory)
+    for grad in (True, False):  # would train (or validate) on placeholder zeros
+        with torch.set_grad_enabled(grad), pytest.raises(ValueError, match=r"given \['memory'\] by keyword"):
+            block(hidden, memory=memory)
     state.active = 1  # the stage that holds it: the block runs
     assert block(hidden, memory).shape == hidden.shape
+
+
+class _OneSequence(nn.Module):
+    """One sequence fed to both sides (a copy task): the same tensor is the encoder's and the decoder's
+    input, and with no encoder norm the decoder's memory is that tensor too until the encoder runs."""
+
+    def __init__(self, bridge=False):
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2, 16, 0.0, batch_first=True), 2,
+                                             enable_nested_tensor=False)
+        self.bridge = nn.Linear(8, 8) if bridge else nn.Identity()  # registered between the lists
+        self.decoder = nn.TransformerDecoder(nn.TransformerDecoderLayer(8, 2, 16, 0.0, batch_first=True), 2)
+        self.head = nn.Linear(8, 16)
+
+    def forward(self, x):
+        e = self.emb(x)
+        return self.head(self.decoder(e, self.bridge(self.encoder(e))))
+
+
+def _staged(base, stage_layers, x):
+    """pp=2 in one process, forward only: stage 0's message feeds stage 1, which returns the output."""
+    message = None
+    for rank in (0, 1):
+        model = copy.deepcopy(base)
+        layout = plan_stages(model, 2, 1, ["encoder.layers", "decoder.layers"], stage_layers)
+        split = apply_split(model, layout, rank)
+        state = install(layout.blocks(model), layout, rank,
+                        [(model.get_submodule(n), twin, runs) for n, (twin, runs) in split["silence"].items()])
+        state.active, state.received = rank, message
+        try:
+            out = model(x)
+        except StageDone as done:
+            message = done.output.detach()
+    return out
+
+
+@pytest.mark.parametrize("bridge", [False, True])
+@pytest.mark.parametrize("stage_layers", [[1, 3], [2, 2], [3, 1]])
+def test_a_tensor_passed_twice_is_received_only_where_it_travels(bridge, stage_layers):
+    torch.manual_seed(0)
+    model, x = _OneSequence(bridge), torch.randint(0, 16, (2, 5))
+    torch.testing.assert_close(_staged(model, stage_layers, x), model(x), atol=1e-6, rtol=0)
+
+
+def test_modules_between_the_lists_run_where_the_encoder_ends():
+    model = _OneSequence(bridge=True)  # a Linear there is no head: it runs before the decoder
+    layout = plan_stages(model, 2, 1, ["encoder.layers", "decoder.layers"], [2, 2])
+    assert layout.runs()["between"] == {0}
+    apply_split(model, layout, 1)
+    assert isinstance(model.bridge, ShapeOnly) and not isinstance(model.head, ShapeOnly)
 
 
 class _TiedDemo(nn.Module):
@@ -120,6 +174,13 @@ class _TiedDemo(nn.Module):
         self.head.weight = self.embedding.weight
 
 
+class _TwoEncoders(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = (nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2, 16, batch_first=True), 2,
+                                                         enable_nested_tensor=False) for _ in range(2))
+
+
 class _TwoStacks(nn.Module):  # two lists where the second continues the first: not an encoder-decoder
     def __init__(self):
         super().__init__()
@@ -129,8 +190,12 @@ class _TwoStacks(nn.Module):  # two lists where the second continues the first: 
 
 @pytest.mark.parametrize("model, blocks, words", [
     (_TiedDemo(), ["transformer.encoder.layers", "transformer.decoder.layers"], ["shares its weight", "untie"]),
-    (_TwoStacks(), ["down", "up"], ["second argument", "take 1", "Name one block list"]),
+    (_TwoStacks(), ["down", "up"], ["second positional argument", "require 1", "Name one block list"]),
     (_TwoStacks(), ["down", "up", "down"], ["encoder-decoder's two"]),
+    (_OneSequence(), ["decoder.layers", "encoder.layers"], ["the encoder's registered first"]),
+    (_OneSequence(), ["encoder.layers", "encoder.layers"], ["must be apart"]),
+    # an encoder layer requires one tensor: two encoders are not an encoder-decoder
+    (_TwoEncoders(), ["first.layers", "second.layers"], ["require 1"]),
 ])
 def test_what_an_encoder_decoder_pipeline_refuses(model, blocks, words):
     with pytest.raises(ValueError) as err:

@@ -51,10 +51,17 @@ WORLD2.update({
 WORLD2.update({
     "pp2_demo_transformer_1f1b": ("demo_transformer", {}, _pp(2, "1f1b"), {}),
     "pp2_demo_transformer_interleaved": ("demo_transformer", {}, _pp(2, "interleaved_1f1b"), {}),
+    "pp2_demo_transformer_interleaved_batched_p2p": ("demo_transformer", {},
+                                                     _pp(2, "interleaved_1f1b", p2p="batched"), {}),
     "pp2_demo_transformer_zb_h1": ("demo_transformer", dict(nlayers=3), _pp(2, "zb_h1"), {}),
     "pp2_demo_transformer_gpipe_recompute": ("demo_transformer", dict(nlayers=3),
                                              _pp(2, "gpipe", activation_checkpointing=True), {}),
     "dp2_m2_demo_transformer": ("demo_transformer", {}, dict(microbatches=2), {}),  # one stage: the whole chain
+    # a user's encoder-decoder named by pipeline_blocks: a source and a target embedding (each copy
+    # used on one stage only: the other's gradient counts as zero in the sum), no encoder norm, a
+    # Linear bridge run by the stage that ends the encoder
+    "pp2_seq2seq_1f1b": ("seq2seq", {}, _pp(2, "1f1b", pipeline_blocks=["encoder.layers", "decoder.layers"],
+                                            stage_layers=[2, 2]), {}),
 })
 WORLD4 = {f"pp4_uneven_{s}": ("gpt", dict(n_layer=6), _pp(4, s), {}) for s in ("gpipe", "1f1b", "zb_h1")}
 WORLD4.update({

@@ -250,20 +250,27 @@ class ChainedBlocks:
         return f"{path}.{j}"
 
 
-def encoder_decoder(model: nn.Module, names) -> tuple:
+def encoder_decoder(model: nn.Module, names, pp: int) -> tuple:
     """((path, length), (path, length)) of an encoder-decoder's two block lists, checked."""
     if len(names) != 2:
         raise ValueError(f"pipeline_blocks={list(names)}: name one block list, or an encoder-decoder's two "
                          f"(encoder first, then decoder).")
     found = [find_blocks(model, n) for n in names]
-    lists = tuple((path, len(blocks)) for path, blocks in found)
-    params = inspect.signature(found[1][1][0].forward).parameters.values()
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    if len(positional) < 2 and not any(p.kind == p.VAR_POSITIONAL for p in params):
+    (encoder, _), (decoder, blocks) = found
+    order = {name: i for i, (name, _) in enumerate(model.named_modules())}
+    if encoder == decoder or encoder.startswith(decoder + ".") or decoder.startswith(encoder + ".") \
+            or order[encoder] > order[decoder]:
+        raise ValueError(f"pipeline_blocks={list(names)}: an encoder-decoder's two lists must be apart, the "
+                         f"encoder's registered first, as they run.")
+    params = inspect.signature(blocks[0].forward).parameters.values()
+    required = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty]
+    if len(required) < 2 and not any(p.kind == p.VAR_POSITIONAL for p in params):
         raise ValueError(f"pipeline_blocks={list(names)}: two block lists are taken as an encoder and a decoder "
-                         f"whose blocks take the encoder's output as a second argument, but the blocks of "
-                         f"{found[1][0]} take {len(positional)}. Name one block list.")
-    if pp_tied_head(model, lists):
+                         f"whose blocks take the encoder's output as a second positional argument (as "
+                         f"nn.TransformerDecoderLayer does), but the blocks of {decoder} require {len(required)}. "
+                         f"Name one block list, or use tp/dp for this model.")
+    lists = tuple((path, len(b)) for path, b in found)
+    if pp > 1 and pp_tied_head(model, lists):
         raise ValueError(f"pipeline_blocks={list(names)}: an encoder-decoder whose output head shares its weight "
                          f"with the embedding is not supported under pp yet; untie them, or use tp/dp only.")
     return lists
@@ -281,7 +288,7 @@ def plan_stages(model: nn.Module, pp: int, v: int = 1, blocks=None, stage_layers
     a block list's path, or an encoder-decoder's two (a list: encoder, then decoder)."""
     lists = ()
     if isinstance(blocks, (list, tuple)) and len(blocks) != 1:
-        lists = encoder_decoder(model, blocks)
+        lists = encoder_decoder(model, blocks, pp)
         path = " + ".join(p for p, _ in lists)
         module = [b for p, _ in lists for b in model.get_submodule(p)]
     else:
@@ -349,7 +356,7 @@ def _outer_modules(model: nn.Module, blocks_path: str):
 def _outer_groups(model: nn.Module, paths: list) -> dict:
     """Top-most modules with parameters outside the block lists, by where they run: "before" (the
     first stage: embeddings, or anything before the blocks without a Linear), "between" (an
-    encoder-decoder's modules between its lists without a Linear: the encoder's final norm), "after"."""
+    encoder-decoder's modules between its lists but embeddings: the encoder's final norm), "after"."""
     groups, seen, taken = {"before": [], "between": [], "after": []}, 0, []
     for name, m in model.named_modules():
         if name in paths:
@@ -360,7 +367,7 @@ def _outer_groups(model: nn.Module, paths: list) -> dict:
             continue
         if any(True for _ in m.parameters(recurse=False)) or _is_leafy_owner(m):
             kind = "before" if _runs_first(m, seen > 0) else "after"
-            if kind == "after" and seen == 1 and len(paths) == 2 and not _has_linear(m):
+            if kind == "after" and seen == 1 and len(paths) == 2:  # the encoder's norm, a bridge Linear
                 kind = "between"
             groups[kind].append((name, m))
             taken.append(name)
@@ -368,13 +375,10 @@ def _outer_groups(model: nn.Module, paths: list) -> dict:
 
 
 def _runs_first(m: nn.Module, after_blocks: bool) -> bool:
-    if any(isinstance(c, nn.Embedding) for c in m.modules()):
+    kinds = [type(c) for c in m.modules()]
+    if any(issubclass(k, nn.Embedding) for k in kinds):
         return True
-    return not after_blocks and not _has_linear(m)
-
-
-def _has_linear(m: nn.Module) -> bool:
-    return any(isinstance(c, nn.Linear) or type(c).__name__ == "Conv1D" for c in m.modules())
+    return not after_blocks and not any(issubclass(k, nn.Linear) or k.__name__ == "Conv1D" for k in kinds)
 
 
 def _is_leafy_owner(m: nn.Module) -> bool:

@@ -51,7 +51,7 @@ def install(blocks, layout, pp_rank: int, silence=()) -> StageState:
         lo, hi = layout.ranges[k]
         for i in range(lo, hi + 1):
             if chained:
-                _wrap_chained(blocks[i], i, state, i == layout.decoder_start)
+                _wrap_chained(blocks[i], i, state, i == layout.decoder_start, blocks.name(i))
             else:
                 _wrap(blocks[i], i, state)
         if chained and k < layout.last_vstage:
@@ -133,7 +133,7 @@ def _stand_in(value, state: StageState):
     return held[1] if held is not None and held[0] is value else value
 
 
-def _wrap_chained(block, index: int, state: StageState, list_start: bool) -> None:
+def _wrap_chained(block, index: int, state: StageState, list_start: bool, name: str) -> None:
     original = block.forward
 
     def forward(*args, **kwargs):
@@ -141,15 +141,36 @@ def _wrap_chained(block, index: int, state: StageState, list_start: bool) -> Non
         if not lo <= index <= hi:
             return _passthrough(args, kwargs)
         if index == lo and state.active > 0:
+            _check_keywords(args, kwargs, name)
             positions = _carried(args, list_start)
             parts = unpack(state.received, [args[i] for i in positions])
-            state.stand_ins = {id(args[i]): (args[i], part) for i, part in zip(positions, parts)}
+            # later blocks are given the side inputs again (memory), never the first block's hidden states
+            state.stand_ins = {id(args[i]): (args[i], part) for i, part in zip(positions, parts) if i > 0}
+            received = dict(zip(positions, parts))
+            args = tuple(received.get(i, a) for i, a in enumerate(args))  # by position: a tensor may be
+            return original(*args, **kwargs)  # passed twice (src and tgt alike), only one place is received
+        if list_start:  # the decoder starts inside this stage: its memory is computed here
+            state.stand_ins = {}
         if state.stand_ins:
             args = tuple(_stand_in(a, state) for a in args)
             kwargs = {key: _stand_in(a, state) for key, a in kwargs.items()}
         return original(*args, **kwargs)
 
     block.forward = forward
+
+
+def _check_keywords(args, kwargs, name: str) -> None:
+    """Only positional arguments travel: a keyword tensor shaped like the hidden states (an encoder's
+    output passed as ``encoder_hidden_states=``) would be this stage's placeholder zeros. Refused,
+    whether or not gradients are on (validation runs without)."""
+    hidden = args[0] if args and isinstance(args[0], torch.Tensor) else None
+    lost = [key for key, a in kwargs.items() if hidden is not None and isinstance(a, torch.Tensor)
+            and a.is_floating_point() and a.dim() == hidden.dim() == 3 and a.shape[-1] == hidden.shape[-1]
+            and a.shape[0] == hidden.shape[0]]  # (batch, length, width) like the hidden states: not a mask
+    if lost:
+        raise ValueError(f"pipeline: {name} is given {lost} by keyword, shaped like hidden states; only positional "
+                         f"arguments travel between an encoder-decoder's stages (as nn.TransformerDecoder passes "
+                         f"memory), so this stage would use its own placeholder values. Use tp/dp for this model.")
 
 
 def _stop_at(block, vstage: int, state: StageState, list_start: bool, name: str) -> None:
@@ -159,11 +180,7 @@ def _stop_at(block, vstage: int, state: StageState, list_start: bool, name: str)
 
     def forward(*args, **kwargs):
         if state.active == vstage:
-            lost = [key for key, a in kwargs.items() if isinstance(a, torch.Tensor) and a.requires_grad]
-            if lost:  # the next stage would see its own placeholder values there: refuse, not train wrong
-                raise ValueError(f"pipeline: {name} is given {lost} by keyword, computed on earlier stages; only "
-                                 f"positional arguments travel between an encoder-decoder's stages (as "
-                                 f"nn.TransformerDecoder passes memory). Use tp/dp for this model.")
+            _check_keywords(args, kwargs, name)
             positions = _carried(args, list_start)
             if not positions:
                 raise ValueError("pipeline: two block lists are taken as an encoder and a decoder, but the second "
