@@ -182,11 +182,13 @@ class LitGPTLM(L.LightningModule):
 class DemoTransformerLM(L.LightningModule):
     """Lightning's own demo model (nn.Transformer encoder-decoder), dropout off for parity."""
 
-    def __init__(self, nlayers: int = 2):
+    def __init__(self, nlayers: int = 2, tie_weights: bool = False):
         super().__init__()
         from lightning.pytorch.demos import Transformer
 
         self.model = Transformer(vocab_size=64, ninp=32, nhead=4, nhid=64, nlayers=nlayers, dropout=0.0)
+        if tie_weights:  # as PyTorch's word_language_model offers (--tied)
+            self.model.decoder.weight = self.model.embedding.weight
 
     def training_step(self, batch, batch_idx):
         x, y = batch

@@ -76,6 +76,18 @@ def test_interleaved_chunks_silence_what_they_do_not_run():
     assert apply_split(model, layout, 0) == {"tied": [], "silence": {}}
 
 
+@pytest.mark.parametrize("pp, v, holders", [(2, 1, (0, 1)), (2, 2, (0, 1)), (4, 1, (0, 2, 3))])
+def test_a_tied_head_makes_the_last_stage_hold_a_silent_copy(pp, v, holders):
+    model = make_model("demo_transformer", tie_weights=True)
+    layout = plan_stages(model, pp, v, planner.blocks_path(model, "auto"))
+    assert layout.tied_head and layout.replica_ranks() == holders
+    split = apply_split(model, layout, pp - 1)
+    weight = model.model.decoder.weight
+    assert model.model.embedding.weight is weight and split["tied"] == [weight] and weight._pp_tied
+    runs_there = pp - 1 in {k % pp for k in layout.runs()["before"]}  # the decoder starts on the last rank
+    assert ("model.embedding" in split["silence"]) == (not runs_there)
+
+
 def test_a_message_packs_several_tensors_and_unpacks_to_the_receivers_shapes():
     hidden, memory = torch.randn(2, 3, 4), torch.randn(2, 5, 4)
     message = pack([hidden, memory])
@@ -165,15 +177,6 @@ def test_modules_between_the_lists_run_where_the_encoder_ends():
     assert isinstance(model.bridge, ShapeOnly) and not isinstance(model.head, ShapeOnly)
 
 
-class _TiedDemo(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embedding = nn.Embedding(16, 8)
-        self.transformer = nn.Transformer(8, 2, 1, 1, 16, 0.0, batch_first=True)
-        self.head = nn.Linear(8, 16, bias=False)
-        self.head.weight = self.embedding.weight
-
-
 class _TwoEncoders(nn.Module):
     def __init__(self):
         super().__init__()
@@ -189,7 +192,6 @@ class _TwoStacks(nn.Module):  # two lists where the second continues the first: 
 
 
 @pytest.mark.parametrize("model, blocks, words", [
-    (_TiedDemo(), ["transformer.encoder.layers", "transformer.decoder.layers"], ["shares its weight", "untie"]),
     (_TwoStacks(), ["down", "up"], ["second positional argument", "require 1", "Name one block list"]),
     (_TwoStacks(), ["down", "up", "down"], ["encoder-decoder's two"]),
     (_OneSequence(), ["decoder.layers", "encoder.layers"], ["the encoder's registered first"]),

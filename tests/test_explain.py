@@ -34,22 +34,21 @@ CONFIGS = {
     # an encoder-decoder (Lightning's demo nn.Transformer, 2 + 2 blocks): one block a stage, so the
     # messages are hidden states, then the encoder's output alone, then both; the decoder's first stage
     # (pp rank 2) keeps an embedding copy whose gradients are summed with rank 0's
-    "pp4_demo_transformer": (dict(kind="demo_transformer", tie_weights=True), dict(pp=4, microbatches=2)),
+    "pp4_demo_transformer": (dict(kind="demo_transformer", copied=True), dict(pp=4, microbatches=2)),
+    # with its head tied to the embedding: three copies (ranks 0, 2 and the head's, 3) summed
+    "pp4_demo_transformer_tied": (dict(kind="demo_transformer", tie_weights=True), dict(pp=4, microbatches=2)),
     # the same chain interleaved over pp=2: rank 0 runs the embedding for virtual stages 0 and 2, no copy
     "pp2_dp2_demo_transformer_interleaved": (dict(kind="demo_transformer"),
                                              dict(pp=2, microbatches=2, schedule="interleaved_1f1b",
                                                   virtual_stages=2)),
-    "tp2_pp2_demo_transformer": (dict(kind="demo_transformer", tie_weights=True), dict(tp=2, pp=2, microbatches=2)),
+    "tp2_pp2_demo_transformer": (dict(kind="demo_transformer", copied=True), dict(tp=2, pp=2, microbatches=2)),
 }
 
 
 def _model(model_kw):
-    """tie_weights: the GPT's head and embedding; for the encoder-decoder, the embedding copy's sum."""
-    kw = dict(model_kw)
-    kind = kw.pop("kind", "gpt")
-    if kind != "gpt":
-        kw.pop("tie_weights", None)
-    return make_model(kind, **kw)
+    """copied: an encoder-decoder's embedding copy (summed like tied weights), not a model option."""
+    kw = {k: v for k, v in model_kw.items() if k not in ("kind", "copied")}
+    return make_model(model_kw.get("kind", "gpt"), **kw)
 
 
 class StepCounter(L.Callback):
@@ -139,7 +138,8 @@ def test_estimates_match_a_real_run(measured, name):
     strategy_kw = CONFIGS[name][1]
     tp, pp = strategy_kw.get("tp", 1), strategy_kw.get("pp", 1)
     for kind, used in (("tp", tp > 1), ("pp", pp > 1), ("sp", strategy_kw.get("sp", False)),
-                       ("dp", WORLD // (tp * pp) > 1), ("tied", CONFIGS[name][0].get("tie_weights", False))):
+                       ("dp", WORLD // (tp * pp) > 1),
+                       ("tied", any(CONFIGS[name][0].get(k, False) for k in ("tie_weights", "copied")))):
         total = sum(getattr(r, f"{kind}_bytes") for r in report.ranks)
         assert (total > 0) == used, (kind, total)  # each layout exercises what it is meant to
 

@@ -57,6 +57,10 @@ WORLD2.update({
     "pp2_demo_transformer_gpipe_recompute": ("demo_transformer", dict(nlayers=3),
                                              _pp(2, "gpipe", activation_checkpointing=True), {}),
     "dp2_m2_demo_transformer": ("demo_transformer", {}, dict(microbatches=2), {}),  # one stage: the whole chain
+    # a head tied to the embedding: interleaved, the embedding runs on rank 0 (stages 0, 2) and rank 1
+    # holds a silent copy for its head; three copies' gradients are summed at pp=4 below
+    "pp2_demo_transformer_tied_interleaved": ("demo_transformer", dict(tie_weights=True),
+                                              _pp(2, "interleaved_1f1b"), {}),
     # a user's encoder-decoder named by pipeline_blocks: a source and a target embedding (each copy
     # used on one stage only: the other's gradient counts as zero in the sum), no encoder norm, a
     # Linear bridge run by the stage that ends the encoder
@@ -87,6 +91,7 @@ WORLD4.update({
     "tp2_sp_pp2_encoder": ("encoder", dict(layers=4), dict(tp=2, sp=True, **_pp(2, "1f1b")), {}),
     # the embedding's copy on stage 2 (its gradients summed over pp ranks 0 and 2, a group of their own)
     "pp4_demo_transformer_1f1b": ("demo_transformer", {}, _pp(4, "1f1b"), {}),
+    "pp4_demo_transformer_tied_zb_h1": ("demo_transformer", dict(tie_weights=True), _pp(4, "zb_h1"), {}),
     # 4+4 blocks over 4 stages (3, 2, 1, 2): stage 1 ends the encoder and starts the decoder
     "pp4_demo_transformer_uneven_gpipe": ("demo_transformer", dict(nlayers=4), _pp(4, "gpipe"), {}),
     "tp2_pp2_demo_transformer": ("demo_transformer", {}, dict(tp=2, **_pp(2, "1f1b")), {}),

@@ -185,6 +185,7 @@ class StageLayout:
     pp: int
     v: int
     lists: tuple = ()  # an encoder-decoder: ((encoder path, length), (decoder path, length))
+    tied_head: bool = False  # an encoder-decoder whose head shares the embedding's weight
 
     @property
     def last_vstage(self) -> int:
@@ -224,8 +225,9 @@ class StageLayout:
         return runs
 
     def replica_ranks(self) -> tuple:
-        """pp ranks holding a copy of the first stage's modules (an encoder-decoder's decoder stage)."""
-        return tuple(sorted({k % self.pp for k in self.runs()["before"]}))
+        """pp ranks holding a copy of the first stage's modules (an encoder-decoder's decoder stage; with a
+        tied head the last stage too, where they do not run: every copy sums the same tensors)."""
+        return tuple(sorted({k % self.pp for k in self.runs()["before"]} | ({self.pp - 1} if self.tied_head else set())))
 
 
 class ChainedBlocks:
@@ -251,7 +253,8 @@ class ChainedBlocks:
 
 
 def encoder_decoder(model: nn.Module, names, pp: int) -> tuple:
-    """((path, length), (path, length)) of an encoder-decoder's two block lists, checked."""
+    """((path, length), (path, length)) of an encoder-decoder's two block lists, checked, and whether its
+    head shares the embedding's weight."""
     if len(names) != 2:
         raise ValueError(f"pipeline_blocks={list(names)}: name one block list, or an encoder-decoder's two "
                          f"(encoder first, then decoder).")
@@ -270,25 +273,21 @@ def encoder_decoder(model: nn.Module, names, pp: int) -> tuple:
                          f"nn.TransformerDecoderLayer does), but the blocks of {decoder} require {len(required)}. "
                          f"Name one block list, or use tp/dp for this model.")
     lists = tuple((path, len(b)) for path, b in found)
-    if pp > 1 and pp_tied_head(model, lists):
-        raise ValueError(f"pipeline_blocks={list(names)}: an encoder-decoder whose output head shares its weight "
-                         f"with the embedding is not supported under pp yet; untie them, or use tp/dp only.")
-    return lists
-
-
-def pp_tied_head(model: nn.Module, lists: tuple) -> bool:
     groups = _outer_groups(model, [p for p, _ in lists])
     first = {id(p) for _, m in groups["before"] for p in m.parameters()}
-    return any(id(p) in first for _, m in groups["after"] + groups["between"] for p in m.parameters())
+    if pp > 1 and any(id(p) in first for _, m in groups["between"] for p in m.parameters()):
+        raise ValueError(f"pipeline_blocks={list(names)}: a module between the encoder and the decoder shares "
+                         f"weights with the embedding; that is not supported under pp.")
+    return lists, any(id(p) in first for _, m in groups["after"] for p in m.parameters())
 
 
 def plan_stages(model: nn.Module, pp: int, v: int = 1, blocks=None, stage_layers=None,
                 interleaved: bool = False) -> StageLayout:
     """Validate and assign; raises ValueError (same on every rank) before anything changes. ``blocks``:
     a block list's path, or an encoder-decoder's two (a list: encoder, then decoder)."""
-    lists = ()
+    lists, tied_head = (), False
     if isinstance(blocks, (list, tuple)) and len(blocks) != 1:
-        lists = encoder_decoder(model, blocks, pp)
+        lists, tied_head = encoder_decoder(model, blocks, pp)
         path = " + ".join(p for p, _ in lists)
         module = [b for p, _ in lists for b in model.get_submodule(p)]
     else:
@@ -312,7 +311,7 @@ def plan_stages(model: nn.Module, pp: int, v: int = 1, blocks=None, stage_layers
     for size in sizes:
         ranges.append((start, start + size - 1))
         start += size
-    return StageLayout(path, ranges, pp, v, lists)
+    return StageLayout(path, ranges, pp, v, lists, tied_head)
 
 
 def apply_split(model: nn.Module, layout: StageLayout, pp_rank: int) -> dict:
@@ -335,7 +334,7 @@ def apply_split(model: nn.Module, layout: StageLayout, pp_rank: int) -> dict:
             blocks[i] = SkippedBlock(blocks[i], blocks.name(i))
     silence, my_vstages = {}, set(layout.vstages_of(pp_rank))
     for kind, runs in layout.runs().items():
-        owned = bool(runs & my_vstages)
+        owned = bool(runs & my_vstages) or (kind == "before" and pp_rank in layout.replica_ranks())
         for name, m in groups[kind]:
             if not owned:
                 _set(model, name, ShapeOnly(m, name))
