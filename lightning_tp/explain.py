@@ -259,7 +259,8 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
     bpath = layout.blocks_path if layout else None
     lists = (layout.lists or ((bpath, None),)) if layout else ()  # (path, length) per block list
     offset = {path: sum(n for _, n in lists[:i]) for i, (path, _) in enumerate(lists)}  # chain index of each's first
-    runs = layout.runs() if layout else {"before": {0}, "between": set(), "after": {0}}
+    runs = layout.runs() if layout else {"before": {0}, "between": set(), "decoder_in": set(), "after": {0}}
+    decoder_parent = lists[-1][0].rpartition(".")[0] + "." if len(lists) > 1 else None
     order = {name: i for i, (name, _) in enumerate(base.named_modules())}
 
     def locate(path):
@@ -268,13 +269,15 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
                 return ("block", first + int(path[len(lpath) + 1:].split(".")[0]))
         if bpath is None or order[path] < order[lists[0][0]]:
             return ("first",)
-        return ("between",) if len(lists) > 1 and order[path] < order[lists[1][0]] else ("last",)
+        if len(lists) > 1 and order[path] < order[lists[1][0]]:
+            return ("decoder_in",) if decoder_parent != "." and path.startswith(decoder_parent) else ("between",)
+        return ("last",)
 
     def times(loc, r):
         """How often rank r runs ``loc`` per microbatch (an encoder-decoder's embedding copy may run twice)."""
         if loc[0] == "block":
             return int(layout.vstage_of(loc[1]) % pp == r)
-        vstages = {"first": runs["before"], "between": runs["between"], "last": runs["after"]}[loc[0]]
+        vstages = {"first": runs["before"], "last": runs["after"]}.get(loc[0]) or runs[loc[0]]
         return sum(k % pp == r for k in vstages) if layout else 1
 
     def message(k):
@@ -305,7 +308,7 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
         rep.stages = [(k, k % pp, lo, hi) for k, (lo, hi) in enumerate(layout.ranges)]
         groups = _outer_groups(base, list(offset))
         rep.outer = {"first": [n for n, _ in groups["before"]], "last": [n for n, _ in groups["after"]],
-                     "between": [n for n, _ in groups["between"]]}
+                     "between": [n for n, _ in groups["between"] + groups["decoder_in"]]}
         rep.layer_ops = list(ops[("block", 0)])
         rep.decoder_ops = list(ops[("block", layout.decoder_start)]) if layout.lists else []
     tokens = B * T * acc
@@ -323,7 +326,7 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
         transient = max((sum(width[("block", i)] for i in again if lo <= i <= hi) if schedule == "zb_h1"
                          else max((width[("block", i)] for i in again if lo <= i <= hi), default=0)
                          for k, (lo, hi) in enumerate(layout.ranges) if k % pp == r), default=0) if layout else 0
-        act = max(chunks, default=0) + sum(width[(kind,)] for kind in ("first", "between", "last")
+        act = max(chunks, default=0) + sum(width[(kind,)] for kind in ("first", "between", "decoder_in", "last")
                                            if times((kind,), r) and (kind, ) in width)
         ks = layout.vstages_of(r) if layout else []
         sends = sum(message(k) for k in ks if k < layout.last_vstage) + sum(message(k - 1) for k in ks if k > 0)
@@ -387,8 +390,9 @@ def _format(rep: Explanation) -> str:
         lines.append(f"  first stage also holds: {', '.join(rep.outer['first']) or '-'}; "
                      f"last stage: {', '.join(rep.outer['last']) or '-'}")
         if rep.decoder_ops:  # an encoder-decoder (see StageLayout.runs)
-            lines.append(f"  the stage of the decoder's first block holds a copy of the first stage's; the one of the "
-                         f"encoder's last block runs {', '.join(rep.outer['between']) or '-'}; a decoder stage sends "
+            lines.append(f"  the stage of the decoder's first block holds a copy of the first stage's; "
+                         f"two stages run what lies between the lists ({', '.join(rep.outer['between']) or '-'}: the "
+                         f"encoder's on its last block's, the decoder's on its first's); a decoder stage sends "
                          f"the encoder's output with its hidden states")
     if c["pp"] > 1:
         lines.append(f"  pipeline bubble: {c['bubble']:.1%} of a step idle on each stage (equal blocks, backward = 2 "

@@ -55,6 +55,27 @@ def _reduce(grads: list, group, scale: float = 1.0) -> None:
     settle([start_all_reduce(bucket, group) for bucket in _buckets(grads)], scale)
 
 
+def _sum_tied(params, group) -> None:
+    """Sum the copies of tied weights. Every copy takes part, in the unsplit model's order, whether its
+    stage used it or not (an encoder-decoder's decoder stage may use its target embedding only): a
+    missing gradient counts as zero, and stays missing where no copy had one (as one process leaves
+    an unused parameter: no weight decay, no Adam step)."""
+    tied = sorted((p for p in params if getattr(p, "_pp_tied", False) and p.requires_grad),
+                  key=lambda p: getattr(p, "_pp_tied_index", 0))
+    if not tied:
+        return
+    had = torch.tensor([float(p.grad is not None) for p in tied], device=tied[0].device)
+    for p in tied:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    _reduce([p.grad for p in tied], group)
+    if getattr(tied[0], "_pp_copy", False):  # an encoder-decoder's copies (a tied head is always used)
+        dist.all_reduce(had, group=group)
+        for p, n in zip(tied, had.tolist()):
+            if n == 0:
+                p.grad = None
+
+
 def sync_gradients(params, mesh, dp_overlap=None) -> None:
     """Tied weights summed over the stages holding them (first and last; an encoder-decoder's: see
     use_tied_ranks), SP-partial grads summed over tp, then every grad averaged over dp (already
@@ -65,11 +86,7 @@ def sync_gradients(params, mesh, dp_overlap=None) -> None:
         dp_overlap.finish()
     params = list(params)
     if mesh.emb_group is not None and mesh.pp_rank in (mesh.emb_ranks or (0, mesh.pp - 1)):
-        tied = [p for p in params if getattr(p, "_pp_tied", False) and p.requires_grad]
-        for p in tied:  # every copy takes part, used here or not (an encoder-decoder's decoder stage may
-            if p.grad is None:  # use its target embedding only): the same tensors on every rank
-                p.grad = torch.zeros_like(p)
-        _reduce([p.grad for p in tied], mesh.emb_group)
+        _sum_tied(params, mesh.emb_group)
     params = [p for p in params if p.grad is not None]
     _reduce([p.grad for p in params if getattr(p, "_tp_sp_partial", False)], mesh.tp_group)
     _sum_replicas(params, mesh)

@@ -28,9 +28,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .pipeline.split import find_blocks, is_block_list
+from .pipeline.split import CACHE_KWARGS, find_blocks, is_block_list
 
-_CACHE_KWARGS = ("past_key_value", "past_key_values", "layer_past")
 
 
 def check_option(value, quant, schedule: str | None = None) -> None:
@@ -115,7 +114,7 @@ def _checkpointed_forward(self, *args, **kwargs):
     inner = self._lightning_tp_inner_forward
     if not torch.is_grad_enabled():  # validation, prediction: nothing to save
         return inner(*args, **kwargs)
-    for key in _CACHE_KWARGS:  # a cache updated in the forward would be updated again in the recompute
+    for key in CACHE_KWARGS:  # a cache updated in the forward would be updated again in the recompute
         if kwargs.get(key) is not None:
             kwargs[key] = None
     if kwargs.get("use_cache"):

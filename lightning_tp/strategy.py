@@ -269,7 +269,7 @@ class MegaStrategy(ParallelStrategy):
         # 2. one set of initial weights, then keep this rank's stage and shards
         if self.sync_init and self.mesh.world_size > 1:
             self._broadcast_initial_weights(module)
-        split = apply_split(module, layout, self.mesh.pp_rank) if self.pp > 1 else {"silence": {}}
+        split = apply_split(module, layout, self.mesh.pp_rank) if self.pp > 1 else {"silence": {}, "twins": {}}
         tied_ranks = layout.replica_ranks() if self.pp > 1 and layout.lists else ()
         if len(tied_ranks) > 1:
             use_tied_ranks(self.mesh, tied_ranks)
@@ -284,7 +284,7 @@ class MegaStrategy(ParallelStrategy):
         self._runner = None
         if self._pipelined:
             silence = [(module.get_submodule(name), twin, runs) for name, (twin, runs) in split["silence"].items()]
-            state = install_stages(layout.blocks(module), layout, self.mesh.pp_rank, silence)
+            state = install_stages(layout.blocks(module), layout, self.mesh.pp_rank, silence, split["twins"])
             batched = self.p2p == "batched" or (self.p2p == "auto" and _on_nccl())
             self._runner = PipelineRunner(module, self.mesh, layout, state, self.schedule, self.microbatches,
                                           batched=batched, device=self.root_device)

@@ -102,14 +102,21 @@ class Seq2SeqLM(L.LightningModule):
     """An encoder-decoder built from torch's parts as a user might write one: a source and a target
     embedding of its own, an encoder without a final norm, and a Linear bridge to the decoder."""
 
-    def __init__(self, vocab=64, d=32, heads=4, layers=2, ff=64):
+    def __init__(self, vocab=64, d=32, heads=4, layers=2, ff=64, head_first=False, tie_weights=False, unused=False):
         super().__init__()
+        if head_first:  # registered before the embeddings (as litgpt does), so listed first where it is real
+            self.head = nn.Linear(d, vocab)
         self.src_emb, self.tgt_emb = nn.Embedding(vocab, d), nn.Embedding(vocab, d)
+        if unused:  # never called: one process leaves it without a gradient, so AdamW does not touch it
+            self.spare_emb = nn.Embedding(vocab, d)
         self.encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(d, heads, ff, 0.0, batch_first=True), layers,
                                              enable_nested_tensor=False)
         self.bridge = nn.Linear(d, d)
         self.decoder = nn.TransformerDecoder(nn.TransformerDecoderLayer(d, heads, ff, 0.0, batch_first=True), layers)
-        self.head = nn.Linear(d, vocab)
+        if not head_first:
+            self.head = nn.Linear(d, vocab)
+        if tie_weights:
+            self.head.weight = self.tgt_emb.weight
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -117,6 +124,36 @@ class Seq2SeqLM(L.LightningModule):
         memory = self.bridge(self.encoder(self.src_emb(x)))
         out = self.head(self.decoder(self.tgt_emb(x), memory, tgt_mask=mask, tgt_is_causal=True))
         loss = F.cross_entropy(out.flatten(0, 1), y.flatten())
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=3e-3, eps=ADAM_EPS)
+
+
+class HFSeq2SeqLM(L.LightningModule):
+    """A Hugging Face encoder-decoder (BART, T5) built from a config, head tied to the embedding as
+    the library does; the loss is the model's own from ``labels``."""
+
+    def __init__(self, family: str, layers: int = 2):
+        super().__init__()
+        import transformers as tf
+
+        if family == "bart":
+            config = tf.BartConfig(vocab_size=64, d_model=32, encoder_layers=layers, decoder_layers=layers,
+                                   encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+                                   decoder_ffn_dim=64, max_position_embeddings=64, dropout=0.0, attention_dropout=0.0,
+                                   activation_dropout=0.0, pad_token_id=1, bos_token_id=0, eos_token_id=2,
+                                   decoder_start_token_id=2)
+            self.model = tf.BartForConditionalGeneration(config)
+        else:
+            config = tf.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=layers, num_heads=4,
+                                 dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)
+            self.model = tf.T5ForConditionalGeneration(config)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = self.model(input_ids=x, labels=y).loss
         self.log("train_loss", loss, sync_dist=True)
         return loss
 
@@ -295,6 +332,8 @@ def _build(kind: str, **kw):
         return ParityGPT(**{**GPT_SMALL, **kw})
     if kind == "encoder":
         return EncoderLM(**kw)
+    if kind in ("hf_bart", "hf_t5"):
+        return HFSeq2SeqLM(kind[3:], **kw)
     if kind.startswith("hf_"):
         return HFCausalLM(kind[3:], **kw)
     if kind == "custom":
@@ -319,6 +358,8 @@ def vocab_of(model) -> int:
         return model.model.config.padded_vocab_size
     if isinstance(model, DemoTransformerLM):
         return model.model.vocab_size
+    if isinstance(model, HFSeq2SeqLM):
+        return model.model.config.vocab_size
     return model.head.out_features
 
 

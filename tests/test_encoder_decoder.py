@@ -30,11 +30,11 @@ def test_the_plan_names_both_lists_as_one_chain():
 
 @pytest.mark.parametrize("pp, v, nlayers, layers, runs", [
     # cut at the decoder's start: the decoder's stage (1) holds the embedding's copy
-    (2, 1, 2, [2, 2], {"before": {0, 1}, "between": {0}, "after": {1}}),
+    (2, 1, 2, [2, 2], {"before": {0, 1}, "between": {0}, "decoder_in": {1}, "after": {1}}),
     # cut inside the decoder: stage 0 runs the encoder's norm and the decoder's first block itself
-    (2, 1, 3, [4, 2], {"before": {0}, "between": {0}, "after": {1}}),
+    (2, 1, 3, [4, 2], {"before": {0}, "between": {0}, "decoder_in": {0}, "after": {1}}),
     # one block a stage, interleaved: the decoder starts at virtual stage 2, on pp rank 0
-    (2, 2, 2, [1, 1, 1, 1], {"before": {0, 2}, "between": {1}, "after": {3}}),
+    (2, 2, 2, [1, 1, 1, 1], {"before": {0, 2}, "between": {1}, "decoder_in": {2}, "after": {3}}),
 ])
 def test_stages_that_run_the_modules_outside_the_blocks(pp, v, nlayers, layers, runs):
     _, layout = _layout(pp, v, nlayers, stage_layers=layers)
@@ -73,7 +73,8 @@ def test_interleaved_chunks_silence_what_they_do_not_run():
     assert silenced[0] == {"model.embedding": {0, 3}, "model.transformer.encoder.norm": {2}}
     assert silenced[1] == {"model.embedding": {0, 3}}
     model, layout = _layout(2, 2)  # one block a stage: both of rank 0's chunks (0, 2) use the embedding
-    assert apply_split(model, layout, 0) == {"tied": [], "silence": {}}
+    split = apply_split(model, layout, 0)
+    assert (split["tied"], split["silence"]) == ([], {}) and sorted(split["twins"]) == [0, 2]
 
 
 @pytest.mark.parametrize("pp, v, holders", [(2, 1, (0, 1)), (2, 2, (0, 1)), (4, 1, (0, 2, 3))])
@@ -184,6 +185,16 @@ class _TwoEncoders(nn.Module):
                                                          enable_nested_tensor=False) for _ in range(2))
 
 
+class _HeadBetween(nn.Module):  # the head registered between the lists would run where the encoder ends
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2, 16, batch_first=True), 2,
+                                             enable_nested_tensor=False)
+        self.head = nn.Linear(8, 16)
+        self.decoder = nn.TransformerDecoder(nn.TransformerDecoderLayer(8, 2, 16, batch_first=True), 2)
+
+
 class _TwoStacks(nn.Module):  # two lists where the second continues the first: not an encoder-decoder
     def __init__(self):
         super().__init__()
@@ -192,12 +203,13 @@ class _TwoStacks(nn.Module):  # two lists where the second continues the first: 
 
 
 @pytest.mark.parametrize("model, blocks, words", [
-    (_TwoStacks(), ["down", "up"], ["second positional argument", "require 1", "Name one block list"]),
+    (_TwoStacks(), ["down", "up"], ["positional argument", "take one tensor", "Name one block list"]),
     (_TwoStacks(), ["down", "up", "down"], ["encoder-decoder's two"]),
     (_OneSequence(), ["decoder.layers", "encoder.layers"], ["the encoder's registered first"]),
     (_OneSequence(), ["encoder.layers", "encoder.layers"], ["must be apart"]),
     # an encoder layer requires one tensor: two encoders are not an encoder-decoder
-    (_TwoEncoders(), ["first.layers", "second.layers"], ["require 1"]),
+    (_TwoEncoders(), ["first.layers", "second.layers"], ["take one tensor"]),
+    (_HeadBetween(), ["encoder.layers", "decoder.layers"], ["['head']", "register it after the decoder"]),
 ])
 def test_what_an_encoder_decoder_pipeline_refuses(model, blocks, words):
     with pytest.raises(ValueError) as err:

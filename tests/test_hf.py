@@ -39,6 +39,9 @@ WORLD2["litgpt_kv1_tp2"] = ("litgpt", dict(query_groups=1), dict(tp=2), TEN)
 WORLD2["hf_llama_pp2_recompute"] = ("hf_llama", {}, dict(PP, activation_checkpointing=True), TEN)
 WORLD2["hf_gpt2_tp2_sp_recompute"] = ("hf_gpt2", {}, dict(tp=2, sp=True, activation_checkpointing=True), TEN)
 WORLD2["litgpt_pp2_recompute"] = ("litgpt", {}, dict(PP, activation_checkpointing=1), TEN)
+# interleaved: a rank's blocks of its other chunk pass through (in the tuple GPT-2's blocks return)
+WORLD2["hf_gpt2_pp2_interleaved"] = ("hf_gpt2", dict(layers=4), dict(PP, schedule="interleaved_1f1b",
+                                                                       virtual_stages=2), TEN)
 WORLD4 = {f"{fam}_tp2_pp2": (fam, {}, dict(tp=2, **PP), TEN) for fam in FAMILIES}
 WORLD4["hf_llama_tp4_sp"] = ("hf_llama", {}, dict(tp=4, sp=True), TEN)  # 2 kv heads over 4 ranks
 WORLD4["hf_qwen3_tp4"] = ("hf_qwen3", {}, dict(tp=4), TEN)  # and a per-head k_norm on the copies

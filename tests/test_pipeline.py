@@ -66,6 +66,16 @@ WORLD2.update({
     # Linear bridge run by the stage that ends the encoder
     "pp2_seq2seq_1f1b": ("seq2seq", {}, _pp(2, "1f1b", pipeline_blocks=["encoder.layers", "decoder.layers"],
                                             stage_layers=[2, 2]), {}),
+    # its head registered first and tied to the target embedding, and an embedding never used: every copy
+    # must sum in one order, and the unused one keep no gradient (AdamW's decay would move it)
+    "pp2_seq2seq_head_first_tied_unused_zb_h1": ("seq2seq", dict(head_first=True, tie_weights=True, unused=True),
+                                                 _pp(2, "zb_h1", stage_layers=[2, 2]), {}),
+    # Hugging Face encoder-decoders, found on their own (two outermost block lists, the second's blocks
+    # take encoder_hidden_states): BART's input norms are registered after its layers yet run first;
+    # T5's first block makes the position bias the others are given, which travels between stages
+    "pp2_hf_bart_1f1b": ("hf_bart", {}, _pp(2, "1f1b"), {}),
+    "pp2_hf_t5_interleaved": ("hf_t5", {}, _pp(2, "interleaved_1f1b"), {}),
+    "pp2_hf_t5_zb_h1_inside_the_decoder": ("hf_t5", dict(layers=3), _pp(2, "zb_h1", stage_layers=[4, 2]), {}),
 })
 WORLD4 = {f"pp4_uneven_{s}": ("gpt", dict(n_layer=6), _pp(4, s), {}) for s in ("gpipe", "1f1b", "zb_h1")}
 WORLD4.update({

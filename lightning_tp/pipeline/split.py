@@ -13,7 +13,6 @@ the user's forward still runs from top to bottom on every stage.
 from __future__ import annotations
 
 import copy
-import inspect
 from dataclasses import dataclass
 
 import torch
@@ -51,22 +50,41 @@ class PipelinePlaceholder(nn.Module):
 
 
 class SkippedBlock(PipelinePlaceholder):
-    """Passes the hidden states through, in the structure the real block returns (a tensor, or a
-    tuple whose first element is the hidden states, as Hugging Face blocks return)."""
+    """A block another stage holds: passes the hidden states through (see :func:`passthrough`)."""
+
+    side_outputs = False  # an encoder-decoder's (see passthrough)
 
     def forward(self, *args, **kwargs):
-        hidden = args[0] if args else next(iter(kwargs.values()))
-        if not hasattr(self, "_structure"):
-            try:
-                meta_args, meta_kwargs = tree_map(_to_meta, (args, kwargs))
-                out = self._twin[0](*meta_args, **meta_kwargs)
-            except Exception:  # noqa: BLE001 - a block that cannot run on meta: assume it returns a tensor
-                out = hidden
-            self._structure = None if isinstance(out, torch.Tensor) else (type(out), len(out))
-        if self._structure is None:
-            return hidden
-        kind, n = self._structure
-        return kind((hidden,) + (None,) * (n - 1))
+        return passthrough(self._twin[0], args, kwargs, self.side_outputs, self.__dict__.setdefault("_memo", {}))
+
+
+def passthrough(twin: nn.Module, args, kwargs, side_outputs: bool, memo: dict):
+    """What a block outside the running stage returns: its input hidden states, in the structure the
+    real block returns (a tensor, or a tuple whose first element is the hidden states, as Hugging
+    Face blocks return), worked out once by its meta ``twin``. In an encoder-decoder the rest of a
+    tuple is zeros of its shape (``side_outputs``): T5's first block returns the position bias the
+    later ones are given, which then travels between stages (None would not say a tensor is expected
+    there)."""
+    hidden = args[0] if args else next(iter(kwargs.values()))
+    if side_outputs and not memo.get("plain"):
+        try:
+            out = zeros_like_output(twin, args, kwargs)
+        except Exception:  # noqa: BLE001 - a block that cannot run on meta: the plain path below
+            out = hidden
+        if not isinstance(out, torch.Tensor):
+            return type(out)((hidden,) + tuple(out[1:]))
+        memo["plain"] = True
+    if "structure" not in memo:
+        try:
+            meta_args, meta_kwargs = _meta_call(args, kwargs)
+            out = twin(*meta_args, **meta_kwargs)
+        except Exception:  # noqa: BLE001 - a block that cannot run on meta: assume it returns a tensor
+            out = hidden
+        memo["structure"] = None if isinstance(out, torch.Tensor) else (type(out), len(out))
+    if memo["structure"] is None:
+        return hidden
+    kind, n = memo["structure"]
+    return kind((hidden,) + (None,) * (n - 1))
 
 
 class ShapeOnly(PipelinePlaceholder):
@@ -85,7 +103,7 @@ def zeros_like_output(twin: nn.Module, args, kwargs):
     shapes = twin.__dict__.setdefault("_lightning_tp_shapes", {})
     out = shapes.get(key) if key is not None else None
     if out is None:
-        meta_args, meta_kwargs = tree_map(_to_meta, (args, kwargs))
+        meta_args, meta_kwargs = _meta_call(args, kwargs)
         out = twin(*meta_args, **meta_kwargs)
         if key is not None:
             shapes[key] = out
@@ -105,6 +123,16 @@ def _signature(args, kwargs):
         else:
             return None
     return tuple(parts)
+
+
+CACHE_KWARGS = ("past_key_value", "past_key_values", "layer_past")  # Hugging Face's key/value caches
+
+
+def _meta_call(args, kwargs):
+    """The arguments on the meta device, without a key/value cache: a cache object is shared by the
+    model's blocks, and a shape run must not append meta keys to it (T5 passes one while training)."""
+    kwargs = {k: (None if k in CACHE_KWARGS else False if k == "use_cache" else v) for k, v in kwargs.items()}
+    return tree_map(_to_meta, (args, kwargs))
 
 
 def _to_meta(t):
@@ -214,14 +242,16 @@ class StageLayout:
 
     def runs(self) -> dict:
         """Virtual stages that run each kind of module outside the blocks: the first stage's (embeddings),
-        the last's (head), and an encoder-decoder's modules between its lists (the encoder's final norm),
-        on the stage holding the encoder's last block. An encoder-decoder's decoder takes its own input
-        from the embeddings, so the stage holding the decoder's first block holds them too (Megatron's
-        T5 does the same): their gradients are summed over both copies, as tied weights are."""
-        runs = {"before": {0}, "between": set(), "after": {self.last_vstage}}
+        the last's (head), and an encoder-decoder's modules between its lists: the encoder's (its final
+        norm, a bridge) on the stage holding the encoder's last block, the decoder's (BART's embedding
+        norm) on the one holding its first. An encoder-decoder's decoder takes its own input from the
+        embeddings, so the stage holding the decoder's first block holds them too (Megatron's T5 does
+        the same): their gradients are summed over both copies, as tied weights are."""
+        runs = {"before": {0}, "between": set(), "decoder_in": set(), "after": {self.last_vstage}}
         if self.lists:
             runs["before"].add(self.vstage_of(self.decoder_start))
             runs["between"].add(self.vstage_of(self.decoder_start - 1))
+            runs["decoder_in"].add(self.vstage_of(self.decoder_start))
         return runs
 
     def replica_ranks(self) -> tuple:
@@ -252,40 +282,16 @@ class ChainedBlocks:
         return f"{path}.{j}"
 
 
-def encoder_decoder(model: nn.Module, names, pp: int) -> tuple:
-    """((path, length), (path, length)) of an encoder-decoder's two block lists, checked, and whether its
-    head shares the embedding's weight."""
-    if len(names) != 2:
-        raise ValueError(f"pipeline_blocks={list(names)}: name one block list, or an encoder-decoder's two "
-                         f"(encoder first, then decoder).")
-    found = [find_blocks(model, n) for n in names]
-    (encoder, _), (decoder, blocks) = found
-    order = {name: i for i, (name, _) in enumerate(model.named_modules())}
-    if encoder == decoder or encoder.startswith(decoder + ".") or decoder.startswith(encoder + ".") \
-            or order[encoder] > order[decoder]:
-        raise ValueError(f"pipeline_blocks={list(names)}: an encoder-decoder's two lists must be apart, the "
-                         f"encoder's registered first, as they run.")
-    params = inspect.signature(blocks[0].forward).parameters.values()
-    required = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty]
-    if len(required) < 2 and not any(p.kind == p.VAR_POSITIONAL for p in params):
-        raise ValueError(f"pipeline_blocks={list(names)}: two block lists are taken as an encoder and a decoder "
-                         f"whose blocks take the encoder's output as a second positional argument (as "
-                         f"nn.TransformerDecoderLayer does), but the blocks of {decoder} require {len(required)}. "
-                         f"Name one block list, or use tp/dp for this model.")
-    lists = tuple((path, len(b)) for path, b in found)
-    groups = _outer_groups(model, [p for p, _ in lists])
-    first = {id(p) for _, m in groups["before"] for p in m.parameters()}
-    if pp > 1 and any(id(p) in first for _, m in groups["between"] for p in m.parameters()):
-        raise ValueError(f"pipeline_blocks={list(names)}: a module between the encoder and the decoder shares "
-                         f"weights with the embedding; that is not supported under pp.")
-    return lists, any(id(p) in first for _, m in groups["after"] for p in m.parameters())
-
-
 def plan_stages(model: nn.Module, pp: int, v: int = 1, blocks=None, stage_layers=None,
                 interleaved: bool = False) -> StageLayout:
     """Validate and assign; raises ValueError (same on every rank) before anything changes. ``blocks``:
     a block list's path, or an encoder-decoder's two (a list: encoder, then decoder)."""
+    from .encoder_decoder import encoder_decoder, find_encoder_decoder  # it uses this module's search
+
     lists, tied_head = (), False
+    pair = find_encoder_decoder(model)
+    if blocks is None or (isinstance(blocks, str) and blocks in (pair or ())):
+        blocks = pair or blocks  # a plan naming its encoder's list (nn.TransformerEncoder's) takes the pair
     if isinstance(blocks, (list, tuple)) and len(blocks) != 1:
         lists, tied_head = encoder_decoder(model, blocks, pp)
         path = " + ".join(p for p, _ in lists)
@@ -316,8 +322,9 @@ def plan_stages(model: nn.Module, pp: int, v: int = 1, blocks=None, stage_layers
 
 def apply_split(model: nn.Module, layout: StageLayout, pp_rank: int) -> dict:
     """Replace what this rank does not own with placeholders. Returns {"tied": [shared Parameters],
-    "silence": {module path: (meta twin, virtual stages it runs in)}}: modules this rank holds that
-    another of its chunks would rerun (and their collectives) for nothing."""
+    "silence": {module path: (meta twin, virtual stages it runs in)}: modules this rank holds that
+    another of its chunks would rerun (and their collectives) for nothing, "twins": {block index:
+    meta twin} of its blocks under the interleaved schedule (see stage._passthrough_of)}."""
     blocks = layout.blocks(model)
     mine = set()
     for k in layout.vstages_of(pp_rank):
@@ -329,9 +336,13 @@ def apply_split(model: nn.Module, layout: StageLayout, pp_rank: int) -> dict:
         tied = [p for _, m in groups["before"] for p in m.parameters()] if len(layout.replica_ranks()) > 1 else []
     else:
         tied = [p for _, m in groups["after"] for p in m.parameters() if id(p) in params_before]
+    # interleaved: this rank's blocks also run outside their stage (in its other chunks' runs), passing
+    # their input through; the structure they return is worked out by a meta twin made before sharding
+    twins = {i: meta_twin(blocks[i]) for i in sorted(mine)} if layout.v > 1 else {}
     for i in range(len(blocks)):
         if i not in mine:
             blocks[i] = SkippedBlock(blocks[i], blocks.name(i))
+            blocks[i].side_outputs = bool(layout.lists)
     silence, my_vstages = {}, set(layout.vstages_of(pp_rank))
     for kind, runs in layout.runs().items():
         owned = bool(runs & my_vstages) or (kind == "before" and pp_rank in layout.replica_ranks())
@@ -340,10 +351,11 @@ def apply_split(model: nn.Module, layout: StageLayout, pp_rank: int) -> dict:
                 _set(model, name, ShapeOnly(m, name))
             elif kind != "after" and my_vstages - runs:
                 silence[name] = (meta_twin(m), runs)
-    for p in tied:
-        p._pp_tied = True
+    order = {id(p): i for i, p in enumerate(p for _, m in groups["before"] for p in m.parameters())}
+    for p in tied:  # numbered as in the unsplit model: every copy sums in one order (see grads._sum_tied)
+        p._pp_tied, p._pp_tied_index, p._pp_copy = True, order[id(p)], bool(layout.lists)
     holds_tied = pp_rank in (layout.replica_ranks() if layout.lists else (0, layout.pp - 1))
-    return {"tied": tied if holds_tied else [], "silence": silence}
+    return {"tied": tied if holds_tied else [], "silence": silence, "twins": twins}
 
 
 def _outer_modules(model: nn.Module, blocks_path: str):
@@ -354,9 +366,9 @@ def _outer_modules(model: nn.Module, blocks_path: str):
 
 def _outer_groups(model: nn.Module, paths: list) -> dict:
     """Top-most modules with parameters outside the block lists, by where they run: "before" (the
-    first stage: embeddings, or anything before the blocks without a Linear), "between" (an
-    encoder-decoder's modules between its lists but embeddings: the encoder's final norm), "after"."""
-    groups, seen, taken = {"before": [], "between": [], "after": []}, 0, []
+    first stage: embeddings, or anything before the blocks without a Linear), "after" (the rest), and
+    for an encoder-decoder (see :func:`_encoder_decoder_kind`) "between" and "decoder_in"."""
+    groups, seen, taken = {"before": [], "between": [], "decoder_in": [], "after": []}, 0, []
     for name, m in model.named_modules():
         if name in paths:
             seen += 1
@@ -366,11 +378,27 @@ def _outer_groups(model: nn.Module, paths: list) -> dict:
             continue
         if any(True for _ in m.parameters(recurse=False)) or _is_leafy_owner(m):
             kind = "before" if _runs_first(m, seen > 0) else "after"
-            if kind == "after" and seen == 1 and len(paths) == 2:  # the encoder's norm, a bridge Linear
-                kind = "between"
+            if kind == "after" and len(paths) == 2:
+                kind = _encoder_decoder_kind(name, paths, seen)
             groups[kind].append((name, m))
             taken.append(name)
     return groups
+
+
+def _encoder_decoder_kind(name: str, paths: list, seen: int) -> str:
+    """Where a non-embedding module of an encoder-decoder runs. Registration order is not running order
+    here (BART registers its input norms after its layers), so the parent module decides: inside the
+    encoder's, an input norm ("embed" in its name) runs first and the rest (the final norm) where the
+    encoder ends ("between"); inside the decoder's, an input norm, or anything registered before its
+    blocks, runs where the decoder starts ("decoder_in"), the rest last; elsewhere, registration order
+    (a bridge between the lists runs where the encoder ends)."""
+    encoder, decoder = (p.rpartition(".")[0] + "." for p in paths)
+    input_norm = "embed" in name.rpartition(".")[2]
+    if encoder != "." and name.startswith(encoder):
+        return "before" if input_norm else "between"
+    if decoder != "." and name.startswith(decoder):
+        return "decoder_in" if input_norm or seen == 1 else "after"
+    return "between" if seen == 1 else "after"
 
 
 def _runs_first(m: nn.Module, after_blocks: bool) -> bool:

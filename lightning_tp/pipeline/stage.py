@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .split import zeros_like_output
+from .split import passthrough, zeros_like_output
 
 
 class StageDone(Exception):
@@ -42,18 +42,20 @@ class StageState:
     stand_ins: dict = field(default_factory=dict)
 
 
-def install(blocks, layout, pp_rank: int, silence=()) -> StageState:
+def install(blocks, layout, pp_rank: int, silence=(), twins=None) -> StageState:
     """``silence``: (module, meta twin, virtual stages it runs in) of modules outside the blocks that
-    this rank's other chunks must not rerun (they return zeros of their shape there)."""
+    this rank's other chunks must not rerun (they return zeros of their shape there); ``twins``: block
+    index -> meta twin of this rank's blocks, for their runs outside their stage (see _passthrough_of)."""
+    twins = twins or {}
     state = StageState(layout.ranges, layout.last_vstage)
     chained = layout.decoder_start is not None
     for k in layout.vstages_of(pp_rank):
         lo, hi = layout.ranges[k]
         for i in range(lo, hi + 1):
             if chained:
-                _wrap_chained(blocks[i], i, state, i == layout.decoder_start, blocks.name(i))
+                _wrap_chained(blocks[i], i, state, i == layout.decoder_start, blocks.name(i), twins.get(i))
             else:
-                _wrap(blocks[i], i, state)
+                _wrap(blocks[i], i, state, twins.get(i))
         if chained and k < layout.last_vstage:
             _stop_at(blocks[hi + 1], k, state, hi + 1 == layout.decoder_start, blocks.name(hi + 1))
     for module, twin, runs in silence:
@@ -74,17 +76,23 @@ def _silence_outside(module, twin, runs: set, state: StageState) -> None:
     module.forward = forward
 
 
-def _passthrough(args, kwargs):
-    return args[0] if args else next(iter(kwargs.values()))
+def _passthrough_of(twin, side_outputs: bool):
+    """A block of this rank outside the running stage (another chunk's, under the interleaved schedule)
+    passes its input through like a placeholder does, in the structure the block returns, worked out by
+    its meta twin made before sharding (see split.apply_split, split.passthrough)."""
+    if twin is None:  # one chunk a rank: its blocks never run outside its stage
+        return lambda args, kwargs: args[0] if args else next(iter(kwargs.values()))
+    memo = {}
+    return lambda args, kwargs: passthrough(twin, args, kwargs, side_outputs, memo)
 
 
-def _wrap(block, index: int, state: StageState) -> None:
-    original = block.forward
+def _wrap(block, index: int, state: StageState, twin=None) -> None:
+    original, skip = block.forward, _passthrough_of(twin, False)
 
     def forward(*args, **kwargs):
         lo, hi = state.ranges[state.active]
         if not lo <= index <= hi:
-            return _passthrough(args, kwargs)
+            return skip(args, kwargs)
         if index == lo and state.active > 0:
             if args:
                 args = (state.received,) + tuple(args[1:])
@@ -133,13 +141,13 @@ def _stand_in(value, state: StageState):
     return held[1] if held is not None and held[0] is value else value
 
 
-def _wrap_chained(block, index: int, state: StageState, list_start: bool, name: str) -> None:
-    original = block.forward
+def _wrap_chained(block, index: int, state: StageState, list_start: bool, name: str, twin=None) -> None:
+    original, skip = block.forward, _passthrough_of(twin, True)
 
     def forward(*args, **kwargs):
         lo, hi = state.ranges[state.active]
         if not lo <= index <= hi:
-            return _passthrough(args, kwargs)
+            return skip(args, kwargs)
         if index == lo and state.active > 0:
             _check_keywords(args, kwargs, name)
             positions = _carried(args, list_start)
