@@ -25,28 +25,25 @@ def test_yaml_config_builds_mega_strategy(tmp_path):
     assert cli.model.hparams.n_layer == 1
 
 
-@pytest.mark.parametrize("value", [True, 2, False])
-def test_yaml_activation_checkpointing_keeps_its_type(tmp_path, value):
-    """true (every block), an int (the first n of each stage), false: jsonargparse must not turn 2 into True."""
+def _strategy_from_yaml(tmp_path, init_args):
     config = {"trainer": {"accelerator": "cpu", "devices": 2, "max_steps": 1, "logger": False,
-                          "strategy": {"class_path": "lightning_tp.MegaStrategy",
-                                       "init_args": {"pp": 2, "activation_checkpointing": value}}},
+                          "strategy": {"class_path": "lightning_tp.MegaStrategy", "init_args": init_args}},
               "model": {"n_layer": 2, "n_embd": 32}}
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))
-    got = main(["--config", str(path)], run=False).trainer.strategy.activation_checkpointing
+    return main(["--config", str(path)], run=False).trainer.strategy
+
+
+@pytest.mark.parametrize("value", [True, 2, False])
+def test_yaml_activation_checkpointing_keeps_its_type(tmp_path, value):
+    """true (every block), an int (the first n of each stage), false: jsonargparse must not turn 2 into True."""
+    got = _strategy_from_yaml(tmp_path, {"pp": 2, "activation_checkpointing": value}).activation_checkpointing
     assert got == value and type(got) is type(value)
 
 
 @pytest.mark.parametrize("value", ["model.transformer.h", ["model.encoder.layers", "model.decoder.layers"]])
 def test_yaml_pipeline_blocks_takes_a_path_or_an_encoder_decoders_two(tmp_path, value):
-    config = {"trainer": {"accelerator": "cpu", "devices": 2, "max_steps": 1, "logger": False,
-                          "strategy": {"class_path": "lightning_tp.MegaStrategy",
-                                       "init_args": {"pp": 2, "pipeline_blocks": value}}},
-              "model": {"n_layer": 2, "n_embd": 32}}
-    path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    assert main(["--config", str(path)], run=False).trainer.strategy.pipeline_blocks == value
+    assert _strategy_from_yaml(tmp_path, {"pp": 2, "pipeline_blocks": value}).pipeline_blocks == value
 
 
 def test_example_config_parses():
