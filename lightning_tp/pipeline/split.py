@@ -7,7 +7,8 @@ patch embedding), else to the last stage (final norm, head): registration order 
 enough, since litgpt registers its LM head before its blocks.
 On a rank that does not own a module it is replaced by a placeholder: skipped blocks pass their
 input through, other modules return zeros of the right shape (worked out on the meta device), so
-the user's forward still runs from top to bottom on every stage.
+the user's forward still runs from top to bottom on every stage. An encoder-decoder's two block
+lists form one chain of stages (see :mod:`.encoder_decoder` and ``StageLayout.runs``).
 """
 
 from __future__ import annotations
@@ -257,7 +258,8 @@ class StageLayout:
     def replica_ranks(self) -> tuple:
         """pp ranks holding a copy of the first stage's modules (an encoder-decoder's decoder stage; with a
         tied head the last stage too, where they do not run: every copy sums the same tensors)."""
-        return tuple(sorted({k % self.pp for k in self.runs()["before"]} | ({self.pp - 1} if self.tied_head else set())))
+        ranks = {k % self.pp for k in self.runs()["before"]} | ({self.pp - 1} if self.tied_head else set())
+        return tuple(sorted(ranks))
 
 
 class ChainedBlocks:
