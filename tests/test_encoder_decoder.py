@@ -218,6 +218,59 @@ def test_what_an_encoder_decoder_pipeline_refuses(model, blocks, words):
         assert w in str(err.value)
 
 
+class _PrenetGPT2(nn.Module):  # a decoder-only model with a second list: not an encoder-decoder
+    def __init__(self):
+        super().__init__()
+        from transformers import GPT2Config, GPT2Model
+
+        self.prenet = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+        self.gpt = GPT2Model(GPT2Config(n_embd=8, n_layer=2, n_head=2, vocab_size=16, n_positions=16))
+
+
+class _SharedParent(nn.Module):  # both lists under one parent: where things run follows registration
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.net = nn.Module()
+        self.net.enc = nn.ModuleList(nn.TransformerEncoderLayer(8, 2, 16, batch_first=True) for _ in range(2))
+        self.net.enc_norm = nn.LayerNorm(8)
+        self.net.dec = nn.ModuleList(nn.TransformerDecoderLayer(8, 2, 16, batch_first=True) for _ in range(2))
+        self.net.dec_norm = nn.LayerNorm(8)
+        self.head = nn.Linear(8, 16)
+
+
+def test_found_on_its_own_only_where_the_model_says_it_is_an_encoder_decoder():
+    from lightning_tp.pipeline.encoder_decoder import find_encoder_decoder
+
+    assert find_encoder_decoder(make_model("demo_transformer")) == (ENC, DEC)  # nn.TransformerDecoderLayer
+    assert find_encoder_decoder(make_model("hf_t5").model) == ("encoder.block", "decoder.block")  # its config
+    assert find_encoder_decoder(_PrenetGPT2()) is None  # GPT2Block has an encoder_hidden_states parameter
+    model = _PrenetGPT2()
+    assert plan_stages(model, 2, 1, "gpt.h").lists == ()  # a list named alone stays alone
+    model = _SharedParent()
+    layout = plan_stages(model, 2, 1)
+    assert layout.lists == (("net.enc", 2), ("net.dec", 2))
+    assert layout.runs()["after"] == {1}
+    from lightning_tp.pipeline.split import _outer_groups
+
+    groups = {k: [n for n, _ in v] for k, v in _outer_groups(model, ["net.enc", "net.dec"]).items()}
+    assert groups == {"before": ["emb"], "between": ["net.enc_norm"], "decoder_in": [], "after": ["net.dec_norm", "head"]}
+
+
+def test_tensor_parallel_shards_keep_the_tied_marks():
+    from lightning_tp.layers.linear import _shard_param
+    from lightning_tp.layers.shard import ShardSpec
+
+    p = nn.Parameter(torch.randn(4, 2))
+    p._pp_tied, p._pp_tied_index, p._pp_copy = True, 3, True
+
+    class Ctx:
+        rank, world = 0, 2
+
+    new = _shard_param(p, ShardSpec(dim=0, world=2, full=4), Ctx(), {})
+    assert (new._pp_tied, new._pp_tied_index, new._pp_copy) == (True, 3, True) and new.shape == (2, 2)
+
+
 def test_explain_models_both_lists():
     report = explain(make_model("demo_transformer"), tp=2, pp=2, microbatches=2, batch_shape=(4, 8),
                      print_report=False)

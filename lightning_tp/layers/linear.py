@@ -49,8 +49,9 @@ def _shard_param(p: Optional[nn.Parameter], spec: ShardSpec, ctx: TPContext, mem
             raise ValueError(f"a tied parameter is sharded two different ways ({new._tp_spec} vs {spec}); untie it.")
         return new
     new = nn.Parameter(shard(p.detach(), spec, ctx.rank), requires_grad=p.requires_grad)
-    if getattr(p, "_pp_tied", False):  # a first/last-stage tied embedding stays tied after sharding
-        new._pp_tied = True
+    for mark_name in ("_pp_tied", "_pp_tied_index", "_pp_copy"):  # a tied embedding stays tied after sharding
+        if hasattr(p, mark_name):
+            setattr(new, mark_name, getattr(p, mark_name))
     memo[id(p)] = mark(new, spec)
     return new
 

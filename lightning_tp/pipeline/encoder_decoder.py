@@ -28,17 +28,21 @@ def takes_encoder_output(block: nn.Module) -> bool:
 
 def find_encoder_decoder(model: nn.Module):
     """The paths of an encoder-decoder's lists when the model has exactly two outermost lists of
-    same-class blocks with trainable parameters and the second's blocks take the encoder's output;
-    else None (the longest list is then the pipeline's, see split.find_blocks)."""
+    same-class blocks with trainable parameters and says it is one: the second list's blocks are
+    nn.TransformerDecoderLayer, or a Hugging Face config inside has ``is_encoder_decoder``. A block
+    that merely could take an encoder's output (GPT-2's has the parameter) does not count. Else None
+    (the longest list is then the pipeline's, see split.find_blocks)."""
     found = []
     for path, module in model.named_modules():
         if any(path.startswith(p + ".") for p in found):
             continue
         if is_block_list(module) and any(p.requires_grad for p in module.parameters()):
             found.append(path)
-    if len(found) == 2 and takes_encoder_output(model.get_submodule(found[1])[0]):
-        return tuple(found)
-    return None
+    if len(found) != 2:
+        return None
+    said = isinstance(model.get_submodule(found[1])[0], nn.TransformerDecoderLayer) or any(
+        getattr(getattr(m, "config", None), "is_encoder_decoder", False) is True for m in model.modules())
+    return tuple(found) if said and takes_encoder_output(model.get_submodule(found[1])[0]) else None
 
 
 def encoder_decoder(model: nn.Module, names, pp: int) -> tuple:

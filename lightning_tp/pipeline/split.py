@@ -100,7 +100,7 @@ def zeros_like_output(twin: nn.Module, args, kwargs):
     finds the shapes costs ~0.1 ms a call, once per microbatch on every later stage: its result is
     kept per argument signature (shapes and dtypes, plain values) where the arguments have one."""
     device = next((t.device for t in _tensors(args, kwargs)), torch.device("cpu"))
-    key = _signature(args, kwargs)
+    key = _signature(args, {k: v for k, v in kwargs.items() if k not in CACHE_KWARGS})  # T5 passes its cache
     shapes = twin.__dict__.setdefault("_lightning_tp_shapes", {})
     out = shapes.get(key) if key is not None else None
     if out is None:
@@ -292,8 +292,8 @@ def plan_stages(model: nn.Module, pp: int, v: int = 1, blocks=None, stage_layers
 
     lists, tied_head = (), False
     pair = find_encoder_decoder(model)
-    if blocks is None or (isinstance(blocks, str) and blocks in (pair or ())):
-        blocks = pair or blocks  # a plan naming its encoder's list (nn.TransformerEncoder's) takes the pair
+    if blocks is None or (pair and blocks == pair[0]):
+        blocks = pair or blocks  # naming the encoder's list (nn.TransformerEncoder's plan does) takes the pair
     if isinstance(blocks, (list, tuple)) and len(blocks) != 1:
         lists, tied_head = encoder_decoder(model, blocks, pp)
         path = " + ".join(p for p, _ in lists)
@@ -396,9 +396,11 @@ def _encoder_decoder_kind(name: str, paths: list, seen: int) -> str:
     (a bridge between the lists runs where the encoder ends)."""
     encoder, decoder = (p.rpartition(".")[0] + "." for p in paths)
     input_norm = "embed" in name.rpartition(".")[2]
-    if encoder != "." and name.startswith(encoder):
+    if encoder.startswith(decoder) or decoder.startswith(encoder):  # one parent (or the root): no rule by it
+        return "between" if seen == 1 else "after"
+    if name.startswith(encoder):
         return "before" if input_norm else "between"
-    if decoder != "." and name.startswith(decoder):
+    if name.startswith(decoder):
         return "decoder_in" if input_norm or seen == 1 else "after"
     return "between" if seen == 1 else "after"
 
