@@ -67,3 +67,12 @@ class ShakespeareData(L.LightningDataModule):
 
     def val_dataloader(self):
         return DataLoader(self.val_set, batch_size=self.batch_size, drop_last=True)
+
+
+class PrintLoss(L.Callback):
+    """Prints the training loss at step 1, every 10 steps and at the last (the examples' progress line)."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        step = trainer.global_step
+        if trainer.is_global_zero and (step == 1 or step % 10 == 0 or step == trainer.max_steps):
+            print(f"step {step:3d}  loss {outputs['loss'].item():.3f}", flush=True)

@@ -18,7 +18,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from examples.gpt.lit import ShakespeareData  # noqa: E402
+from examples.gpt.lit import PrintLoss, ShakespeareData  # noqa: E402
 from lightning_tp import MegaStrategy  # noqa: E402
 
 
@@ -39,13 +39,6 @@ class LlamaLM(L.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=self.lr)
-
-
-class PrintLoss(L.Callback):
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        step = trainer.global_step
-        if trainer.is_global_zero and (step == 1 or step % 10 == 0 or step == trainer.max_steps):
-            print(f"step {step:3d}  loss {outputs['loss'].item():.3f}", flush=True)
 
 
 if __name__ == "__main__":
