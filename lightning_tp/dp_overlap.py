@@ -27,15 +27,14 @@ class DPOverlap:
         """``armed()``: whether this backward is the one to sync (False while Lightning accumulates).
         ``hooked``: register the hooks now and keep them (else :meth:`hook` / :meth:`remove`)."""
         self.group, self.scale, self.armed = group, 1.0 / dp, armed
-        self.buckets, size = [[]], 0
-        for p in reversed([p for p in params if p.requires_grad]):
-            nbytes = p.numel() * p.element_size()
-            last = self.buckets[-1]
-            if last and (size + nbytes > bucket_bytes or p.dtype != last[0].dtype):
-                self.buckets.append([])
-                size = 0
-            self.buckets[-1].append(p)
-            size += nbytes
+        params = [p for p in params if p.requires_grad]
+        # ``_pp_late_sync``: gradients no single backward pass finalizes on this rank (an encoder-decoder's
+        # embedding used by two of its chunks, a copy it holds without running): buckets of their own, last,
+        # left to finish()
+        late = [p for p in params if getattr(p, "_pp_late_sync", False)]
+        self.buckets = _buckets([p for p in params if not getattr(p, "_pp_late_sync", False)], bucket_bytes)
+        self.early_buckets = len(self.buckets)  # those a backward may start (read by tests)
+        self.buckets += _buckets(late, bucket_bytes) if late else []
         self.bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
         self.hooks = []
         if hooked:
@@ -56,7 +55,7 @@ class DPOverlap:
         self.after = []  # (grad, addend): added once the grad's all-reduce is settled (see add_after_sync)
 
     def _ready(self, p) -> None:
-        if not self.armed():
+        if not self.armed() or self.bucket_of[id(p)] >= self.early_buckets:
             return
         self.seen[self.bucket_of[id(p)]].add(id(p))  # a set: a hook firing twice counts once
         while self.next < len(self.buckets) and len(self.seen[self.next]) == len(self.buckets[self.next]):
@@ -92,3 +91,17 @@ class DPOverlap:
         for h in self.hooks:
             h.remove()
         self.hooks = []
+
+
+def _buckets(params: list, bucket_bytes: int) -> list:
+    """Reverse parameter order (the order backward produces gradients), one dtype a bucket."""
+    buckets, size = [[]], 0
+    for p in reversed(params):
+        nbytes = p.numel() * p.element_size()
+        last = buckets[-1]
+        if last and (size + nbytes > bucket_bytes or p.dtype != last[0].dtype):
+            buckets.append([])
+            size = 0
+        buckets[-1].append(p)
+        size += nbytes
+    return buckets

@@ -79,7 +79,7 @@ def _train_all(rank, world, configs, ckdir):
         overlap = trainer.strategy._dp_overlap
         out[name] = dict(losses=rec.losses, dp_overlap=overlap is not None, weights=consolidate(path) if rank == 0 else None,
                          launched_early=getattr(overlap, "launched_early", None),
-                         buckets=None if overlap is None else len(overlap.buckets),
+                         buckets=None if overlap is None else overlap.early_buckets,
                          scaler_agrees=getattr(scaler, "_lightning_tp_agrees", False),
                          replicated=replicated, metrics={k: float(v) for k, v in trainer.callback_metrics.items()})
     return out
@@ -128,7 +128,8 @@ def _check(results, name, configs, world):
         tol = weight_tol = BF16_TOL
     # dp replicas average their gradients while backward runs (dp_overlap.py); under a pipeline, each
     # chunk's final weight-gradient pass of the step (B, ZB-H1's W) starts the sync of the gradients it
-    # finalizes: all of them, none while Lightning accumulates over batches
+    # finalizes: all of them (but an encoder-decoder's embedding copies, synced after), none while
+    # Lightning accumulates over batches
     assert got["dp_overlap"] == (dp > 1)
     if dp > 1 and (strategy_kw.get("pp", 1) > 1 or strategy_kw.get("microbatches", 1) > 1):
         if trainer_kw.get("accumulate_grad_batches", 1) > 1:

@@ -106,6 +106,10 @@ WORLD4.update({
     "pp4_demo_transformer_uneven_gpipe": ("demo_transformer", dict(nlayers=4), _pp(4, "gpipe"), {}),
     "tp2_pp2_demo_transformer": ("demo_transformer", {}, dict(tp=2, **_pp(2, "1f1b")), {}),
     "pp2_dp2_demo_transformer_zb_h1": ("demo_transformer", dict(nlayers=3), _pp(2, "zb_h1"), {}),
+    # interleaved: rank 0 runs the embedding for the encoder (stage 0) and the decoder (stage 2), so no
+    # one backward pass finalizes its gradient: dp syncs it after the backward, not during
+    "pp2_dp2_hf_bart_interleaved": ("hf_bart", {}, _pp(2, "interleaved_1f1b"), {}),
+    "pp2_dp2_demo_transformer_interleaved": ("demo_transformer", {}, _pp(2, "interleaved_1f1b"), {}),
     # issue 4's family check runs 10 steps (at 20 this layout drifts to 1.2e-5: fp32 rounding, 3e-6 relative)
     "tp2_pp2_encoder": ("encoder", dict(layers=4), dict(tp=2, **_pp(2, "gpipe")), dict(max_steps=10)),
 })

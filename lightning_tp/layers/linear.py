@@ -49,7 +49,7 @@ def _shard_param(p: Optional[nn.Parameter], spec: ShardSpec, ctx: TPContext, mem
             raise ValueError(f"a tied parameter is sharded two different ways ({new._tp_spec} vs {spec}); untie it.")
         return new
     new = nn.Parameter(shard(p.detach(), spec, ctx.rank), requires_grad=p.requires_grad)
-    for mark_name in ("_pp_tied", "_pp_tied_index", "_pp_copy"):  # a tied embedding stays tied after sharding
+    for mark_name in ("_pp_tied", "_pp_tied_index", "_pp_copy", "_pp_late_sync"):  # marks of pipeline.split
         if hasattr(p, mark_name):
             setattr(new, mark_name, getattr(p, mark_name))
     memo[id(p)] = mark(new, spec)

@@ -351,8 +351,14 @@ def apply_split(model: nn.Module, layout: StageLayout, pp_rank: int) -> dict:
         for name, m in groups[kind]:
             if not owned:
                 _set(model, name, ShapeOnly(m, name))
-            elif kind != "after" and my_vstages - runs:
+                continue
+            if kind != "after" and my_vstages - runs:
                 silence[name] = (meta_twin(m), runs)
+            # run by two of its chunks, held without running, or an encoder-decoder's copy (parts of which
+            # its stage may not use): no one backward pass finalizes the gradient (see dp_overlap)
+            if len(runs & my_vstages) != 1 or (kind == "before" and len(layout.replica_ranks()) > 1):
+                for p in m.parameters():
+                    p._pp_late_sync = True
     order = {id(p): i for i, p in enumerate(p for _, m in groups["before"] for p in m.parameters())}
     for p in tied:  # numbered as in the unsplit model: every copy sums in one order (see grads._sum_tied)
         p._pp_tied, p._pp_tied_index, p._pp_copy = True, order[id(p)], bool(layout.lists)
