@@ -366,12 +366,6 @@ def apply_split(model: nn.Module, layout: StageLayout, pp_rank: int) -> dict:
     return {"tied": tied if holds_tied else [], "silence": silence, "twins": twins}
 
 
-def _outer_modules(model: nn.Module, blocks_path: str):
-    """Top-most modules with parameters outside the block list: (first stage's, last stage's)."""
-    groups = _outer_groups(model, [blocks_path])
-    return groups["before"], groups["after"]
-
-
 def _outer_groups(model: nn.Module, paths: list) -> dict:
     """Top-most modules with parameters outside the block lists, by where they run: "before" (the
     first stage: embeddings, or anything before the blocks without a Linear), "after" (the rest), and
