@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from examples.gpt.lit import LitGPT
 
 SEQ = 16
+MELS = 8  # Whisper's spectrogram bins (HFSeq2SeqLM)
 
 
 class Tokens(Dataset):
@@ -132,8 +133,9 @@ class Seq2SeqLM(L.LightningModule):
 
 
 class HFSeq2SeqLM(L.LightningModule):
-    """A Hugging Face encoder-decoder (BART, T5) built from a config, head tied to the embedding as
-    the library does; the loss is the model's own from ``labels``."""
+    """A Hugging Face encoder-decoder (BART, T5, Whisper) built from a config, head tied to the
+    embedding as the library does; the loss is the model's own from ``labels``. Whisper's input is a
+    spectrogram: here each source token's fixed random column of ``MELS`` features (SEQ frames)."""
 
     def __init__(self, family: str, layers: int = 2):
         super().__init__()
@@ -146,14 +148,26 @@ class HFSeq2SeqLM(L.LightningModule):
                                    activation_dropout=0.0, pad_token_id=1, bos_token_id=0, eos_token_id=2,
                                    decoder_start_token_id=2)
             self.model = tf.BartForConditionalGeneration(config)
-        else:
+        elif family == "t5":
             config = tf.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=layers, num_heads=4,
                                  dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)
             self.model = tf.T5ForConditionalGeneration(config)
+        else:  # its decoder blocks are given encoder_hidden_states by keyword
+            config = tf.WhisperConfig(vocab_size=64, num_mel_bins=MELS, d_model=32, encoder_layers=layers,
+                                      decoder_layers=layers, encoder_attention_heads=4, decoder_attention_heads=4,
+                                      encoder_ffn_dim=64, decoder_ffn_dim=64, max_source_positions=SEQ // 2,
+                                      max_target_positions=SEQ, dropout=0.0, attention_dropout=0.0,
+                                      activation_dropout=0.0, pad_token_id=1, bos_token_id=0, eos_token_id=2,
+                                      decoder_start_token_id=0, suppress_tokens=[], begin_suppress_tokens=[])
+            self.model = tf.WhisperForConditionalGeneration(config)
+            self.register_buffer("mels", torch.randn(64, MELS, generator=torch.Generator().manual_seed(0)))
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        loss = self.model(input_ids=x, labels=y).loss
+        if hasattr(self, "mels"):
+            loss = self.model(input_features=self.mels[x].transpose(1, 2), labels=y).loss
+        else:
+            loss = self.model(input_ids=x, labels=y).loss
         self.log("train_loss", loss, sync_dist=True)
         return loss
 
@@ -332,7 +346,7 @@ def _build(kind: str, **kw):
         return ParityGPT(**{**GPT_SMALL, **kw})
     if kind == "encoder":
         return EncoderLM(**kw)
-    if kind in ("hf_bart", "hf_t5"):
+    if kind in ("hf_bart", "hf_t5", "hf_whisper"):
         return HFSeq2SeqLM(kind[3:], **kw)
     if kind.startswith("hf_"):
         return HFCausalLM(kind[3:], **kw)

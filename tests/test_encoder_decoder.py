@@ -115,14 +115,16 @@ def test_gradients_reach_both_senders_through_one_message():
 def test_a_stage_ends_at_the_next_stages_first_block_with_what_it_is_given():
     state = StageState([(0, 0), (1, 1)], 1)
     block = nn.TransformerDecoderLayer(8, 2, 16, 0.0, batch_first=True)
-    _stop_at(block, 0, state, False, "decoder.layers.1")
+    _stop_at(block, 0, state, False)
     hidden, memory = torch.randn(2, 3, 8, requires_grad=True), torch.randn(2, 5, 8, requires_grad=True)
-    with pytest.raises(StageDone) as done:
-        block(hidden, memory, tgt_mask=torch.zeros(3, 3))
-    assert torch.equal(done.value.output, torch.cat([hidden.reshape(-1), memory.reshape(-1)]))
-    for grad in (True, False):  # would train (or validate) on placeholder zeros
-        with torch.set_grad_enabled(grad), pytest.raises(ValueError, match=r"given \['memory'\] by keyword"):
-            block(hidden, memory=memory)
+    mask = torch.triu(torch.full((3, 3), -1e9), 1)
+    for args, kwargs in (((hidden, memory, mask), {}),  # floating-point positional tensors, a mask too
+                         ((hidden, memory), dict(tgt_mask=mask, tgt_is_causal=False)),  # not a keyword mask
+                         ((hidden,), dict(memory=memory, tgt_mask=mask))):  # an encoder's output by keyword
+        with pytest.raises(StageDone) as done:
+            block(*args, **kwargs)
+        sent = [hidden, memory] + [mask] * (len(args) == 3)
+        assert torch.equal(done.value.output, torch.cat([t.reshape(-1) for t in sent]))
     state.active = 1  # the stage that holds it: the block runs
     assert block(hidden, memory).shape == hidden.shape
 
@@ -131,8 +133,9 @@ class _OneSequence(nn.Module):
     """One sequence fed to both sides (a copy task): the same tensor is the encoder's and the decoder's
     input, and with no encoder norm the decoder's memory is that tensor too until the encoder runs."""
 
-    def __init__(self, bridge=False):
+    def __init__(self, bridge=False, keyword=False):
         super().__init__()
+        self.keyword = keyword  # the decoder's blocks given the encoder's output by keyword, with a mask
         self.emb = nn.Embedding(16, 8)
         self.encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2, 16, 0.0, batch_first=True), 2,
                                              enable_nested_tensor=False)
@@ -142,7 +145,13 @@ class _OneSequence(nn.Module):
 
     def forward(self, x):
         e = self.emb(x)
-        return self.head(self.decoder(e, self.bridge(self.encoder(e))))
+        memory = self.bridge(self.encoder(e))
+        if not self.keyword:
+            return self.head(self.decoder(e, memory))
+        mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1])
+        for layer in self.decoder.layers:
+            e = layer(e, memory=memory, tgt_mask=mask)
+        return self.head(e)
 
 
 def _staged(base, stage_layers, x):
@@ -162,11 +171,11 @@ def _staged(base, stage_layers, x):
     return out
 
 
-@pytest.mark.parametrize("bridge", [False, True])
+@pytest.mark.parametrize("bridge, keyword", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("stage_layers", [[1, 3], [2, 2], [3, 1]])
-def test_a_tensor_passed_twice_is_received_only_where_it_travels(bridge, stage_layers):
+def test_a_tensor_passed_twice_is_received_only_where_it_travels(bridge, keyword, stage_layers):
     torch.manual_seed(0)
-    model, x = _OneSequence(bridge), torch.randint(0, 16, (2, 5))
+    model, x = _OneSequence(bridge, keyword), torch.randint(0, 16, (2, 5))
     torch.testing.assert_close(_staged(model, stage_layers, x), model(x), atol=1e-6, rtol=0)
 
 
@@ -203,7 +212,7 @@ class _TwoStacks(nn.Module):  # two lists where the second continues the first: 
 
 
 @pytest.mark.parametrize("model, blocks, words", [
-    (_TwoStacks(), ["down", "up"], ["positional argument", "take one tensor", "Name one block list"]),
+    (_TwoStacks(), ["down", "up"], ["take the encoder's output", "take one tensor", "Name one block list"]),
     (_TwoStacks(), ["down", "up", "down"], ["encoder-decoder's two"]),
     (_OneSequence(), ["decoder.layers", "encoder.layers"], ["the encoder's registered first"]),
     (_OneSequence(), ["encoder.layers", "encoder.layers"], ["must be apart"]),
@@ -239,11 +248,29 @@ class _SharedParent(nn.Module):  # both lists under one parent: where things run
         self.head = nn.Linear(8, 16)
 
 
+def test_a_block_takes_the_encoders_output_by_position_or_by_name():
+    from lightning_tp.pipeline.encoder_decoder import takes_encoder_output
+
+    class Keyword(nn.Module):
+        def forward(self, x, *, encoder_hidden_states=None, **kwargs):
+            return x
+
+    class OneTensor(nn.Module):
+        def forward(self, x, mask=None, **encoder_kwargs):
+            return x
+
+    assert takes_encoder_output(nn.TransformerDecoderLayer(8, 2, 16, batch_first=True))
+    assert takes_encoder_output(Keyword()) and not takes_encoder_output(OneTensor())
+    assert not takes_encoder_output(nn.TransformerEncoderLayer(8, 2, 16, batch_first=True))
+
+
 def test_found_on_its_own_only_where_the_model_says_it_is_an_encoder_decoder():
     from lightning_tp.pipeline.encoder_decoder import find_encoder_decoder
 
     assert find_encoder_decoder(make_model("demo_transformer")) == (ENC, DEC)  # nn.TransformerDecoderLayer
     assert find_encoder_decoder(make_model("hf_t5").model) == ("encoder.block", "decoder.block")  # its config
+    # Whisper: its encoder's input is convolutions, its decoder blocks get encoder_hidden_states by keyword
+    assert find_encoder_decoder(make_model("hf_whisper").model) == ("model.encoder.layers", "model.decoder.layers")
     assert find_encoder_decoder(_PrenetGPT2()) is None  # GPT2Block has an encoder_hidden_states parameter
     model = _PrenetGPT2()
     assert plan_stages(model, 2, 1, "gpt.h").lists == ()  # a list named alone stays alone

@@ -75,6 +75,9 @@ WORLD2.update({
     # T5's first block makes the position bias the others are given, which travels between stages
     "pp2_hf_bart_1f1b": ("hf_bart", {}, _pp(2, "1f1b"), {}),
     "pp2_hf_t5_interleaved": ("hf_t5", {}, _pp(2, "interleaved_1f1b"), {}),
+    # Whisper gives its decoder blocks encoder_hidden_states by keyword (it travels all the same); one
+    # block a virtual stage cuts inside the encoder, at the decoder's start and inside the decoder
+    "pp2_hf_whisper_interleaved": ("hf_whisper", {}, _pp(2, "interleaved_1f1b"), {}),
     "pp2_hf_t5_zb_h1_inside_the_decoder": ("hf_t5", dict(layers=3), _pp(2, "zb_h1", stage_layers=[4, 2]), {}),
 })
 WORLD4 = {f"pp4_uneven_{s}": ("gpt", dict(n_layer=6), _pp(4, s), {}) for s in ("gpipe", "1f1b", "zb_h1")}

@@ -1,9 +1,9 @@
 """An encoder-decoder's two block lists as one chain of pipeline stages: which lists, checked.
 
 The encoder's blocks come first, then the decoder's. A decoder block is given the encoder's output
-as a positional argument (nn.TransformerDecoderLayer's ``memory``; Hugging Face's BART and T5 pass
-``encoder_hidden_states`` positionally too), and that is what travels with the hidden states
-between decoder stages (see :mod:`.stage`). Found on its own when a model has two outermost block
+(nn.TransformerDecoderLayer's ``memory``; Hugging Face's ``encoder_hidden_states``, positionally in
+BART and T5, by keyword in Whisper), and that is what travels with the hidden states between
+decoder stages (see :mod:`.stage`). Found on its own when a model has two outermost block
 lists and the second one's blocks take the encoder's output; else named with
 ``pipeline_blocks=[encoder, decoder]`` (nn.Transformer's plan names its two).
 """
@@ -18,12 +18,12 @@ from .split import _outer_groups, find_blocks, is_block_list
 
 
 def takes_encoder_output(block: nn.Module) -> bool:
-    """Whether a block's forward takes a second tensor positionally: two required positional
-    parameters, ``*args``, or a positional parameter named for the encoder's output."""
+    """Whether a block's forward takes a second tensor: two required positional parameters, ``*args``,
+    or a parameter after the first named for the encoder's output."""
     params = list(inspect.signature(block.forward).parameters.values())
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     return (sum(p.default is p.empty for p in positional) >= 2 or any(p.kind == p.VAR_POSITIONAL for p in params)
-            or any("memory" in p.name or "encoder" in p.name for p in positional[1:]))
+            or any(("memory" in p.name or "encoder" in p.name) and p.kind != p.VAR_KEYWORD for p in params[1:]))
 
 
 def find_encoder_decoder(model: nn.Module):
@@ -60,7 +60,7 @@ def encoder_decoder(model: nn.Module, names, pp: int) -> tuple:
                          f"encoder's registered first, as they run.")
     if not takes_encoder_output(blocks[0]):
         raise ValueError(f"pipeline_blocks={list(names)}: two block lists are taken as an encoder and a decoder "
-                         f"whose blocks take the encoder's output as a positional argument (as "
+                         f"whose blocks take the encoder's output (as "
                          f"nn.TransformerDecoderLayer does), but the blocks of {decoder} take one tensor. Name "
                          f"one block list, or use tp/dp for this model.")
     lists = tuple((path, len(b)) for path, b in found)

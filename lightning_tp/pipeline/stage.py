@@ -9,7 +9,7 @@ with its output, unless k is the last stage, where the user's code runs on to th
 An encoder-decoder (two block lists, see ``StageLayout.lists``) sends more than one tensor: a
 decoder block takes the encoder's output (``memory``) besides its hidden states, so a stage stops
 at the entry of the next stage's first block and sends that block's floating-point positional
-arguments (packed into one flat tensor); the receiver puts them in the same places, and in its
+arguments and keyword ones shaped like hidden states (packed into one flat tensor); the receiver puts them in the same places, and in its
 later blocks puts each received tensor wherever the tensor it stands for is passed again (the
 same ``memory`` object goes to every decoder block). At the decoder's first block the hidden
 states come from the decoder's own embedding copy, so only the rest travels.
@@ -53,11 +53,11 @@ def install(blocks, layout, pp_rank: int, silence=(), twins=None) -> StageState:
         lo, hi = layout.ranges[k]
         for i in range(lo, hi + 1):
             if chained:
-                _wrap_chained(blocks[i], i, state, i == layout.decoder_start, blocks.name(i), twins.get(i))
+                _wrap_chained(blocks[i], i, state, i == layout.decoder_start, twins.get(i))
             else:
                 _wrap(blocks[i], i, state, twins.get(i))
         if chained and k < layout.last_vstage:
-            _stop_at(blocks[hi + 1], k, state, hi + 1 == layout.decoder_start, blocks.name(hi + 1))
+            _stop_at(blocks[hi + 1], k, state, hi + 1 == layout.decoder_start)
     for module, twin, runs in silence:
         _silence_outside(module, twin, runs, state)
     return state
@@ -110,10 +110,30 @@ def _wrap(block, index: int, state: StageState, twin=None) -> None:
 # ------------------------------------------------------------------------------ an encoder-decoder
 
 
-def _carried(args, list_start: bool) -> list:
-    """Positions of the arguments that travel between stages: floating-point tensors, but for the
-    hidden states of a list's first block (the decoder's: made from the embeddings on every stage)."""
-    return [i for i, a in enumerate(args) if i >= list_start and isinstance(a, torch.Tensor) and a.is_floating_point()]
+def _carried(args, kwargs, list_start: bool) -> list:
+    """Places (a position, or a keyword) of the arguments that travel between stages: floating-point
+    positional tensors, and keyword ones shaped like the hidden states (batch, length, width): an
+    encoder's output given by keyword (Whisper's ``encoder_hidden_states=``). Keyword masks do not
+    travel: every stage makes them from the batch. A list's first block's own hidden states (the
+    decoder's: made from the embeddings on every stage) do not travel either."""
+    hidden = 0 if args else next(iter(kwargs), None)
+    like = _at(args, kwargs, hidden) if hidden is not None else None
+    places = [i for i, a in enumerate(args) if _floating(a)]
+    places += [k for k, a in kwargs.items() if _floating(a) and (k == hidden or _shaped_like(a, like))]
+    return [p for p in places if not (list_start and p == hidden)]
+
+
+def _shaped_like(a: torch.Tensor, hidden) -> bool:
+    return (isinstance(hidden, torch.Tensor) and a.dim() == hidden.dim() == 3 and a.shape[0] == hidden.shape[0]
+            and a.shape[-1] == hidden.shape[-1])
+
+
+def _floating(a) -> bool:
+    return isinstance(a, torch.Tensor) and a.is_floating_point()
+
+
+def _at(args, kwargs, place):
+    return args[place] if isinstance(place, int) else kwargs[place]
 
 
 def pack(parts: list) -> torch.Tensor:
@@ -141,7 +161,7 @@ def _stand_in(value, state: StageState):
     return held[1] if held is not None and held[0] is value else value
 
 
-def _wrap_chained(block, index: int, state: StageState, list_start: bool, name: str, twin=None) -> None:
+def _wrap_chained(block, index: int, state: StageState, list_start: bool, twin=None) -> None:
     original, skip = block.forward, _passthrough_of(twin, True)
 
     def forward(*args, **kwargs):
@@ -149,14 +169,17 @@ def _wrap_chained(block, index: int, state: StageState, list_start: bool, name: 
         if not lo <= index <= hi:
             return skip(args, kwargs)
         if index == lo and state.active > 0:
-            _check_keywords(args, kwargs, name)
-            positions = _carried(args, list_start)
-            parts = unpack(state.received, [args[i] for i in positions])
+            places = _carried(args, kwargs, list_start)
+            computed = [_at(args, kwargs, p) for p in places]
+            parts = unpack(state.received, computed)
             # later blocks are given the side inputs again (memory), never the first block's hidden states
-            state.stand_ins = {id(args[i]): (args[i], part) for i, part in zip(positions, parts) if i > 0}
-            received = dict(zip(positions, parts))
-            args = tuple(received.get(i, a) for i, a in enumerate(args))  # by position: a tensor may be
-            return original(*args, **kwargs)  # passed twice (src and tgt alike), only one place is received
+            hidden = 0 if args else next(iter(kwargs), None)
+            state.stand_ins = {id(c): (c, part) for p, c, part in zip(places, computed, parts) if p != hidden}
+            received = dict(zip(places, parts))
+            # by place: a tensor may be passed twice (src and tgt alike), only one place is received
+            args = tuple(received.get(i, a) for i, a in enumerate(args))
+            kwargs = {k: received.get(k, a) for k, a in kwargs.items()}
+            return original(*args, **kwargs)
         if list_start:  # the decoder starts inside this stage: its memory is computed here
             state.stand_ins = {}
         if state.stand_ins:
@@ -167,34 +190,19 @@ def _wrap_chained(block, index: int, state: StageState, list_start: bool, name: 
     block.forward = forward
 
 
-def _check_keywords(args, kwargs, name: str) -> None:
-    """Only positional arguments travel: a keyword tensor shaped like the hidden states (an encoder's
-    output passed as ``encoder_hidden_states=``) would be this stage's placeholder zeros. Refused,
-    whether or not gradients are on (validation runs without)."""
-    hidden = args[0] if args and isinstance(args[0], torch.Tensor) else None
-    lost = [key for key, a in kwargs.items() if hidden is not None and isinstance(a, torch.Tensor)
-            and a.is_floating_point() and a.dim() == hidden.dim() == 3 and a.shape[-1] == hidden.shape[-1]
-            and a.shape[0] == hidden.shape[0]]  # (batch, length, width) like the hidden states: not a mask
-    if lost:
-        raise ValueError(f"pipeline: {name} is given {lost} by keyword, shaped like hidden states; only positional "
-                         f"arguments travel between an encoder-decoder's stages (as nn.TransformerDecoder passes "
-                         f"memory), so this stage would use its own placeholder values. Use tp/dp for this model.")
-
-
-def _stop_at(block, vstage: int, state: StageState, list_start: bool, name: str) -> None:
+def _stop_at(block, vstage: int, state: StageState, list_start: bool) -> None:
     """At the entry of virtual stage ``vstage + 1``'s first block, end ``vstage``'s run: what that block
     would be given (the encoder's output included) is the message."""
     original = block.forward
 
     def forward(*args, **kwargs):
         if state.active == vstage:
-            _check_keywords(args, kwargs, name)
-            positions = _carried(args, list_start)
-            if not positions:
+            places = _carried(args, kwargs, list_start)
+            if not places:
                 raise ValueError("pipeline: two block lists are taken as an encoder and a decoder, but the second "
                                  "list's first block is given no tensor besides its own input (the encoder's "
                                  "output). Name one block list: pipeline_blocks='path.to.blocks'.")
-            raise StageDone(pack([_stand_in(args[i], state) for i in positions]))
+            raise StageDone(pack([_stand_in(_at(args, kwargs, p), state) for p in places]))
         return original(*args, **kwargs)
 
     block.forward = forward
