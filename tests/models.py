@@ -146,7 +146,7 @@ class HFSeq2SeqLM(L.LightningModule):
                                    encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
                                    decoder_ffn_dim=64, max_position_embeddings=64, dropout=0.0, attention_dropout=0.0,
                                    activation_dropout=0.0, pad_token_id=1, bos_token_id=0, eos_token_id=2,
-                                   decoder_start_token_id=2)
+                                   decoder_start_token_id=2, scale_embedding=True)
             self.model = tf.BartForConditionalGeneration(config)
         elif family == "t5":
             config = tf.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=layers, num_heads=4,

@@ -2,7 +2,8 @@
 tp=2+sp, pp=2 and tp=2 x pp=2, 10 AdamW steps, per-step loss and consolidated weights within 1e-5.
 Hugging Face GPT-2, Llama (grouped-query attention: 4 heads, 2 kv heads), Qwen2, Mistral, Qwen3
 (per-head q/k norms), and litgpt's GPT (grouped queries, fused [q|k|v]). With more tp ranks than
-key/value heads (1 kv head at tp=2, 2 at tp=4) each kv head is copied to several ranks."""
+key/value heads (1 kv head at tp=2, 2 at tp=4) each kv head is copied to several ranks. The
+encoder-decoders BART, T5 and Whisper at tp=2 and tp=2 x pp=2 (their plan: plans/hf_seq2seq.py)."""
 
 import pytest
 
@@ -42,7 +43,12 @@ WORLD2["litgpt_pp2_recompute"] = ("litgpt", {}, dict(PP, activation_checkpointin
 # interleaved: a rank's blocks of its other chunk pass through (in the tuple GPT-2's blocks return)
 WORLD2["hf_gpt2_pp2_interleaved"] = ("hf_gpt2", dict(layers=4), dict(PP, schedule="interleaved_1f1b",
                                                                        virtual_stages=2), TEN)
+# encoder-decoders: BART's three embedding modules and head tied to one weight (its embeddings scaled),
+# T5's one embedding module under three paths and per-head position bias, Whisper's keyword memory
+SEQ2SEQ = {"hf_bart": TEN, "hf_t5": TEN, "hf_whisper": {}}  # Whisper needs 20 steps to learn measurably
+WORLD2.update({f"{fam}_tp2": (fam, {}, dict(tp=2), steps) for fam, steps in SEQ2SEQ.items()})
 WORLD4 = {f"{fam}_tp2_pp2": (fam, {}, dict(tp=2, **PP), TEN) for fam in FAMILIES}
+WORLD4.update({f"{fam}_tp2_pp2": (fam, {}, dict(tp=2, **PP), steps) for fam, steps in SEQ2SEQ.items()})
 WORLD4["hf_llama_tp4_sp"] = ("hf_llama", {}, dict(tp=4, sp=True), TEN)  # 2 kv heads over 4 ranks
 WORLD4["hf_qwen3_tp4"] = ("hf_qwen3", {}, dict(tp=4), TEN)  # and a per-head k_norm on the copies
 
@@ -76,6 +82,42 @@ def test_llama_plan_comes_from_the_config():
         assert styles[f"model.model.layers.0.self_attn.{path}"] == "colwise_local"
     assert styles["model.model.layers.0.self_attn"] == "region"
     assert styles["model.model.layers.1.mlp.down_proj"] == "rowwise"
+
+
+def test_encoder_decoder_plans_come_from_their_layers():
+    for kind, plan, cross, bias in (("hf_bart", "hf_seq2seq_bart", "model.model.decoder.layers.0.encoder_attn.k_proj",
+                                     None),
+                                    ("hf_t5", "hf_seq2seq_t5", "model.decoder.block.0.layer.1.EncDecAttention.k",
+                                     "model.encoder.block.0.layer.0.SelfAttention.relative_attention_bias"),
+                                    ("hf_whisper", "hf_seq2seq_bart", "model.model.decoder.layers.1.encoder_attn.v_proj",
+                                     None)):
+        (match,) = planner.resolve(make_model(kind), 2, False)
+        styles = {path: style for path, style, _ in match.entries}
+        assert match.plan.name == plan and styles[cross] == "colwise"  # the encoder's output enters on its own
+        assert bias is None or styles[bias] == "embedding_cols"
+        assert "lm_head" in styles.values() and "vocab" in styles.values()
+    with pytest.raises(ValueError, match="SelfAttention.q: out_features = 32 holds 4 heads of 8, which tp = 8"):
+        planner.resolve(make_model("hf_t5"), 8, False)
+    with pytest.raises(ValueError, match="bias: embedding_dim"):  # one column per head: whole heads per rank
+        planner._check_sizes("bias", torch.nn.Embedding(32, 3), "embedding_cols", 2, {})
+
+
+def test_an_embedding_with_its_own_forward_keeps_it_or_is_refused():
+    from transformers.models.bart.modeling_bart import BartScaledWordEmbedding
+
+    from lightning_tp.layers import TPContext, VocabParallelEmbedding
+
+    ids = torch.tensor([[1, 5, 9]])
+    scaled = BartScaledWordEmbedding(10, 4, padding_idx=1, embed_scale=3.0)
+    tp = VocabParallelEmbedding.from_embedding(scaled, TPContext(), "shared", {})
+    torch.testing.assert_close(tp(ids), scaled(ids))
+
+    class Shifted(torch.nn.Embedding):
+        def forward(self, ids):
+            return super().forward(ids) + 1
+
+    with pytest.raises(ValueError, match="emb: Shifted has its own forward"):
+        VocabParallelEmbedding.from_embedding(Shifted(10, 4), TPContext(), "emb", {})
 
 
 def test_kv_heads_that_tp_can_neither_split_nor_copy_are_refused():

@@ -16,9 +16,9 @@ from .shard import ShardSpec, padded_size
 
 
 class VocabParallelEmbedding(nn.Module):
-    def __init__(self, weight, ctx: TPContext, num_embeddings: int, padding_idx=None):
+    def __init__(self, weight, ctx: TPContext, num_embeddings: int, padding_idx=None, embed_scale=None):
         super().__init__()
-        self.weight, self.ctx = weight, ctx
+        self.weight, self.ctx, self.embed_scale = weight, ctx, embed_scale
         self.num_embeddings, self.embedding_dim = num_embeddings, weight.shape[1]
         self.per_rank = weight.shape[0]
         self.vocab_start = ctx.rank * self.per_rank
@@ -29,11 +29,17 @@ class VocabParallelEmbedding(nn.Module):
         if emb.max_norm is not None or emb.scale_grad_by_freq or emb.sparse:
             raise ValueError(f"{name}: nn.Embedding with max_norm, scale_grad_by_freq or sparse=True cannot be "
                              f"vocab-parallel; leave it replicated (style 'replicate') or drop the option.")
+        # a subclass's own forward would be lost; Hugging Face's scaled embeddings (BART's) multiply by
+        # embed_scale, which is kept. Anything else is refused rather than silently changed.
+        scale = getattr(emb, "embed_scale", None) if type(emb).forward is not nn.Embedding.forward else None
+        if type(emb).forward is not nn.Embedding.forward and scale is None:
+            raise ValueError(f"{name}: {type(emb).__name__} has its own forward, which a vocab-parallel embedding "
+                             f"would not run; leave it replicated (style 'replicate').")
         vocab = emb.weight.shape[0]
         padded = padded_size(vocab, ctx.world)
         spec = ShardSpec(dim=0, world=ctx.world, full=vocab, padded=padded if padded != vocab else 0)
         weight = _shard_param(emb.weight, spec, ctx, memo)
-        return cls(weight, ctx, vocab, emb.padding_idx)
+        return cls(weight, ctx, vocab, emb.padding_idx, scale)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.vocab_start
@@ -44,7 +50,8 @@ class VocabParallelEmbedding(nn.Module):
             pad = self.padding_idx - self.vocab_start
         out = F.embedding(local, self.weight, pad)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        return comm.reduce_from_tp(out, self.ctx.group)
+        out = comm.reduce_from_tp(out, self.ctx.group)
+        return out if self.embed_scale is None else out * self.embed_scale
 
     def extra_repr(self):
         return f"{self.per_rank}/{self.num_embeddings}, {self.embedding_dim}, tp={self.ctx.world}"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import warnings
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -17,15 +18,15 @@ from torch import nn
 from .. import comm
 from ..layers import (ColumnParallelLinear, RowParallelLinear, TPContext, TPMultiheadAttention,
                       VocabParallelCrossEntropy, VocabParallelEmbedding)
-from ..layers.linear import is_conv1d
-from ..layers.shard import check_divisible, mark
+from ..layers.linear import _shard_param, is_conv1d
+from ..layers.shard import ShardSpec, check_divisible, mark
 from ..pipeline.split import PipelinePlaceholder
 from .base import Plan, parse_rule, path_matches
 from .registry import registered_plans
 
 _EXPECTED = {
     "colwise": nn.Linear, "colwise_local": nn.Linear, "rowwise": nn.Linear, "lm_head": nn.Linear,
-    "vocab": nn.Embedding, "vocab_ce": nn.CrossEntropyLoss,
+    "vocab": nn.Embedding, "embedding_cols": nn.Embedding, "vocab_ce": nn.CrossEntropyLoss,
     "mha": nn.MultiheadAttention,
 }
 
@@ -184,11 +185,16 @@ def _check_sizes(name: str, module: nn.Module, style: str, tp: int, options: dic
         check_divisible("in_features", name, module.weight.shape[0 if conv else 1], tp, hint)
     elif style == "mha":
         check_divisible("num_heads", name, module.num_heads, tp, hint)
+    elif style == "embedding_cols":
+        check_divisible("embedding_dim", name, module.embedding_dim, tp, hint)
 
 
 def apply(model: nn.Module, matches: list, group, tp: int, rank: int, sp: bool) -> dict:
-    """Replace the planned modules in place; returns {path: new module}."""
-    memo, replaced = {}, {}
+    """Replace the planned modules in place; returns {path: new module}. A module held under several
+    paths (T5's ``shared`` is also each stack's ``embed_tokens``) is replaced under all of them."""
+    memo, replaced, aliases = {}, {}, defaultdict(list)
+    for name, module in model.named_modules(remove_duplicate=False):
+        aliases[id(module)].append(name)
     for m in matches:
         ctx = TPContext(group=group, world=tp, rank=rank, sp=sp and m.sp_start is not None, seq_dim=m.plan.seq_dim)
         has_ce = any(style == "vocab_ce" for _, style, _ in m.entries)
@@ -207,7 +213,8 @@ def apply(model: nn.Module, matches: list, group, tp: int, rank: int, sp: bool) 
             if style == "vocab_ce" and head is None:
                 raise ValueError(f"plan {m.plan.name!r}: {path} is 'vocab_ce' but no 'lm_head' precedes it.")
             if new is not module:
-                _set_submodule(model, path, new)
+                for alias in aliases[id(module)] or [path]:
+                    _set_submodule(model, alias, new)
                 replaced[path] = new
         root = model.get_submodule(m.prefix) if m.prefix else model
         for glob, rules in m.plan.attrs.items():
@@ -238,6 +245,11 @@ def _build(module, style, ctx, path, memo, has_ce, head, options):
         return VocabParallelCrossEntropy.from_module(module, head, path) if head is not None else module
     if style == "mha":
         return TPMultiheadAttention.from_module(module, ctx, path, memo)
+    if style == "embedding_cols":  # kept as it is, with this rank's columns: its lookups need no communication
+        module.weight = _shard_param(module.weight, ShardSpec(dim=1, world=ctx.world, full=module.embedding_dim),
+                                     ctx, memo)
+        module.embedding_dim = module.weight.shape[1]
+        return module
     if style == "region":
         module.register_forward_pre_hook(_first_tensor_hook(ctx.enter_region), with_kwargs=True)
         return module

@@ -17,6 +17,8 @@ STYLES = {
     "rowwise": "row-parallel Linear: one all-reduce (reduce-scatter under SP) of its partial sums",
     "region": "module whose first input enters the TP region once, for all its colwise_local layers",
     "vocab": "vocab-parallel Embedding (vocab padded to a multiple of tp)",
+    "embedding_cols": "Embedding split along its output: one column per head (T5's relative_attention_bias), "
+                      "no communication",
     "lm_head": "column-parallel Linear over the vocabulary; gathers logits unless a 'vocab_ce' loss is planned",
     "vocab_ce": "nn.CrossEntropyLoss replaced by the vocab-parallel cross-entropy (no full logits)",
     "sp_norm": "replicated module that runs on sequence shards under SP (its grads are summed over tp)",
