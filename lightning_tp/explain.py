@@ -170,7 +170,7 @@ def _tp_ops(base, matches, sp, tp, hidden, locate):
             style_of[path] = (style, esp, options)
             mod, loc = base.get_submodule(path), locate(path)
             if style in ("region", "colwise", "lm_head", "mha"):
-                ops[loc] += _enter(_width_in(mod), esp, tp)
+                ops[loc] += _enter(_width_in(mod), esp, tp) * (1 + len(options.get("inputs", ())))
             if style == "mha" and _cross_attention(base, path):  # the encoder's output enters too
                 ops[loc] += _enter(_width_in(mod), esp, tp)
             if style in ("rowwise", "mha"):

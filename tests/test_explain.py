@@ -42,6 +42,9 @@ CONFIGS = {
                                              dict(pp=2, microbatches=2, schedule="interleaved_1f1b",
                                                   virtual_stages=2)),
     "tp2_pp2_demo_transformer": (dict(kind="demo_transformer", copied=True), dict(tp=2, pp=2, microbatches=2)),
+    # Hugging Face BART's plan: the cross-attention's region entered by the decoder's hidden states and
+    # by the encoder's output (key_value_states), one backward all-reduce each
+    "tp2_dp2_hf_bart": (dict(kind="hf_bart"), dict(tp=2)),
 }
 
 

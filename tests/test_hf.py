@@ -93,11 +93,17 @@ def test_encoder_decoder_plans_come_from_their_layers():
                                      None)):
         (match,) = planner.resolve(make_model(kind), 2, False)
         styles = {path: style for path, style, _ in match.entries}
-        assert match.plan.name == plan and styles[cross] == "colwise"  # the encoder's output enters on its own
+        # the encoder's output enters the cross-attention's region by keyword: one entry for k and v
+        region = cross.rpartition(".")[0]
+        assert match.plan.name == plan and styles[cross] == "colwise_local" and styles[region] == "region"
+        assert {path: opts for path, _, opts in match.entries}[region]["inputs"] == ["key_value_states"]
         assert bias is None or styles[bias] == "embedding_cols"
         assert "lm_head" in styles.values() and "vocab" in styles.values()
     with pytest.raises(ValueError, match="SelfAttention.q: out_features = 32 holds 4 heads of 8, which tp = 8"):
         planner.resolve(make_model("hf_t5"), 8, False)
+    bad = dict(styles={"model.model.decoder.layers.*.encoder_attn": {"style": "region", "inputs": ["memory"]}})
+    with pytest.raises(ValueError, match=r"encoder_attn is a 'region' entered by \['memory'\], which its forward"):
+        planner.resolve(make_model("hf_bart"), 2, False, bad)
     with pytest.raises(ValueError, match="bias: embedding_dim"):  # one column per head: whole heads per rank
         planner._check_sizes("bias", torch.nn.Embedding(32, 3), "embedding_cols", 2, {})
 

@@ -1,19 +1,24 @@
-"""A Hugging Face T5 (encoder-decoder) trained with pipeline parallelism on 2 CPU processes, on the
-byte-level Tiny Shakespeare of examples/gpt.
+"""A Hugging Face T5 (encoder-decoder) trained with pipeline (and tensor) parallelism on CPU
+processes, on the byte-level Tiny Shakespeare of examples/gpt.
 
-    python examples/hf_t5/train.py
+    python examples/hf_t5/train.py                # pp=2 (1F1B, 4 microbatches) on 2 processes
+    python examples/hf_t5/train.py --tp 2         # tp=2 x pp=2 on 4
+    python examples/hf_t5/train.py --tp 2 --pp 1  # tp=2 on 2
 
 The LightningModule is what a single-device project would write; the only parallel line is the
 Trainer's ``strategy=MegaStrategy(pp=2, microbatches=4)``. The model's two block lists (encoder,
 then decoder) are found on their own and cut into one chain of stages: the decoder's stages receive
 the encoder's output and T5's position bias with their hidden states, and the decoder's first stage
 keeps a copy of the shared embedding (its gradients summed with the first stage's and the tied
-head's). The model is built from a config: no download.
+head's). Under tp the plan for T5's layout is found on its own too (plans/hf_seq2seq.py): q/k/v
+and the MLP split by heads and columns, the position bias by head. The model is built from a
+config: no download.
 
 Like Lightning's demo Transformer, the decoder is taught to continue the text the encoder sees in
 full, so the loss falls fast: this shows the pipeline trains, not a model worth sampling from.
 """
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -46,9 +51,15 @@ class T5LM(L.LightningModule):
 
 
 if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=2)
+    parser.add_argument("--microbatches", type=int, default=4, help="under pp")
+    args = parser.parse_args()
     L.seed_everything(0)
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=MegaStrategy(pp=2, microbatches=4), max_steps=40,
-                        callbacks=[PrintLoss()], logger=False, enable_checkpointing=False,
+    pipeline = dict(pp=args.pp, microbatches=args.microbatches) if args.pp > 1 else {}
+    trainer = L.Trainer(accelerator="cpu", devices=args.tp * args.pp, strategy=MegaStrategy(tp=args.tp, **pipeline),
+                        max_steps=40, callbacks=[PrintLoss()], logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(T5LM(), ShakespeareData(block_size=64, batch_size=16))
     if trainer.is_global_zero:

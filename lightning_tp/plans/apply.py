@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 from .. import comm
@@ -90,6 +92,10 @@ def resolve(model: nn.Module, tp: int, sp: bool, plan="auto") -> list:
                 raise ValueError(f"plan {p.name!r} gives {full} the style {style!r}, which needs a "
                                  f"{expected.__name__}, but it is a {type(module).__name__}.")
             _check_sizes(full, module, style, tp, options)
+            missing = [n for n in options.get("inputs", ()) if n not in inspect.signature(module.forward).parameters]
+            if missing:
+                raise ValueError(f"plan {p.name!r}: {full} is a 'region' entered by {missing}, which its forward "
+                                 f"does not take.")
             m.entries.append((full, style, options))
         for glob, rules in p.attrs.items():
             for name, module in root.named_modules():
@@ -251,7 +257,8 @@ def _build(module, style, ctx, path, memo, has_ce, head, options):
         module.embedding_dim = module.weight.shape[1]
         return module
     if style == "region":
-        module.register_forward_pre_hook(_first_tensor_hook(ctx.enter_region), with_kwargs=True)
+        hook = _region_hook(ctx.enter_region, module, options.get("inputs", ()))
+        module.register_forward_pre_hook(hook, with_kwargs=True)
         return module
     if style in ("sp_norm", "partial"):
         if ctx.sp or style == "partial":
@@ -269,6 +276,27 @@ def _first_tensor_hook(fn):
             if hasattr(value, "dim"):
                 return args, {**kwargs, key: fn(value)}
         return None
+    return hook
+
+
+def _region_hook(fn, module, names):
+    """The first tensor argument enters the TP region, and each argument named in ``names``, given by
+    keyword or at its place in the forward's signature: one entry for all the layers that read it."""
+    first = _first_tensor_hook(fn)
+    if not names:
+        return first
+    params = list(inspect.signature(module.forward).parameters)
+    where = {n: params.index(n) for n in names}
+
+    def hook(mod, args, kwargs):
+        args, kwargs = first(mod, args, kwargs) or (args, kwargs)
+        args, kwargs = list(args), dict(kwargs)
+        for n in names:
+            if torch.is_tensor(kwargs.get(n)):
+                kwargs[n] = fn(kwargs[n])
+            elif where[n] < len(args) and torch.is_tensor(args[where[n]]):
+                args[where[n]] = fn(args[where[n]])
+        return tuple(args), kwargs
     return hook
 
 

@@ -38,6 +38,8 @@ STYLE_OPTIONS = {
     "replicate_heads": "true, or the indices of the sections/chunks holding key/value heads: with unit, a tp that "
                        "is a multiple of their head count copies each head to tp / heads ranks (Megatron's GQA)",
     "full_input": "the input is whole along the sequence even under SP (the module runs after sp_end)",
+    "inputs": "for 'region': names of further arguments (by keyword or position) that enter the region too, "
+              "e.g. cross-attention's key_value_states, read by its k and v",
 }
 
 

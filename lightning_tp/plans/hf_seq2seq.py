@@ -7,8 +7,9 @@ and T5's (``q``/``k``/``v``/``o``, ``wi``/``wo`` or gated ``wi_0``/``wi_1``/``wo
 model whose config says ``is_encoder_decoder`` and whose two block lists have one of these layouts.
 
 Self-attention enters the TP region once for q/k/v (style 'region'); cross-attention's query reads
-the decoder's hidden states and its key and value the encoder's output, so each of its projections
-enters on its own. The token embeddings are vocab-parallel (BART ties three embedding modules and
+the decoder's hidden states and its key and value the encoder's output, so its region is entered by
+both (option ``inputs``: ``key_value_states``), one backward all-reduce each, as Megatron's
+cross-attention does with its query and fused key-value projections. The token embeddings are vocab-parallel (BART ties three embedding modules and
 the head to one weight: it is sharded once), the head gathers the logits for the model's own loss.
 No sequence parallelism (as for nn.Transformer): norms stay replicated.
 """
@@ -54,7 +55,8 @@ def _bart(enc: str, dec: str, module: nn.Module) -> tuple:
         styles.update({f"{path}.*.fc1": "colwise", f"{path}.*.fc2": "rowwise"})
         attrs[f"{path}.*.self_attn"] = {"num_heads": "divide", "embed_dim": "divide"}
     head_dim = module.get_submodule(dec)[0].encoder_attn.head_dim
-    styles.update({f"{dec}.*.encoder_attn.{p}": {"style": "colwise", "unit": head_dim}
+    styles[f"{dec}.*.encoder_attn"] = {"style": "region", "inputs": ["key_value_states"]}
+    styles.update({f"{dec}.*.encoder_attn.{p}": {"style": "colwise_local", "unit": head_dim}
                    for p in ("q_proj", "k_proj", "v_proj")})
     styles[f"{dec}.*.encoder_attn.out_proj"] = "rowwise"
     attrs[f"{dec}.*.encoder_attn"] = {"num_heads": "divide", "embed_dim": "divide"}
@@ -77,7 +79,8 @@ def _t5(enc: str, dec: str, module: nn.Module) -> tuple:
                 styles[f"{ff}.{name}"] = "rowwise" if name == "wo" else "colwise"
     cross = f"{dec}.*.layer.1.EncDecAttention"
     unit = module.get_submodule(dec)[0].layer[1].EncDecAttention.key_value_proj_dim
-    styles.update({f"{cross}.{p}": {"style": "colwise", "unit": unit} for p in "qkv"})
+    styles[cross] = {"style": "region", "inputs": ["key_value_states"]}
+    styles.update({f"{cross}.{p}": {"style": "colwise_local", "unit": unit} for p in "qkv"})
     styles[f"{cross}.o"] = "rowwise"
     attrs[cross] = {"n_heads": "divide", "inner_dim": "divide"}
     return styles, attrs
