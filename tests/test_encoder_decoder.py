@@ -9,7 +9,7 @@ from torch import nn
 
 from lightning_tp.explain import explain
 from lightning_tp.pipeline.split import ShapeOnly, SkippedBlock, apply_split, plan_stages
-from lightning_tp.pipeline.stage import StageDone, StageState, _stop_at, install, pack, unpack
+from lightning_tp.pipeline.stage import StageDone, StageState, _carried, _stop_at, install, pack, unpack
 from lightning_tp.plans import apply as planner
 from models import make_model
 
@@ -125,6 +125,10 @@ def test_a_stage_ends_at_the_next_stages_first_block_with_what_it_is_given():
             block(*args, **kwargs)
         sent = [hidden, memory] + [mask] * (len(args) == 3)
         assert torch.equal(done.value.output, torch.cat([t.reshape(-1) for t in sent]))
+    # by keyword, an encoder's output of another length and width (its own d_model), batch first or second
+    for h, mem in ((torch.randn(2, 3, 8), torch.randn(2, 7, 6)), (torch.randn(3, 2, 8), torch.randn(7, 2, 6))):
+        assert _carried((h,), dict(memory=mem, tgt_mask=torch.zeros(3, 3)), False) == [0, "memory"]
+        assert _carried((h,), dict(memory=mem), True) == ["memory"]  # at the decoder's start
     state.active = 1  # the stage that holds it: the block runs
     assert block(hidden, memory).shape == hidden.shape
 

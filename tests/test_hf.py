@@ -108,6 +108,40 @@ def test_encoder_decoder_plans_come_from_their_layers():
         planner._check_sizes("bias", torch.nn.Embedding(32, 3), "embedding_cols", 2, {})
 
 
+def test_every_embedding_tied_to_the_head_is_sharded_with_it():
+    import transformers as tf
+
+    # Marian with its decoder's embedding resized to 64 rows (the config still says 48), tied to the head
+    model = tf.MarianMTModel(tf.MarianConfig(vocab_size=48, decoder_vocab_size=48, share_encoder_decoder_embeddings=False,
+                                             d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                                             decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
+                                             max_position_embeddings=64, pad_token_id=1))
+    model.resize_decoder_token_embeddings(64)
+    (match,) = planner.resolve(model, 2, False)
+    styles = {path: style for path, style, _ in match.entries}
+    assert styles["model.decoder.embed_tokens"] == "vocab" and styles["lm_head"] == "lm_head"
+    # a plan that shards a head but leaves its tied embedding whole is refused before any collective
+    with pytest.raises(ValueError, match=r"model.model.shared shares a parameter with model.lm_head, which the plan "
+                                         r"shards \('lm_head'\), but has no style"):
+        planner.resolve(make_model("hf_bart"), 2, False, dict(styles={"model.lm_head": "lm_head"}))
+
+
+def test_layouts_seen_only_in_part_are_not_taken():
+    import transformers as tf
+
+    from lightning_tp.plans.hf_seq2seq import HFSeq2SeqPlan
+
+    switch = tf.SwitchTransformersForConditionalGeneration(tf.SwitchTransformersConfig(
+        vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4, num_experts=2))
+    fsmt = tf.FSMTForConditionalGeneration(tf.FSMTConfig(
+        langs=["en", "de"], src_vocab_size=64, tgt_vocab_size=64, d_model=32, encoder_layers=2, decoder_layers=2,
+        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64))
+    for model in (switch, fsmt):  # expert MLPs; an attention taking (query, key): refused with a message instead
+        assert not HFSeq2SeqPlan().matches(model)
+        with pytest.raises(ValueError, match="no parallelization plan matches"):
+            planner.resolve(model, 2, False)
+
+
 def test_an_embedding_with_its_own_forward_keeps_it_or_is_refused():
     from transformers.models.bart.modeling_bart import BartScaledWordEmbedding
 

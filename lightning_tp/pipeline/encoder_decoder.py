@@ -14,7 +14,7 @@ import inspect
 
 from torch import nn
 
-from .split import _outer_groups, find_blocks, is_block_list
+from .split import _outer_groups, find_blocks, holds_linear, is_block_list
 
 
 def takes_encoder_output(block: nn.Module) -> bool:
@@ -70,13 +70,10 @@ def encoder_decoder(model: nn.Module, names, pp: int) -> tuple:
                       for p in m.parameters()):
         raise ValueError(f"pipeline_blocks={list(names)}: a module between the encoder and the decoder shares "
                          f"weights with the embedding; that is not supported under pp.")
-    bridges = [name for name, m in groups["between"] if _has_linear(m)]
-    if pp > 1 and bridges and not any(_has_linear(m) for _, m in groups["after"]):
+    bridges = [name for name, m in groups["between"] if holds_linear(m)]
+    if pp > 1 and bridges and not any(holds_linear(m) for _, m in groups["after"]):
         raise ValueError(f"{bridges} lie between the encoder and the decoder, so they run where the encoder ends, "
                          f"and no Linear comes after the decoder: if one of them is the output head, register it "
                          f"after the decoder.")
     return lists, any(id(p) in first for _, m in groups["after"] for p in m.parameters())
 
-
-def _has_linear(m: nn.Module) -> bool:
-    return any(isinstance(c, nn.Linear) for c in m.modules())

@@ -405,11 +405,15 @@ def _encoder_decoder_kind(name: str, paths: list, seen: int) -> str:
     return "between" if seen == 1 else "after"
 
 
+def holds_linear(m: nn.Module) -> bool:
+    """Whether ``m`` holds a Linear (Hugging Face's Conv1D, GPT-2's, counts as one)."""
+    return any(isinstance(c, nn.Linear) or type(c).__name__ == "Conv1D" for c in m.modules())
+
+
 def _runs_first(m: nn.Module, after_blocks: bool) -> bool:
-    kinds = [type(c) for c in m.modules()]
-    if any(issubclass(k, nn.Embedding) for k in kinds):
+    if any(isinstance(c, nn.Embedding) for c in m.modules()):
         return True
-    return not after_blocks and not any(issubclass(k, nn.Linear) or k.__name__ == "Conv1D" for k in kinds)
+    return not after_blocks and not holds_linear(m)
 
 
 def _is_leafy_owner(m: nn.Module) -> bool:

@@ -112,9 +112,10 @@ def _wrap(block, index: int, state: StageState, twin=None) -> None:
 
 def _carried(args, kwargs, list_start: bool) -> list:
     """Places (a position, or a keyword) of the arguments that travel between stages: floating-point
-    positional tensors, and keyword ones shaped like the hidden states (batch, length, width): an
-    encoder's output given by keyword (Whisper's ``encoder_hidden_states=``). Keyword masks do not
-    travel: every stage makes them from the batch. A list's first block's own hidden states (the
+    positional tensors, and 3-d keyword ones that share the hidden states' batch (or, sequence first,
+    their second) dimension: an encoder's output given by keyword (Whisper's ``encoder_hidden_states=``),
+    whatever its length and width. Keyword masks (2-d, 4-d) do not travel: every stage makes them
+    from the batch. A list's first block's own hidden states (the
     decoder's: made from the embeddings on every stage) do not travel either."""
     hidden = 0 if args else next(iter(kwargs), None)
     like = _at(args, kwargs, hidden) if hidden is not None else None
@@ -124,8 +125,8 @@ def _carried(args, kwargs, list_start: bool) -> list:
 
 
 def _shaped_like(a: torch.Tensor, hidden) -> bool:
-    return (isinstance(hidden, torch.Tensor) and a.dim() == hidden.dim() == 3 and a.shape[0] == hidden.shape[0]
-            and a.shape[-1] == hidden.shape[-1])
+    return (isinstance(hidden, torch.Tensor) and a.dim() == hidden.dim() == 3
+            and (a.shape[0] == hidden.shape[0] or a.shape[1] == hidden.shape[1]))
 
 
 def _floating(a) -> bool:

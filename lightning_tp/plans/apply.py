@@ -117,12 +117,41 @@ def resolve(model: nn.Module, tp: int, sp: bool, plan="auto") -> list:
             f"MegaStrategy(tp={tp}): no parallelization plan matches {type(model).__name__}. Modules holding "
             f"Linear/Embedding layers: {_unplanned_types(model)}. Pass plan=lightning_tp.Plan(...) (or a dict) that "
             f"names their layers' styles; built-in plans: {[p.name for p in registered_plans()]}.")
+    if tp > 1:
+        _check_ties(model, matches)
     if sp and tp > 1:
         for m in matches:
             if m.sp_start is None and m.entries:
                 warnings.warn(f"lightning_tp: plan {m.plan.name!r} has no sp_start; {m.prefix or 'the model'} runs "
                               f"without sequence parallelism.")
     return matches
+
+
+_KEEPS_WEIGHTS = {"region", "sp_norm", "partial", "replicate", "vocab_ce"}  # styles that shard no parameter
+
+
+def _check_ties(model: nn.Module, matches: list) -> None:
+    """A parameter the plan shards must not also sit, whole, in a module the plan leaves alone (a head
+    styled 'lm_head' whose tied embedding has no style): the two would silently train apart."""
+    sharded = {}
+    for m in matches:
+        for path, style, _ in m.entries:
+            if style not in _KEEPS_WEIGHTS:
+                for p in model.get_submodule(path).parameters():
+                    sharded.setdefault(id(p), (path, style))
+    owners = {path for m in matches for path, style, _ in m.entries if style not in _KEEPS_WEIGHTS}
+    if "" in owners:  # the plan replaces the whole model (an nn.MultiheadAttention on its own)
+        return
+    for name, module in model.named_modules():
+        parts = name.split(".")
+        if any(".".join(parts[:i]) in owners for i in range(1, len(parts) + 1)):  # inside a sharded module
+            continue
+        for p in module.parameters(recurse=False):
+            if id(p) in sharded:
+                path, style = sharded[id(p)]
+                raise ValueError(f"{name} shares a parameter with {path}, which the plan shards ('{style}'), but has no "
+                                 f"style of its own: give it one too (an embedding tied to an 'lm_head' is 'vocab'), "
+                                 f"or untie them.")
 
 
 def _report(plan: Plan, root: nn.Module, prefix: str, names: list) -> None:

@@ -32,7 +32,9 @@ class HFConfigPlan:
         config = getattr(module, "config", None)
         plan = getattr(config, "base_model_tp_plan", None)
         base = getattr(module, "base_model_prefix", None)
-        return bool(plan) and base is not None and hasattr(module, base) and hasattr(module, "lm_head")
+        return (bool(plan) and base is not None and hasattr(module, base) and hasattr(module, "lm_head")
+                and hasattr(getattr(module, base), "layers") and hasattr(config, "num_attention_heads")
+                and hasattr(config, "hidden_size"))  # the layout build() reads (not T5Gemma's, say)
 
     def build(self, module: nn.Module) -> Plan:
         config, base = module.config, module.base_model_prefix

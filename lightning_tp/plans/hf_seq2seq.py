@@ -16,6 +16,8 @@ No sequence parallelism (as for nn.Transformer): norms stay replicated.
 
 from __future__ import annotations
 
+import inspect
+
 from torch import nn
 
 from ..pipeline.encoder_decoder import find_encoder_decoder
@@ -31,20 +33,32 @@ def _has(module: nn.Module, *paths: str) -> bool:
     return True
 
 
+def _kv_input(attention: nn.Module):
+    """The name under which a cross-attention takes the encoder's output (T5 and BART:
+    ``key_value_states``; UMT5: ``encoder_hidden_states``), or None."""
+    params = inspect.signature(attention.forward).parameters
+    return next((n for n in ("key_value_states", "encoder_hidden_states") if n in params), None)
+
+
 def _layout(module: nn.Module):
-    """(encoder path, decoder path, "bart" | "t5") or None."""
+    """(encoder path, decoder path, "bart" | "t5", the cross-attention's input name) or None: a
+    layout seen in part (FSMT's attention, Switch Transformers' expert MLPs) does not match."""
     lists = find_encoder_decoder(module)
     if lists is None:
         return None
     enc, dec = (module.get_submodule(p)[0] for p in lists)
     if _has(enc, "self_attn.q_proj", "fc1", "fc2") and _has(dec, "self_attn.q_proj", "encoder_attn.q_proj", "fc1"):
-        return (*lists, "bart")
-    if _has(enc, "layer.0.SelfAttention.q") and _has(dec, "layer.0.SelfAttention.q", "layer.1.EncDecAttention.q"):
-        return (*lists, "t5")
-    return None
+        kind, cross = "bart", dec.encoder_attn
+    elif _has(enc, "layer.0.SelfAttention.q", f"layer.{len(getattr(enc, 'layer', ())) - 1}.DenseReluDense.wo") \
+            and _has(dec, "layer.0.SelfAttention.q", "layer.1.EncDecAttention.q"):
+        kind, cross = "t5", dec.layer[1].EncDecAttention
+    else:
+        return None
+    kv = _kv_input(cross)
+    return (*lists, kind, kv) if kv is not None else None
 
 
-def _bart(enc: str, dec: str, module: nn.Module) -> tuple:
+def _bart(enc: str, dec: str, kv: str, module: nn.Module) -> tuple:
     styles, attrs = {}, {}
     for path in (enc, dec):
         head_dim = module.get_submodule(path)[0].self_attn.head_dim
@@ -55,7 +69,7 @@ def _bart(enc: str, dec: str, module: nn.Module) -> tuple:
         styles.update({f"{path}.*.fc1": "colwise", f"{path}.*.fc2": "rowwise"})
         attrs[f"{path}.*.self_attn"] = {"num_heads": "divide", "embed_dim": "divide"}
     head_dim = module.get_submodule(dec)[0].encoder_attn.head_dim
-    styles[f"{dec}.*.encoder_attn"] = {"style": "region", "inputs": ["key_value_states"]}
+    styles[f"{dec}.*.encoder_attn"] = {"style": "region", "inputs": [kv]}
     styles.update({f"{dec}.*.encoder_attn.{p}": {"style": "colwise_local", "unit": head_dim}
                    for p in ("q_proj", "k_proj", "v_proj")})
     styles[f"{dec}.*.encoder_attn.out_proj"] = "rowwise"
@@ -63,7 +77,7 @@ def _bart(enc: str, dec: str, module: nn.Module) -> tuple:
     return styles, attrs
 
 
-def _t5(enc: str, dec: str, module: nn.Module) -> tuple:
+def _t5(enc: str, dec: str, kv: str, module: nn.Module) -> tuple:
     styles, attrs = {}, {}
     for path in (enc, dec):
         block = module.get_submodule(path)[0]
@@ -79,7 +93,7 @@ def _t5(enc: str, dec: str, module: nn.Module) -> tuple:
                 styles[f"{ff}.{name}"] = "rowwise" if name == "wo" else "colwise"
     cross = f"{dec}.*.layer.1.EncDecAttention"
     unit = module.get_submodule(dec)[0].layer[1].EncDecAttention.key_value_proj_dim
-    styles[cross] = {"style": "region", "inputs": ["key_value_states"]}
+    styles[cross] = {"style": "region", "inputs": [kv]}
     styles.update({f"{cross}.{p}": {"style": "colwise_local", "unit": unit} for p in "qkv"})
     styles[f"{cross}.o"] = "rowwise"
     attrs[cross] = {"n_heads": "divide", "inner_dim": "divide"}
@@ -96,17 +110,35 @@ class HFSeq2SeqPlan:
             hasattr(module, "get_output_embeddings") and _layout(module) is not None
 
     def build(self, module: nn.Module) -> Plan:
-        enc, dec, kind = _layout(module)
-        styles, attrs = (_bart if kind == "bart" else _t5)(enc, dec, module)
+        enc, dec, kind, kv = _layout(module)
+        styles, attrs = (_bart if kind == "bart" else _t5)(enc, dec, kv, module)
         head = module.get_output_embeddings()
-        paths = {id(m): name for name, m in module.named_modules(remove_duplicate=False)}
-        vocab = module.config.vocab_size
-        for name, m in module.named_modules():  # token embeddings: the vocabulary's rows (not positions)
-            if isinstance(m, nn.Embedding) and m.weight.shape[0] == vocab and "position" not in name:
-                styles[name] = "vocab"
-        if head is not None:
-            styles[paths[id(head)]] = "lm_head"
+        for name in _token_embeddings(module, head):
+            styles[name] = "vocab"
+        if head is not None:  # the path resolve() visits: the first one a module is found under
+            styles[next(n for n, m in module.named_modules() if m is head)] = "lm_head"
         return Plan(name=f"hf_seq2seq_{kind}", styles=styles, attrs=attrs, blocks=(enc, dec))
+
+
+def _token_embeddings(module: nn.Module, head) -> list:
+    """Paths of the embeddings looked up by token: the input embeddings of the model, its encoder and
+    its decoder, and any Embedding sharing the head's weight (BART's ``shared`` and both stacks'
+    ``embed_tokens``; a decoder's resized embedding tied to the head). Never positions."""
+    found = set()
+    for owner in (module, _get(module, "get_encoder"), _get(module, "get_decoder")):
+        emb = _get(owner, "get_input_embeddings")
+        if isinstance(emb, nn.Embedding):
+            found.add(id(emb))
+    tied = getattr(head, "weight", None)
+    return [name for name, m in module.named_modules()
+            if isinstance(m, nn.Embedding) and (id(m) in found or (tied is not None and m.weight is tied))]
+
+
+def _get(owner, method: str):
+    try:
+        return getattr(owner, method)() if owner is not None and hasattr(owner, method) else None
+    except NotImplementedError:
+        return None
 
 
 PLANS = [HFSeq2SeqPlan()]
