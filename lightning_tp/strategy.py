@@ -33,7 +33,7 @@ from .quant.fake_quant import RANGE_MODES
 from .mesh import ParallelMesh, build_mesh, data_parallel_size, use_tied_ranks
 from .pipeline.executor import PipelineRunner
 from .pipeline.schedules import build_schedule
-from .pipeline.split import apply_split, plan_stages
+from .pipeline.split import apply_split, meta_twins, plan_stages
 from .pipeline.stage import install as install_stages
 from .plans import apply as planner
 
@@ -202,6 +202,8 @@ class MegaStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         self._parallelize(self.lightning_module)
         self.model = self.precision_plugin.convert_module(self.model)
+        for twin in self.lightning_module._lightning_tp["twins"]:  # placeholders' zeros in the model's dtype
+            self.precision_plugin.convert_module(twin)
         self.model_to_device()
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -303,7 +305,7 @@ class MegaStrategy(ParallelStrategy):
         contexts = {id(m.ctx): m.ctx for m in replaced.values() if hasattr(m, "ctx")}
         module._lightning_tp = {"tp": self.tp, "sp": self.sp, "pp": self.pp, "contexts": list(contexts.values()),
                                 "runner": self._runner, "recompute": self.activation_checkpointing,
-                                "tied_ranks": tied_ranks}
+                                "tied_ranks": tied_ranks, "twins": meta_twins(module, split) if self.pp > 1 else []}
         self._set_metric_groups(module)
 
     def _plan_blocks(self, module):

@@ -137,16 +137,18 @@ class HFSeq2SeqLM(L.LightningModule):
     embedding as the library does; the loss is the model's own from ``labels``. Whisper's input is a
     spectrogram: here each source token's fixed random column of ``MELS`` features (SEQ frames)."""
 
-    def __init__(self, family: str, layers: int = 2):
+    def __init__(self, family: str, layers: int = 2, attention: str = "sdpa", padded: bool = False):
         super().__init__()
         import transformers as tf
+
+        self.padded = padded  # every other source row's last 2 tokens masked out (attention_mask)
 
         if family == "bart":
             config = tf.BartConfig(vocab_size=64, d_model=32, encoder_layers=layers, decoder_layers=layers,
                                    encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
                                    decoder_ffn_dim=64, max_position_embeddings=64, dropout=0.0, attention_dropout=0.0,
                                    activation_dropout=0.0, pad_token_id=1, bos_token_id=0, eos_token_id=2,
-                                   decoder_start_token_id=2, scale_embedding=True)
+                                   decoder_start_token_id=2, scale_embedding=True, attn_implementation=attention)
             self.model = tf.BartForConditionalGeneration(config)
         elif family == "t5":
             config = tf.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=layers, num_heads=4,
@@ -166,6 +168,10 @@ class HFSeq2SeqLM(L.LightningModule):
         x, y = batch
         if hasattr(self, "mels"):
             loss = self.model(input_features=self.mels[x].transpose(1, 2), labels=y).loss
+        elif self.padded:
+            mask = torch.ones_like(x)
+            mask[::2, -2:] = 0
+            loss = self.model(input_ids=x, attention_mask=mask, labels=y).loss
         else:
             loss = self.model(input_ids=x, labels=y).loss
         self.log("train_loss", loss, sync_dist=True)

@@ -129,6 +129,9 @@ def test_a_stage_ends_at_the_next_stages_first_block_with_what_it_is_given():
     for h, mem in ((torch.randn(2, 3, 8), torch.randn(2, 7, 6)), (torch.randn(3, 2, 8), torch.randn(7, 2, 6))):
         assert _carried((h,), dict(memory=mem, tgt_mask=torch.zeros(3, 3)), False) == [0, "memory"]
         assert _carried((h,), dict(memory=mem), True) == ["memory"]  # at the decoder's start
+    # a 3-d mask by keyword ((batch x heads, T, T): its second dimension is the hidden states') stays local
+    h = torch.randn(2, 5, 8)
+    assert _carried((h,), dict(memory=torch.randn(2, 7, 8), tgt_mask=torch.zeros(4, 5, 5)), False) == [0, "memory"]
     state.active = 1  # the stage that holds it: the block runs
     assert block(hidden, memory).shape == hidden.shape
 
@@ -137,9 +140,10 @@ class _OneSequence(nn.Module):
     """One sequence fed to both sides (a copy task): the same tensor is the encoder's and the decoder's
     input, and with no encoder norm the decoder's memory is that tensor too until the encoder runs."""
 
-    def __init__(self, bridge=False, keyword=False):
+    def __init__(self, bridge=False, keyword=False, per_block=False):
         super().__init__()
         self.keyword = keyword  # the decoder's blocks given the encoder's output by keyword, with a mask
+        self.per_block = per_block  # each decoder block given its own tensor made from the encoder's output
         self.emb = nn.Embedding(16, 8)
         self.encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2, 16, 0.0, batch_first=True), 2,
                                              enable_nested_tensor=False)
@@ -153,8 +157,8 @@ class _OneSequence(nn.Module):
         if not self.keyword:
             return self.head(self.decoder(e, memory))
         mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1])
-        for layer in self.decoder.layers:
-            e = layer(e, memory=memory, tgt_mask=mask)
+        for i, layer in enumerate(self.decoder.layers):
+            e = layer(e, memory=memory * (i + 1) if self.per_block else memory, tgt_mask=mask)
         return self.head(e)
 
 
@@ -181,6 +185,50 @@ def test_a_tensor_passed_twice_is_received_only_where_it_travels(bridge, keyword
     torch.manual_seed(0)
     model, x = _OneSequence(bridge, keyword), torch.randint(0, 16, (2, 5))
     torch.testing.assert_close(_staged(model, stage_layers, x), model(x), atol=1e-6, rtol=0)
+
+
+def test_a_later_block_given_what_its_stage_neither_received_nor_computed_is_refused():
+    torch.manual_seed(0)
+    model, x = _OneSequence(True, keyword=True, per_block=True), torch.randint(0, 16, (2, 5))
+    with pytest.raises(ValueError, match=r"decoder.layers.1 is given 'memory' \(shape \(2, 5, 8\)\), which is neither"):
+        _staged(model, [2, 2], x)  # block 1 would attend to placeholder zeros times 2
+    torch.testing.assert_close(_staged(model, [3, 1], x), model(x), atol=1e-6, rtol=0)  # one decoder block a stage
+    with torch.no_grad():  # cannot be told apart without gradients: validation is not checked
+        _staged(model, [2, 2], x)
+
+
+def test_a_bf16_model_staged_matches_it_unstaged():
+    import transformers as tf
+
+    from lightning_tp.pipeline.split import meta_twins
+
+    config = tf.BartConfig(vocab_size=50, d_model=16, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+                           decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=32,
+                           dropout=0.0, attn_implementation="eager")
+    torch.manual_seed(0)
+    base = tf.BartForConditionalGeneration(config).eval()
+    ids, dec = torch.randint(3, 50, (2, 7)), torch.randint(3, 50, (2, 5))
+    mask = torch.ones(2, 7, dtype=torch.long)
+    mask[0, -2:] = 0
+    run = lambda m: m(input_ids=ids, attention_mask=mask, decoder_input_ids=dec).logits.float()  # noqa: E731
+    reference = run(copy.deepcopy(base).to(torch.bfloat16))
+    for cut in (1, 2, 3):  # inside the encoder, at the decoder's start, inside the decoder
+        message = None
+        for rank in (0, 1):
+            model = copy.deepcopy(base)
+            layout = plan_stages(model, 2, 1, ["model.encoder.layers", "model.decoder.layers"], [cut, 4 - cut])
+            split = apply_split(model, layout, rank)
+            model.to(torch.bfloat16)  # as MegaStrategy.setup converts the module, then the twins
+            for twin in meta_twins(model, split):
+                twin.to(torch.bfloat16)
+            state = install(layout.blocks(model), layout, rank, [(model.get_submodule(n), t, r) for n, (t, r)
+                                                                 in split["silence"].items()], split["twins"])
+            state.active, state.received = rank, message
+            try:
+                out = run(model)
+            except StageDone as done:
+                message = done.output.detach()
+        torch.testing.assert_close(out, reference, atol=0, rtol=0)
 
 
 def test_modules_between_the_lists_run_where_the_encoder_ends():

@@ -15,6 +15,7 @@ import torch  # noqa: E402
 import dist  # noqa: E402
 from lightning_tp.explain import explain  # noqa: E402
 from lightning_tp.layers import ShardSpec, shard, unshard  # noqa: E402
+from lightning_tp.plans import Plan  # noqa: E402
 from lightning_tp.plans import apply as planner  # noqa: E402
 from models import make_model  # noqa: E402
 from test_parity import _check, _train_all  # noqa: E402
@@ -158,6 +159,39 @@ def test_an_embedding_with_its_own_forward_keeps_it_or_is_refused():
 
     with pytest.raises(ValueError, match="emb: Shifted has its own forward"):
         VocabParallelEmbedding.from_embedding(Shifted(10, 4), TPContext(), "emb", {})
+    # Gemma's scale is a buffer, rounded to the weight's dtype: it must follow a later bf16 conversion
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3TextScaledWordEmbedding
+
+    gemma = Gemma3TextScaledWordEmbedding(10, 4, padding_idx=0, embed_scale=55.4256)
+    tp = VocabParallelEmbedding.from_embedding(gemma, TPContext(), "embed_tokens", {})
+    gemma.to(torch.bfloat16), tp.to(torch.bfloat16)
+    assert torch.equal(tp(ids), gemma(ids)) and tp(ids).dtype == torch.bfloat16
+
+
+def test_a_region_enters_each_of_its_inputs_once():
+    entered = []
+
+    class CrossAttention(torch.nn.Module):
+        def forward(self, hidden_states, key_value_states=None, mask=None):
+            return hidden_states
+
+    def enter(t):
+        entered.append(t)
+        return t
+
+    h, kv = torch.randn(2, 3), torch.randn(2, 5)
+    hook = planner._region_hook(enter, CrossAttention(), ["key_value_states"])
+    for args, kwargs in (((h,), dict(key_value_states=kv)), ((h, kv), {}),
+                         ((), dict(key_value_states=kv, hidden_states=h, mask=torch.ones(1)))):
+        entered.clear()
+        hook(None, args, kwargs)
+        assert [id(t) for t in entered] == [id(h), id(kv)], (args, kwargs)
+    entered.clear()
+    planner._region_hook(enter, CrossAttention(), ["hidden_states"])(None, (h,), {})  # the first one, named
+    assert [id(t) for t in entered] == [id(h)]
+    for style in ({"style": "region", "inputs": "key_value_states"}, {"style": "colwise", "inputs": ["kv"]}):
+        with pytest.raises(ValueError, match="option 'inputs' of 'attn' must be a list of argument names"):
+            Plan(name="p", styles={"attn": style})
 
 
 def test_kv_heads_that_tp_can_neither_split_nor_copy_are_refused():

@@ -78,6 +78,11 @@ WORLD2.update({
     # Whisper gives its decoder blocks encoder_hidden_states by keyword (it travels all the same); one
     # block a virtual stage cuts inside the encoder, at the decoder's start and inside the decoder
     "pp2_hf_whisper_interleaved": ("hf_whisper", {}, _pp(2, "interleaved_1f1b"), {}),
+    # bf16-true: placeholders' zeros follow the model's dtype (their meta twins are converted too); with
+    # a padded source the cross-attention's mask is made from them (eager attention)
+    "pp2_hf_bart_bf16_true_inside_the_decoder": ("hf_bart", dict(attention="eager", padded=True),
+                                                 _pp(2, "1f1b", stage_layers=[3, 1]),
+                                                 dict(precision="bf16-true", max_steps=10)),
     "pp2_hf_t5_zb_h1_inside_the_decoder": ("hf_t5", dict(layers=3), _pp(2, "zb_h1", stage_layers=[4, 2]), {}),
 })
 WORLD4 = {f"pp4_uneven_{s}": ("gpt", dict(n_layer=6), _pp(4, s), {}) for s in ("gpipe", "1f1b", "zb_h1")}

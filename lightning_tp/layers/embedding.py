@@ -18,7 +18,11 @@ from .shard import ShardSpec, padded_size
 class VocabParallelEmbedding(nn.Module):
     def __init__(self, weight, ctx: TPContext, num_embeddings: int, padding_idx=None, embed_scale=None):
         super().__init__()
-        self.weight, self.ctx, self.embed_scale = weight, ctx, embed_scale
+        self.weight, self.ctx = weight, ctx
+        if isinstance(embed_scale, torch.Tensor):  # a buffer (Gemma's): follows .to() and dtype changes
+            self.register_buffer("embed_scale", embed_scale.detach().clone(), persistent=False)
+        else:
+            self.embed_scale = embed_scale
         self.num_embeddings, self.embedding_dim = num_embeddings, weight.shape[1]
         self.per_rank = weight.shape[0]
         self.vocab_start = ctx.rank * self.per_rank
@@ -51,7 +55,10 @@ class VocabParallelEmbedding(nn.Module):
         out = F.embedding(local, self.weight, pad)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         out = comm.reduce_from_tp(out, self.ctx.group)
-        return out if self.embed_scale is None else out * self.embed_scale
+        if self.embed_scale is None:
+            return out
+        scale = self.embed_scale
+        return out * (scale.to(out.dtype) if isinstance(scale, torch.Tensor) else scale)
 
     def extra_repr(self):
         return f"{self.per_rank}/{self.num_embeddings}, {self.embedding_dim}, tp={self.ctx.world}"

@@ -53,7 +53,7 @@ def install(blocks, layout, pp_rank: int, silence=(), twins=None) -> StageState:
         lo, hi = layout.ranges[k]
         for i in range(lo, hi + 1):
             if chained:
-                _wrap_chained(blocks[i], i, state, i == layout.decoder_start, twins.get(i))
+                _wrap_chained(blocks[i], i, state, i == layout.decoder_start, blocks.name(i), twins.get(i))
             else:
                 _wrap(blocks[i], i, state, twins.get(i))
         if chained and k < layout.last_vstage:
@@ -114,13 +114,14 @@ def _carried(args, kwargs, list_start: bool) -> list:
     """Places (a position, or a keyword) of the arguments that travel between stages: floating-point
     positional tensors, and 3-d keyword ones that share the hidden states' batch (or, sequence first,
     their second) dimension: an encoder's output given by keyword (Whisper's ``encoder_hidden_states=``),
-    whatever its length and width. Keyword masks (2-d, 4-d) do not travel: every stage makes them
-    from the batch. A list's first block's own hidden states (the
+    whatever its length and width. Keyword masks (named ``*mask*``, or not 3-d) do not travel: every
+    stage makes them from the batch. A list's first block's own hidden states (the
     decoder's: made from the embeddings on every stage) do not travel either."""
     hidden = 0 if args else next(iter(kwargs), None)
     like = _at(args, kwargs, hidden) if hidden is not None else None
     places = [i for i, a in enumerate(args) if _floating(a)]
-    places += [k for k, a in kwargs.items() if _floating(a) and (k == hidden or _shaped_like(a, like))]
+    places += [k for k, a in kwargs.items() if _floating(a) and (k == hidden or (_shaped_like(a, like)
+                                                                                 and "mask" not in k))]
     return [p for p in places if not (list_start and p == hidden)]
 
 
@@ -162,7 +163,7 @@ def _stand_in(value, state: StageState):
     return held[1] if held is not None and held[0] is value else value
 
 
-def _wrap_chained(block, index: int, state: StageState, list_start: bool, twin=None) -> None:
+def _wrap_chained(block, index: int, state: StageState, list_start: bool, name: str, twin=None) -> None:
     original, skip = block.forward, _passthrough_of(twin, True)
 
     def forward(*args, **kwargs):
@@ -183,12 +184,28 @@ def _wrap_chained(block, index: int, state: StageState, list_start: bool, twin=N
             return original(*args, **kwargs)
         if list_start:  # the decoder starts inside this stage: its memory is computed here
             state.stand_ins = {}
+        elif state.active > 0 and torch.is_grad_enabled():
+            _check_computed(args, kwargs, state, name)
         if state.stand_ins:
             args = tuple(_stand_in(a, state) for a in args)
             kwargs = {key: _stand_in(a, state) for key, a in kwargs.items()}
         return original(*args, **kwargs)
 
     block.forward = forward
+
+
+def _check_computed(args, kwargs, state: StageState, name: str) -> None:
+    """A later block of a receiving stage may be given only what travelled (a stand-in) or what this
+    stage computed (it requires grad): an encoder-output-like tensor that is neither was made by
+    placeholders (decoder blocks given each their own encoder tensor, ``memory=mems[i]``)."""
+    hidden = 0 if args else next(iter(kwargs), None)
+    for place in _carried(args, kwargs, False):
+        a = _at(args, kwargs, place)
+        if place != hidden and _shaped_like(a, _at(args, kwargs, hidden)) and not a.requires_grad \
+                and id(a) not in state.stand_ins:
+            raise ValueError(f"pipeline: {name} is given {place!r} (shape {tuple(a.shape)}), which is neither what "
+                             f"its stage received nor computed there: each decoder block must be given the same "
+                             f"encoder output as the stage's first. Use tp/dp for this model.")
 
 
 def _stop_at(block, vstage: int, state: StageState, list_start: bool) -> None:

@@ -311,20 +311,22 @@ def _first_tensor_hook(fn):
 def _region_hook(fn, module, names):
     """The first tensor argument enters the TP region, and each argument named in ``names``, given by
     keyword or at its place in the forward's signature: one entry for all the layers that read it."""
-    first = _first_tensor_hook(fn)
     if not names:
-        return first
+        return _first_tensor_hook(fn)
     params = list(inspect.signature(module.forward).parameters)
     where = {n: params.index(n) for n in names}
 
     def hook(mod, args, kwargs):
-        args, kwargs = first(mod, args, kwargs) or (args, kwargs)
         args, kwargs = list(args), dict(kwargs)
-        for n in names:
-            if torch.is_tensor(kwargs.get(n)):
-                kwargs[n] = fn(kwargs[n])
-            elif where[n] < len(args) and torch.is_tensor(args[where[n]]):
-                args[where[n]] = fn(args[where[n]])
+        places = [("kw", n) if n in kwargs else ("pos", where[n]) for n in names]
+        named_positions = {i for kind, i in places if kind == "pos"}
+        first = next((("pos", i) for i, a in enumerate(args) if i not in named_positions and torch.is_tensor(a)),
+                     None) or next((("kw", k) for k, v in kwargs.items() if k not in names and torch.is_tensor(v)),
+                                   None)
+        for kind, key in dict.fromkeys(([first] if first else []) + places):  # each place once
+            held = kwargs if kind == "kw" else args
+            if (kind == "kw" or key < len(args)) and torch.is_tensor(held[key]):
+                held[key] = fn(held[key])
         return tuple(args), kwargs
     return hook
 

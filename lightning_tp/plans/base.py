@@ -104,6 +104,11 @@ class Plan:
             if style not in STYLES:
                 raise ValueError(f"plan {self.name!r}: unknown style {style!r} for {glob!r}; choose one of "
                                  f"{sorted(STYLES)}.")
+            inputs = options.get("inputs")
+            if inputs is not None and (style != "region" or isinstance(inputs, str)
+                                       or not all(isinstance(n, str) for n in inputs)):
+                raise ValueError(f"plan {self.name!r}: option 'inputs' of {glob!r} must be a list of argument names "
+                                 f"on a 'region' style, got {inputs!r} on {style!r}.")
             unknown = set(options) - set(STYLE_OPTIONS)
             if unknown:
                 raise ValueError(f"plan {self.name!r}: unknown option(s) {sorted(unknown)} for {glob!r}; choose from "
