@@ -133,7 +133,7 @@ class Seq2SeqLM(L.LightningModule):
 
 
 class HFSeq2SeqLM(L.LightningModule):
-    """A Hugging Face encoder-decoder (BART, T5, Whisper) built from a config, head tied to the
+    """A Hugging Face encoder-decoder (BART, T5, mT5, Whisper) built from a config, head tied to the
     embedding as the library does; the loss is the model's own from ``labels``. Whisper's input is a
     spectrogram: here each source token's fixed random column of ``MELS`` features (SEQ frames)."""
 
@@ -154,6 +154,10 @@ class HFSeq2SeqLM(L.LightningModule):
             config = tf.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=layers, num_heads=4,
                                  dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)
             self.model = tf.T5ForConditionalGeneration(config)
+        elif family == "mt5":  # gated MLP (wi_0, wi_1), a head of its own (not tied)
+            config = tf.MT5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=layers, num_heads=4,
+                                  dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)
+            self.model = tf.MT5ForConditionalGeneration(config)
         else:  # its decoder blocks are given encoder_hidden_states by keyword
             config = tf.WhisperConfig(vocab_size=64, num_mel_bins=MELS, d_model=32, encoder_layers=layers,
                                       decoder_layers=layers, encoder_attention_heads=4, decoder_attention_heads=4,
@@ -352,7 +356,7 @@ def _build(kind: str, **kw):
         return ParityGPT(**{**GPT_SMALL, **kw})
     if kind == "encoder":
         return EncoderLM(**kw)
-    if kind in ("hf_bart", "hf_t5", "hf_whisper"):
+    if kind in ("hf_bart", "hf_t5", "hf_mt5", "hf_whisper"):
         return HFSeq2SeqLM(kind[3:], **kw)
     if kind.startswith("hf_"):
         return HFCausalLM(kind[3:], **kw)

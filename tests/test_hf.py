@@ -48,6 +48,7 @@ WORLD2["hf_gpt2_pp2_interleaved"] = ("hf_gpt2", dict(layers=4), dict(PP, schedul
 # T5's one embedding module under three paths and per-head position bias, Whisper's keyword memory
 SEQ2SEQ = {"hf_bart": TEN, "hf_t5": TEN, "hf_whisper": {}}  # Whisper needs 20 steps to learn measurably
 WORLD2.update({f"{fam}_tp2": (fam, {}, dict(tp=2), steps) for fam, steps in SEQ2SEQ.items()})
+WORLD2["hf_mt5_tp2"] = ("hf_mt5", {}, dict(tp=2), TEN)  # T5's layout with a gated MLP and an untied head
 WORLD4 = {f"{fam}_tp2_pp2": (fam, {}, dict(tp=2, **PP), TEN) for fam in FAMILIES}
 WORLD4.update({f"{fam}_tp2_pp2": (fam, {}, dict(tp=2, **PP), steps) for fam, steps in SEQ2SEQ.items()})
 WORLD4["hf_llama_tp4_sp"] = ("hf_llama", {}, dict(tp=4, sp=True), TEN)  # 2 kv heads over 4 ranks
