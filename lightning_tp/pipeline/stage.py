@@ -9,9 +9,10 @@ with its output, unless k is the last stage, where the user's code runs on to th
 An encoder-decoder (two block lists, see ``StageLayout.lists``) sends more than one tensor: a
 decoder block takes the encoder's output (``memory``) besides its hidden states, so a stage stops
 at the entry of the next stage's first block and sends that block's floating-point positional
-arguments and keyword ones shaped like hidden states (packed into one flat tensor); the receiver puts them in the same places, and in its
-later blocks puts each received tensor wherever the tensor it stands for is passed again (the
-same ``memory`` object goes to every decoder block). At the decoder's first block the hidden
+arguments and keyword ones shaped like an encoder's output (see _carried), packed into one flat
+tensor; the receiver puts them in the same places, and in its later blocks puts each received
+tensor wherever the tensor it stands for is passed again (the same ``memory`` object goes to
+every decoder block). At the decoder's first block the hidden
 states come from the decoder's own embedding copy, so only the rest travels.
 """
 
@@ -117,12 +118,17 @@ def _carried(args, kwargs, list_start: bool) -> list:
     whatever its length and width. Keyword masks (named ``*mask*``, or not 3-d) do not travel: every
     stage makes them from the batch. A list's first block's own hidden states (the
     decoder's: made from the embeddings on every stage) do not travel either."""
-    hidden = 0 if args else next(iter(kwargs), None)
+    hidden = _hidden_place(args, kwargs)
     like = _at(args, kwargs, hidden) if hidden is not None else None
     places = [i for i, a in enumerate(args) if _floating(a)]
     places += [k for k, a in kwargs.items() if _floating(a) and (k == hidden or (_shaped_like(a, like)
                                                                                  and "mask" not in k))]
     return [p for p in places if not (list_start and p == hidden)]
+
+
+def _hidden_place(args, kwargs):
+    """Where a block is given its hidden states: the first positional argument, else the first keyword."""
+    return 0 if args else next(iter(kwargs), None)
 
 
 def _shaped_like(a: torch.Tensor, hidden) -> bool:
@@ -175,7 +181,7 @@ def _wrap_chained(block, index: int, state: StageState, list_start: bool, name: 
             computed = [_at(args, kwargs, p) for p in places]
             parts = unpack(state.received, computed)
             # later blocks are given the side inputs again (memory), never the first block's hidden states
-            hidden = 0 if args else next(iter(kwargs), None)
+            hidden = _hidden_place(args, kwargs)
             state.stand_ins = {id(c): (c, part) for p, c, part in zip(places, computed, parts) if p != hidden}
             received = dict(zip(places, parts))
             # by place: a tensor may be passed twice (src and tgt alike), only one place is received
@@ -198,7 +204,7 @@ def _check_computed(args, kwargs, state: StageState, name: str) -> None:
     """A later block of a receiving stage may be given only what travelled (a stand-in) or what this
     stage computed (it requires grad): an encoder-output-like tensor that is neither was made by
     placeholders (decoder blocks given each their own encoder tensor, ``memory=mems[i]``)."""
-    hidden = 0 if args else next(iter(kwargs), None)
+    hidden = _hidden_place(args, kwargs)
     for place in _carried(args, kwargs, False):
         a = _at(args, kwargs, place)
         if place != hidden and _shaped_like(a, _at(args, kwargs, hidden)) and not a.requires_grad \

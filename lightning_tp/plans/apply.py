@@ -133,13 +133,13 @@ _KEEPS_WEIGHTS = {"region", "sp_norm", "partial", "replicate", "vocab_ce"}  # st
 def _check_ties(model: nn.Module, matches: list) -> None:
     """A parameter the plan shards must not also sit, whole, in a module the plan leaves alone (a head
     styled 'lm_head' whose tied embedding has no style): the two would silently train apart."""
-    sharded = {}
+    sharded, owners = {}, set()  # id(parameter) -> (path, style) of the module sharding it; those paths
     for m in matches:
         for path, style, _ in m.entries:
             if style not in _KEEPS_WEIGHTS:
+                owners.add(path)
                 for p in model.get_submodule(path).parameters():
                     sharded.setdefault(id(p), (path, style))
-    owners = {path for m in matches for path, style, _ in m.entries if style not in _KEEPS_WEIGHTS}
     if "" in owners:  # the plan replaces the whole model (an nn.MultiheadAttention on its own)
         return
     for name, module in model.named_modules():
