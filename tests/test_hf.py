@@ -122,6 +122,11 @@ def test_every_embedding_tied_to_the_head_is_sharded_with_it():
     (match,) = planner.resolve(model, 2, False)
     styles = {path: style for path, style, _ in match.entries}
     assert styles["model.decoder.embed_tokens"] == "vocab" and styles["lm_head"] == "lm_head"
+    # a head held under a second path too keeps its style under the path resolve() visits (the first)
+    bart = make_model("hf_bart")
+    bart.model.extra = bart.model.lm_head
+    (match,) = planner.resolve(bart, 2, False)
+    assert ("model.lm_head", "lm_head") in {(path, style) for path, style, _ in match.entries}
     # a plan that shards a head but leaves its tied embedding whole is refused before any collective
     with pytest.raises(ValueError, match=r"model.model.shared shares a parameter with model.lm_head, which the plan "
                                          r"shards \('lm_head'\), but has no style"):
