@@ -35,8 +35,9 @@ class VocabParallelEmbedding(nn.Module):
                              f"vocab-parallel; leave it replicated (style 'replicate') or drop the option.")
         # a subclass's own forward would be lost; Hugging Face's scaled embeddings (BART's) multiply by
         # embed_scale, which is kept. Anything else is refused rather than silently changed.
-        scale = getattr(emb, "embed_scale", None) if type(emb).forward is not nn.Embedding.forward else None
-        if type(emb).forward is not nn.Embedding.forward and scale is None:
+        own_forward = type(emb).forward is not nn.Embedding.forward
+        scale = getattr(emb, "embed_scale", None) if own_forward else None
+        if own_forward and scale is None:
             raise ValueError(f"{name}: {type(emb).__name__} has its own forward, which a vocab-parallel embedding "
                              f"would not run; leave it replicated (style 'replicate').")
         vocab = emb.weight.shape[0]
