@@ -237,7 +237,12 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
     with warnings.catch_warnings():
         if tp == 1:
             warnings.simplefilter("ignore")  # styles shown for reference; nothing is applied at tp=1
-        matches = planner.resolve(base, tp, sp, plan)
+        try:
+            matches = planner.resolve(base, tp, sp, plan)
+        except ValueError:
+            if tp > 1:
+                raise
+            matches = []  # a plan usable only for its block list at tp=1 (styles not supported at tp > 1)
     pipelined = pp > 1 or m > 1
     try:
         layout = plan_stages(base, pp, v, pipeline_blocks or planner.blocks_path(base, plan), stage_layers,

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .pipeline.split import CACHE_KWARGS, find_blocks, is_block_list
+from .pipeline.split import CACHE_KWARGS, find_blocks, is_block_list, positional_names
 
 
 
@@ -106,19 +106,25 @@ def apply(model: nn.Module, blocks: list[tuple[str, int]]) -> None:
     for path, i in blocks:
         block = model.get_submodule(path)[i]
         block._lightning_tp_inner_forward = block.forward
+        block._lightning_tp_positional = positional_names(block)
         block.forward = types.MethodType(_checkpointed_forward, block)
         block._lightning_tp_recompute = True
+
+
+def _no_cache(name: str, value):
+    """A cache updated in the forward would be updated again in the recompute: not given to it."""
+    if name in CACHE_KWARGS:
+        return None
+    return False if name == "use_cache" and value else value
 
 
 def _checkpointed_forward(self, *args, **kwargs):
     inner = self._lightning_tp_inner_forward
     if not torch.is_grad_enabled():  # validation, prediction: nothing to save
         return inner(*args, **kwargs)
-    for key in CACHE_KWARGS:  # a cache updated in the forward would be updated again in the recompute
-        if kwargs.get(key) is not None:
-            kwargs[key] = None
-    if kwargs.get("use_cache"):
-        kwargs["use_cache"] = False
+    names = self._lightning_tp_positional
+    args = tuple(_no_cache(names[i], a) if i < len(names) else a for i, a in enumerate(args))
+    kwargs = {k: _no_cache(k, v) for k, v in kwargs.items()}
     keys, n = tuple(kwargs), len(args)
 
     def run(*flat):

@@ -38,6 +38,17 @@ from .pipeline.stage import install as install_stages
 from .plans import apply as planner
 
 
+def _step_args(args, kwargs, loop_batch_idx) -> tuple:
+    """(batch, what the user's step is given besides it, batch_idx): Lightning passes ``batch_idx``
+    (and ``dataloader_idx``) only where the user's step takes them; they go on to every microbatch's
+    call as given. ``batch_idx`` defaults to the loop's, which the first-batch checks read."""
+    kwargs = dict(kwargs)
+    batch = args[0] if args else kwargs.pop("batch")
+    rest = (tuple(args[1:]), kwargs)
+    batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", loop_batch_idx)
+    return batch, rest, batch_idx
+
+
 def _on_nccl() -> bool:
     """Whether NCCL carries the transfers ("nccl", or a per-device backend string naming it)."""
     return "nccl" in dist.get_backend()
@@ -338,21 +349,23 @@ class MegaStrategy(ParallelStrategy):
             return super().training_step(*args, **kwargs)
         if not self.lightning_module.automatic_optimization:
             raise ValueError("MegaStrategy(pp>1 or microbatches>1) needs automatic optimization.")
-        batch, batch_idx = args[0], args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+        batch, rest, batch_idx = _step_args(args, kwargs, self.lightning_module.trainer.fit_loop.epoch_loop.batch_idx)
         scale = 1.0 / self.lightning_module.trainer.accumulate_grad_batches  # the runner divides by the microbatches
         scaler = getattr(self.precision_plugin, "scaler", None)
         if scaler is not None:  # fp16 AMP: the backward runs in the step, so the loss scaling goes there too
             scale = scaler.scale(torch.ones((), device=self.root_device)) * scale  # device ops only, no host sync
         with self.precision_plugin.train_step_context():
-            loss = self._runner.train_step(batch, batch_idx, scale)
-        return torch.tensor(loss, device=self.root_device)
+            loss = self._runner.train_step(batch, batch_idx, scale, rest)
+        loss = torch.tensor(loss, device=self.root_device)
+        extras = self._runner.step_extras  # a dict step's other keys (last stage), merged over microbatches
+        return {"loss": loss, **extras} if extras else loss
 
     def _eval_step(self, hook, context, *args, **kwargs):
         if self._runner is None:
             return getattr(super(), hook)(*args, **kwargs)
-        batch, batch_idx = args[0], args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+        batch, rest, batch_idx = _step_args(args, kwargs, 0)
         with context():
-            return self._runner.eval_step(hook, batch, batch_idx)
+            return self._runner.eval_step(hook, batch, batch_idx, rest)
 
     def validation_step(self, *args, **kwargs):
         return self._eval_step("validation_step", self.precision_plugin.val_step_context, *args, **kwargs)

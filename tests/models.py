@@ -210,7 +210,13 @@ class HFCausalLM(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         x, _ = batch
-        loss = self.model(input_ids=x, labels=x, use_cache=False).loss
+        if self.padded:  # every other row right-padded by 3 tokens: masked out, labels ignored
+            mask = torch.ones_like(x)
+            mask[::2, -3:] = 0
+            labels = x.masked_fill(mask == 0, -100)
+            loss = self.model(input_ids=x, attention_mask=mask, labels=labels, use_cache=False).loss
+        else:
+            loss = self.model(input_ids=x, labels=x, use_cache=False).loss
         self.log("train_loss", loss, sync_dist=True)
         return loss
 

@@ -4,7 +4,7 @@ Each forward calls the user's own ``training_step`` on one microbatch (see :mod:
 it runs a single stage), each backward is plain autograd. What Lightning expects around the step
 is kept: the gradients this step computed are set aside from ``p.grad`` until Lightning's
 backward call (Lightning zeroes grads between its training_step and backward), values logged in
-``training_step`` are averaged over microbatches on the last stage and logged on every stage, and
+``training_step`` are reduced over microbatches (their ``reduce_fx``) on the last stage and logged on every stage, and
 the step returns the true loss everywhere (:mod:`.logs`). Transfers: :mod:`.p2p` (eager, gloo) or
 :mod:`.p2p_slots` (one group per time slot, NCCL).
 """
@@ -16,10 +16,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
+from torch.utils._pytree import tree_map
 
 from .landed import landed_after
 from .logs import StageLogs, captured_logs, early_publish, find_metrics, muted_metrics
-from .microbatch import batches_per_epoch, microbatches_for, must_divide, resumable_loader, split_batch
+from .microbatch import (batches_per_epoch, merge_outputs, microbatches_for, must_divide, resumable_loader,
+                         split_batch)
 from .p2p import Mailbox, drop_sent_values, tag
 from .p2p_slots import SlotMailbox
 from .schedules import Action, build_schedule, forward_only
@@ -37,12 +39,13 @@ class _Step:
     """One training step's state: microbatches, and per (microbatch, chunk) what is in flight."""
 
     micro: list
-    batch_idx: int
+    rest: tuple  # (positional, keyword) arguments of the user's step besides the batch (batch_idx, ...)
     scale: float | torch.Tensor  # the loss's factor: 1 / (microbatches * accumulation), times fp16's loss scale
     params: list
     device: torch.device
     logs: list  # per microbatch: the self.log calls of its run of the user's step
     losses: list = field(default_factory=list)
+    extras: list = field(default_factory=list)  # last stage: a dict step's other keys, per microbatch
     inputs: dict = field(default_factory=dict)  # activations received (leaves that require grad)
     outputs: dict = field(default_factory=dict)  # stage outputs, until their backward
     grads: dict = field(default_factory=dict)  # output gradients received
@@ -77,14 +80,14 @@ class PipelineRunner(StageLogs):
     def _vstage(self, chunk: int) -> int:
         return chunk * self.layout.pp + self.mesh.pp_rank
 
-    def _run(self, hook: str, micro, batch_idx, vstage, received, logs):
-        self.state.active, self.state.received = vstage, received
+    def _run(self, hook: str, micro, rest, vstage, received, logs):
+        self.state.active, self.state.received, self.state.entered = vstage, received, False
         mute = vstage // self.layout.pp < self.layout.v - 1
         try:
             if mute and self._metrics is None:  # looked up once: walking the module per microbatch adds up
                 self._metrics = find_metrics(self.module)
             with captured_logs(self.module, logs), muted_metrics(self._metrics or [], mute):
-                return True, getattr(self.module, hook)(micro, batch_idx)
+                return True, getattr(self.module, hook)(micro, *rest[0], **rest[1])
         except StageDone as done:
             return False, done.output
         finally:
@@ -185,10 +188,12 @@ class PipelineRunner(StageLogs):
 
     # ---------------------------------------------------------------- training
 
-    def train_step(self, batch, batch_idx, scale):
+    def train_step(self, batch, batch_idx, scale, rest=None):
         """One training step; ``scale``: the loss's factor but for the microbatches' (1 / accumulation,
-        times fp16's loss scale), as their number is this batch's (see .microbatch)."""
+        times fp16's loss scale), as their number is this batch's (see .microbatch); ``rest``: what
+        the user's ``training_step`` is given besides the batch, as Lightning gave it."""
         m = self._microbatches(batch, "training_step", batch_idx)
+        rest = rest if rest is not None else ((batch_idx,), {})
         self._use(m)
         if self.dp_overlap is not None:
             self.dp_overlap.restart()  # a step that raised may have left a count behind
@@ -197,7 +202,7 @@ class PipelineRunner(StageLogs):
         for p in params:
             p.grad = None
         device = self._device()  # the run's device even on a stage without trainable parameters
-        st = _Step(split_batch(batch, m), batch_idx, scale / m, params, device, [[] for _ in range(m)])
+        st = _Step(split_batch(batch, m), rest, scale / m, params, device, [[] for _ in range(m)])
         st.numbers = self._post_numbers(device)
         if self.slots is None:
             self._walk_actions(st)
@@ -205,6 +210,7 @@ class PipelineRunner(StageLogs):
             self._walk_slots(st)
         for p, old in zip(params, saved):
             p._pp_fresh_grad, p.grad = p.grad, old
+        self.step_extras = merge_outputs(st.extras) if st.extras else {}
         if st.published is not None:
             return st.published[0]
         mean_loss = float(sum(st.losses) / len(st.losses)) if st.losses else None
@@ -257,10 +263,13 @@ class PipelineRunner(StageLogs):
     def _compute(self, a, st) -> None:
         key, k = (a.microbatch, a.chunk), self._vstage(a.chunk)
         if a.kind == "F":
-            finished, out = self._run("training_step", st.micro[a.microbatch], st.batch_idx, k, st.inputs.get(key),
+            finished, out = self._run("training_step", st.micro[a.microbatch], st.rest, k, st.inputs.get(key),
                                       st.logs[a.microbatch])
             if finished:
-                out = out["loss"] if isinstance(out, Mapping) else out
+                if isinstance(out, Mapping):
+                    st.extras.append({k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in out.items()
+                                      if k != "loss"})
+                    out = out.get("loss")
                 if not isinstance(out, torch.Tensor):
                     raise ValueError(f"training_step returned {type(out).__name__} for microbatch {a.microbatch} "
                                      f"under a pipeline, which needs a loss tensor (or a dict with 'loss'); "
@@ -319,10 +328,11 @@ class PipelineRunner(StageLogs):
 
     # ---------------------------------------------------------------- forward only
 
-    def eval_step(self, hook: str, batch, batch_idx):
+    def eval_step(self, hook: str, batch, batch_idx, rest=None):
         """validate/test/predict: the forwards of :func:`.schedules.forward_only` (a group of
         microbatches through every chunk before the next), eager or one transfer group per slot."""
         m = self._microbatches(batch, hook, batch_idx)
+        rest = rest if rest is not None else ((batch_idx,), {})
         micro, logs, results, received, outputs = split_batch(batch, m), [[] for _ in range(m)], [], {}, {}
         device = next((b.device for b in self.module.buffers()), None) or next(self.module.parameters()).device
         if m not in self._eval_plans:
@@ -335,7 +345,7 @@ class PipelineRunner(StageLogs):
 
         def forward(a):
             key = (a.microbatch, a.chunk)
-            finished, out = self._run(hook, micro[a.microbatch], batch_idx, self._vstage(a.chunk),
+            finished, out = self._run(hook, micro[a.microbatch], rest, self._vstage(a.chunk),
                                       received.pop(key, None), logs[a.microbatch])
             if finished:
                 results.append(out)  # the last virtual stage takes microbatches in order
@@ -365,7 +375,6 @@ class PipelineRunner(StageLogs):
                     box.group([(outputs.pop((a.microbatch, a.chunk)), *self._send_route(a, forward_only=True))
                                for a in slot.sends], [self._recv_args(a, forward_only=True) for a in slot.recvs])
         box.wait()
-        merged = None
-        if results and all(isinstance(r, torch.Tensor) for r in results):
-            merged = torch.cat([r.reshape(1) if r.dim() == 0 else r for r in results]).cpu()
+        merged = tree_map(lambda t: t.cpu() if isinstance(t, torch.Tensor) else t, merge_outputs(results)) \
+            if results else None
         return self._publish(logs, merged, train=False)

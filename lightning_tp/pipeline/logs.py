@@ -2,7 +2,7 @@
 
 The user's ``training_step`` runs once per microbatch (and chunk) on every stage, but only the last
 stage gets to the loss and most ``self.log`` calls. Those calls are captured per microbatch,
-averaged over the microbatches on the last stage and logged on every stage, so that the progress
+reduced over the microbatches (by their ``reduce_fx``) on the last stage and logged on every stage, so that the progress
 bar, loggers, EarlyStopping and ModelCheckpoint(monitor=...) see the same values everywhere; the
 step returns the true mean loss on every stage. :class:`StageLogs` is the runner's part for this.
 """
@@ -83,17 +83,25 @@ def early_publish(schedule, p: int, v: int = 1) -> list:
     return points
 
 
-def _mean(values):
-    if all(isinstance(v, (torch.Tensor, int, float)) for v in values):
-        return float(sum(float(v) for v in values) / len(values))  # tensors: captured detached
-    return None  # torchmetrics objects and the like: logged by the last stage only
+_REDUCE = {"mean": lambda v: sum(v) / len(v), "sum": sum, "max": max, "min": min}
+
+
+def _reduce(values, args, kwargs):
+    """One step's value from its microbatches' by the call's ``reduce_fx`` (Lightning's: mean, sum,
+    max, min), so a count logged with ``reduce_fx="sum"`` is the batch's, not a microbatch's mean.
+    None for what is no number (torchmetrics objects: logged by the last stage only)."""
+    if not all(isinstance(v, (torch.Tensor, int, float)) for v in values):
+        return None
+    fx = kwargs.get("reduce_fx", args[4] if len(args) > 4 else "mean")
+    name = fx if isinstance(fx, str) else getattr(fx, "__name__", "")
+    return float(_REDUCE.get(name, _REDUCE["mean"])([float(v) for v in values]))  # tensors: captured detached
 
 
 class StageLogs:
     """Mixin of :class:`.executor.PipelineRunner` (uses its mesh, layout, module and ``batched``)."""
 
     def _publish(self, logs_per_mb: list, result, numbers=None, train: bool = True):
-        """Average the last stage's logs over microbatches, share them and the result with every stage.
+        """Reduce the last stage's logs over microbatches, share them and the result with every stage.
 
         Values that cannot be averaged (torchmetrics objects) are logged by each stage from its own
         module, where its step reached the log call before stopping; elsewhere they are skipped.
@@ -102,7 +110,7 @@ class StageLogs:
         for sink in logs_per_mb:
             for name, value, args, kwargs in sink:
                 own.setdefault(name, [[], args, kwargs])[0].append(value)
-        shared = [(n, _mean(v), a, k) for n, (v, a, k) in own.items()]
+        shared = [(n, _reduce(v, a, k), a, k) for n, (v, a, k) in own.items()]
         if self.layout.pp > 1:
             last = self._rank_of(self.layout.pp - 1)
             if train:

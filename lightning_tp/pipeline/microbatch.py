@@ -101,3 +101,31 @@ def microbatches_for(batch, m: int, strict: bool) -> int:
     if divisor % m == 0 or strict:
         return m
     return min(d for d in range(min(m, divisor), divisor + 1) if divisor % d == 0)
+
+
+def merge_outputs(outputs: list):
+    """The inverse of :func:`split_batch` for what the user's step returned per microbatch (predict
+    outputs, extra keys of a training step's dict): tensors joined along dim 0, 0-d ones averaged
+    (integers summed: counts), mappings and sequences merged by key and position, equal plain values
+    kept once; anything else is the list of the microbatches' values."""
+    first = outputs[0]
+    if len(outputs) == 1:
+        return first
+    if all(isinstance(o, torch.Tensor) for o in outputs):
+        if first.dim() and all(o.shape[1:] == first.shape[1:] for o in outputs):
+            return torch.cat(outputs)
+        if not first.dim() and all(not o.dim() for o in outputs):
+            stacked = torch.stack(outputs)
+            return stacked.mean() if stacked.is_floating_point() else stacked.sum()
+        return list(outputs)
+    if all(isinstance(o, Mapping) for o in outputs) and all(o.keys() == first.keys() for o in outputs):
+        return type(first)({k: merge_outputs([o[k] for o in outputs]) for k in first})
+    if all(isinstance(o, (list, tuple)) and type(o) is type(first) and len(o) == len(first) for o in outputs):
+        merged = [merge_outputs([o[i] for o in outputs]) for i in range(len(first))]
+        return type(first)(*merged) if hasattr(first, "_fields") else type(first)(merged)
+    try:
+        if all(o == first for o in outputs[1:]):  # None, a string, a number the same in every microbatch
+            return first
+    except Exception:  # noqa: BLE001 - objects whose == is not a bool (arrays): listed below
+        pass
+    return list(outputs)

@@ -14,6 +14,8 @@ lists form one chain of stages (see :mod:`.encoder_decoder` and ``StageLayout.ru
 from __future__ import annotations
 
 import copy
+import inspect
+import re
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +37,7 @@ class PipelinePlaceholder(nn.Module):
     def __init__(self, module: nn.Module, name: str):
         super().__init__()
         self._twin = [meta_twin(module)]  # a list: not a registered submodule
+        self._twin[0]._lightning_tp_name = name
         self.skipped = name
 
     def __getattr__(self, name):
@@ -44,7 +47,16 @@ class PipelinePlaceholder(nn.Module):
             twin = self.__dict__.get("_twin")
             if twin is None:
                 raise
-            return getattr(twin[0], name)
+            value = getattr(twin[0], name)
+            state = self.__dict__.get("stage")
+            if isinstance(value, nn.Parameter) and state is not None and self.__dict__.get("runs_in") == "before" \
+                    and state.active == state.last_vstage and state.entered:
+                raise ValueError(f"pipeline: the last stage reads {self.skipped}.{name} after the blocks (a head "
+                                 f"computed with the embedding's weight, F.linear(h, emb.weight)?), but that "
+                                 f"module is on the first stage. Tie through a module instead "
+                                 f"(self.head.weight = self.emb.weight): its copies then live on both stages "
+                                 f"with their gradients summed.")
+            return value
 
     def extra_repr(self):
         return f"{self.skipped} (on another stage)"
@@ -73,7 +85,9 @@ def passthrough(twin: nn.Module, args, kwargs, side_outputs: bool, memo: dict):
     tuple is zeros of its shape (``side_outputs``): T5's first block returns the position bias the
     later ones are given, which then travels between stages (None would not say a tensor is expected
     there)."""
-    hidden = args[0] if args else next(iter(kwargs.values()))
+    if "hidden" not in memo:
+        memo["hidden"] = hidden_name(twin)
+    hidden = args[0] if args else kwargs[hidden_place(args, kwargs, memo["hidden"])]
     if side_outputs and not memo.get("plain"):
         try:
             out = zeros_like_output(twin, args, kwargs)
@@ -88,18 +102,98 @@ def passthrough(twin: nn.Module, args, kwargs, side_outputs: bool, memo: dict):
             out = twin(*meta_args, **meta_kwargs)
         except Exception:  # noqa: BLE001 - a block that cannot run on meta: assume it returns a tensor
             out = hidden
-        memo["structure"] = None if isinstance(out, torch.Tensor) else (type(out), len(out))
+        memo["structure"] = None if isinstance(out, torch.Tensor) else (
+            type(out), [isinstance(x, torch.Tensor) for x in out])
     if memo["structure"] is None:
         return hidden
-    kind, n = memo["structure"]
-    return kind((hidden,) + (None,) * (n - 1))
+    kind, tensors = memo["structure"]
+    name = getattr(twin, "_lightning_tp_name", "a block")
+    return kind((hidden,) + tuple(OnAnotherStage(f"output {i} of {name}") if t else None
+                                  for i, t in enumerate(tensors[1:], 1)))
+
+
+class OnAnotherStage:
+    """What a block outside the running stage returns besides its hidden states, where the real block
+    returns a tensor (an MoE block's auxiliary loss): only hidden states travel between stages, so it
+    is not here. Checks for None pass; any use of it in a computation says so instead of failing on
+    ``None`` (``loss + aux``) or going on with zeros."""
+
+    def __init__(self, what: str):
+        self.what = what
+
+    def _fail(self, *args, **kwargs):
+        raise ValueError(f"pipeline: the user's code uses {self.what}, which is computed on another pipeline stage; "
+                         f"only a block's hidden states travel between stages (an auxiliary loss of each block, "
+                         f"as in mixture-of-experts blocks, cannot reach the loss). Use tp/dp for this model.")
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        found = []
+        tree_map(lambda a: found.append(a) if isinstance(a, cls) else None, (args, kwargs or {}))
+        found[0]._fail()  # torch calls this only when an argument (maybe in a list) is one
+
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = __rtruediv__ = _fail
+    __matmul__ = __rmatmul__ = __neg__ = __pow__ = __bool__ = __float__ = __getitem__ = __iter__ = __len__ = _fail
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        self._fail()
+
+    def __repr__(self):
+        return f"OnAnotherStage({self.what})"
+
+
+def positional_names(block: nn.Module) -> list:
+    """The names of a block's positional parameters, read from its class (a wrapper on the instance,
+    activation checkpointing's or ours, takes ``*args``); [] when there is no signature to read."""
+    try:
+        params = list(inspect.signature(type(block).forward).parameters.values())[1:]  # after self
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+
+def hidden_name(block: nn.Module):
+    """The name of a block's first parameter: where its hidden states go when it is called by keyword
+    (``block(mask=m, x=h)``), or None."""
+    return next(iter(positional_names(block)), None)
+
+
+def hidden_place(args, kwargs, name=None):
+    """Where a block is given its hidden states: the first positional argument, else the keyword of its
+    first parameter (``name``, see :func:`hidden_name`), else the first keyword."""
+    if args:
+        return 0
+    return name if name in kwargs else next(iter(kwargs), None)
 
 
 class ShapeOnly(PipelinePlaceholder):
     """Runs the meta twin of the original to return zeros of the true output shape."""
 
+    runs_in = None  # "before" / "after": the stage the original went to (see _outer_groups)
+    stage = None  # the StageState, with one block list (see stage.install): checks where it is called
+
     def forward(self, *args, **kwargs):
+        if self.stage is not None:
+            _check_place(self, self.stage)
         return zeros_like_output(self._twin[0], args, kwargs)
+
+
+def _check_place(placeholder: "ShapeOnly", state) -> None:
+    """A placeholder called where its original should have run: the module went to the wrong end of
+    the pipeline (where the code calls it could not be read, see _called_around), and the run would
+    go on with zeros in its place. A module of the last stage called in the first stage's run runs
+    before the blocks; one of the first stage called after the last stage's blocks began runs after."""
+    wrong = {"after": state.active == 0, "before": state.active == state.last_vstage and state.entered}
+    if wrong.get(placeholder.runs_in):
+        where = ("before the blocks, but went to the last stage (it holds a Linear and no embedding)"
+                 if placeholder.runs_in == "after" else
+                 "after the blocks, but went to the first stage (it is registered before them and holds no Linear)")
+        raise ValueError(f"pipeline: {placeholder.skipped} runs {where}, so this stage would compute with zeros "
+                         f"in its place. Its place is read from where the block list's parent module calls it "
+                         f"(`self.{placeholder.skipped.rpartition('.')[2]}(...)` in its forward), which did not "
+                         f"say here. Call it in that forward, or use tp/dp for this model.")
 
 
 def zeros_like_output(twin: nn.Module, args, kwargs):
@@ -170,9 +264,12 @@ def find_blocks(model: nn.Module, name: str | None = None) -> tuple[str, nn.Modu
         if not isinstance(blocks, nn.ModuleList):
             raise ValueError(f"pipeline_blocks={name!r} is a {type(blocks).__name__}, not an nn.ModuleList.")
         return name, blocks
-    best = None
+    best, found = None, []
     for path, module in model.named_modules():
+        if any(path.startswith(p + ".") for p in found):
+            continue  # a list inside a block (an MoE block's experts, heads): never the pipeline's
         if is_block_list(module):
+            found.append(path)
             if best is None or len(module) > len(best[1]):
                 best = (path, module)
     if best is None:
@@ -358,6 +455,7 @@ def apply_split(model: nn.Module, layout: StageLayout, pp_rank: int) -> dict:
         for name, m in groups[kind]:
             if not owned:
                 _set(model, name, ShapeOnly(m, name))
+                model.get_submodule(name).runs_in = kind
                 continue
             if kind != "after" and my_vstages - runs:
                 silence[name] = (meta_twin(m), runs)
@@ -378,6 +476,7 @@ def _outer_groups(model: nn.Module, paths: list) -> dict:
     first stage: embeddings, or anything before the blocks without a Linear), "after" (the rest), and
     for an encoder-decoder (see :func:`_encoder_decoder_kind`) "between" and "decoder_in"."""
     groups, seen, taken = {"before": [], "between": [], "decoder_in": [], "after": []}, 0, []
+    called = _called_around(model, paths[0]) if len(paths) == 1 else {}
     for name, m in model.named_modules():
         if name in paths:
             seen += 1
@@ -386,7 +485,7 @@ def _outer_groups(model: nn.Module, paths: list) -> dict:
         if not name or any(name.startswith(t + ".") for t in taken) or any(p.startswith(name + ".") for p in paths):
             continue
         if any(True for _ in m.parameters(recurse=False)) or _is_leafy_owner(m):
-            kind = "before" if _runs_first(m, seen > 0) else "after"
+            kind = "before" if _runs_first(m, seen > 0, called.get(name)) else "after"
             if kind == "after" and len(paths) == 2:
                 kind = _encoder_decoder_kind(name, paths, seen)
             groups[kind].append((name, m))
@@ -417,10 +516,39 @@ def holds_linear(m: nn.Module) -> bool:
     return any(isinstance(c, nn.Linear) or type(c).__name__ == "Conv1D" for c in m.modules())
 
 
-def _runs_first(m: nn.Module, after_blocks: bool) -> bool:
+def _runs_first(m: nn.Module, after_blocks: bool, called=None) -> bool:
+    """Embeddings run first; else where the code calls it (``called``: "before" or "after" the blocks,
+    see :func:`_called_around`), else by registration: before the blocks without a Linear."""
     if any(isinstance(c, nn.Embedding) for c in m.modules()):
         return True
+    if called is not None:
+        return called == "before"
     return not after_blocks and not holds_linear(m)
+
+
+def _called_around(model: nn.Module, blocks_path: str) -> dict:
+    """Path -> "before" or "after": where the forward of the block list's parent calls each of its other
+    children (``self.norm(...)``) relative to its loop over the blocks, read from the source. OPT
+    registers its final norm and its input and output projections before its layers; registration
+    order would put the norm first and the input projection last."""
+    parent_path, _, leaf = blocks_path.rpartition(".")
+    parent = model.get_submodule(parent_path)
+    for method in ("forward", "training_step"):  # a LightningModule may loop over its blocks in its step
+        try:
+            source = inspect.getsource(getattr(type(parent), method))
+        except (AttributeError, OSError, TypeError):
+            continue
+        loop = re.search(rf"\bin\s+(?:enumerate\()?self\.{re.escape(leaf)}\b|self\.{re.escape(leaf)}\[", source)
+        if loop is not None:
+            break
+    else:
+        return {}
+    out = {}
+    for child, _ in parent.named_children():
+        call = re.search(rf"\bself\.{re.escape(child)}\s*\(", source)
+        if child != leaf and call is not None:
+            out[f"{parent_path}.{child}" if parent_path else child] = "before" if call.start() < loop.start() else "after"
+    return out
 
 
 def _is_leafy_owner(m: nn.Module) -> bool:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .split import passthrough, zeros_like_output
+from .split import ShapeOnly, hidden_name, hidden_place, passthrough, zeros_like_output
 
 
 class StageDone(Exception):
@@ -39,6 +39,7 @@ class StageState:
     last_vstage: int
     active: int = 0
     received: torch.Tensor | None = None
+    entered: bool = False  # the active stage's first block has run (see split._check_place)
     # an encoder-decoder, while a stage runs: id(tensor the user's code computed) -> (it, received stand-in)
     stand_ins: dict = field(default_factory=dict)
 
@@ -61,6 +62,10 @@ def install(blocks, layout, pp_rank: int, silence=(), twins=None) -> StageState:
             _stop_at(blocks[hi + 1], k, state, hi + 1 == layout.decoder_start)
     for module, twin, runs in silence:
         _silence_outside(module, twin, runs, state)
+    if not chained:  # an encoder-decoder's modules have their own places (see StageLayout.runs)
+        for m in blocks.model.modules():
+            if isinstance(m, ShapeOnly):
+                m.stage = state
     return state
 
 
@@ -77,58 +82,72 @@ def _silence_outside(module, twin, runs: set, state: StageState) -> None:
     module.forward = forward
 
 
-def _passthrough_of(twin, side_outputs: bool):
+def _passthrough_of(twin, side_outputs: bool, name=None):
     """A block of this rank outside the running stage (another chunk's, under the interleaved schedule)
     passes its input through like a placeholder does, in the structure the block returns, worked out by
     its meta twin made before sharding (see split.apply_split, split.passthrough)."""
     if twin is None:  # one chunk a rank: its blocks never run outside its stage
-        return lambda args, kwargs: args[0] if args else next(iter(kwargs.values()))
+        return lambda args, kwargs: args[0] if args else kwargs[hidden_place(args, kwargs, name)]
     memo = {}
     return lambda args, kwargs: passthrough(twin, args, kwargs, side_outputs, memo)
 
 
 def _wrap(block, index: int, state: StageState, twin=None) -> None:
-    original, skip = block.forward, _passthrough_of(twin, False)
+    original = block.forward
+    name = hidden_name(block)
+    skip = _passthrough_of(twin, False, name)
 
     def forward(*args, **kwargs):
         lo, hi = state.ranges[state.active]
         if not lo <= index <= hi:
             return skip(args, kwargs)
+        state.entered = True
         if index == lo and state.active > 0:
             if args:
                 args = (state.received,) + tuple(args[1:])
             else:
-                key = next(iter(kwargs))
-                kwargs = {**kwargs, key: state.received}
+                kwargs = {**kwargs, hidden_place(args, kwargs, name): state.received}
         out = original(*args, **kwargs)
         if index == hi and state.active < state.last_vstage:
+            _check_side_inputs(args, kwargs, name, index)
             raise StageDone(out if isinstance(out, torch.Tensor) else out[0])  # (hidden, ...) tuples
         return out
 
     block.forward = forward
 
 
+def _check_side_inputs(args, kwargs, name, index: int) -> None:
+    """Only a block's hidden states travel to the next stage; what else its blocks are given is made
+    there by the user's code again (masks, rotary tables). A tensor computed from trainable weights
+    (it requires grad and is no parameter, e.g. the embedding's output given to every block as a
+    value residual, ``block(h, x0)``) cannot be: the next stage would make it from placeholders, as
+    zeros. Refused at the sending stage's first training step instead."""
+    hidden = hidden_place(args, kwargs, name)
+    extra = [(i, a) for i, a in enumerate(args) if i != hidden] + [(k, a) for k, a in kwargs.items() if k != hidden]
+    for place, a in extra:
+        if isinstance(a, torch.Tensor) and a.requires_grad and not isinstance(a, torch.nn.Parameter):
+            raise ValueError(f"pipeline: block {index} is given {place!r} (shape {tuple(a.shape)}) besides its hidden "
+                             f"states, computed from trainable weights outside the blocks; only the hidden states "
+                             f"travel between stages, so the next stage would compute it from placeholders (zeros). "
+                             f"Use tp/dp for this model, or derive it inside the blocks.")
+
+
 # ------------------------------------------------------------------------------ an encoder-decoder
 
 
-def _carried(args, kwargs, list_start: bool) -> list:
+def _carried(args, kwargs, list_start: bool, name=None) -> list:
     """Places (a position, or a keyword) of the arguments that travel between stages: floating-point
     positional tensors, and 3-d keyword ones that share the hidden states' batch (or, sequence first,
     their second) dimension: an encoder's output given by keyword (Whisper's ``encoder_hidden_states=``),
     whatever its length and width. Keyword masks (named ``*mask*``, or not 3-d) do not travel: every
     stage makes them from the batch. A list's first block's own hidden states (the
     decoder's: made from the embeddings on every stage) do not travel either."""
-    hidden = _hidden_place(args, kwargs)
+    hidden = hidden_place(args, kwargs, name)
     like = _at(args, kwargs, hidden) if hidden is not None else None
     places = [i for i, a in enumerate(args) if _floating(a)]
     places += [k for k, a in kwargs.items() if _floating(a) and (k == hidden or (_shaped_like(a, like)
                                                                                  and "mask" not in k))]
     return [p for p in places if not (list_start and p == hidden)]
-
-
-def _hidden_place(args, kwargs):
-    """Where a block is given its hidden states: the first positional argument, else the first keyword."""
-    return 0 if args else next(iter(kwargs), None)
 
 
 def _shaped_like(a: torch.Tensor, hidden) -> bool:
@@ -170,18 +189,20 @@ def _stand_in(value, state: StageState):
 
 
 def _wrap_chained(block, index: int, state: StageState, list_start: bool, name: str, twin=None) -> None:
-    original, skip = block.forward, _passthrough_of(twin, True)
+    original = block.forward
+    first = hidden_name(block)
+    skip = _passthrough_of(twin, True, first)
 
     def forward(*args, **kwargs):
         lo, hi = state.ranges[state.active]
         if not lo <= index <= hi:
             return skip(args, kwargs)
         if index == lo and state.active > 0:
-            places = _carried(args, kwargs, list_start)
+            places = _carried(args, kwargs, list_start, first)
             computed = [_at(args, kwargs, p) for p in places]
             parts = unpack(state.received, computed)
             # later blocks are given the side inputs again (memory), never the first block's hidden states
-            hidden = _hidden_place(args, kwargs)
+            hidden = hidden_place(args, kwargs, first)
             state.stand_ins = {id(c): (c, part) for p, c, part in zip(places, computed, parts) if p != hidden}
             received = dict(zip(places, parts))
             # by place: a tensor may be passed twice (src and tgt alike), only one place is received
@@ -191,7 +212,7 @@ def _wrap_chained(block, index: int, state: StageState, list_start: bool, name: 
         if list_start:  # the decoder starts inside this stage: its memory is computed here
             state.stand_ins = {}
         elif state.active > 0 and torch.is_grad_enabled():
-            _check_computed(args, kwargs, state, name)
+            _check_computed(args, kwargs, state, name, first)
         if state.stand_ins:
             args = tuple(_stand_in(a, state) for a in args)
             kwargs = {key: _stand_in(a, state) for key, a in kwargs.items()}
@@ -200,12 +221,12 @@ def _wrap_chained(block, index: int, state: StageState, list_start: bool, name: 
     block.forward = forward
 
 
-def _check_computed(args, kwargs, state: StageState, name: str) -> None:
+def _check_computed(args, kwargs, state: StageState, name: str, first=None) -> None:
     """A later block of a receiving stage may be given only what travelled (a stand-in) or what this
     stage computed (it requires grad): an encoder-output-like tensor that is neither was made by
     placeholders (decoder blocks given each their own encoder tensor, ``memory=mems[i]``)."""
-    hidden = _hidden_place(args, kwargs)
-    for place in _carried(args, kwargs, False):
+    hidden = hidden_place(args, kwargs, first)
+    for place in _carried(args, kwargs, False, first):
         a = _at(args, kwargs, place)
         if place != hidden and _shaped_like(a, _at(args, kwargs, hidden)) and not a.requires_grad \
                 and id(a) not in state.stand_ins:
@@ -218,10 +239,11 @@ def _stop_at(block, vstage: int, state: StageState, list_start: bool) -> None:
     """At the entry of virtual stage ``vstage + 1``'s first block, end ``vstage``'s run: what that block
     would be given (the encoder's output included) is the message."""
     original = block.forward
+    first = hidden_name(getattr(block, "_twin", [block])[0])  # a placeholder here: its twin's
 
     def forward(*args, **kwargs):
         if state.active == vstage:
-            places = _carried(args, kwargs, list_start)
+            places = _carried(args, kwargs, list_start, first)
             if not places:
                 raise ValueError("pipeline: two block lists are taken as an encoder and a decoder, but the second "
                                  "list's first block is given no tensor besides its own input (the encoder's "

@@ -48,7 +48,10 @@ def _join(prefix: str, path: str) -> str:
     return f"{prefix}.{path}" if prefix and path else prefix or path
 
 
-def _find(model: nn.Module, plan) -> list:
+def _find(model: nn.Module, plan, blocks_only: bool = False) -> list:
+    """(prefix, Plan) of every module a plan covers. ``blocks_only``: the plans are read for their block
+    list alone (pp at tp=1), which a family's plan gives without its styles (Phi-3's config plan has
+    styles not supported at tp > 1)."""
     if plan is None or plan == "auto":
         found, taken = [], []
         for name, module in model.named_modules():
@@ -56,7 +59,10 @@ def _find(model: nn.Module, plan) -> list:
                 continue  # inside a module a plan already covers
             for candidate in registered_plans():
                 if candidate.matches(module):
-                    found.append((name, candidate.build(module) if hasattr(candidate, "build") else candidate))
+                    if blocks_only and hasattr(candidate, "blocks_of"):
+                        found.append((name, Plan(name=candidate.name, blocks=candidate.blocks_of(module))))
+                    else:
+                        found.append((name, candidate.build(module) if hasattr(candidate, "build") else candidate))
                     taken.append(name)
                     break
         return found
@@ -407,7 +413,7 @@ def _held(model: nn.Module, path: str):
 def blocks_path(model: nn.Module, plan):
     """The block list a plan names (for pipeline parallelism), if any: a path, or an encoder-decoder's
     two (a tuple)."""
-    for prefix, p in _find(model, plan):
+    for prefix, p in _find(model, plan, blocks_only=True):
         if not p.pipeline:
             raise ValueError(f"pipeline parallelism (pp > 1) is not supported for {prefix or 'the model'} (plan "
                              f"{p.name!r}): its blocks are not one chain of stages. Use tp/dp only.")

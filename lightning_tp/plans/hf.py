@@ -36,6 +36,9 @@ class HFConfigPlan:
                 and hasattr(getattr(module, base), "layers") and hasattr(config, "num_attention_heads")
                 and hasattr(config, "hidden_size"))  # the layout build() reads (not T5Gemma's, say)
 
+    def blocks_of(self, module: nn.Module) -> str:
+        return f"{module.base_model_prefix}.layers"
+
     def build(self, module: nn.Module) -> Plan:
         config, base = module.config, module.base_model_prefix
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

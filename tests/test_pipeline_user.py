@@ -1,0 +1,288 @@
+"""What users write that a pipeline must take as it is, or refuse with a clear message: steps without
+``batch_idx``, several validation loaders, dict outputs, ``reduce_fx="sum"`` logs, blocks called by
+keyword in any order, modules registered out of running order (OPT), and what cannot travel between
+stages (a value residual given to every block, an MoE block's auxiliary loss, a head computed with the
+embedding's weight). Staged in one process where a forward is enough; one 2-process launch for what
+needs Lightning around it, each case against the same module on one process."""
+
+from __future__ import annotations
+
+import copy
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import dist
+from lightning_tp import MegaStrategy
+from lightning_tp.pipeline.microbatch import merge_outputs
+from lightning_tp.pipeline.split import OnAnotherStage, _outer_groups, apply_split, plan_stages
+from lightning_tp.pipeline.stage import StageDone, install
+
+V, H, T = 16, 8, 4
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm, self.fc = nn.LayerNorm(H), nn.Linear(H, H)
+
+    def forward(self, x, mask=None, x0=None, aux=False):
+        y = x + self.fc(self.norm(x)) * (1 if mask is None else mask)
+        y = y if x0 is None else y + 0.5 * x0
+        return (y, y.pow(2).mean()) if aux else y
+
+
+class Net(L.LightningModule):
+    """Embedding, 4 blocks, final norm, head. ``style``: how the blocks are called; ``layout``: how the
+    modules outside them are registered and called."""
+
+    def __init__(self, style="plain", layout="plain"):
+        super().__init__()
+        self.style, self.layout = style, layout
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(V, H if layout != "in_proj" else 4)
+        if layout == "in_proj":  # OPT's project_in: a Linear before the blocks, registered before them
+            self.project_in = nn.Linear(4, H)
+        if layout in ("norm_first", "norm_elsewhere"):  # OPT's final norm, registered before the blocks
+            self.norm = nn.LayerNorm(H)
+        self.blocks = nn.ModuleList(Block() for _ in range(4))
+        if layout not in ("norm_first", "norm_elsewhere"):
+            self.norm = nn.LayerNorm(H)
+        self.head = nn.Linear(H, V)
+
+    def forward(self, x):
+        h = self.emb(x)
+        if self.layout == "in_proj":
+            h = self.project_in(h)
+        x0, aux = h, 0.0
+        for block in self.blocks:
+            if self.style == "keywords":  # the hidden states not the first keyword
+                h = block(mask=torch.ones(()), x=h)
+            elif self.style == "x0":  # a value residual: the embedding's output given to every block
+                h = block(h, x0=x0)
+            elif self.style == "aux":  # an MoE-like auxiliary loss per block, added to the loss
+                h, a = block(h, aux=True)
+                aux = aux + a
+            else:
+                h = block(h)
+        if self.layout == "norm_elsewhere":
+            return self.finish(h) + 0 * aux
+        if self.layout == "tied_functional":  # a head computed with the embedding's weight
+            return F.linear(self.norm(h), self.emb.weight)
+        return self.head(self.norm(h)) + 0 * aux
+
+    def finish(self, h):
+        return self.head(self.norm(h))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self(x).flatten(0, 1), y.flatten())
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class NormElsewhere(Net):
+    """The final norm registered before the blocks and called outside forward: its place cannot be read."""
+
+    def __init__(self):
+        super().__init__(layout="norm_elsewhere")
+
+    def forward(self, x):
+        h = self.emb(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.finish(h)
+
+
+def _staged(base, x, grad=True):
+    """pp=2 in one process: stage 0's output feeds stage 1, which returns the model's output."""
+    message = None
+    for rank in (0, 1):
+        model = copy.deepcopy(base)
+        layout = plan_stages(model, 2)
+        split = apply_split(model, layout, rank)
+        state = install(layout.blocks(model), layout, rank,
+                        [(model.get_submodule(n), twin, runs) for n, (twin, runs) in split["silence"].items()])
+        state.active, state.received = rank, message
+        with torch.set_grad_enabled(grad):
+            try:
+                out = model(x)
+            except StageDone as done:
+                message = done.output.detach().requires_grad_(grad)
+    return out
+
+
+def _x():
+    return torch.randint(0, V, (2, T), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("style, layout", [("keywords", "plain"), ("plain", "in_proj"), ("plain", "norm_first")])
+def test_staged_runs_match_the_unsplit_model(style, layout):
+    model = Net(style, layout)
+    torch.testing.assert_close(_staged(model, _x()), model(_x()), atol=1e-6, rtol=0)
+
+
+def test_modules_go_where_the_parents_code_calls_them():
+    for layout, before, after in (("in_proj", ["emb", "project_in"], ["norm", "head"]),
+                                  ("norm_first", ["emb"], ["norm", "head"])):
+        groups = _outer_groups(Net(layout=layout), ["blocks"])
+        assert [n for n, _ in groups["before"]] == before and [n for n, _ in groups["after"]] == after, layout
+
+
+def test_opt_final_norm_and_projections_go_where_they_run():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.OPTConfig(vocab_size=V, hidden_size=H, ffn_dim=16, num_hidden_layers=2,
+                                    num_attention_heads=2, max_position_embeddings=16, word_embed_proj_dim=4)
+    groups = _outer_groups(transformers.OPTForCausalLM(config), ["model.decoder.layers"])
+    assert [n for n, _ in groups["before"]] == ["model.decoder.embed_tokens", "model.decoder.embed_positions",
+                                                "model.decoder.project_in"]
+    assert sorted(n for n, _ in groups["after"]) == ["lm_head", "model.decoder.final_layer_norm",
+                                                     "model.decoder.project_out"]
+
+
+@pytest.mark.parametrize("style, layout, words", [
+    ("x0", "plain", r"block 1 is given 'x0' \(shape \(2, 4, 8\)\) besides its hidden states"),
+    ("aux", "plain", r"uses output 1 of blocks.0, which is computed on another pipeline stage"),
+    ("plain", "norm_elsewhere", r"norm runs after the blocks, but went to the first stage"),
+    ("plain", "tied_functional", r"the last stage reads emb.weight after the blocks"),
+])
+def test_what_cannot_travel_between_stages_is_refused(style, layout, words):
+    model = NormElsewhere() if layout == "norm_elsewhere" else Net(style, layout)
+    with pytest.raises(ValueError, match=words):
+        _staged(model, _x())
+
+
+def test_a_missing_auxiliary_output_passes_none_checks_and_fails_any_use():
+    aux = OnAnotherStage("output 1 of blocks.0")
+    assert aux is not None and isinstance(repr(aux), str)
+    for use in (lambda: 1.0 + aux, lambda: aux * 2, lambda: torch.stack([aux]), lambda: aux.mean(),
+                lambda: torch.add(torch.ones(()), aux), lambda: bool(aux)):
+        with pytest.raises((ValueError, TypeError), match="computed on another pipeline stage|OnAnotherStage"):
+            use()
+
+
+def test_merged_outputs_invert_the_microbatch_split():
+    a = {"pred": torch.arange(4).view(2, 2), "loss": torch.tensor(1.0), "n": torch.tensor(3), "tag": "x"}
+    b = {"pred": torch.arange(4, 8).view(2, 2), "loss": torch.tensor(3.0), "n": torch.tensor(5), "tag": "x"}
+    out = merge_outputs([a, b])
+    assert torch.equal(out["pred"], torch.arange(8).view(4, 2)) and out["loss"].item() == 2.0
+    assert out["n"].item() == 8 and out["tag"] == "x"
+    assert merge_outputs([(torch.ones(1), None), (torch.zeros(1), None)])[1] is None
+    assert merge_outputs([["a"], ["b"]]) == [["a", "b"]]  # per position; differing plain values: listed
+    assert merge_outputs([None, None]) is None and merge_outputs([1, 2]) == [1, 2]
+
+
+# ------------------------------------------------------------------ inside Lightning, pp=2 against one process
+
+
+def _data(n=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, V, (n, T), generator=g)
+    return torch.utils.data.TensorDataset(x, torch.roll(x, -1, 1))
+
+
+def _loader(n=16, seed=0):
+    return torch.utils.data.DataLoader(_data(n, seed), batch_size=4)
+
+
+class NoBatchIdx(Net):
+    def training_step(self, batch):  # Lightning passes batch_idx only where the step takes it
+        return super().training_step(batch, 0)
+
+
+class TwoLoaders(Net):
+    def validation_step(self, batch, batch_idx, dataloader_idx=0):
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self(x).flatten(0, 1), y.flatten()) * (1 + dataloader_idx))
+
+
+class Outputs(Net):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+        self.log("train_loss", loss)
+        self.log("tokens", float(x.numel()), reduce_fx="sum")
+        self.log("worst", logits.max(), reduce_fx="max")
+        return {"loss": loss, "row_mean": logits.mean((1, 2)).detach()}
+
+    def predict_step(self, batch, batch_idx):
+        logits = self(batch[0])
+        return {"pred": logits.argmax(-1), "logits": logits}
+
+
+class Seen(L.Callback):
+    def __init__(self):
+        self.losses, self.outputs = [], []
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.losses.append(float(trainer.callback_metrics["train_loss"]))
+        self.outputs.append({k: v.detach().clone() for k, v in outputs.items()} if isinstance(outputs, dict) else None)
+
+
+def _lightning_cases(world):
+    """Each case's result on this process: pp=2 (world 2) or the same on one process (world 1)."""
+    def trainer(**kw):
+        seen = Seen()
+        strategy = MegaStrategy(pp=2, microbatches=2, timeout=60) if world == 2 else "auto"
+        return L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=4, callbacks=[seen],
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0, use_distributed_sampler=False,
+                         **kw), seen
+
+    out = {}
+    for name, model in (("no_batch_idx", NoBatchIdx()), ("keywords", Net(style="keywords")), ("opt_like", Net(layout="in_proj"))):
+        t, seen = trainer()
+        t.fit(model, _loader())
+        out[name] = seen.losses
+    t, _ = trainer()
+    out["two_loaders"] = t.validate(TwoLoaders(), [_loader(8, 1), _loader(8, 1)], verbose=False)
+    t, seen = trainer()
+    model = Outputs()
+    t.fit(model, _loader())
+    out["logged"] = {k: float(v) for k, v in t.callback_metrics.items()}
+    out["outputs"] = seen.outputs
+    out["predict"] = t.predict(model, _loader(8, 2))
+    return out
+
+
+def _on_rank(rank, world):
+    return _lightning_cases(world)
+
+
+@pytest.fixture(scope="module")
+def pipelined():
+    return dist.run(2, _on_rank)
+
+
+def test_user_steps_run_as_lightning_calls_them(pipelined):
+    ref = _lightning_cases(1)
+    for rank, got in enumerate(pipelined):
+        for name in ("no_batch_idx", "keywords", "opt_like"):
+            assert len(got[name]) == 4, name
+            torch.testing.assert_close(got[name], ref[name], atol=1e-5, rtol=0, msg=name)
+        # the second loader's values are twice the first's: dataloader_idx reached the step
+        assert [list(d) for d in got["two_loaders"]] == [list(d) for d in ref["two_loaders"]]
+        for g, r in zip(got["two_loaders"], ref["two_loaders"]):
+            for key in r:
+                assert abs(g[key] - r[key]) < 1e-5, key
+        for key in ("tokens", "worst", "train_loss"):  # a count logged with reduce_fx="sum" is the batch's
+            assert abs(got["logged"][key] - ref["logged"][key]) < 1e-5, (key, got["logged"], ref["logged"])
+        assert ref["logged"]["tokens"] == 4 * T
+        # predict: a dict of tensors, joined over microbatches, on every stage
+        assert len(got["predict"]) == len(ref["predict"]) == 2
+        for g, r in zip(got["predict"], ref["predict"]):
+            assert g.keys() == r.keys()
+            torch.testing.assert_close(g["logits"], r["logits"], atol=1e-5, rtol=0)
+            assert torch.equal(g["pred"], r["pred"])
+        # a dict step's other keys reach on_train_batch_end on the last stage, joined over microbatches
+        if rank == 1:
+            for g, r in zip(got["outputs"], ref["outputs"]):
+                assert g.keys() == r.keys() == {"loss", "row_mean"}
+                torch.testing.assert_close(g["row_mean"], r["row_mean"], atol=1e-5, rtol=0)
