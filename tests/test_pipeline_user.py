@@ -146,6 +146,29 @@ def test_opt_final_norm_and_projections_go_where_they_run():
                                                      "model.decoder.project_out"]
 
 
+def test_the_pipeline_block_list_is_an_outermost_one():
+    class MoE(nn.Module):  # 2 blocks of 4 experts each: the experts are no pipeline stages
+        def __init__(self):
+            super().__init__()
+            self.experts = nn.ModuleList(nn.Linear(H, H) for _ in range(4))
+
+    model = nn.Module()
+    model.blocks = nn.ModuleList(MoE() for _ in range(2))
+    assert plan_stages(model, 2).blocks_path == "blocks"
+
+
+def test_a_family_plan_names_its_blocks_at_tp1_even_with_styles_it_cannot_shard():
+    transformers = pytest.importorskip("transformers")
+    from lightning_tp.plans import apply as planner
+
+    config = transformers.Phi3Config(vocab_size=V, hidden_size=H, intermediate_size=16, num_hidden_layers=2,
+                                     num_attention_heads=2, num_key_value_heads=2, pad_token_id=0)
+    model = transformers.Phi3ForCausalLM(config)  # its config plan has 'colwise_rep' (refused at tp > 1)
+    assert planner.blocks_path(model, "auto") == "model.layers"
+    with pytest.raises(ValueError, match="colwise_rep"):
+        planner.resolve(model, 2, False)
+
+
 @pytest.mark.parametrize("style, layout, words", [
     ("x0", "plain", r"block 1 is given 'x0' \(shape \(2, 4, 8\)\) besides its hidden states"),
     ("aux", "plain", r"uses output 1 of blocks.0, which is computed on another pipeline stage"),

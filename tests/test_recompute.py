@@ -154,16 +154,19 @@ def test_keyword_only_blocks_and_deep_copies():
     assert loss_and_grads(twin)[0] == 0.0 and loss_and_grads(model)[0] == ref[0]
 
 
-def test_a_hugging_face_key_value_cache_is_left_out_of_recomputed_blocks():
-    """Llama with use_cache=True (its config's default) while training: a cache updated again in the
-    recompute would double the key/value length; the recomputed blocks run without it."""
+@pytest.mark.parametrize("family", ["llama", "gpt2"])  # GPT-2's blocks take their cache positionally
+def test_a_hugging_face_key_value_cache_is_left_out_of_recomputed_blocks(family):
+    """Llama and GPT-2 with use_cache=True (their configs' default) while training: a cache updated again
+    in the recompute would double the key/value length; the recomputed blocks run without it."""
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, use_cache=True)
+                                      num_attention_heads=4, num_key_value_heads=2, use_cache=True) \
+        if family == "llama" else transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4,
+                                                          use_cache=True)
 
     def run(checkpointed):
         torch.manual_seed(0)
-        model = transformers.LlamaForCausalLM(config)
+        model = transformers.AutoModelForCausalLM.from_config(config)
         if checkpointed:
             recompute.apply(model, recompute.targets(model, True))
         x = _batch(2)[0]
@@ -174,6 +177,8 @@ def test_a_hugging_face_key_value_cache_is_left_out_of_recomputed_blocks():
     for a, b in zip(run(True), ref):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
 
+    if family == "gpt2":
+        return
     model = transformers.LlamaForCausalLM(config)
     model.gradient_checkpointing_enable()
     with pytest.warns(UserWarning, match="model.layers.0 .and 1 more. already recompute"):
