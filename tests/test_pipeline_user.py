@@ -240,6 +240,31 @@ class Outputs(Net):
         return {"pred": logits.argmax(-1), "logits": logits}
 
 
+class WithMetrics(Net):
+    """The usual torchmetrics accuracies, updated after the forward, one monitored by ModelCheckpoint."""
+
+    def __init__(self):
+        super().__init__()
+        from torchmetrics.classification import MulticlassAccuracy
+
+        self.train_acc = MulticlassAccuracy(V, average="micro")
+        self.val_acc = MulticlassAccuracy(V, average="micro")
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        self.train_acc(logits.flatten(0, 1), y.flatten())
+        self.log("train_acc", self.train_acc, on_step=True, on_epoch=True)
+        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.val_acc(self(x).flatten(0, 1), y.flatten())
+        self.log("val_acc", self.val_acc)
+
+
 class Seen(L.Callback):
     def __init__(self):
         self.losses, self.outputs = [], []
@@ -249,15 +274,15 @@ class Seen(L.Callback):
         self.outputs.append({k: v.detach().clone() for k, v in outputs.items()} if isinstance(outputs, dict) else None)
 
 
-def _lightning_cases(world):
+def _lightning_cases(world, tmp):
     """Each case's result on this process: pp=2 (world 2) or the same on one process (world 1)."""
-    def trainer(**kw):
+    def trainer(callbacks=(), **kw):
         seen = Seen()
         strategy = MegaStrategy(pp=2, microbatches=2, timeout=60) if world == 2 else "auto"
-        return L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=4, callbacks=[seen],
-                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, num_sanity_val_steps=0, use_distributed_sampler=False,
-                         **kw), seen
+        args = dict(accelerator="cpu", devices=world, strategy=strategy, max_steps=4, logger=False,
+                    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                    num_sanity_val_steps=0, use_distributed_sampler=False)
+        return L.Trainer(callbacks=[seen, *callbacks], **{**args, **kw}), seen
 
     out = {}
     for name, model in (("no_batch_idx", NoBatchIdx()), ("keywords", Net(style="keywords")), ("opt_like", Net(layout="in_proj"))):
@@ -272,20 +297,27 @@ def _lightning_cases(world):
     out["logged"] = {k: float(v) for k, v in t.callback_metrics.items()}
     out["outputs"] = seen.outputs
     out["predict"] = t.predict(model, _loader(8, 2))
+    # metrics updated after the forward: every stage logs the last stage's, and the monitor finds them
+    checkpoint = L.pytorch.callbacks.ModelCheckpoint(dirpath=f"{tmp}/{world}", monitor="val_acc", mode="max")
+    t, _ = trainer([checkpoint], max_steps=-1, max_epochs=2, val_check_interval=2, enable_checkpointing=True,
+                   default_root_dir=tmp)
+    t.fit(WithMetrics(), _loader(), _loader(8, 1))
+    out["metrics"] = {k: float(v) for k, v in t.callback_metrics.items()}
+    out["best"] = float(checkpoint.best_model_score)
     return out
 
 
-def _on_rank(rank, world):
-    return _lightning_cases(world)
+def _on_rank(rank, world, tmp):
+    return _lightning_cases(world, tmp)
 
 
 @pytest.fixture(scope="module")
-def pipelined():
-    return dist.run(2, _on_rank)
+def pipelined(tmp_path_factory):
+    return dist.run(2, _on_rank, str(tmp_path_factory.mktemp("pp")))
 
 
-def test_user_steps_run_as_lightning_calls_them(pipelined):
-    ref = _lightning_cases(1)
+def test_user_steps_run_as_lightning_calls_them(pipelined, tmp_path):
+    ref = _lightning_cases(1, str(tmp_path))
     for rank, got in enumerate(pipelined):
         for name in ("no_batch_idx", "keywords", "opt_like"):
             assert len(got[name]) == 4, name
@@ -304,8 +336,29 @@ def test_user_steps_run_as_lightning_calls_them(pipelined):
             assert g.keys() == r.keys()
             torch.testing.assert_close(g["logits"], r["logits"], atol=1e-5, rtol=0)
             assert torch.equal(g["pred"], r["pred"])
+        # torchmetrics logged after the forward: the same step and epoch values, the same best score
+        assert got["metrics"].keys() == ref["metrics"].keys() and "train_acc_epoch" in ref["metrics"]
+        for key, value in ref["metrics"].items():
+            assert abs(got["metrics"][key] - value) < 1e-6, (key, got["metrics"], ref["metrics"])
+        assert abs(got["best"] - ref["best"]) < 1e-6
         # a dict step's other keys reach on_train_batch_end on the last stage, joined over microbatches
         if rank == 1:
             for g, r in zip(got["outputs"], ref["outputs"]):
                 assert g.keys() == r.keys() == {"loss", "row_mean"}
                 torch.testing.assert_close(g["row_mean"], r["row_mean"], atol=1e-5, rtol=0)
+
+
+def test_a_muted_metric_gets_its_own_update_back():
+    """torchmetrics wraps update on the instance (update count, cached value reset): muting it for a
+    chunk's run must put that wrapper back, not the class's bare update."""
+    from torchmetrics import SumMetric
+
+    from lightning_tp.pipeline.logs import muted_metrics
+
+    metric = SumMetric()
+    with muted_metrics([metric], True):
+        metric.update(torch.tensor(5.0))
+    metric.update(torch.tensor(1.0))
+    assert metric.compute().item() == 1.0
+    metric.update(torch.tensor(2.0))  # the wrapper drops the cached value: compute sees the new update
+    assert metric.compute().item() == 3.0 and metric._update_count == 2

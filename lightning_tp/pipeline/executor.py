@@ -19,7 +19,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from .landed import landed_after
-from .logs import StageLogs, captured_logs, early_publish, find_metrics, muted_metrics
+from .logs import BatchValues, StageLogs, captured_logs, early_publish, find_metrics, muted_metrics
 from .microbatch import (batches_per_epoch, merge_outputs, microbatches_for, must_divide, resumable_loader,
                          split_batch)
 from .p2p import Mailbox, drop_sent_values, tag
@@ -69,6 +69,7 @@ class PipelineRunner(StageLogs):
         self._use(microbatches)
         self._log_names = None  # the last stage's logged names as of the previous step (see _share_numbers)
         self._metrics = None  # torchmetrics modules of the user's module (muted in all but the last chunk)
+        self.batch_values = BatchValues()  # their step values over the microbatches
         self._shapes = {"in": {}, "out": {}}  # per P2P channel, last step's shapes (see Mailbox)
         self._eval_shapes = {"in": {}, "out": {}}  # the same for forward-only steps in slots (NCCL)
 
@@ -84,9 +85,10 @@ class PipelineRunner(StageLogs):
         self.state.active, self.state.received, self.state.entered = vstage, received, False
         mute = vstage // self.layout.pp < self.layout.v - 1
         try:
-            if mute and self._metrics is None:  # looked up once: walking the module per microbatch adds up
+            if self._metrics is None:  # looked up once: walking the module per microbatch adds up
                 self._metrics = find_metrics(self.module)
-            with captured_logs(self.module, logs), muted_metrics(self._metrics or [], mute):
+            with captured_logs(self.module, logs), muted_metrics(self._metrics, mute), \
+                    self.batch_values.recording([] if mute else self._metrics):
                 return True, getattr(self.module, hook)(micro, *rest[0], **rest[1])
         except StageDone as done:
             return False, done.output
@@ -194,6 +196,7 @@ class PipelineRunner(StageLogs):
         the user's ``training_step`` is given besides the batch, as Lightning gave it."""
         m = self._microbatches(batch, "training_step", batch_idx)
         rest = rest if rest is not None else ((batch_idx,), {})
+        self.batch_values.start()
         self._use(m)
         if self.dp_overlap is not None:
             self.dp_overlap.restart()  # a step that raised may have left a count behind
@@ -333,6 +336,7 @@ class PipelineRunner(StageLogs):
         microbatches through every chunk before the next), eager or one transfer group per slot."""
         m = self._microbatches(batch, hook, batch_idx)
         rest = rest if rest is not None else ((batch_idx,), {})
+        self.batch_values.start()
         micro, logs, results, received, outputs = split_batch(batch, m), [[] for _ in range(m)], [], {}, {}
         device = next((b.device for b in self.module.buffers()), None) or next(self.module.parameters()).device
         if m not in self._eval_plans:

@@ -9,10 +9,12 @@ step returns the true mean loss on every stage. :class:`StageLogs` is the runner
 
 from __future__ import annotations
 
+import copy
 from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_map
 
 from .p2p import tag
 from .simulate import simulate
@@ -39,14 +41,61 @@ def find_metrics(module) -> list:
 def muted_metrics(metrics: list, mute: bool):
     """With several chunks per rank the user's step runs once per chunk; torchmetrics updates
     count in the last chunk's run only, so a metric sees every sample once."""
-    metrics = metrics if mute else []
-    for m in metrics:
+    saved = [(m, m.__dict__.get("update")) for m in (metrics if mute else [])]
+    for m, _ in saved:
         m.update = lambda *args, **kwargs: None
     try:
         yield
     finally:
+        for m, own in saved:  # torchmetrics wraps update on the instance (its update count, its cache reset)
+            if own is None:
+                del m.update
+            else:
+                m.update = own
+
+
+class BatchValues:
+    """A logged torchmetrics Metric's step value (what ``self.log("acc", self.acc)`` shows per step) is
+    its forward's value on the step's batch. Microbatches call its forward once each, so the last one's
+    would stand for the batch: each forward's inputs also go to a copy of the metric, reset every step,
+    whose value (local, as a forward's) becomes the step value."""
+
+    def __init__(self):
+        self.copies, self.used = {}, {}
+
+    def start(self) -> None:
+        for copy_ in self.used.values():
+            copy_.reset()
+        self.used = {}
+
+    @contextmanager
+    def recording(self, metrics: list):
+        metrics = [m for m in metrics if hasattr(m, "_forward_cache") and "forward" not in m.__dict__]
         for m in metrics:
-            del m.update
+            m.forward = self._forward(m, m.forward)
+        try:
+            yield
+        finally:
+            for m in metrics:
+                del m.forward
+
+    def _forward(self, metric, forward):
+        def recorded(*args, **kwargs):
+            copy_ = self.copies.get(id(metric))
+            if copy_ is None:
+                group = getattr(metric, "process_group", None)  # a process group is not copied
+                copy_ = self.copies[id(metric)] = copy.deepcopy(metric, {id(group): group})
+                copy_.reset()
+                copy_.sync_on_compute = False
+            self.used[id(metric)] = copy_
+            copy_.update(*args, **kwargs)
+            return forward(*args, **kwargs)
+        return recorded
+
+    def finish(self, module) -> None:
+        for m in module.modules():
+            if id(m) in self.used:
+                m._forward_cache = self.used[id(m)].compute()
 
 
 def early_publish(schedule, p: int, v: int = 1) -> list:
@@ -106,11 +155,13 @@ class StageLogs:
         Values that cannot be averaged (torchmetrics objects) are logged by each stage from its own
         module, where its step reached the log call before stopping; elsewhere they are skipped.
         In training the result is the mean loss; see _share_numbers for how it travels."""
+        self.batch_values.finish(self.module)
         own = {}
         for sink in logs_per_mb:
             for name, value, args, kwargs in sink:
                 own.setdefault(name, [[], args, kwargs])[0].append(value)
         shared = [(n, _reduce(v, a, k), a, k) for n, (v, a, k) in own.items()]
+        mirrored = {}
         if self.layout.pp > 1:
             last = self._rank_of(self.layout.pp - 1)
             if train:
@@ -119,12 +170,37 @@ class StageLogs:
                 box = [shared, result]
                 dist.broadcast_object_list(box, src=last, group=self.mesh.pp_group)
                 shared, result = box
+            if any(mean is None for _, mean, _, _ in shared):
+                mirrored = self._mirror_metrics(own, shared, last)
         for name, mean, args, kwargs in shared:
             if mean is not None:
                 self.module.log(name, mean, *args, **kwargs)
+            elif name in mirrored:
+                self.module.log(name, mirrored[name], *args, **kwargs)
             elif name in own:
                 self.module.log(name, own[name][0][-1], *args, **kwargs)
         return result
+
+    def _mirror_metrics(self, own, shared, last) -> dict:
+        """torchmetrics objects the last stage logged, on every other stage: the last stage's state (and
+        its step value) copied into the same attribute of this stage's module, which is logged then, so
+        that a metric updated after the forward (``self.val_acc(logits, y)``) has the same step and epoch
+        values on every stage and ``ModelCheckpoint(monitor="val_acc")`` finds it everywhere. Costs one
+        pickled broadcast per step that logs one. Returns {name: this stage's metric} (not on the last)."""
+        is_last = self.mesh.pp_rank == self.layout.pp - 1
+        box = [None]
+        if is_last:
+            paths = {id(m): p for p, m in self.module.named_modules()}
+            box[0] = {n: (paths[id(own[n][0][-1])], _state_of(own[n][0][-1])) for n, mean, _, _ in shared
+                      if mean is None and n in own and id(own[n][0][-1]) in paths}
+        dist.broadcast_object_list(box, src=last, group=self.mesh.pp_group)
+        if is_last:
+            return {}
+        out = {}
+        for name, (path, state) in box[0].items():
+            out[name] = self.module.get_submodule(path)
+            _load_state(out[name], state)
+        return out
 
     _CAPACITY = 62  # logged numbers per step that fit the fixed broadcast (more: sent pickled)
 
@@ -180,3 +256,20 @@ class StageLogs:
         it = iter(values[1:])
         shared = [(n, next(it) if has_mean else None, a, k) for n, a, k, has_mean in self._log_names]
         return shared, values[0]
+
+
+def _state_of(metric) -> dict:
+    """What a torchmetrics Metric's values follow from, on the CPU (to travel pickled)."""
+    cpu = lambda v: v.detach().cpu() if isinstance(v, torch.Tensor) else v  # noqa: E731
+    return {"states": {k: [cpu(x) for x in v] if isinstance(v, list) else cpu(v)
+                       for k, v in metric.metric_state.items()},
+            "count": metric._update_count, "step_value": tree_map(cpu, metric._forward_cache)}
+
+
+def _load_state(metric, state: dict) -> None:
+    device = metric.device
+    move = lambda v: v.to(device) if isinstance(v, torch.Tensor) else v  # noqa: E731
+    for k, v in state["states"].items():
+        setattr(metric, k, [move(x) for x in v] if isinstance(v, list) else move(v))
+    metric._update_count, metric._forward_cache, metric._computed = state["count"], tree_map(
+        move, state["step_value"]), None
