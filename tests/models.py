@@ -203,6 +203,13 @@ class HFCausalLM(L.LightningModule):
             "qwen2": lambda: T.Qwen2Config(**common),
             "mistral": lambda: T.MistralConfig(**common),
             "qwen3": lambda: T.Qwen3Config(**common, head_dim=8),  # per-head q_norm / k_norm
+            # its base model under `model` though its prefix says `language_model`; scaled embedding
+            "gemma3": lambda: T.Gemma3TextConfig(**common, head_dim=8, sliding_window=4),
+            # fused [q|k|v] per head, `embed_in` / `embed_out`, parallel residual, partial rotary
+            "gpt_neox": lambda: T.GPTNeoXConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                                num_hidden_layers=layers, num_attention_heads=heads,
+                                                max_position_embeddings=SEQ * 2, rotary_pct=0.5,
+                                                attention_dropout=0.0, hidden_dropout=0.0),
         }
         config = configs[family]()
         config._attn_implementation = "sdpa"

@@ -49,6 +49,8 @@ WORLD2["hf_gpt2_pp2_interleaved"] = ("hf_gpt2", dict(layers=4), dict(PP, schedul
 SEQ2SEQ = {"hf_bart": TEN, "hf_t5": TEN, "hf_whisper": {}}  # Whisper needs 20 steps to learn measurably
 WORLD2.update({f"{fam}_tp2": (fam, {}, dict(tp=2), steps) for fam, steps in SEQ2SEQ.items()})
 WORLD2["hf_mt5_tp2"] = ("hf_mt5", {}, dict(tp=2), TEN)  # T5's layout with a gated MLP and an untied head
+# config plans whose base model, embedding or head sit under other names (Gemma 3, GPT-NeoX)
+WORLD2.update({f"hf_{fam}_tp2_sp": (f"hf_{fam}", {}, dict(tp=2, sp=True), TEN) for fam in ("gemma3", "gpt_neox")})
 WORLD4 = {f"{fam}_tp2_pp2": (fam, {}, dict(tp=2, **PP), TEN) for fam in FAMILIES}
 WORLD4.update({f"{fam}_tp2_pp2": (fam, {}, dict(tp=2, **PP), steps) for fam, steps in SEQ2SEQ.items()})
 WORLD4["hf_llama_tp4_sp"] = ("hf_llama", {}, dict(tp=4, sp=True), TEN)  # 2 kv heads over 4 ranks
@@ -84,6 +86,18 @@ def test_llama_plan_comes_from_the_config():
         assert styles[f"model.model.layers.0.self_attn.{path}"] == "colwise_local"
     assert styles["model.model.layers.0.self_attn"] == "region"
     assert styles["model.model.layers.1.mlp.down_proj"] == "rowwise"
+
+
+def test_config_plans_find_base_model_embedding_and_head_by_the_model():
+    gemma, neox = (planner.resolve(make_model(kind), 2, False)[0] for kind in ("hf_gemma3", "hf_gpt_neox"))
+    styles = {path: style for path, style, _ in gemma.entries}
+    assert styles["model.model.embed_tokens"] == "vocab" and styles["model.lm_head"] == "lm_head"
+    styles = {path: (style, spec) for path, style, spec in neox.entries}
+    assert styles["model.gpt_neox.embed_in"][0] == "vocab" and styles["model.embed_out"][0] == "lm_head"
+    assert styles["model.gpt_neox.layers.0.attention.query_key_value"][0] == "colwise_local"
+    # its fused [q|k|v] goes out in whole heads: 2 heads cannot be split over 4 ranks
+    with pytest.raises(ValueError, match="query_key_value: out_features = 96 holds 2 heads of 48"):
+        planner.resolve(make_model("hf_gpt_neox", heads=2), 4, False)
 
 
 def test_encoder_decoder_plans_come_from_their_layers():

@@ -31,16 +31,16 @@ class HFConfigPlan:
     def matches(self, module: nn.Module) -> bool:
         config = getattr(module, "config", None)
         plan = getattr(config, "base_model_tp_plan", None)
-        base = getattr(module, "base_model_prefix", None)
-        return (bool(plan) and base is not None and hasattr(module, base) and hasattr(module, "lm_head")
+        base = _base(module)
+        return (bool(plan) and base is not None and _path_of(module, _get(module, "get_output_embeddings")) is not None
                 and hasattr(getattr(module, base), "layers") and hasattr(config, "num_attention_heads")
                 and hasattr(config, "hidden_size"))  # the layout build() reads (not T5Gemma's, say)
 
     def blocks_of(self, module: nn.Module) -> str:
-        return f"{module.base_model_prefix}.layers"
+        return f"{_base(module)}.layers"
 
     def build(self, module: nn.Module) -> Plan:
-        config, base = module.config, module.base_model_prefix
+        config, base = module.config, _base(module)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         n_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         styles, parents, attrs = {}, defaultdict(list), {}
@@ -57,7 +57,9 @@ class HFConfigPlan:
         for parent, children in parents.items():
             styles[parent] = "region"  # one entry into the TP region for all its column layers
             for child in children:
-                unit = head_dim if child.endswith(("q_proj", "k_proj", "v_proj")) else 1
+                # GPT-NeoX's fused query_key_value holds [q|k|v] per head, one after the other
+                unit = head_dim if child.endswith(("q_proj", "k_proj", "v_proj")) else \
+                    3 * head_dim if child.endswith("query_key_value") else 1
                 styles[child] = {"style": "colwise_local", "unit": unit}
                 if child.endswith(("k_proj", "v_proj")):  # tp > kv heads: each head copied to tp // n_kv ranks
                     styles[child]["replicate_heads"] = True
@@ -70,9 +72,30 @@ class HFConfigPlan:
                     styles[f"{parent}.{name}"] = "partial"
         styles.update(_norm_paths(layers[0], f"{base}.layers.*"))
         styles.update(_norm_paths(getattr(module, base), base))  # the final norm, whatever its name
-        styles.update({f"{base}.embed_tokens": "vocab", "lm_head": "lm_head"})
+        styles.update({_path_of(module, module.get_input_embeddings()): "vocab",
+                       _path_of(module, module.get_output_embeddings()): "lm_head"})
         return Plan(name=f"hf_{type(module).__name__}", styles=styles, attrs=attrs, sp_start=f"{base}.layers.*",
                     blocks=f"{base}.layers")
+
+
+def _base(module: nn.Module):
+    """The attribute holding the base model: ``base_model_prefix``, or ``model`` where the prefix names
+    another (Gemma 3's text model says ``language_model``)."""
+    prefix = getattr(module, "base_model_prefix", None)
+    return next((b for b in (prefix, "model") if b and isinstance(getattr(module, b, None), nn.Module)), None)
+
+
+def _get(owner, method: str):
+    """``owner.method()`` (get_input_embeddings and the like), or None where it has none."""
+    try:
+        return getattr(owner, method)() if owner is not None and hasattr(owner, method) else None
+    except NotImplementedError:
+        return None
+
+
+def _path_of(module: nn.Module, target):
+    """Where ``target`` sits in ``module`` (the first path), or None (GPT-NeoX's head is ``embed_out``)."""
+    return next((n for n, m in module.named_modules() if m is target), None) if target is not None else None
 
 
 GPT2 = Plan(

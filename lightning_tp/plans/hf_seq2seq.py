@@ -22,6 +22,7 @@ from torch import nn
 
 from ..pipeline.encoder_decoder import find_encoder_decoder
 from .base import Plan
+from .hf import _get
 
 
 def _has(module: nn.Module, *paths: str) -> bool:
@@ -132,13 +133,6 @@ def _token_embeddings(module: nn.Module, head) -> list:
     tied = getattr(head, "weight", None)
     return [name for name, m in module.named_modules()
             if isinstance(m, nn.Embedding) and (id(m) in found or (tied is not None and m.weight is tied))]
-
-
-def _get(owner, method: str):
-    try:
-        return getattr(owner, method)() if owner is not None and hasattr(owner, method) else None
-    except NotImplementedError:
-        return None
 
 
 PLANS = [HFSeq2SeqPlan()]
