@@ -28,7 +28,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .pipeline.split import CACHE_KWARGS, find_blocks, is_block_list, positional_names
+from .pipeline.placeholders import CACHE_KWARGS, positional_names
+from .pipeline.split import find_blocks, is_block_list
 
 
 

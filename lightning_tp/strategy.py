@@ -33,7 +33,8 @@ from .quant.fake_quant import RANGE_MODES
 from .mesh import ParallelMesh, build_mesh, data_parallel_size, use_tied_ranks
 from .pipeline.executor import PipelineRunner
 from .pipeline.schedules import build_schedule
-from .pipeline.split import apply_split, meta_twins, plan_stages
+from .pipeline.placeholders import meta_twins
+from .pipeline.split import apply_split, plan_stages
 from .pipeline.stage import install as install_stages
 from .plans import apply as planner
 

@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from lightning_tp.explain import explain
-from lightning_tp.pipeline.split import ShapeOnly, SkippedBlock, apply_split, plan_stages
+from lightning_tp.pipeline.placeholders import ShapeOnly, SkippedBlock
+from lightning_tp.pipeline.split import apply_split, plan_stages
 from lightning_tp.pipeline.stage import StageDone, StageState, _carried, _stop_at, install, pack, unpack
 from lightning_tp.plans import apply as planner
 from models import make_model
@@ -59,6 +60,21 @@ def test_each_rank_keeps_its_blocks_its_embedding_copy_and_the_norms_it_runs():
                            encoder=[True, True], decoder=[False, False], tied=[True])
     assert kept[1] == dict(embedding=True, encoder_norm=False, decoder_norm=True, head=True,
                            encoder=[False, False], decoder=[True, True], tied=[True])
+
+
+@pytest.mark.parametrize("kind, silenced, kept", [
+    ("hf_whisper", ["model.model.encoder.conv1", "model.model.encoder.conv2", "model.model.encoder.embed_positions"],
+     ["model.model.decoder.embed_tokens"]),
+    # BART's encoder positions are its own; its token embedding is shared with the decoder (one module, three paths)
+    ("hf_bart", ["model.model.encoder.embed_positions", "model.model.encoder.layernorm_embedding"],
+     ["model.model.shared"]),
+])
+def test_the_decoders_first_stage_does_not_run_what_only_the_encoders_input_uses(kind, silenced, kept):
+    model = make_model(kind)
+    layout = plan_stages(model, 2, 1, planner.blocks_path(model, "auto"), [2, 2])
+    split = apply_split(model, layout, 1)  # holds the decoder's first block and a copy of the first stage's
+    assert all(split["silence"][name][1] == {0} for name in silenced), split["silence"].keys()
+    assert not any(name in split["silence"] for name in kept)
 
 
 def test_interleaved_chunks_silence_what_they_do_not_run():
@@ -200,7 +216,7 @@ def test_a_later_block_given_what_its_stage_neither_received_nor_computed_is_ref
 def test_a_bf16_model_staged_matches_it_unstaged():
     import transformers as tf
 
-    from lightning_tp.pipeline.split import meta_twins
+    from lightning_tp.pipeline.placeholders import meta_twins
 
     config = tf.BartConfig(vocab_size=50, d_model=16, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
                            decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=32,

@@ -698,7 +698,7 @@ def test_placeholders_remember_output_shapes_per_argument_signature():
     """A module on another stage answers with fresh zeros of its true output shape; the meta run that
     finds the shape happens once per signature (shapes, dtypes, plain values), or every time when an
     argument has none (a list)."""
-    from lightning_tp.pipeline.split import ShapeOnly
+    from lightning_tp.pipeline.placeholders import ShapeOnly
 
     class Scaled(torch.nn.Module):
         def __init__(self):

@@ -18,7 +18,8 @@ from torch import nn
 import dist
 from lightning_tp import MegaStrategy
 from lightning_tp.pipeline.microbatch import merge_outputs
-from lightning_tp.pipeline.split import OnAnotherStage, _outer_groups, apply_split, plan_stages
+from lightning_tp.pipeline.placeholders import OnAnotherStage
+from lightning_tp.pipeline.split import _outer_groups, apply_split, plan_stages
 from lightning_tp.pipeline.stage import StageDone, install
 
 V, H, T = 16, 8, 4

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .split import ShapeOnly, hidden_name, hidden_place, passthrough, zeros_like_output
+from .placeholders import ShapeOnly, hidden_name, hidden_place, passthrough, zeros_like_output
 
 
 class StageDone(Exception):
@@ -39,7 +39,7 @@ class StageState:
     last_vstage: int
     active: int = 0
     received: torch.Tensor | None = None
-    entered: bool = False  # the active stage's first block has run (see split._check_place)
+    entered: bool = False  # the active stage's first block has run (see placeholders._check_place)
     # an encoder-decoder, while a stage runs: id(tensor the user's code computed) -> (it, received stand-in)
     stand_ins: dict = field(default_factory=dict)
 
@@ -85,7 +85,7 @@ def _silence_outside(module, twin, runs: set, state: StageState) -> None:
 def _passthrough_of(twin, side_outputs: bool, name=None):
     """A block of this rank outside the running stage (another chunk's, under the interleaved schedule)
     passes its input through like a placeholder does, in the structure the block returns, worked out by
-    its meta twin made before sharding (see split.apply_split, split.passthrough)."""
+    its meta twin made before sharding (see split.apply_split, placeholders.passthrough)."""
     if twin is None:  # one chunk a rank: its blocks never run outside its stage
         return lambda args, kwargs: args[0] if args else kwargs[hidden_place(args, kwargs, name)]
     memo = {}

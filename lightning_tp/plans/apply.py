@@ -22,7 +22,7 @@ from ..layers import (ColumnParallelLinear, RowParallelLinear, TPContext, TPMult
                       VocabParallelCrossEntropy, VocabParallelEmbedding)
 from ..layers.linear import _shard_param, is_conv1d
 from ..layers.shard import ShardSpec, check_divisible, mark
-from ..pipeline.split import PipelinePlaceholder
+from ..pipeline.placeholders import PipelinePlaceholder
 from .base import Plan, parse_rule, path_matches
 from .registry import registered_plans
 

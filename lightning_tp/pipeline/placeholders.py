@@ -1,0 +1,240 @@
+"""Placeholders: what stands in for a module another pipeline stage holds, so the user's forward
+runs unchanged from top to bottom on every stage.
+
+A skipped block passes its hidden states through (in the structure the real block returns, worked
+out by a meta-device twin); any other module returns zeros of its output's shape. Where the user's
+code reads an attribute (``layers[0].self_attn.batch_first``) the meta twin answers. What cannot
+stand in is said at the first step, not computed with zeros: a module called where its original
+should have run, a weight read where it is not held, a block's side output used on another stage.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+
+def meta_twin(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` whose parameters and buffers live on the meta device (no memory)."""
+    memo = {id(t): torch.empty_like(t, device="meta") for t in list(module.parameters()) + list(module.buffers())}
+    memo.update({id(p): nn.Parameter(memo[id(p)], requires_grad=False) for p in module.parameters()})
+    return copy.deepcopy(module, memo)
+
+
+class PipelinePlaceholder(nn.Module):
+    """Stands in for a module another stage holds: no parameters, no buffers. Attribute reads the
+    user's code makes (``layers[0].self_attn.batch_first``) are answered by a meta twin."""
+
+    def __init__(self, module: nn.Module, name: str):
+        super().__init__()
+        self._twin = [meta_twin(module)]  # a list: not a registered submodule
+        self._twin[0]._lightning_tp_name = name
+        self.skipped = name
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            twin = self.__dict__.get("_twin")
+            if twin is None:
+                raise
+            value = getattr(twin[0], name)
+            state = self.__dict__.get("stage")
+            if isinstance(value, nn.Parameter) and state is not None and self.__dict__.get("runs_in") == "before" \
+                    and state.active == state.last_vstage and state.entered:
+                raise ValueError(f"pipeline: the last stage reads {self.skipped}.{name} after the blocks (a head "
+                                 f"computed with the embedding's weight, F.linear(h, emb.weight)?), but that "
+                                 f"module is on the first stage. Tie through a module instead "
+                                 f"(self.head.weight = self.emb.weight): its copies then live on both stages "
+                                 f"with their gradients summed.")
+            return value
+
+    def extra_repr(self):
+        return f"{self.skipped} (on another stage)"
+
+
+def meta_twins(module: nn.Module, split: dict) -> list:
+    """Every meta twin a split made (placeholders', silenced modules', a rank's interleaved blocks'):
+    whatever changes the model's dtype (bf16-true) must change theirs too, or their zeros stay fp32."""
+    twins = [m._twin[0] for m in module.modules() if isinstance(m, PipelinePlaceholder)]
+    return twins + [twin for twin, _ in split["silence"].values()] + list(split["twins"].values())
+
+
+class SkippedBlock(PipelinePlaceholder):
+    """A block another stage holds: passes the hidden states through (see :func:`passthrough`)."""
+
+    side_outputs = False  # an encoder-decoder's (see passthrough)
+
+    def forward(self, *args, **kwargs):
+        return passthrough(self._twin[0], args, kwargs, self.side_outputs, self.__dict__.setdefault("_memo", {}))
+
+
+def passthrough(twin: nn.Module, args, kwargs, side_outputs: bool, memo: dict):
+    """What a block outside the running stage returns: its input hidden states, in the structure the
+    real block returns (a tensor, or a tuple whose first element is the hidden states, as Hugging
+    Face blocks return), worked out once by its meta ``twin``. In an encoder-decoder the rest of a
+    tuple is zeros of its shape (``side_outputs``): T5's first block returns the position bias the
+    later ones are given, which then travels between stages (None would not say a tensor is expected
+    there)."""
+    if "hidden" not in memo:
+        memo["hidden"] = hidden_name(twin)
+    hidden = args[0] if args else kwargs[hidden_place(args, kwargs, memo["hidden"])]
+    if side_outputs and not memo.get("plain"):
+        try:
+            out = zeros_like_output(twin, args, kwargs)
+        except Exception:  # noqa: BLE001 - a block that cannot run on meta: the plain path below
+            out = hidden
+        if not isinstance(out, torch.Tensor):
+            return type(out)((hidden,) + tuple(out[1:]))
+        memo["plain"] = True
+    if "structure" not in memo:
+        try:
+            meta_args, meta_kwargs = _meta_call(args, kwargs)
+            out = twin(*meta_args, **meta_kwargs)
+        except Exception:  # noqa: BLE001 - a block that cannot run on meta: assume it returns a tensor
+            out = hidden
+        memo["structure"] = None if isinstance(out, torch.Tensor) else (
+            type(out), [isinstance(x, torch.Tensor) for x in out])
+    if memo["structure"] is None:
+        return hidden
+    kind, tensors = memo["structure"]
+    name = getattr(twin, "_lightning_tp_name", "a block")
+    return kind((hidden,) + tuple(OnAnotherStage(f"output {i} of {name}") if t else None
+                                  for i, t in enumerate(tensors[1:], 1)))
+
+
+class OnAnotherStage:
+    """What a block outside the running stage returns besides its hidden states, where the real block
+    returns a tensor (an MoE block's auxiliary loss): only hidden states travel between stages, so it
+    is not here. Checks for None pass; any use of it in a computation says so instead of failing on
+    ``None`` (``loss + aux``) or going on with zeros."""
+
+    def __init__(self, what: str):
+        self.what = what
+
+    def _fail(self, *args, **kwargs):
+        raise ValueError(f"pipeline: the user's code uses {self.what}, which is computed on another pipeline stage; "
+                         f"only a block's hidden states travel between stages (an auxiliary loss of each block, "
+                         f"as in mixture-of-experts blocks, cannot reach the loss). Use tp/dp for this model.")
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        found = []
+        tree_map(lambda a: found.append(a) if isinstance(a, cls) else None, (args, kwargs or {}))
+        found[0]._fail()  # torch calls this only when an argument (maybe in a list) is one
+
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = __rtruediv__ = _fail
+    __matmul__ = __rmatmul__ = __neg__ = __pow__ = __bool__ = __float__ = __getitem__ = __iter__ = __len__ = _fail
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        self._fail()
+
+    def __repr__(self):
+        return f"OnAnotherStage({self.what})"
+
+
+def positional_names(block: nn.Module) -> list:
+    """The names of a block's positional parameters, read from its class (a wrapper on the instance,
+    activation checkpointing's or ours, takes ``*args``); [] when there is no signature to read."""
+    try:
+        params = list(inspect.signature(type(block).forward).parameters.values())[1:]  # after self
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+
+def hidden_name(block: nn.Module):
+    """The name of a block's first parameter: where its hidden states go when it is called by keyword
+    (``block(mask=m, x=h)``), or None."""
+    return next(iter(positional_names(block)), None)
+
+
+def hidden_place(args, kwargs, name=None):
+    """Where a block is given its hidden states: the first positional argument, else the keyword of its
+    first parameter (``name``, see :func:`hidden_name`), else the first keyword."""
+    if args:
+        return 0
+    return name if name in kwargs else next(iter(kwargs), None)
+
+
+class ShapeOnly(PipelinePlaceholder):
+    """Runs the meta twin of the original to return zeros of the true output shape."""
+
+    runs_in = None  # "before" / "after": the stage the original went to (see split._outer_groups)
+    stage = None  # the StageState, with one block list (see stage.install): checks where it is called
+
+    def forward(self, *args, **kwargs):
+        if self.stage is not None:
+            _check_place(self, self.stage)
+        return zeros_like_output(self._twin[0], args, kwargs)
+
+
+def _check_place(placeholder: "ShapeOnly", state) -> None:
+    """A placeholder called where its original should have run: the module went to the wrong end of
+    the pipeline (where the code calls it could not be read, see split._called_around), and the run would
+    go on with zeros in its place. A module of the last stage called in the first stage's run runs
+    before the blocks; one of the first stage called after the last stage's blocks began runs after."""
+    wrong = {"after": state.active == 0, "before": state.active == state.last_vstage and state.entered}
+    if wrong.get(placeholder.runs_in):
+        where = ("before the blocks, but went to the last stage (it holds a Linear and no embedding)"
+                 if placeholder.runs_in == "after" else
+                 "after the blocks, but went to the first stage (it is registered before them and holds no Linear)")
+        raise ValueError(f"pipeline: {placeholder.skipped} runs {where}, so this stage would compute with zeros "
+                         f"in its place. Its place is read from where the block list's parent module calls it "
+                         f"(`self.{placeholder.skipped.rpartition('.')[2]}(...)` in its forward), which did not "
+                         f"say here. Call it in that forward, or use tp/dp for this model.")
+
+
+def zeros_like_output(twin: nn.Module, args, kwargs):
+    """Zeros shaped like what the original module returns for these arguments. The meta run that
+    finds the shapes costs ~0.1 ms a call, once per microbatch on every later stage: its result is
+    kept per argument signature (shapes and dtypes, plain values) where the arguments have one."""
+    device = next((t.device for t in _tensors(args, kwargs)), torch.device("cpu"))
+    key = _signature(args, {k: v for k, v in kwargs.items() if k not in CACHE_KWARGS})  # T5 passes its cache
+    shapes = twin.__dict__.setdefault("_lightning_tp_shapes", {})
+    out = shapes.get(key) if key is not None else None
+    if out is None:
+        meta_args, meta_kwargs = _meta_call(args, kwargs)
+        out = twin(*meta_args, **meta_kwargs)
+        if key is not None:
+            shapes[key] = out
+    return tree_map(lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device)
+                    if isinstance(t, torch.Tensor) else t, out)
+
+
+def _signature(args, kwargs):
+    """A hashable key of the arguments' shapes, dtypes and plain values, or None (a container, an
+    object of another kind: the meta run then happens every time)."""
+    parts = []
+    for name, v in [(None, a) for a in args] + [(k, kwargs[k]) for k in sorted(kwargs)]:
+        if isinstance(v, torch.Tensor):
+            parts.append((name, tuple(v.shape), v.dtype))
+        elif v is None or isinstance(v, (bool, int, float, str)):
+            parts.append((name, v))
+        else:
+            return None
+    return tuple(parts)
+
+
+CACHE_KWARGS = ("past_key_value", "past_key_values", "layer_past")  # Hugging Face's key/value caches
+
+
+def _meta_call(args, kwargs):
+    """The arguments on the meta device, without a key/value cache: a cache object is shared by the
+    model's blocks, and a shape run must not append meta keys to it (T5 passes one while training)."""
+    kwargs = {k: (None if k in CACHE_KWARGS else False if k == "use_cache" else v) for k, v in kwargs.items()}
+    return tree_map(_to_meta, (args, kwargs))
+
+
+def _to_meta(t):
+    return t.to("meta") if isinstance(t, torch.Tensor) else t
+
+
+def _tensors(args, kwargs):
+    return [t for t in list(args) + list(kwargs.values()) if isinstance(t, torch.Tensor)]
