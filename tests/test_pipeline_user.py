@@ -198,7 +198,8 @@ def test_merged_outputs_invert_the_microbatch_split():
     assert torch.equal(out["pred"], torch.arange(8).view(4, 2)) and out["loss"].item() == 2.0
     assert out["n"].item() == 8 and out["tag"] == "x"
     assert merge_outputs([(torch.ones(1), None), (torch.zeros(1), None)])[1] is None
-    assert merge_outputs([["a"], ["b"]]) == [["a", "b"]]  # per position; differing plain values: listed
+    assert merge_outputs([["a", "b"], ["c", "d"]]) == ["a", "b", "c", "d"]  # one per sample: joined
+    assert merge_outputs([[torch.ones(1), "x"], [torch.zeros(1), "x"]])[1] == "x"  # a structure: by position
     assert merge_outputs([None, None]) is None and merge_outputs([1, 2]) == [1, 2]
 
 
@@ -246,10 +247,11 @@ class WithMetrics(Net):
 
     def __init__(self):
         super().__init__()
-        from torchmetrics.classification import MulticlassAccuracy
+        from torchmetrics.classification import BinaryAUROC, MulticlassAccuracy
 
         self.train_acc = MulticlassAccuracy(V, average="micro")
         self.val_acc = MulticlassAccuracy(V, average="micro")
+        self.val_auroc = BinaryAUROC()  # list states: the last stage's entries travel as they come
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -262,8 +264,11 @@ class WithMetrics(Net):
 
     def validation_step(self, batch, batch_idx):
         x, y = batch
-        self.val_acc(self(x).flatten(0, 1), y.flatten())
+        logits = self(x)
+        self.val_acc(logits.flatten(0, 1), y.flatten())
         self.log("val_acc", self.val_acc)
+        self.val_auroc(logits[..., 0].sigmoid().flatten(), (y.flatten() % 2))
+        self.log("val_auroc", self.val_auroc)
 
 
 class Seen(L.Callback):
@@ -347,6 +352,19 @@ def test_user_steps_run_as_lightning_calls_them(pipelined, tmp_path):
             for g, r in zip(got["outputs"], ref["outputs"]):
                 assert g.keys() == r.keys() == {"loss", "row_mean"}
                 torch.testing.assert_close(g["row_mean"], r["row_mean"], atol=1e-5, rtol=0)
+
+
+def test_a_metrics_batch_value_is_local_as_its_forwards():
+    from torchmetrics import SumMetric
+
+    from lightning_tp.pipeline.logs import BatchValues
+
+    values, metric = BatchValues(), SumMetric()
+    with values.recording([metric]):
+        metric(torch.tensor(2.0))
+    assert values.copies[id(metric)]._to_sync is False  # no dp all-gather per step (dist_sync_on_step=False)
+    values.finish(metric)
+    assert metric._forward_cache.item() == 2.0
 
 
 def test_a_muted_metric_gets_its_own_update_back():

@@ -85,8 +85,8 @@ class BatchValues:
             if copy_ is None:
                 group = getattr(metric, "process_group", None)  # a process group is not copied
                 copy_ = self.copies[id(metric)] = copy.deepcopy(metric, {id(group): group})
-                copy_.reset()
-                copy_.sync_on_compute = False
+                copy_.reset()  # its value syncs over dp as the forward's would: only with dist_sync_on_step
+                copy_.sync_on_compute = copy_._to_sync = bool(getattr(metric, "dist_sync_on_step", False))
             self.used[id(metric)] = copy_
             copy_.update(*args, **kwargs)
             return forward(*args, **kwargs)
@@ -189,10 +189,11 @@ class StageLogs:
         pickled broadcast per step that logs one. Returns {name: this stage's metric} (not on the last)."""
         is_last = self.mesh.pp_rank == self.layout.pp - 1
         box = [None]
+        sent = self.__dict__.setdefault("_mirrored", {})  # (path, list state) -> items already sent
         if is_last:
             paths = {id(m): p for p, m in self.module.named_modules()}
-            box[0] = {n: (paths[id(own[n][0][-1])], _state_of(own[n][0][-1])) for n, mean, _, _ in shared
-                      if mean is None and n in own and id(own[n][0][-1]) in paths}
+            box[0] = {n: (paths[id(own[n][0][-1])], _state_of(own[n][0][-1], paths[id(own[n][0][-1])], sent))
+                      for n, mean, _, _ in shared if mean is None and n in own and id(own[n][0][-1]) in paths}
         dist.broadcast_object_list(box, src=last, group=self.mesh.pp_group)
         if is_last:
             return {}
@@ -258,18 +259,31 @@ class StageLogs:
         return shared, values[0]
 
 
-def _state_of(metric) -> dict:
-    """What a torchmetrics Metric's values follow from, on the CPU (to travel pickled)."""
+def _state_of(metric, path: str, sent: dict) -> dict:
+    """What a torchmetrics Metric's values follow from, on the CPU (to travel pickled). A list state
+    (one entry per update: AUROC's predictions) travels as the entries added since the last time,
+    ``(start, new entries)``, so a step costs its own entries, not the epoch's so far."""
     cpu = lambda v: v.detach().cpu() if isinstance(v, torch.Tensor) else v  # noqa: E731
-    return {"states": {k: [cpu(x) for x in v] if isinstance(v, list) else cpu(v)
-                       for k, v in metric.metric_state.items()},
-            "count": metric._update_count, "step_value": tree_map(cpu, metric._forward_cache)}
+    states = {}
+    for k, v in metric.metric_state.items():
+        if isinstance(v, list):
+            held, start = sent.get((path, k), (None, 0))
+            start = start if held is v else 0  # reset since (a new list, a new epoch): all of it again
+            states[k], sent[(path, k)] = (start, [cpu(x) for x in v[start:]]), (v, len(v))
+        else:
+            states[k] = cpu(v)
+    return {"states": states, "count": metric._update_count, "step_value": tree_map(cpu, metric._forward_cache)}
 
 
 def _load_state(metric, state: dict) -> None:
+    """The last stage's state into this stage's metric; a list state's first ``start`` entries are the
+    ones received before (what this stage's own updates added after them is dropped)."""
     device = metric.device
     move = lambda v: v.to(device) if isinstance(v, torch.Tensor) else v  # noqa: E731
     for k, v in state["states"].items():
-        setattr(metric, k, [move(x) for x in v] if isinstance(v, list) else move(v))
+        if isinstance(v, tuple):
+            start, new = v
+            v = list(getattr(metric, k))[:start] + [move(x) for x in new]
+        setattr(metric, k, v if isinstance(v, list) else move(v))
     metric._update_count, metric._forward_cache, metric._computed = state["count"], tree_map(
         move, state["step_value"]), None

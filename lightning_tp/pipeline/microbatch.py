@@ -106,8 +106,9 @@ def microbatches_for(batch, m: int, strict: bool) -> int:
 def merge_outputs(outputs: list):
     """The inverse of :func:`split_batch` for what the user's step returned per microbatch (predict
     outputs, extra keys of a training step's dict): tensors joined along dim 0, 0-d ones averaged
-    (integers summed: counts), mappings and sequences merged by key and position, equal plain values
-    kept once; anything else is the list of the microbatches' values."""
+    (integers summed: counts), lists of plain values (one per sample) joined, mappings, tuples and
+    lists of tensors merged by key and position, equal plain values kept once; anything else is the
+    list of the microbatches' values."""
     first = outputs[0]
     if len(outputs) == 1:
         return first
@@ -118,6 +119,9 @@ def merge_outputs(outputs: list):
             stacked = torch.stack(outputs)
             return stacked.mean() if stacked.is_floating_point() else stacked.sum()
         return list(outputs)
+    if all(type(o) is list for o in outputs) and not any(
+            isinstance(x, (torch.Tensor, Mapping, list, tuple)) for o in outputs for x in o):
+        return [x for o in outputs for x in o]  # plain values, one per sample (decoded text): joined
     if all(isinstance(o, Mapping) for o in outputs) and all(o.keys() == first.keys() for o in outputs):
         return type(first)({k: merge_outputs([o[k] for o in outputs]) for k in first})
     if all(isinstance(o, (list, tuple)) and type(o) is type(first) and len(o) == len(first) for o in outputs):

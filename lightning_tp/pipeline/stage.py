@@ -121,15 +121,18 @@ def _check_side_inputs(args, kwargs, name, index: int) -> None:
     there by the user's code again (masks, rotary tables). A tensor computed from trainable weights
     (it requires grad and is no parameter, e.g. the embedding's output given to every block as a
     value residual, ``block(h, x0)``) cannot be: the next stage would make it from placeholders, as
-    zeros. Refused at the sending stage's first training step instead."""
+    zeros. Refused at the sending stage's first training step instead. (One made by frozen weights
+    does not require grad and is not told apart from a mask: not caught.)"""
     hidden = hidden_place(args, kwargs, name)
     extra = [(i, a) for i, a in enumerate(args) if i != hidden] + [(k, a) for k, a in kwargs.items() if k != hidden]
     for place, a in extra:
         if isinstance(a, torch.Tensor) and a.requires_grad and not isinstance(a, torch.nn.Parameter):
-            raise ValueError(f"pipeline: block {index} is given {place!r} (shape {tuple(a.shape)}) besides its hidden "
+            what = f"argument {place}" if isinstance(place, int) else repr(place)
+            raise ValueError(f"pipeline: block {index} is given {what} (shape {tuple(a.shape)}) besides its hidden "
                              f"states, computed from trainable weights outside the blocks; only the hidden states "
-                             f"travel between stages, so the next stage would compute it from placeholders (zeros). "
-                             f"Use tp/dp for this model, or derive it inside the blocks.")
+                             f"travel between stages, so the next stage would not have it (it would compute it "
+                             f"from placeholders' zeros, and its gradient would not reach those weights). Use "
+                             f"tp/dp for this model, or derive it inside the blocks.")
 
 
 # ------------------------------------------------------------------------------ an encoder-decoder
