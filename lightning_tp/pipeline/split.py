@@ -323,9 +323,9 @@ def _runs_first(m: nn.Module, after_blocks: bool, called=None) -> bool:
 
 def _called_around(model: nn.Module, blocks_path: str) -> dict:
     """Path -> "before" or "after": where the forward of the block list's parent calls each of its other
-    children (``self.norm(...)``) relative to its loop over the blocks, read from the source. OPT
-    registers its final norm and its input and output projections before its layers; registration
-    order would put the norm first and the input projection last."""
+    children (``self.norm(...)``, or in a method of its own it calls) relative to its loop over the
+    blocks, read from the source. OPT registers its final norm and its input and output projections
+    before its layers; registration order would put the norm first and the input projection last."""
     parent_path, _, leaf = blocks_path.rpartition(".")
     parent = model.get_submodule(parent_path)
     for method in ("forward", "training_step"):  # a LightningModule may loop over its blocks in its step
@@ -338,12 +338,31 @@ def _called_around(model: nn.Module, blocks_path: str) -> dict:
             break
     else:
         return {}
+    helpers = _helper_sources(parent, source)
     out = {}
     for child, _ in parent.named_children():
-        call = re.search(rf"\bself\.{re.escape(child)}\s*\(", source)
-        if child != leaf and call is not None:
-            out[f"{parent_path}.{child}" if parent_path else child] = "before" if call.start() < loop.start() else "after"
+        pattern = rf"\bself\.{re.escape(child)}\s*\("
+        calls = [m.start() for m in re.finditer(pattern, source)]
+        calls += [at for at, body in helpers if re.search(pattern, body)]  # called in a helper it calls
+        if child != leaf and calls:
+            out[f"{parent_path}.{child}" if parent_path else child] = "before" if min(calls) < loop.start() else "after"
     return out
+
+
+def _helper_sources(parent: nn.Module, source: str) -> list:
+    """(where it is called, its source) of each method of the user's own classes that ``source`` calls
+    (``self.finish(h)`` after the loop calling ``self.norm``); Lightning's and torch's are left out."""
+    found = []
+    for call in re.finditer(r"\bself\.([A-Za-z_]\w*)\s*\(", source):
+        method = getattr(type(parent), call.group(1), None)
+        module = getattr(inspect.getmodule(method), "__name__", "") if inspect.isfunction(method) else "torch"
+        if module.split(".")[0] in ("torch", "lightning", "pytorch_lightning"):
+            continue
+        try:
+            found.append((call.start(), inspect.getsource(method)))
+        except (OSError, TypeError):
+            continue
+    return found
 
 
 def _is_leafy_owner(m: nn.Module) -> bool:
