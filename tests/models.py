@@ -205,6 +205,13 @@ class HFCausalLM(L.LightningModule):
             "qwen3": lambda: T.Qwen3Config(**common, head_dim=8),  # per-head q_norm / k_norm
             # its base model under `model` though its prefix says `language_model`; scaled embedding
             "gemma3": lambda: T.Gemma3TextConfig(**common, head_dim=8, sliding_window=4),
+            # a hand-written plan; with a narrower embedding, project_in / project_out around the layers
+            "opt": lambda: T.OPTConfig(vocab_size=64, hidden_size=32, ffn_dim=64, num_hidden_layers=layers,
+                                       num_attention_heads=heads, max_position_embeddings=SEQ * 2, dropout=0.0,
+                                       attention_dropout=0.0),
+            "opt_proj": lambda: T.OPTConfig(vocab_size=64, hidden_size=32, ffn_dim=64, num_hidden_layers=layers,
+                                            num_attention_heads=heads, max_position_embeddings=SEQ * 2, dropout=0.0,
+                                            attention_dropout=0.0, word_embed_proj_dim=48, init_std=0.2),
             # fused [q|k|v] per head, `embed_in` / `embed_out`, parallel residual, partial rotary
             "gpt_neox": lambda: T.GPTNeoXConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
                                                 num_hidden_layers=layers, num_attention_heads=heads,

@@ -5,7 +5,8 @@ share Llama's layout) get a plan built from it, not a hand-written copy: their "
 that read the same input (q/k/v; gate/up) become one TP region with a single entry, "rowwise"
 stays rowwise, and the embedding, norms and LM head are added. With more tp ranks than key/value
 heads, k_proj/v_proj heads are copied (Megatron-style) and ``num_key_value_groups`` is set per rank.
-GPT-2 has no such plan; its hand-written one shards the fused c_attn per q/k/v block.
+GPT-2 and OPT have no such plan; GPT-2's hand-written one shards the fused c_attn per q/k/v block,
+OPT's is Llama's layout with BART-style names (q/k/v/out_proj, fc1/fc2).
 """
 
 from __future__ import annotations
@@ -120,4 +121,21 @@ GPT2 = Plan(
     blocks="transformer.h",
 )
 
-PLANS = [GPT2, HFConfigPlan()]
+OPT = Plan(
+    name="hf_opt",
+    targets=("OPTForCausalLM",),
+    requires=("model.decoder.layers.0.self_attn.q_proj",),
+    styles={
+        "model.decoder.embed_tokens": "vocab",
+        "model.decoder.layers.*.self_attn": "region",
+        "model.decoder.layers.*.self_attn.[qkv]_proj": "colwise_local",
+        "model.decoder.layers.*.self_attn.out_proj": "rowwise",
+        "model.decoder.layers.*.fc1": "colwise",
+        "model.decoder.layers.*.fc2": "rowwise",
+        "lm_head": "lm_head",
+    },
+    attrs={"model.decoder.layers.*.self_attn": {"num_heads": "divide", "embed_dim": "divide"}},
+    blocks="model.decoder.layers",  # no sp: its MLP runs on tokens flattened to 2-d (batch x sequence)
+)
+
+PLANS = [GPT2, OPT, HFConfigPlan()]
