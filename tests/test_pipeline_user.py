@@ -378,7 +378,7 @@ def test_a_metrics_batch_value_is_local_as_its_forwards():
     with values.recording([metric]):
         metric(torch.tensor(2.0))
     assert values.copies[id(metric)]._to_sync is False  # no dp all-gather per step (dist_sync_on_step=False)
-    values.finish(metric)
+    values.finish()
     assert metric._forward_cache.item() == 2.0
 
 

@@ -4,8 +4,8 @@ Each forward calls the user's own ``training_step`` on one microbatch (see :mod:
 it runs a single stage), each backward is plain autograd. What Lightning expects around the step
 is kept: the gradients this step computed are set aside from ``p.grad`` until Lightning's
 backward call (Lightning zeroes grads between its training_step and backward), values logged in
-``training_step`` are reduced over microbatches (their ``reduce_fx``) on the last stage and logged on every stage, and
-the step returns the true loss everywhere (:mod:`.logs`). Transfers: :mod:`.p2p` (eager, gloo) or
+``training_step`` are reduced over microbatches (their ``reduce_fx``) on the last stage and logged
+on every stage, and the step returns the true loss everywhere (:mod:`.logs`). Transfers: :mod:`.p2p` (eager, gloo) or
 :mod:`.p2p_slots` (one group per time slot, NCCL).
 """
 

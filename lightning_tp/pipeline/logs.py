@@ -2,9 +2,10 @@
 
 The user's ``training_step`` runs once per microbatch (and chunk) on every stage, but only the last
 stage gets to the loss and most ``self.log`` calls. Those calls are captured per microbatch,
-reduced over the microbatches (by their ``reduce_fx``) on the last stage and logged on every stage, so that the progress
-bar, loggers, EarlyStopping and ModelCheckpoint(monitor=...) see the same values everywhere; the
-step returns the true mean loss on every stage. :class:`StageLogs` is the runner's part for this.
+reduced over the microbatches (by their ``reduce_fx``) on the last stage and logged on every
+stage, so that the progress bar, loggers, EarlyStopping and ModelCheckpoint(monitor=...) see the
+same values everywhere; the step returns the true mean loss on every stage. :class:`StageLogs` is
+the runner's part for this.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ class BatchValues:
         self.copies, self.used = {}, {}
 
     def start(self) -> None:
-        for copy_ in self.used.values():
+        for _, copy_ in self.used.values():
             copy_.reset()
         self.used = {}
 
@@ -87,15 +88,14 @@ class BatchValues:
                 copy_ = self.copies[id(metric)] = copy.deepcopy(metric, {id(group): group})
                 copy_.reset()  # its value syncs over dp as the forward's would: only with dist_sync_on_step
                 copy_.sync_on_compute = copy_._to_sync = bool(getattr(metric, "dist_sync_on_step", False))
-            self.used[id(metric)] = copy_
+            self.used[id(metric)] = (metric, copy_)
             copy_.update(*args, **kwargs)
             return forward(*args, **kwargs)
         return recorded
 
-    def finish(self, module) -> None:
-        for m in module.modules():
-            if id(m) in self.used:
-                m._forward_cache = self.used[id(m)].compute()
+    def finish(self) -> None:
+        for metric, copy_ in self.used.values():
+            metric._forward_cache = copy_.compute()
 
 
 def early_publish(schedule, p: int, v: int = 1) -> list:
@@ -155,7 +155,7 @@ class StageLogs:
         Values that cannot be averaged (torchmetrics objects) are logged by each stage from its own
         module, where its step reached the log call before stopping; elsewhere they are skipped.
         In training the result is the mean loss; see _share_numbers for how it travels."""
-        self.batch_values.finish(self.module)
+        self.batch_values.finish()
         own = {}
         for sink in logs_per_mb:
             for name, value, args, kwargs in sink:
@@ -192,8 +192,9 @@ class StageLogs:
         sent = self.__dict__.setdefault("_mirrored", {})  # (path, list state) -> items already sent
         if is_last:
             paths = {id(m): p for p, m in self.module.named_modules()}
-            box[0] = {n: (paths[id(own[n][0][-1])], _state_of(own[n][0][-1], paths[id(own[n][0][-1])], sent))
-                      for n, mean, _, _ in shared if mean is None and n in own and id(own[n][0][-1]) in paths}
+            logged = {n: own[n][0][-1] for n, mean, _, _ in shared if mean is None and n in own}
+            box[0] = {n: (paths[id(m)], _state_of(m, paths[id(m)], sent))
+                      for n, m in logged.items() if id(m) in paths}
         dist.broadcast_object_list(box, src=last, group=self.mesh.pp_group)
         if is_last:
             return {}

@@ -345,7 +345,8 @@ def _called_around(model: nn.Module, blocks_path: str) -> dict:
         calls = [m.start() for m in re.finditer(pattern, source)]
         calls += [at for at, body in helpers if re.search(pattern, body)]  # called in a helper it calls
         if child != leaf and calls:
-            out[f"{parent_path}.{child}" if parent_path else child] = "before" if min(calls) < loop.start() else "after"
+            path = f"{parent_path}.{child}" if parent_path else child
+            out[path] = "before" if min(calls) < loop.start() else "after"
     return out
 
 
