@@ -51,10 +51,10 @@ WORLD2.update({f"{fam}_tp2": (fam, {}, dict(tp=2), steps) for fam, steps in SEQ2
 WORLD2["hf_mt5_tp2"] = ("hf_mt5", {}, dict(tp=2), TEN)  # T5's layout with a gated MLP and an untied head
 # config plans whose base model, embedding or head sit under other names (Gemma 3, GPT-NeoX)
 WORLD2.update({f"hf_{fam}_tp2_sp": (f"hf_{fam}", {}, dict(tp=2, sp=True), TEN) for fam in ("gemma3", "gpt_neox")})
-WORLD2["hf_opt_tp2"] = ("hf_opt", {}, dict(tp=2), TEN)  # OPT: no sp
+WORLD2["hf_opt_tp2_sp"] = ("hf_opt", {}, dict(tp=2, sp=True), TEN)  # its MLP on tokens flattened to 2-d
 # OPT-350m's layout registers its final norm and projections before its layers: each goes where the
 # decoder calls it
-WORLD2["hf_opt_proj_tp2"] = ("hf_opt_proj", {}, dict(tp=2), TEN)
+WORLD2["hf_opt_proj_tp2_sp"] = ("hf_opt_proj", {}, dict(tp=2, sp=True), TEN)
 WORLD2["hf_opt_proj_pp2"] = ("hf_opt_proj", {}, PP, TEN)
 WORLD4 = {f"{fam}_tp2_pp2": (fam, {}, dict(tp=2, **PP), TEN) for fam in FAMILIES}
 WORLD4.update({f"{fam}_tp2_pp2": (fam, {}, dict(tp=2, **PP), steps) for fam, steps in SEQ2SEQ.items()})

@@ -30,8 +30,14 @@ class TPContext:
     def enter_region(self, x: torch.Tensor) -> torch.Tensor:
         """Replicated (or SP-sharded) activation -> input of column-parallel work."""
         if self.sp:
-            return comm.gather_from_sp(x, self.group, self.seq_dim)
+            return comm.gather_from_sp(x, self.group, self.token_dim(x))
         return comm.copy_to_tp(x, self.group)
+
+    def token_dim(self, x: torch.Tensor) -> int:
+        """The dimension SP shards ``x`` along: the sequence's, or dim 0 of tokens flattened to 2-d (OPT's
+        MLP runs on ``(batch x sequence, hidden)``; per-token work does not mind the order the gather
+        puts a shard's rows in, and the reduce-scatter after it gives each rank its own rows back)."""
+        return self.seq_dim if x.dim() > 2 else 0
 
 
 def is_conv1d(module: nn.Module) -> bool:
@@ -153,7 +159,7 @@ class RowParallelLinear(nn.Module):
     def reduce(self, y):
         """The partial sums over tp: all-reduce, or reduce-scatter along the sequence under SP."""
         if self.ctx.sp:
-            return comm.reduce_scatter_to_sp(y, self.ctx.group, self.ctx.seq_dim)
+            return comm.reduce_scatter_to_sp(y, self.ctx.group, self.ctx.token_dim(y))
         return comm.reduce_from_tp(y, self.ctx.group)
 
     def project(self, x, reduce):

@@ -130,12 +130,17 @@ OPT = Plan(
         "model.decoder.layers.*.self_attn": "region",
         "model.decoder.layers.*.self_attn.[qkv]_proj": "colwise_local",
         "model.decoder.layers.*.self_attn.out_proj": "rowwise",
-        "model.decoder.layers.*.fc1": "colwise",
+        "model.decoder.layers.*.fc1": "colwise",  # on tokens flattened to 2-d: see TPContext.token_dim
         "model.decoder.layers.*.fc2": "rowwise",
+        "model.decoder.layers.*.*layer_norm": "sp_norm",
+        # after the blocks, on sequence shards: the final norm and OPT-350m's projection out
+        "model.decoder.final_layer_norm": "sp_norm",
+        "model.decoder.project_out": "sp_norm",
         "lm_head": "lm_head",
     },
     attrs={"model.decoder.layers.*.self_attn": {"num_heads": "divide", "embed_dim": "divide"}},
-    blocks="model.decoder.layers",  # no sp: its MLP runs on tokens flattened to 2-d (batch x sequence)
+    sp_start="model.decoder.layers.*",
+    blocks="model.decoder.layers",
 )
 
 PLANS = [GPT2, OPT, HFConfigPlan()]

@@ -106,7 +106,7 @@ class Int8RowParallelLinear(Int8Linear):
         lead = x.shape[:-1]
         acc = int8_matmul(self.quantize_input(x), self.weight_int8, self.backend).reshape(*lead, self.out_features)
         if self.ctx.sp:
-            acc = comm.reduce_scatter(acc, self.ctx.seq_dim, self.ctx.group)
+            acc = comm.reduce_scatter(acc, self.ctx.token_dim(acc), self.ctx.group)
         else:
             acc = comm.all_reduce(acc, self.ctx.group)
         y = acc.float() * self._out_scale()
