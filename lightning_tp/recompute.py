@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .pipeline.placeholders import CACHE_KWARGS, positional_names
+from .pipeline.placeholders import no_cache, positional_names
 from .pipeline.split import find_blocks, is_block_list
 
 
@@ -112,20 +112,13 @@ def apply(model: nn.Module, blocks: list[tuple[str, int]]) -> None:
         block._lightning_tp_recompute = True
 
 
-def _no_cache(name: str, value):
-    """A cache updated in the forward would be updated again in the recompute: not given to it."""
-    if name in CACHE_KWARGS:
-        return None
-    return False if name == "use_cache" and value else value
-
-
 def _checkpointed_forward(self, *args, **kwargs):
     inner = self._lightning_tp_inner_forward
     if not torch.is_grad_enabled():  # validation, prediction: nothing to save
         return inner(*args, **kwargs)
     names = self._lightning_tp_positional
-    args = tuple(_no_cache(names[i], a) if i < len(names) else a for i, a in enumerate(args))
-    kwargs = {k: _no_cache(k, v) for k, v in kwargs.items()}
+    args = tuple(no_cache(names[i], a) if i < len(names) else a for i, a in enumerate(args))
+    kwargs = {k: no_cache(k, v) for k, v in kwargs.items()}  # the recompute would update a cache again
     keys, n = tuple(kwargs), len(args)
 
     def run(*flat):

@@ -225,11 +225,17 @@ def _signature(args, kwargs):
 CACHE_KWARGS = ("past_key_value", "past_key_values", "layer_past")  # Hugging Face's key/value caches
 
 
+def no_cache(name: str, value):
+    """An argument as given to a run that must not touch the key/value cache (a shape run, a
+    recomputed forward): a cache object is shared by the model's blocks and would be appended to."""
+    if name in CACHE_KWARGS:
+        return None
+    return False if name == "use_cache" and value else value
+
+
 def _meta_call(args, kwargs):
-    """The arguments on the meta device, without a key/value cache: a cache object is shared by the
-    model's blocks, and a shape run must not append meta keys to it (T5 passes one while training)."""
-    kwargs = {k: (None if k in CACHE_KWARGS else False if k == "use_cache" else v) for k, v in kwargs.items()}
-    return tree_map(_to_meta, (args, kwargs))
+    """The arguments on the meta device, without a key/value cache (T5 passes one while training)."""
+    return tree_map(_to_meta, (args, {k: no_cache(k, v) for k, v in kwargs.items()}))
 
 
 def _to_meta(t):

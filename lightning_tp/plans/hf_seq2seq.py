@@ -22,7 +22,7 @@ from torch import nn
 
 from ..pipeline.encoder_decoder import find_encoder_decoder
 from .base import Plan
-from .hf import _get
+from .hf import _get, _path_of
 
 
 def _has(module: nn.Module, *paths: str) -> bool:
@@ -117,7 +117,7 @@ class HFSeq2SeqPlan:
         for name in _token_embeddings(module, head):
             styles[name] = "vocab"
         if head is not None:  # the path resolve() visits: the first one a module is found under
-            styles[next(n for n, m in module.named_modules() if m is head)] = "lm_head"
+            styles[_path_of(module, head)] = "lm_head"
         return Plan(name=f"hf_seq2seq_{kind}", styles=styles, attrs=attrs, blocks=(enc, dec))
 
 
