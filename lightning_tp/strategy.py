@@ -35,6 +35,7 @@ from .pipeline.executor import PipelineRunner
 from .pipeline.schedules import build_schedule
 from .pipeline.placeholders import meta_twins
 from .pipeline.split import apply_split, plan_stages
+from .pipeline.side_inputs import SideInputCheck
 from .pipeline.stage import install as install_stages
 from .plans import apply as planner
 
@@ -298,7 +299,8 @@ class MegaStrategy(ParallelStrategy):
         self._runner = None
         if self._pipelined:
             silence = [(module.get_submodule(name), twin, runs) for name, (twin, runs) in split["silence"].items()]
-            state = install_stages(layout.blocks(module), layout, self.mesh.pp_rank, silence, split["twins"])
+            side = SideInputCheck.for_mesh(self.mesh, layout.pp) if self.pp > 1 else None
+            state = install_stages(layout.blocks(module), layout, self.mesh.pp_rank, silence, split["twins"], side)
             batched = self.p2p == "batched" or (self.p2p == "auto" and _on_nccl())
             self._runner = PipelineRunner(module, self.mesh, layout, state, self.schedule, self.microbatches,
                                           batched=batched, device=self.root_device)

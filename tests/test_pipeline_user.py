@@ -19,6 +19,7 @@ import dist
 from lightning_tp import MegaStrategy
 from lightning_tp.pipeline.microbatch import merge_outputs
 from lightning_tp.pipeline.placeholders import OnAnotherStage
+from lightning_tp.pipeline.side_inputs import SideInputCheck
 from lightning_tp.pipeline.split import _outer_groups, apply_split, plan_stages
 from lightning_tp.pipeline.stage import StageDone, install
 
@@ -116,14 +117,16 @@ class NormElsewhere(NormInHelper):
 
 
 def _staged(base, x, grad=True):
-    """pp=2 in one process: stage 0's output feeds stage 1, which returns the model's output."""
-    message = None
+    """pp=2 in one process: stage 0's output feeds stage 1, which returns the model's output; the
+    blocks' other arguments are checked across the stages through an in-process store."""
+    message, store = None, torch.distributed.HashStore()
     for rank in (0, 1):
         model = copy.deepcopy(base)
         layout = plan_stages(model, 2)
         split = apply_split(model, layout, rank)
         state = install(layout.blocks(model), layout, rank,
-                        [(model.get_submodule(n), twin, runs) for n, (twin, runs) in split["silence"].items()])
+                        [(model.get_submodule(n), twin, runs) for n, (twin, runs) in split["silence"].items()],
+                        side=SideInputCheck(store, lambda k: k % 2))
         state.active, state.received = rank, message
         with torch.set_grad_enabled(grad):
             try:
@@ -195,6 +198,53 @@ def test_what_cannot_travel_between_stages_is_refused(style, layout, words):
     model = NormElsewhere() if layout == "norm_elsewhere" else Net(style, layout)
     with pytest.raises(ValueError, match=words):
         _staged(model, _x())
+
+
+class FrozenX0(Net):
+    """A value residual made by a frozen embedding (it does not require grad), or drawn at random
+    outside the blocks: the next stage would make another one."""
+
+    def __init__(self, kind):
+        super().__init__("x0")
+        self.kind = kind
+        self.emb.weight.requires_grad_(kind != "frozen")
+
+    def forward(self, x):
+        h = self.emb(x)
+        x0 = torch.randn_like(h) if self.kind == "random" else h
+        for block in self.blocks:
+            h = block(h, x0=x0)
+        return self.head(self.norm(h))
+
+
+@pytest.mark.parametrize("kind, grad", [("frozen", True), ("trainable", False), ("random", True)])
+def test_side_inputs_that_differ_between_stages_are_refused(kind, grad):
+    """Refused by comparing what each stage gives block 1 (stage 0's last) besides its hidden states;
+    without the check, stage 1 would compute with zeros (or other noise) and say nothing."""
+    torch.manual_seed(3)
+    with pytest.raises(ValueError, match=r"block 1 is given 'x0' \(shape \(2, 4, 8\)\) besides its hidden states, "
+                                         r"and it differs between stage 0 \(sum [-\d.e]+\) and stage 1 \(sum 0\)"
+                       if kind != "random" else r"block 1 is given 'x0'.* differs between stage 0"):
+        _staged(FrozenX0(kind), _x(), grad=grad)
+
+
+def test_side_inputs_made_alike_on_every_stage_pass_the_check():
+    """A mask and rotary-like tables by keyword, made from the batch and from buffers: the same on
+    both stages (Hugging Face's nested position_embeddings=(cos, sin): the pp parity tests)."""
+    class Tables(Net):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("inv", torch.linspace(0.1, 1.0, H))
+
+        def forward(self, x):
+            h, mask = self.emb(x), (x > 3).float().unsqueeze(-1)
+            pe = (torch.cos(self.inv * x.unsqueeze(-1)), torch.sin(self.inv * x.unsqueeze(-1)))
+            for block in self.blocks:
+                h = block(h, mask=mask + pe[0] * pe[1])
+            return self.head(self.norm(h))
+
+    model = Tables()
+    torch.testing.assert_close(_staged(model, _x()), model(_x()), atol=1e-6, rtol=0)
 
 
 def test_a_missing_auxiliary_output_passes_none_checks_and_fails_any_use():

@@ -68,9 +68,16 @@ class SkippedBlock(PipelinePlaceholder):
     """A block another stage holds: passes the hidden states through (see :func:`passthrough`)."""
 
     side_outputs = False  # an encoder-decoder's (see passthrough)
+    index = None  # its place in the block list and, with one block list, the StageState (see stage.install):
+    stage = None  # the block before the running stage's first checks its other arguments (see .side_inputs)
 
     def forward(self, *args, **kwargs):
-        return passthrough(self._twin[0], args, kwargs, self.side_outputs, self.__dict__.setdefault("_memo", {}))
+        memo, state = self.__dict__.setdefault("_memo", {}), self.stage
+        if state is not None and state.side is not None and state.active > 0 \
+                and self.index == state.ranges[state.active - 1][1]:
+            hidden = hidden_place(args, kwargs, memo.setdefault("hidden", hidden_name(self._twin[0])))
+            state.side.compare(state.active, self.index, args, kwargs, hidden)
+        return passthrough(self._twin[0], args, kwargs, self.side_outputs, memo)
 
 
 def passthrough(twin: nn.Module, args, kwargs, side_outputs: bool, memo: dict):

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .placeholders import ShapeOnly, hidden_name, hidden_place, passthrough, zeros_like_output
+from .placeholders import ShapeOnly, SkippedBlock, hidden_name, hidden_place, passthrough, zeros_like_output
 
 
 class StageDone(Exception):
@@ -42,12 +42,14 @@ class StageState:
     entered: bool = False  # the active stage's first block has run (see placeholders._check_place)
     # an encoder-decoder, while a stage runs: id(tensor the user's code computed) -> (it, received stand-in)
     stand_ins: dict = field(default_factory=dict)
+    side: object = None  # one block list: the check of the blocks' other arguments (see .side_inputs)
 
 
-def install(blocks, layout, pp_rank: int, silence=(), twins=None) -> StageState:
+def install(blocks, layout, pp_rank: int, silence=(), twins=None, side=None) -> StageState:
     """``silence``: (module, meta twin, virtual stages it runs in) of modules outside the blocks that
     this rank's other chunks must not rerun (they return zeros of their shape there); ``twins``: block
-    index -> meta twin of this rank's blocks, for their runs outside their stage (see _passthrough_of)."""
+    index -> meta twin of this rank's blocks, for their runs outside their stage (see _passthrough_of);
+    ``side``: a :class:`.side_inputs.SideInputCheck`, or None (no check)."""
     twins = twins or {}
     state = StageState(layout.ranges, layout.last_vstage)
     chained = layout.decoder_start is not None
@@ -62,10 +64,14 @@ def install(blocks, layout, pp_rank: int, silence=(), twins=None) -> StageState:
             _stop_at(blocks[hi + 1], k, state, hi + 1 == layout.decoder_start)
     for module, twin, runs in silence:
         _silence_outside(module, twin, runs, state)
-    if not chained:  # an encoder-decoder's modules have their own places (see StageLayout.runs)
+    if not chained:  # an encoder-decoder's modules have their own places (see StageLayout.runs), and
+        state.side = side  # its side inputs travel
         for m in blocks.model.modules():
             if isinstance(m, ShapeOnly):
                 m.stage = state
+        for i in range(len(blocks)):
+            if isinstance(blocks[i], SkippedBlock):
+                blocks[i].stage, blocks[i].index = state, i
     return state
 
 
@@ -107,6 +113,8 @@ def _wrap(block, index: int, state: StageState, twin=None) -> None:
                 args = (state.received,) + tuple(args[1:])
             else:
                 kwargs = {**kwargs, hidden_place(args, kwargs, name): state.received}
+        if index == hi and state.active < state.last_vstage and state.side is not None:
+            state.side.leave(state.active, index, args, kwargs, hidden_place(args, kwargs, name))
         out = original(*args, **kwargs)
         if index == hi and state.active < state.last_vstage:
             _check_side_inputs(args, kwargs, name, index)

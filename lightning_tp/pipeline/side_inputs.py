@@ -1,0 +1,117 @@
+"""Check that what a block is given besides its hidden states is the same on every stage.
+
+Only hidden states travel between stages; a block's other arguments (masks, rotary tables,
+positions) are made again by the user's code on each stage, from the batch and from modules every
+stage holds. One made by a module another stage holds is not: that module is a placeholder there
+and returns zeros (a frozen embedding's output given to every block as a value residual; one
+that requires grad is refused at the sender already, see stage._check_side_inputs), and one drawn
+at random outside the blocks differs once the stages' random streams part. Either way the
+receiving stage would compute with other inputs than one process does, and say nothing.
+
+So at its first run (microbatch 0 of the first step, training or not) the sending stage leaves a
+fingerprint of its last block's other arguments (shape, dtype, sum, absolute sum per tensor) in
+the process group's key-value store; the receiving stage meets the same block as a placeholder, given
+the arguments its own code made, and compares. The store is written before the activation is sent
+and read after it arrived, so the read never waits. A mismatch is refused there, naming the block
+and the argument.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+
+def _leaves(args, kwargs, hidden) -> list:
+    """(place, tensor) of every tensor a block is given besides its hidden states, nested ones
+    (Hugging Face's ``position_embeddings=(cos, sin)``) named by their index."""
+    out = []
+    for place, value in [(i, a) for i, a in enumerate(args)] + list(kwargs.items()):
+        if place == hidden:
+            continue
+        flat, _ = tree_flatten(value)
+        for j, t in enumerate(flat):
+            if isinstance(t, torch.Tensor):
+                out.append((f"{place!r}" if len(flat) == 1 else f"{place!r}[{j}]", t))
+    return out
+
+
+def fingerprint(args, kwargs, hidden) -> list:
+    """Per tensor: place, shape, dtype, the sum and absolute sum of its finite values, and the count of
+    those that are not (a causal mask's -inf)."""
+    out = []
+    for place, t in _leaves(args, kwargs, hidden):
+        d = t.detach().to(torch.float64)
+        finite = torch.isfinite(d)
+        kept = torch.where(finite, d, torch.zeros((), dtype=d.dtype, device=d.device))
+        out.append([place, list(t.shape), str(t.dtype), kept.sum().item(), kept.abs().sum().item(),
+                    (~finite).sum().item()])
+    return out
+
+
+def _same(a: list, b: list) -> bool:
+    if a[:3] != b[:3] or a[5] != b[5]:
+        return False
+    scale = max(1.0, abs(a[4]), abs(b[4]))
+    return abs(a[3] - b[3]) <= 1e-6 * scale and abs(a[4] - b[4]) <= 1e-6 * scale
+
+
+class SideInputCheck:
+    """One per rank's pipeline: ``rank_of(vstage)`` names the rank that runs a virtual stage of this
+    rank's pipeline (keys are per sending rank, so dp and tp replicas of a pipeline do not mix)."""
+
+    def __init__(self, store, rank_of):
+        self.store, self.rank_of, self.done = store, rank_of, set()
+
+    @classmethod
+    def for_mesh(cls, mesh, pp: int):
+        """The check over the default process group's store, or None without one."""
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            return None
+        try:
+            store = dist.distributed_c10d._get_default_store()
+        except (AttributeError, RuntimeError, ValueError):
+            return None
+        return cls(store, lambda k: mesh.global_rank(mesh.tp_rank, mesh.dp_rank, k % pp))
+
+    def _key(self, vstage: int, block: int) -> str:
+        return f"lightning_tp/side_inputs/{self.rank_of(vstage)}/{vstage}/{block}"
+
+    def leave(self, vstage: int, block: int, args, kwargs, hidden) -> None:
+        """The sending stage (``vstage``), at its last block (``block``), before running it."""
+        if ("sent", vstage) in self.done:
+            return
+        self.done.add(("sent", vstage))
+        self.store.set(self._key(vstage, block), json.dumps(fingerprint(args, kwargs, hidden)))
+
+    def compare(self, vstage: int, block: int, args, kwargs, hidden) -> None:
+        """The receiving stage (``vstage``), where its code calls the previous stage's last block."""
+        if ("got", vstage) in self.done:
+            return
+        self.done.add(("got", vstage))
+        key = self._key(vstage - 1, block)
+        try:
+            self.store.wait([key], timedelta(seconds=60))
+        except RuntimeError:  # cannot happen as the stages run (written before the send); checks nothing
+            return
+        theirs = json.loads(self.store.get(key))
+        self.store.delete_key(key)
+        mine = fingerprint(args, kwargs, hidden)
+        if len(mine) != len(theirs):
+            raise ValueError(f"pipeline: block {block} is given the tensors {[m[0] for m in mine]} besides its "
+                             f"hidden states on stage {vstage}, but {[t[0] for t in theirs]} on stage {vstage - 1}; "
+                             f"every stage runs the user's code and must give each block the same arguments.")
+        for m, t in zip(mine, theirs):
+            if not _same(m, t):
+                raise ValueError(
+                    f"pipeline: block {block} is given {m[0]} (shape {tuple(m[1])}) besides its hidden states, and "
+                    f"it differs between stage {vstage - 1} (sum {t[3]:.6g}) and stage {vstage} (sum {m[3]:.6g}), "
+                    f"which makes it again: only hidden states travel between stages. Made by a module that "
+                    f"another stage holds (a frozen embedding's output given to every block) it is zeros there; "
+                    f"drawn at random outside the blocks it differs. Make it inside the blocks, from the batch "
+                    f"or from buffers, or use tp/dp for this model.")
