@@ -1,4 +1,5 @@
-"""MegaStrategy: the Lightning glue. Everything parallel lives in mesh/comm/layers/plans/grads."""
+"""MegaStrategy: the Lightning glue. What it does to the model is in parallelize.py; everything
+parallel lives in mesh/comm/layers/plans/grads/pipeline."""
 
 from __future__ import annotations
 
@@ -25,19 +26,13 @@ from . import checkpoint as ckpt
 from . import comm
 from . import grads
 from . import recompute
-from .dp_overlap import DPOverlap
-from .kernels.inject import apply_kernels, kernel_names
-from .plain import load_full
-from .quant import apply_qat, bits_of
+from .kernels.inject import kernel_names
+from .quant import bits_of
 from .quant.fake_quant import RANGE_MODES
-from .mesh import ParallelMesh, build_mesh, data_parallel_size, use_tied_ranks
+from .mesh import ParallelMesh, build_mesh, data_parallel_size
 from .pipeline.executor import PipelineRunner
 from .pipeline.schedules import build_schedule
-from .pipeline.placeholders import meta_twins
-from .pipeline.split import apply_split, plan_stages
-from .pipeline.side_inputs import SideInputCheck
-from .pipeline.stage import install as install_stages
-from .plans import apply as planner
+from .parallelize import parallelize
 
 
 def _step_args(args, kwargs, loop_batch_idx) -> tuple:
@@ -49,11 +44,6 @@ def _step_args(args, kwargs, loop_batch_idx) -> tuple:
     rest = (tuple(args[1:]), kwargs)
     batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", loop_batch_idx)
     return batch, rest, batch_idx
-
-
-def _on_nccl() -> bool:
-    """Whether NCCL carries the transfers ("nccl", or a per-device backend string naming it)."""
-    return "nccl" in dist.get_backend()
 
 
 class MegaStrategy(ParallelStrategy):
@@ -213,7 +203,7 @@ class MegaStrategy(ParallelStrategy):
     def setup(self, trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
-        self._parallelize(self.lightning_module)
+        self._runner, self._dp_overlap = parallelize(self, self.lightning_module)
         self.model = self.precision_plugin.convert_module(self.model)
         for twin in self.lightning_module._lightning_tp["twins"]:  # placeholders' zeros in the model's dtype
             self.precision_plugin.convert_module(twin)
@@ -229,121 +219,9 @@ class MegaStrategy(ParallelStrategy):
         if scaler is not None and self.tp * self.pp > 1:  # fp16 AMP: one skip-or-step decision for all
             grads.agree_on_overflow(scaler)
 
-    def _check_p2p_backend(self) -> None:
-        """Pipelines on NCCL: what its P2P semantics cannot run yet is refused now, not hung on later."""
-        if not self._pipelined or not _on_nccl():
-            return
-        if self.p2p == "eager":
-            raise ValueError("MegaStrategy(p2p='eager') posts receives ahead, which NCCL queues in front of later "
-                             "sends on the same stream (a deadlock); use p2p='auto' or 'batched' on GPUs.")
-
-    def _broadcast_initial_weights(self, module) -> None:
-        """Rank 0's initial weights everywhere, in flat buckets on the run's device (NCCL needs it there;
-        the module itself moves only later)."""
-        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
-        tensors = [t.data for t in list(module.parameters()) + list(module.buffers())]
-        for bucket in grads._buckets(tensors):
-            flat = _flatten_dense_tensors(bucket).to(self.root_device)
-            dist.broadcast(flat, src=0)
-            for t, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
-                t.copy_(synced)
-
-    def _parallelize(self, module) -> None:
-        done = getattr(module, "_lightning_tp", None)
-        if done is not None:
-            if (done["tp"], done["sp"], done["pp"], done["recompute"]) != (self.tp, self.sp, self.pp,
-                                                                           self.activation_checkpointing):
-                raise ValueError(f"{type(module).__name__} was already parallelized with tp={done['tp']}, "
-                                 f"sp={done['sp']}, pp={done['pp']}, activation_checkpointing={done['recompute']}; "
-                                 f"build a fresh module for this layout.")
-            for ctx in done["contexts"]:
-                ctx.group = self.mesh.tp_group
-            if len(done.get("tied_ranks", ())) > 1:
-                use_tied_ranks(self.mesh, done["tied_ranks"])
-            self._runner = done["runner"]
-            if self._runner is not None:
-                self._runner.mesh = self.mesh
-                self._runner.dp_overlap = None  # the last strategy's; this one syncs after the step
-                self._runner._trained = False  # a new run: its first batch is checked (see must_divide)
-            return
-        # 1. every check, on every rank alike, before any collective
-        self._check_p2p_backend()
-        matches = planner.resolve(module, self.tp, self.sp, self.plan) if self.tp > 1 else []
-        layout = None
-        if self.pp > 1:
-            blocks = self.pipeline_blocks or planner.blocks_path(module, self.plan)
-            layout = plan_stages(module, self.pp, self.virtual_stages, blocks, self.stage_layers,
-                                 interleaved=self.schedule == "interleaved_1f1b")
-        elif self._pipelined:  # microbatching without stages: one stage holding every block
-            layout = plan_stages(module, 1, 1, self.pipeline_blocks or planner.blocks_path(module, self.plan))
-        recomputed = recompute.targets(module, self.activation_checkpointing, layout, self.mesh.pp_rank,
-                                       self.pipeline_blocks or self._plan_blocks(module)) \
-            if self.activation_checkpointing else []
-        full_keys = list(module.state_dict().keys())
-        # 2. one set of initial weights, then keep this rank's stage and shards
-        if self.sync_init and self.mesh.world_size > 1:
-            self._broadcast_initial_weights(module)
-        split = apply_split(module, layout, self.mesh.pp_rank) if self.pp > 1 else {"silence": {}, "twins": {}}
-        tied_ranks = layout.replica_ranks() if self.pp > 1 and layout.lists else ()
-        if len(tied_ranks) > 1:
-            use_tied_ranks(self.mesh, tied_ranks)
-        replaced = planner.apply(module, matches, self.mesh.tp_group, self.tp, self.mesh.tp_rank, self.sp)
-        apply_kernels(module, self.kernels)
-        if self.quant is not None:
-            apply_qat(module, self.quant, tp_group=self.mesh.tp_group, dp_group=self.mesh.dp_group,
-                      act_range=self.quant_range)
-        if self.load_full is not None:
-            load_full(module, self.load_full, full_keys, self.mesh.tp_rank)
-        recompute.apply(module, recomputed)  # inside the stage wrappers below
-        self._runner = None
-        if self._pipelined:
-            silence = [(module.get_submodule(name), twin, runs) for name, (twin, runs) in split["silence"].items()]
-            side = SideInputCheck.for_mesh(self.mesh, layout.pp) if self.pp > 1 else None
-            state = install_stages(layout.blocks(module), layout, self.mesh.pp_rank, silence, split["twins"], side)
-            batched = self.p2p == "batched" or (self.p2p == "auto" and _on_nccl())
-            self._runner = PipelineRunner(module, self.mesh, layout, state, self.schedule, self.microbatches,
-                                          batched=batched, device=self.root_device)
-        if self._dp_overlap is not None:
-            self._dp_overlap.remove()
-        self._dp_overlap = None
-        if self.mesh.dp > 1 and not self._pipelined:
-            self._dp_overlap = DPOverlap(module.parameters(), self.mesh.dp_group, self.mesh.dp,
-                                         armed=lambda: self._sync_grads)
-        elif self.mesh.dp > 1:  # a pipeline's backward runs per microbatch: only its last one starts the sync,
-            # and only without accumulation over batches (then its tensor is the step's gradient, see merge_grads)
-            self._dp_overlap = DPOverlap(module.parameters(), self.mesh.dp_group, self.mesh.dp, hooked=False,
-                                         armed=lambda: self._sync_grads and
-                                         self.lightning_module.trainer.accumulate_grad_batches == 1)
-            self._runner.dp_overlap = self._dp_overlap
-        contexts = {id(m.ctx): m.ctx for m in replaced.values() if hasattr(m, "ctx")}
-        module._lightning_tp = {"tp": self.tp, "sp": self.sp, "pp": self.pp, "contexts": list(contexts.values()),
-                                "runner": self._runner, "recompute": self.activation_checkpointing,
-                                "tied_ranks": tied_ranks, "twins": meta_twins(module, split) if self.pp > 1 else []}
-        self._set_metric_groups(module)
-
-    def _plan_blocks(self, module):
-        """The block list(s) a plan names, if one does and can be staged (else activation checkpointing
-        without a pipeline looks for every list of same-class blocks)."""
-        try:
-            return planner.blocks_path(module, self.plan)
-        except ValueError:  # a family the plan marks as not staged
-            return None
-
-    def _set_metric_groups(self, module) -> None:
-        try:
-            from torchmetrics import Metric
-        except ImportError:  # pragma: no cover
-            return
-        for m in module.modules():
-            if isinstance(m, Metric):
-                m.process_group = self.mesh.dp_group  # tp replicas hold the same samples
-
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
-
-    # ------------------------------------------------------------------ gradients
 
     # ------------------------------------------------------------------ pipeline steps
 

@@ -684,14 +684,15 @@ def test_unknown_p2p_mode_is_refused_at_construction():
 
 
 def test_nccl_refuses_what_its_p2p_cannot_run(monkeypatch):
-    from lightning_tp import strategy as strategy_module
+    from lightning_tp import parallelize
 
-    monkeypatch.setattr(strategy_module.dist, "get_backend", lambda *a, **k: "nccl")
-    MegaStrategy(pp=2, schedule="interleaved_1f1b", virtual_stages=2)._check_p2p_backend()  # slotted: allowed
+    monkeypatch.setattr(parallelize.dist, "get_backend", lambda *a, **k: "nccl")
+    check = parallelize.check_p2p_backend
+    check(MegaStrategy(pp=2, schedule="interleaved_1f1b", virtual_stages=2))  # slotted: allowed
     with pytest.raises(ValueError, match="p2p='eager'"):
-        MegaStrategy(pp=2, p2p="eager")._check_p2p_backend()
-    MegaStrategy(pp=2, schedule="zb_h1")._check_p2p_backend()  # batched by default: allowed
-    MegaStrategy(tp=2, p2p="eager")._check_p2p_backend()  # no pipeline: nothing to refuse
+        check(MegaStrategy(pp=2, p2p="eager"))
+    check(MegaStrategy(pp=2, schedule="zb_h1"))  # batched by default: allowed
+    check(MegaStrategy(tp=2, p2p="eager"))  # no pipeline: nothing to refuse
 
 
 def test_placeholders_remember_output_shapes_per_argument_signature():

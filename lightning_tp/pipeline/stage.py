@@ -130,7 +130,7 @@ def _check_side_inputs(args, kwargs, name, index: int) -> None:
     (it requires grad and is no parameter, e.g. the embedding's output given to every block as a
     value residual, ``block(h, x0)``) cannot be: the next stage would make it from placeholders, as
     zeros. Refused at the sending stage's first training step instead. (One made by frozen weights
-    does not require grad and is not told apart from a mask: not caught.)"""
+    does not require grad: the receiving stage finds it differs, see .side_inputs.)"""
     hidden = hidden_place(args, kwargs, name)
     extra = [(i, a) for i, a in enumerate(args) if i != hidden] + [(k, a) for k, a in kwargs.items() if k != hidden]
     for place, a in extra:

@@ -1,0 +1,158 @@
+"""Make a user's module this rank's part of the layout a MegaStrategy asks for.
+
+One fixed order, the same on every rank: every check first (a bad layout fails on all ranks before
+any collective), then one set of initial weights, then this rank's pipeline stage, its tensor-parallel
+shards, fused kernels, quantization-aware layers, its part of a full checkpoint, recomputation, the
+stage wrappers and the pipeline runner. A module parallelized before (a second ``fit``, ``validate``
+after ``fit``) keeps its layout and is pointed at the new strategy's groups.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from . import grads, recompute
+from .dp_overlap import DPOverlap
+from .kernels.inject import apply_kernels
+from .mesh import use_tied_ranks
+from .pipeline.executor import PipelineRunner
+from .pipeline.placeholders import meta_twins
+from .pipeline.side_inputs import SideInputCheck
+from .pipeline.split import apply_split, plan_stages
+from .pipeline.stage import install as install_stages
+from .plain import load_full
+from .plans import apply as planner
+from .quant import apply_qat
+
+
+def on_nccl() -> bool:
+    """Whether NCCL carries the transfers ("nccl", or a per-device backend string naming it)."""
+    return "nccl" in dist.get_backend()
+
+
+def parallelize(s, module):
+    """``s``: the MegaStrategy (its options and mesh). Returns (pipeline runner or None, dp overlap or
+    None) and records the layout on ``module._lightning_tp``."""
+    done = getattr(module, "_lightning_tp", None)
+    if done is not None:
+        return _reuse(s, module, done), s._dp_overlap
+    # 1. every check, on every rank alike, before any collective
+    check_p2p_backend(s)
+    matches = planner.resolve(module, s.tp, s.sp, s.plan) if s.tp > 1 else []
+    layout = None
+    if s.pp > 1:
+        blocks = s.pipeline_blocks or planner.blocks_path(module, s.plan)
+        layout = plan_stages(module, s.pp, s.virtual_stages, blocks, s.stage_layers,
+                             interleaved=s.schedule == "interleaved_1f1b")
+    elif s._pipelined:  # microbatching without stages: one stage holding every block
+        layout = plan_stages(module, 1, 1, s.pipeline_blocks or planner.blocks_path(module, s.plan))
+    recomputed = recompute.targets(module, s.activation_checkpointing, layout, s.mesh.pp_rank,
+                                   s.pipeline_blocks or _plan_blocks(module, s.plan)) \
+        if s.activation_checkpointing else []
+    full_keys = list(module.state_dict().keys())
+    # 2. one set of initial weights, then keep this rank's stage and shards
+    if s.sync_init and s.mesh.world_size > 1:
+        _broadcast_initial_weights(module, s.root_device)
+    split = apply_split(module, layout, s.mesh.pp_rank) if s.pp > 1 else {"silence": {}, "twins": {}}
+    tied_ranks = layout.replica_ranks() if s.pp > 1 and layout.lists else ()
+    if len(tied_ranks) > 1:
+        use_tied_ranks(s.mesh, tied_ranks)
+    replaced = planner.apply(module, matches, s.mesh.tp_group, s.tp, s.mesh.tp_rank, s.sp)
+    apply_kernels(module, s.kernels)
+    if s.quant is not None:
+        apply_qat(module, s.quant, tp_group=s.mesh.tp_group, dp_group=s.mesh.dp_group, act_range=s.quant_range)
+    if s.load_full is not None:
+        load_full(module, s.load_full, full_keys, s.mesh.tp_rank)
+    recompute.apply(module, recomputed)  # inside the stage wrappers below
+    runner = None
+    if s._pipelined:
+        silence = [(module.get_submodule(name), twin, runs) for name, (twin, runs) in split["silence"].items()]
+        side = SideInputCheck.for_mesh(s.mesh, layout.pp) if s.pp > 1 else None
+        state = install_stages(layout.blocks(module), layout, s.mesh.pp_rank, silence, split["twins"], side)
+        batched = s.p2p == "batched" or (s.p2p == "auto" and on_nccl())
+        runner = PipelineRunner(module, s.mesh, layout, state, s.schedule, s.microbatches, batched=batched,
+                                device=s.root_device)
+    overlap = _dp_overlap(s, module, runner)
+    contexts = {id(m.ctx): m.ctx for m in replaced.values() if hasattr(m, "ctx")}
+    module._lightning_tp = {"tp": s.tp, "sp": s.sp, "pp": s.pp, "contexts": list(contexts.values()),
+                            "runner": runner, "recompute": s.activation_checkpointing,
+                            "tied_ranks": tied_ranks, "twins": meta_twins(module, split) if s.pp > 1 else []}
+    _set_metric_groups(module, s.mesh.dp_group)
+    return runner, overlap
+
+
+def _reuse(s, module, done):
+    """A module parallelized before: the same layout, the new strategy's groups."""
+    if (done["tp"], done["sp"], done["pp"], done["recompute"]) != (s.tp, s.sp, s.pp, s.activation_checkpointing):
+        raise ValueError(f"{type(module).__name__} was already parallelized with tp={done['tp']}, sp={done['sp']}, "
+                         f"pp={done['pp']}, activation_checkpointing={done['recompute']}; build a fresh module "
+                         f"for this layout.")
+    for ctx in done["contexts"]:
+        ctx.group = s.mesh.tp_group
+    if len(done.get("tied_ranks", ())) > 1:
+        use_tied_ranks(s.mesh, done["tied_ranks"])
+    runner = done["runner"]
+    if runner is not None:
+        runner.mesh = s.mesh
+        runner.dp_overlap = None  # the last strategy's; this one syncs after the step
+        runner._trained = False  # a new run: its first batch is checked (see must_divide)
+    return runner
+
+
+def _dp_overlap(s, module, runner):
+    """dp > 1: the all-reduce of gradients overlapped with the backward (see :mod:`.dp_overlap`)."""
+    if s._dp_overlap is not None:
+        s._dp_overlap.remove()
+    if s.mesh.dp == 1:
+        return None
+    if runner is None:
+        return DPOverlap(module.parameters(), s.mesh.dp_group, s.mesh.dp, armed=lambda: s._sync_grads)
+    # a pipeline's backward runs per microbatch: only its last one starts the sync, and only without
+    # accumulation over batches (then its tensor is the step's gradient, see merge_grads)
+    overlap = DPOverlap(module.parameters(), s.mesh.dp_group, s.mesh.dp, hooked=False,
+                        armed=lambda: s._sync_grads and s.lightning_module.trainer.accumulate_grad_batches == 1)
+    runner.dp_overlap = overlap
+    return overlap
+
+
+def check_p2p_backend(s) -> None:
+    """Pipelines on NCCL: what its P2P semantics cannot run yet is refused now, not hung on later."""
+    if not s._pipelined or not on_nccl():
+        return
+    if s.p2p == "eager":
+        raise ValueError("MegaStrategy(p2p='eager') posts receives ahead, which NCCL queues in front of later "
+                         "sends on the same stream (a deadlock); use p2p='auto' or 'batched' on GPUs.")
+
+
+def _broadcast_initial_weights(module, device) -> None:
+    """Rank 0's initial weights everywhere, in flat buckets on the run's device (NCCL needs it there;
+    the module itself moves only later)."""
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    tensors = [t.data for t in list(module.parameters()) + list(module.buffers())]
+    for bucket in grads._buckets(tensors):
+        flat = _flatten_dense_tensors(bucket).to(device)
+        dist.broadcast(flat, src=0)
+        for t, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+            t.copy_(synced)
+
+
+def _plan_blocks(module, plan):
+    """The block list(s) a plan names, if one does and can be staged (else activation checkpointing
+    without a pipeline looks for every list of same-class blocks)."""
+    try:
+        return planner.blocks_path(module, plan)
+    except ValueError:  # a family the plan marks as not staged
+        return None
+
+
+def _set_metric_groups(module, dp_group) -> None:
+    """torchmetrics sync over data-parallel replicas only: tp and pp ranks of one replica hold the same samples."""
+    try:
+        from torchmetrics import Metric
+    except ImportError:  # pragma: no cover
+        return
+    for m in module.modules():
+        if isinstance(m, Metric):
+            m.process_group = dp_group
+
