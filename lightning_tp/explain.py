@@ -19,8 +19,8 @@ Per optimizer step, with n = B*T tokens per replica (B: the batch one process lo
     n*w/tp plus a backward reduce-scatter of n*w; an nn.TransformerDecoderLayer's cross-attention
     enters twice: query and memory). 'rowwise' (and mha's out_proj) leave it: a forward
     all-reduce (SP: reduce-scatter n*w, then a backward all-gather n*w/tp). 'vocab': a forward
-    all-reduce n*d. 'vocab_ce': 3n (row max, then sum-exp and target logit). An 'lm_head' without
-    'vocab_ce' all-gathers n*V/tp. SP start/end: an all-gather of n*h/tp. For the example GPT this is
+    all-reduce n*d. 'vocab_ce': 3n (row max, then sum-exp and target logit). An 'lm_head' all-gathers
+    n*V/tp: the logits the model returns (with 'vocab_ce' its loss reads this rank's columns). SP start/end: an all-gather of n*h/tp. For the example GPT this is
     Megatron's 4 all-reduces of b*s*h per layer.
   * PP: each virtual stage sends m activations of (B/m)*T*h (/tp under SP) unless it is the last,
     and m gradients back unless it is the first; inside an encoder-decoder's decoder a message also
@@ -178,7 +178,7 @@ def _tp_ops(base, matches, sp, tp, hidden, locate):
                                    esp, tp)
             if style == "vocab":
                 ops[loc].append(("all_reduce", mod.embedding_dim, "fwd"))
-            if style == "lm_head" and "vocab_ce" not in styles:
+            if style == "lm_head":  # the logits the model returns (with 'vocab_ce': its loss reads the shards)
                 ops[loc].append(("all_gather", padded_size(_io(mod)[1], tp) / tp, "fwd"))
             if style == "vocab_ce" and "lm_head" in styles:
                 ops[loc] += [("all_reduce", 1, "fwd"), ("all_reduce", 2, "fwd")]

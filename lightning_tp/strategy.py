@@ -13,7 +13,8 @@ import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import (_distributed_is_initialized,
                                                     _get_default_process_group_backend_for_device,
-                                                    _init_dist_connection, _sync_ddp_if_available)
+                                                    _init_dist_connection, _sync_ddp_if_available,
+                                                    _all_gather_ddp_if_available)
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
@@ -294,6 +295,12 @@ class MegaStrategy(ParallelStrategy):
         if isinstance(tensor, torch.Tensor) and comm.group_size(group) > 1:
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
+
+    def all_gather(self, tensor, group: Optional[Any] = None, sync_grads: bool = False):
+        """``self.all_gather`` gathers over data-parallel replicas only: tp and pp ranks of one replica
+        hold the same samples (DDP's shape: (dp, ...))."""
+        return _all_gather_ddp_if_available(tensor, group=group if group is not None else self.mesh.dp_group,
+                                            sync_grads=sync_grads)
 
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         if not _distributed_is_initialized():

@@ -72,6 +72,19 @@ class ParityGPT(LitGPT):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
+class OwnLossGPT(ParityGPT):
+    """Reads the logits the model returns: its own loss on them (label smoothing, which the
+    vocab-parallel loss does not take), added to the model's, and an accuracy from their argmax."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits, inner = self.model(x, y)
+        loss = inner + 0.5 * F.cross_entropy(logits.flatten(0, 1), y.flatten(), label_smoothing=0.1)
+        self.log("acc", (logits.argmax(-1) == y).float().mean())
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+
 class EncoderLM(L.LightningModule):
     """A causal LM built from torch's nn.TransformerEncoder, as a user would write it."""
 
@@ -196,6 +209,9 @@ class HFCausalLM(L.LightningModule):
         common = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                       num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=SEQ * 2,
                       attention_dropout=0.0, tie_word_embeddings=False)
+        falcon = dict(vocab_size=64, hidden_size=32, ffn_hidden_size=64, num_hidden_layers=layers,
+                      num_attention_heads=heads, max_position_embeddings=SEQ * 2, attention_dropout=0.0,
+                      hidden_dropout=0.0)
         configs = {
             "gpt2": lambda: T.GPT2Config(vocab_size=64, n_positions=SEQ * 2, n_embd=32, n_layer=layers, n_head=4,
                                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
@@ -217,6 +233,15 @@ class HFCausalLM(L.LightningModule):
                                                 num_hidden_layers=layers, num_attention_heads=heads,
                                                 max_position_embeddings=SEQ * 2, rotary_pct=0.5,
                                                 attention_dropout=0.0, hidden_dropout=0.0),
+            # no config plan; q, k, v fused in one of three layouts (see plans/falcon.py): grouped per
+            # key/value head (40B's), all queries then one k and v (7B's: multi-query, tied head, parallel
+            # attention), and per head (sequential attention and MLP, biases)
+            "falcon": lambda: T.FalconConfig(**falcon, new_decoder_architecture=True, num_kv_heads=kv_heads,
+                                             tie_word_embeddings=False),
+            "falcon_mq": lambda: T.FalconConfig(**falcon, multi_query=True),
+            "falcon_mha": lambda: T.FalconConfig(**falcon, multi_query=False, parallel_attn=False, bias=True,
+                                                 tie_word_embeddings=False),
+            "falcon_alibi": lambda: T.FalconConfig(**falcon, multi_query=False, alibi=True),
         }
         config = configs[family]()
         config._attn_implementation = "sdpa"
@@ -374,6 +399,8 @@ def _build(kind: str, **kw):
     L.seed_everything(0, verbose=False)
     if kind == "gpt":
         return ParityGPT(**{**GPT_SMALL, **kw})
+    if kind == "gpt_own_loss":
+        return OwnLossGPT(**{**GPT_SMALL, **kw})
     if kind == "encoder":
         return EncoderLM(**kw)
     if kind in ("hf_bart", "hf_t5", "hf_mt5", "hf_whisper"):

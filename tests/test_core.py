@@ -8,6 +8,7 @@ import lightning as L
 import pytest
 import torch
 import torch.distributed as torch_dist
+import torch.nn.functional as F
 from torch import nn
 
 import dist
@@ -116,6 +117,8 @@ def _checks(rank, world):
     pred = trainer.predict(model, torch.utils.data.DataLoader([Tokens(2, 64)[i][0] for i in range(2)],
                                                               batch_size=2))
     out["pred_shape"] = tuple(pred[0].shape)
+    # self.all_gather gathers over data-parallel replicas only (here dp = 1), as DDP's would
+    out["gathered"] = tuple(trainer.strategy.all_gather(torch.full((3,), float(rank))).shape)
 
     # 6. bf16-mixed: autocast around the user's step, collectives on bf16 activations
     model, rec = make_model("gpt"), LossRecorder()
@@ -180,6 +183,7 @@ def test_validate_and_predict_match_single_process(checks):
     ref = trainer.validate(model, val_loader, verbose=False)[0]["val_loss"]
     assert abs(checks[0]["val"] - ref) < 1e-5
     assert checks[0]["pred_shape"] == (2, SEQ, 64)
+    assert [c["gathered"] for c in checks] == [(1, 3)] * 2  # not (2, 3): the tp copies are one replica
 
 
 def test_bf16_mixed_tracks_the_single_process_bf16_run(checks):
@@ -187,3 +191,19 @@ def test_bf16_mixed_tracks_the_single_process_bf16_run(checks):
     got = checks[0]["bf16"]
     assert len(got) == 5
     assert max(abs(a - b) for a, b in zip(got, ref)) < 2e-2  # bf16 rounding, not a layout error
+
+
+def test_vocab_parallel_loss_refuses_targets_outside_the_vocabulary_and_keeps_fp64():
+    """As torch's cross-entropy: padding marked -1 (ignore_index -100) or a token past the vocabulary is
+    an error, raised before any collective (every rank holds the same targets); fp64 logits stay fp64."""
+    from lightning_tp.layers import vocab_parallel_cross_entropy
+
+    logits = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+    for bad in (-1, 8, 1000):
+        with pytest.raises(IndexError, match=f"Target {bad} is out of bounds"):
+            vocab_parallel_cross_entropy(logits, torch.tensor([0, bad, 2, -100]), 0, 8, None)
+    target = torch.tensor([0, 7, 2, -100])
+    loss = vocab_parallel_cross_entropy(logits, target, 0, 8, None)
+    ref = F.cross_entropy(logits, target, reduction="none")
+    assert loss.dtype == torch.float64
+    torch.testing.assert_close(loss, ref, atol=1e-12, rtol=0)

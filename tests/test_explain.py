@@ -16,7 +16,7 @@ import dist
 from lightning_tp import MegaStrategy, comm, recompute
 from lightning_tp.explain import explain
 from lightning_tp.plans import apply as planner
-from models import SEQ, TokenData, Tokens, make_model, trainer_kwargs
+from models import SEQ, TokenData, Tokens, make_model, trainer_kwargs, vocab_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 B, STEPS, WORLD = 4, 2, 4
@@ -101,7 +101,7 @@ def _worker(rank, world, configs):
         strategy = MegaStrategy(**strategy_kw)
         trainer = L.Trainer(devices=world, strategy=strategy, max_steps=STEPS, callbacks=[counter],
                             limit_val_batches=0, **trainer_kwargs())
-        trainer.fit(model, TokenData(STEPS * B * world, 64, B))
+        trainer.fit(model, TokenData(STEPS * B * world, vocab_of(model), B))
         mesh = strategy.mesh
         results[name] = dict(pp_rank=mesh.pp_rank, tp_rank=mesh.tp_rank, dp_rank=mesh.dp_rank,
                              params=sum(p.numel() for p in model.parameters()),

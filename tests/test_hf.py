@@ -3,7 +3,8 @@ tp=2+sp, pp=2 and tp=2 x pp=2, 10 AdamW steps, per-step loss and consolidated we
 Hugging Face GPT-2, Llama (grouped-query attention: 4 heads, 2 kv heads), Qwen2, Mistral, Qwen3
 (per-head q/k norms), and litgpt's GPT (grouped queries, fused [q|k|v]). With more tp ranks than
 key/value heads (1 kv head at tp=2, 2 at tp=4) each kv head is copied to several ranks. The
-encoder-decoders BART, T5 and Whisper at tp=2 and tp=2 x pp=2 (their plan: plans/hf_seq2seq.py)."""
+encoder-decoders BART, T5 and Whisper at tp=2 and tp=2 x pp=2 (their plan: plans/hf_seq2seq.py).
+Falcon's three fused q/k/v layouts at tp=2 with sp (plans/falcon.py)."""
 
 import pytest
 
@@ -56,6 +57,9 @@ WORLD2["hf_opt_tp2_sp"] = ("hf_opt", {}, dict(tp=2, sp=True), TEN)  # its MLP on
 # decoder calls it
 WORLD2["hf_opt_proj_tp2_sp"] = ("hf_opt_proj", {}, dict(tp=2, sp=True), TEN)
 WORLD2["hf_opt_proj_pp2"] = ("hf_opt_proj", {}, PP, TEN)
+# Falcon's three fused q/k/v layouts (grouped, multi-query with copied k/v, per head)
+WORLD2.update({f"hf_{fam}_tp2_sp": (f"hf_{fam}", {}, dict(tp=2, sp=True), TEN)
+               for fam in ("falcon", "falcon_mq", "falcon_mha")})
 WORLD4 = {f"{fam}_tp2_pp2": (fam, {}, dict(tp=2, **PP), TEN) for fam in FAMILIES}
 WORLD4.update({f"{fam}_tp2_pp2": (fam, {}, dict(tp=2, **PP), steps) for fam, steps in SEQ2SEQ.items()})
 WORLD4["hf_llama_tp4_sp"] = ("hf_llama", {}, dict(tp=4, sp=True), TEN)  # 2 kv heads over 4 ranks
@@ -103,6 +107,21 @@ def test_config_plans_find_base_model_embedding_and_head_by_the_model():
     # its fused [q|k|v] goes out in whole heads: 2 heads cannot be split over 4 ranks
     with pytest.raises(ValueError, match="query_key_value: out_features = 96 holds 2 heads of 48"):
         planner.resolve(make_model("hf_gpt_neox", heads=2), 4, False)
+
+
+def test_falcon_plans_cut_its_fused_qkv_by_its_layout():
+    entries = {kind: {path: (style, spec) for path, style, spec in planner.resolve(make_model(kind), 2, False)[0].entries}
+               for kind in ("hf_falcon", "hf_falcon_mq", "hf_falcon_mha")}
+    qkv = "model.transformer.h.0.self_attention.query_key_value"
+    assert {kind: e[qkv][0] for kind, e in entries.items()} == dict.fromkeys(entries, "colwise_local")
+    assert entries["hf_falcon_mq"]["model.transformer.word_embeddings"][0] == "vocab"
+    assert entries["hf_falcon_mha"]["model.transformer.h.1.post_attention_layernorm"][0] == "sp_norm"
+    with pytest.raises(ValueError, match="alibi=True: its ALiBi biases are built for every head"):
+        planner.resolve(make_model("hf_falcon_alibi"), 2, False)
+    # grouped: 2 key/value groups (each 2 queries, k, v: 4 heads of 8) cannot go to 4 ranks
+    with pytest.raises(ValueError, match="query_key_value: out_features = 64 holds 2 heads of 32"):
+        planner.resolve(make_model("hf_falcon"), 4, False)
+    assert planner.blocks_path(make_model("hf_falcon_alibi"), "auto") == "model.transformer.h"  # pp still works
 
 
 def test_encoder_decoder_plans_come_from_their_layers():

@@ -33,6 +33,8 @@ WORLD2 = {
     "tp2_encoder": ("encoder", {}, dict(tp=2), {}),
     "tp2_sp_encoder": ("encoder", {}, dict(tp=2, sp=True), {}),
     "tp2_sp_tied_padded_vocab": ("gpt", dict(vocab_size=63, tie_weights=True), dict(tp=2, sp=True), {}),
+    # the logits the model returns are whole, though its own loss reads vocabulary shards
+    "tp2_sp_own_loss_padded_vocab": ("gpt_own_loss", dict(vocab_size=63), dict(tp=2, sp=True), {}),
     "tp2_sp_clip": ("gpt", {}, dict(tp=2, sp=True), CLIP),
     "dp2_accumulate": ("gpt", {}, dict(tp=1), ACCUMULATE),
     "tp2_demo_transformer": ("demo_transformer", {}, dict(tp=2), {}),  # nn.Transformer encoder-decoder
@@ -142,6 +144,8 @@ def _check(results, name, configs, world):
     assert len(got["losses"]) == len(ref_losses) == steps * trainer_kw.get("accumulate_grad_batches", 1)
     if "tokens" in ref_metrics:  # a torchmetrics SumMetric: synced over dp only, not tp replicas
         assert got["metrics"]["tokens"] == ref_metrics["tokens"]
+    if "acc" in ref_metrics:  # read off whole logits
+        assert got["metrics"]["acc"] == pytest.approx(ref_metrics["acc"], abs=1e-6)
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref_losses), atol=tol, rtol=0)
     assert ref_losses[-1] < ref_losses[0] - 0.05, "the reference did not learn: the comparison would be vacuous"
     assert set(got["weights"]) == set(ref_weights)

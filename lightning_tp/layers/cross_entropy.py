@@ -1,4 +1,5 @@
-"""Cross-entropy over vocab-sharded logits: the full (tokens x vocab) logits never exist anywhere.
+"""Cross-entropy over vocab-sharded logits: the loss never needs the full (tokens x vocab) logits
+(only the logits a model returns to the user's code are gathered, see plans.apply._whole_logits).
 
 Per row: one all-reduce (MAX) for the stable max, one all-reduce (SUM) of the stacked
 (sum of exp, logit of the target); the gradient softmax - onehot is computed locally.
@@ -17,7 +18,8 @@ from .. import comm
 class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, vocab_start, vocab_size, group, ignore_index):
-        x = logits.float()
+        _check_targets(target, vocab_size, ignore_index)
+        x = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp32, or fp64 under 64-true
         n, v_local = x.shape
         valid_cols = vocab_size - vocab_start  # columns past it are padding rows of the LM head
         if valid_cols < v_local:
@@ -46,6 +48,18 @@ class _VocabParallelCE(torch.autograd.Function):
         grad.scatter_add_(1, idx.unsqueeze(1), -hit.to(grad.dtype).unsqueeze(1))
         grad.mul_((grad_loss * ~ignored).unsqueeze(-1))
         return grad.to(ctx.dtype), None, None, None, None, None
+
+
+def _check_targets(target, vocab_size: int, ignore_index: int) -> None:
+    """As torch's cross-entropy does: a target outside the vocabulary (padding marked -1 where
+    ignore_index is -100) is an error, not a target logit of 0. Every rank holds the same targets,
+    so every rank raises, before any collective. On a GPU the check stays on the device."""
+    bad = (target != ignore_index) & ((target < 0) | (target >= vocab_size))
+    if target.device.type == "cuda":
+        torch._assert_async(~bad.any(), "vocab-parallel cross-entropy: a target is out of bounds")
+    elif bad.any():
+        raise IndexError(f"Target {int(target[bad][0])} is out of bounds (vocabulary of {vocab_size}, "
+                         f"ignore_index={ignore_index}).")
 
 
 def vocab_parallel_cross_entropy(logits, target, vocab_start, vocab_size, group, ignore_index=-100):
@@ -80,6 +94,7 @@ class VocabParallelCrossEntropy(nn.Module):
         if self.fused and head.full_out == head.out_features * head.ctx.world:  # no vocab padding to mask
             from ..kernels import fused_cross_entropy
 
+            _check_targets(target, head.full_out, self.ignore_index)
             return fused_cross_entropy(logits, target, self.ignore_index, self.reduction, head.vocab_start,
                                        head.ctx.group)
         loss = vocab_parallel_cross_entropy(logits, target, head.vocab_start, head.full_out, head.ctx.group,

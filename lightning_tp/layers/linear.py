@@ -6,6 +6,8 @@ model; each parameter carries a :class:`ShardSpec` that says how to rebuild the 
 
 from __future__ import annotations
 
+import weakref
+
 from dataclasses import dataclass
 from typing import Optional
 
@@ -112,10 +114,15 @@ class ColumnParallelLinear(nn.Module):
             x = self.ctx.enter_region(x)
         y = self.project(x)
         if self.gather_output is True or (self.gather_output == "eval" and not self.training):
-            y = comm.gather_from_tp(y, self.ctx.group, -1)
-            if y.shape[-1] != self.full_out:
-                y = y[..., : self.full_out]
+            return self.gather(y)
+        if self.gather_output == "eval":  # shards for a vocab-parallel loss; whole where the model returns them
+            self._shards = weakref.ref(y)  # (see plans.apply._whole_logits)
         return y
+
+    def gather(self, y):
+        """This rank's output columns -> the whole output (vocab padding dropped); backward: the slice."""
+        y = comm.gather_from_tp(y, self.ctx.group, -1)
+        return y[..., : self.full_out] if y.shape[-1] != self.full_out else y
 
     def project(self, x):
         """``x W^T + b`` on this rank's rows: the step QAT layers replace (quantizing both operands)."""

@@ -96,11 +96,14 @@ class SideInputCheck:
         self.done.add(("got", vstage))
         key = self._key(vstage - 1, block)
         try:
-            self.store.wait([key], timedelta(seconds=60))
-        except RuntimeError:  # cannot happen as the stages run (written before the send); checks nothing
+            self.store.wait([key], timedelta(seconds=60))  # no wait as the stages run: written before the send
+            theirs = json.loads(self.store.get(key))
+        except RuntimeError:  # a store that cannot answer: nothing is checked
             return
-        theirs = json.loads(self.store.get(key))
-        self.store.delete_key(key)
+        try:
+            self.store.delete_key(key)
+        except (RuntimeError, NotImplementedError):  # a store without deletion keeps one small key
+            pass
         mine = fingerprint(args, kwargs, hidden)
         if len(mine) != len(theirs):
             raise ValueError(f"pipeline: block {block} is given the tensors {[m[0] for m in mine]} besides its "

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from .. import comm
 from ..layers import (ColumnParallelLinear, RowParallelLinear, TPContext, TPMultiheadAttention,
@@ -264,7 +265,28 @@ def apply(model: nn.Module, matches: list, group, tp: int, rank: int, sp: bool) 
                     _set_attrs(module, rules, tp)
         if ctx.sp:
             _install_sp_boundaries(model, m, ctx)
+        if has_ce and head is not None:
+            head_path = next(path for path, style, _ in m.entries if style == "lm_head")
+            root.register_forward_hook(_whole_logits(head_path[len(m.prefix) + 1:] if m.prefix else head_path))
     return replaced
+
+
+def _whole_logits(head_path: str):
+    """A forward hook for the module a plan with 'vocab_ce' covers. In training its LM head gives this
+    rank's vocabulary columns, which the vocab-parallel loss inside the model reads; logits the model
+    returns to the user's code (for an accuracy, or a loss of their own) are gathered whole, as one
+    process returns them (one all-gather of the logits a step; its backward takes this rank's slice).
+    The head is looked up when the hook runs: QAT may have replaced it since."""
+    def hook(module, args, output):
+        head = module.get_submodule(head_path)
+        ref = head.__dict__.get("_shards")
+        shards = ref() if ref is not None else None
+        if shards is None:
+            return None
+        head._shards = None
+        return tree_map(lambda t: head.gather(t) if t is shards else t, output)
+
+    return hook
 
 
 def _build(module, style, ctx, path, memo, has_ce, head, options):

@@ -14,6 +14,6 @@ def register_plan(plan: Plan) -> Plan:
 
 
 def registered_plans() -> list:
-    from . import gpt, hf, hf_seq2seq, litgpt, torch_transformer
+    from . import falcon, gpt, hf, hf_seq2seq, litgpt, torch_transformer
 
-    return _USER + gpt.PLANS + hf.PLANS + hf_seq2seq.PLANS + litgpt.PLANS + torch_transformer.PLANS
+    return _USER + gpt.PLANS + hf.PLANS + falcon.PLANS + hf_seq2seq.PLANS + litgpt.PLANS + torch_transformer.PLANS

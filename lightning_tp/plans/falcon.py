@@ -1,0 +1,67 @@
+"""Plan for Hugging Face Falcon (``FalconForCausalLM``), whose config carries no tensor-parallel plan.
+
+Its attention fuses q, k and v into one ``query_key_value`` Linear, in one of three layouts, which
+decides how the weight is cut so that each rank's slice still reads as Falcon's own layout with
+fewer heads (``_split_heads`` views it by the per-rank ``num_heads``, ``num_kv_heads``):
+  * new decoder architecture (Falcon-40B/180B): per key/value group, its query heads, then k, v;
+    cut by whole groups (tp divides ``num_kv_heads``);
+  * multi-query (Falcon-7B): all query heads, then one k and one v head; the queries are cut by
+    heads, k and v copied to every rank (their gradients summed over tp, as for Megatron's copied
+    key/value heads);
+  * neither (one k and v per query head): per head q, k, v; cut by heads.
+ALiBi variants (Falcon-RW) are refused: their biases are built for every head outside the attention.
+Norms are ``sp_norm`` (sequence parallelism starts at the blocks); the head gathers the logits.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from .base import Plan
+from .hf import _norm_paths
+
+
+class FalconPlan:
+    name = "hf_falcon"
+
+    def matches(self, module: nn.Module) -> bool:
+        return "FalconForCausalLM" in {c.__name__ for c in type(module).__mro__} and \
+            isinstance(getattr(getattr(module, "transformer", None), "h", None), nn.ModuleList)
+
+    def blocks_of(self, module: nn.Module) -> str:
+        return "transformer.h"
+
+    def build(self, module: nn.Module) -> Plan:
+        c = module.config
+        if c.alibi:
+            raise ValueError(f"{type(module).__name__} with alibi=True: its ALiBi biases are built for every head "
+                             f"outside the attention, which under tp holds only its rank's heads; tp is not "
+                             f"supported for it. Use pp and dp.")
+        head_dim = c.hidden_size // c.num_attention_heads
+        attn = "transformer.h.*.self_attention"
+        if c.new_decoder_architecture:
+            qkv = {"style": "colwise_local", "unit": (c.num_attention_heads // c.num_kv_heads + 2) * head_dim}
+            attrs = {"num_heads": "divide", "num_kv_heads": "divide"}
+        elif c.multi_query:
+            qkv = {"style": "colwise_local", "sections": [c.hidden_size, head_dim, head_dim], "unit": head_dim,
+                   "replicate_heads": [1, 2]}
+            attrs = {"num_heads": "divide"}
+        else:
+            qkv = {"style": "colwise_local", "unit": 3 * head_dim}
+            attrs = {"num_heads": "divide", "num_kv_heads": "divide"}
+        styles = {
+            "transformer.word_embeddings": "vocab",
+            attn: "region",
+            f"{attn}.query_key_value": qkv,
+            f"{attn}.dense": "rowwise",
+            "transformer.h.*.mlp.dense_h_to_4h": "colwise",
+            "transformer.h.*.mlp.dense_4h_to_h": "rowwise",
+            **_norm_paths(module.transformer.h[0], "transformer.h.*"),
+            "transformer.ln_f": "sp_norm",
+            "lm_head": "lm_head",
+        }
+        return Plan(name=self.name, styles=styles, attrs={attn: attrs}, sp_start="transformer.h.*",
+                    blocks="transformer.h")
+
+
+PLANS = [FalconPlan()]
