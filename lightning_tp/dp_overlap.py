@@ -7,7 +7,9 @@ earlier layers (as DDP does). Buckets follow the reverse parameter order (the or
 produces gradients) and are launched strictly in index order, so every dp rank issues the same
 collectives in the same order whatever order its hooks fire in. :meth:`DPOverlap.finish` (called
 where the synchronous all-reduce used to run) launches what is left, e.g. buckets holding unused
-parameters, and waits.
+parameters, and waits. Every bucket holds all its parameters on every replica, zeros where one has
+no gradient, with a flag each (see grads.with_flags), so replicas whose batches reach different
+parameters still match.
 
 Under a pipeline the backward runs per microbatch inside the step, and a gradient is final only
 after its last microbatch: there the hooks are registered around each model chunk's final
@@ -19,7 +21,7 @@ critical path), and whatever was not final then starts in :meth:`finish`.
 
 from __future__ import annotations
 
-from .grads import BUCKET_BYTES, settle, start_all_reduce
+from .grads import BUCKET_BYTES, adopt, settle, start_all_reduce, with_flags
 
 
 class DPOverlap:
@@ -51,7 +53,7 @@ class DPOverlap:
         self._reset()
 
     def _reset(self) -> None:
-        self.seen, self.next, self.works = [set() for _ in self.buckets], 0, []
+        self.seen, self.next, self.works, self.launched = [set() for _ in self.buckets], 0, [], []
         self.after = []  # (grad, addend): added once the grad's all-reduce is settled (see add_after_sync)
 
     def _ready(self, p) -> None:
@@ -71,11 +73,10 @@ class DPOverlap:
         self.after.append((grad, addend))
 
     def _launch(self, i: int) -> None:
-        grads = [p.grad for p in self.buckets[i] if p.grad is not None]
+        tensors = with_flags(self.buckets[i])  # a parameter this replica's batch missed takes part as zeros
         self.next = i + 1
-        if not grads:
-            return
-        self.works.append(start_all_reduce(grads, self.group))
+        self.works.append(start_all_reduce(tensors, self.group))
+        self.launched.append((self.buckets[i], tensors))
 
     def finish(self) -> None:
         """Launch the buckets not yet complete (unused parameters), wait for all, average into .grad."""
@@ -83,6 +84,8 @@ class DPOverlap:
         while self.next < len(self.buckets):
             self._launch(self.next)
         settle(self.works, self.scale)
+        for params, tensors in self.launched:
+            adopt(params, tensors)
         for grad, addend in self.after:
             grad.add_(addend)
         self._reset()

@@ -76,10 +76,13 @@ def _sum_tied(params, group) -> None:
                 p.grad = None
 
 
-def sync_gradients(params, mesh, dp_overlap=None) -> None:
+def sync_gradients(params, mesh, dp_overlap=None, repeated: bool = False) -> None:
     """Tied weights summed over the stages holding them (first and last; an encoder-decoder's: see
     use_tied_ranks), SP-partial grads summed over tp, then every grad averaged over dp (already
-    started during backward when ``dp_overlap`` is given: it is finished first; the sums commute)."""
+    started during backward when ``dp_overlap`` is given: it is finished first; the sums commute).
+    ``repeated``: this optimizer step may sync more than once (manual optimization accumulating over
+    several ``manual_backward`` calls): sums over tp then add only what came since the last sync
+    (averages over dp are right either way)."""
     if mesh.world_size == 1:
         return
     if dp_overlap is not None:
@@ -87,13 +90,74 @@ def sync_gradients(params, mesh, dp_overlap=None) -> None:
     params = list(params)
     if mesh.emb_group is not None and mesh.pp_rank in (mesh.emb_ranks or (0, mesh.pp - 1)):
         _sum_tied(params, mesh.emb_group)
-    params = [p for p in params if p.grad is not None]
+    trainable = [p for p in params if p.requires_grad]
+    params = [p for p in trainable if p.grad is not None]
+    summed = [p for p in params if getattr(p, "_tp_sp_partial", False) or _replicated_pieces(p, 0)]
+    before = _summed_before(summed) if repeated else []
     _reduce([p.grad for p in params if getattr(p, "_tp_sp_partial", False)], mesh.tp_group)
     _sum_replicas(params, mesh)
+    if repeated:
+        _remember_summed(summed, before)
     # without an overlap every grad; with one, those of parameters it does not know (made trainable
     # after setup, e.g. by a fine-tuning callback)
-    _reduce([p.grad for p in params if dp_overlap is None or id(p) not in dp_overlap.bucket_of], mesh.dp_group,
-            scale=1.0 / mesh.dp)
+    average_over_dp([p for p in trainable if dp_overlap is None or id(p) not in dp_overlap.bucket_of],
+                    mesh.dp_group, 1.0 / mesh.dp)
+
+
+def _summed_before(params) -> list:
+    """Take out of each grad the part a sum over tp in this optimizer step already covered."""
+    before = []
+    for p in params:
+        held = p.__dict__.get("_lightning_tp_summed")
+        part = held[1] if held is not None and held[0] is p.grad else None
+        if part is not None:
+            p.grad.sub_(part)
+        before.append(part)
+    return before
+
+
+def _remember_summed(params, before) -> None:
+    for p, part in zip(params, before):
+        if part is not None:
+            p.grad.add_(part)
+        p._lightning_tp_summed = (p.grad, p.grad.detach().clone())
+
+
+def forget_sums(params) -> None:
+    """After an optimizer step: the next sync sums whole gradients again."""
+    for p in params:
+        p.__dict__.pop("_lightning_tp_summed", None)
+
+
+def with_flags(params: list) -> list:
+    """A dp bucket's tensors: every trainable parameter's gradient on every replica, zeros where its
+    replica's batch did not reach it (a data-dependent branch, an expert no token chose), so the
+    replicas' buckets match; then one flag each, 1 where it had a gradient (see :func:`adopt`)."""
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flags = torch.tensor([float(p.grad is not None) for p in params], dtype=grads[0].dtype,
+                         device=grads[0].device)
+    return grads + [flags]
+
+
+def adopt(params: list, synced: list) -> None:
+    """After the all-reduce: a parameter without a gradient here takes the average where another
+    replica had one (every replica steps it alike), and stays without one where none had (as one
+    process leaves an unused parameter: no weight decay, no Adam step)."""
+    if all(p.grad is not None for p in params):
+        return
+    for p, g, flag in zip(params, synced, synced[-1].tolist()):
+        if p.grad is None and flag > 0:
+            p.grad = g
+
+
+def average_over_dp(params: list, group, scale: float) -> None:
+    """Average the parameters' gradients over dp in flat buckets, missing ones as zeros (see with_flags)."""
+    if not params or comm.group_size(group) == 1:
+        return
+    buckets = [(bucket, with_flags(bucket)) for bucket in _buckets(params)]
+    settle([start_all_reduce(tensors, group) for _, tensors in buckets], scale)
+    for bucket, tensors in buckets:
+        adopt(bucket, tensors)
 
 
 def _replicated_pieces(p, tp_rank: int):

@@ -3,6 +3,7 @@ parallel lives in mesh/comm/layers/plans/grads/pipeline."""
 
 from __future__ import annotations
 
+import copy
 import os
 from contextlib import contextmanager
 from datetime import timedelta
@@ -34,6 +35,45 @@ from .mesh import ParallelMesh, build_mesh, data_parallel_size
 from .pipeline.executor import PipelineRunner
 from .pipeline.schedules import build_schedule
 from .parallelize import parallelize
+
+
+def _copy_averaged_models_again(trainer, module) -> None:
+    """Lightning's weight-averaging callbacks (EMAWeightAveraging and the other WeightAveraging ones,
+    StochasticWeightAveraging) copy the module in their ``setup``, which runs before the strategy
+    shards it: their copies would hold whole weights against this rank's shards. They copy the
+    sharded module again here, as their setup does (each rank averages its own shards)."""
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    try:
+        from lightning.pytorch.callbacks import WeightAveraging
+    except ImportError:  # older Lightning
+        WeightAveraging = ()
+    for cb in trainer.callbacks:
+        if getattr(cb, "_average_model", None) is None:
+            continue
+        with _groups_shared_by_copies():
+            if WeightAveraging and isinstance(cb, WeightAveraging):
+                from torch.optim.swa_utils import AveragedModel
+
+                cb._average_model = AveragedModel(model=module, device=cb._device or module.device,
+                                                  use_buffers=cb._use_buffers, **cb._kwargs)
+            elif isinstance(cb, StochasticWeightAveraging):
+                cb._average_model = copy.deepcopy(module)
+
+
+@contextmanager
+def _groups_shared_by_copies():
+    """While copying a parallelized module: its process groups (in its layers, torchmetrics, the
+    pipeline runner) cannot be copied; the copy uses the same ones."""
+    group = dist.ProcessGroup
+    had = "__deepcopy__" in group.__dict__
+    if not had:
+        group.__deepcopy__ = lambda self, memo: self
+    try:
+        yield
+    finally:
+        if not had:
+            del group.__deepcopy__
 
 
 def _step_args(args, kwargs, loop_batch_idx) -> tuple:
@@ -205,6 +245,7 @@ class MegaStrategy(ParallelStrategy):
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         self._runner, self._dp_overlap = parallelize(self, self.lightning_module)
+        _copy_averaged_models_again(trainer, self.lightning_module)
         self.model = self.precision_plugin.convert_module(self.model)
         for twin in self.lightning_module._lightning_tp["twins"]:  # placeholders' zeros in the model's dtype
             self.precision_plugin.convert_module(twin)
@@ -280,8 +321,15 @@ class MegaStrategy(ParallelStrategy):
 
     def post_backward(self, closure_loss: torch.Tensor) -> None:
         super().post_backward(closure_loss)
-        if self._sync_grads:
-            grads.sync_gradients(self.lightning_module.parameters(), self.mesh, self._dp_overlap)
+        if self._sync_grads:  # manual optimization may sync several times before its optimizer step
+            grads.sync_gradients(self.lightning_module.parameters(), self.mesh, self._dp_overlap,
+                                 repeated=not self.lightning_module.automatic_optimization)
+
+    def optimizer_step(self, optimizer, closure, model=None, **kwargs):
+        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if not self.lightning_module.automatic_optimization:
+            grads.forget_sums(self.lightning_module.parameters())
+        return out
 
     def _clip_grad_by_norm(self, optimizer, clip_val) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"]]

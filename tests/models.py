@@ -385,9 +385,18 @@ GPT_SMALL = dict(vocab_size=64, block_size=SEQ, n_layer=2, n_head=4, n_embd=32)
 
 def make_model(kind: str, reference: bool = False, **kw):
     """``quant=`` in kw: the reference (single process) gets QAT layers here; a parallel run gets them
-    from MegaStrategy(quant=...)."""
+    from MegaStrategy(quant=...). ``manual_accumulate=k``: manual optimization, stepping every k batches;
+    ``averaging="ema"`` or ``"swa"``: Lightning's EMAWeightAveraging or StochasticWeightAveraging."""
     quant, quant_range = kw.pop("quant", None), kw.pop("quant_range", "ema")
+    manual, averaging = kw.pop("manual_accumulate", None), kw.pop("averaging", None)
     model = _build(kind, **kw)
+    if manual:
+        _manually_accumulated(model, manual)
+    if averaging:  # Lightning's weight-averaging callbacks copy the module before the strategy shards it
+        from lightning.pytorch.callbacks import EMAWeightAveraging, StochasticWeightAveraging
+
+        model.configure_callbacks = lambda: [EMAWeightAveraging(decay=0.5) if averaging == "ema" else
+                                             StochasticWeightAveraging(swa_lrs=1e-3, swa_epoch_start=1)]
     if quant and reference:
         from lightning_tp.quant import apply_qat
 
@@ -395,10 +404,48 @@ def make_model(kind: str, reference: bool = False, **kw):
     return model
 
 
+def _manually_accumulated(model, k: int) -> None:
+    """Lightning's documented manual accumulation: ``manual_backward(loss / k)`` every batch, a step
+    and zero_grad every k-th (the LR schedule, if any, is not stepped: manual optimization)."""
+    step = model.training_step
+
+    def training_step(batch, batch_idx):
+        loss = step(batch, batch_idx)
+        model.manual_backward(loss / k)
+        if (batch_idx + 1) % k == 0:
+            opt = model.optimizers()
+            opt.step()
+            opt.zero_grad()
+
+    model.automatic_optimization = False
+    model.training_step = training_step
+
+
+class SometimesGPT(ParityGPT):
+    """A parameter that only some samples reach: a data-parallel replica whose batch holds none of them
+    has no gradient for it (every replica must still step it alike)."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.extra = nn.Linear(self.hparams.n_embd, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        h = self.model.transformer.wte(x)
+        loss = self.model(x, y)[1]
+        chosen = x[:, 0] < 8  # about an eighth of the rows
+        if chosen.any():
+            loss = loss + self.extra(h[chosen]).pow(2).sum() / x.shape[0]
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+
 def _build(kind: str, **kw):
     L.seed_everything(0, verbose=False)
     if kind == "gpt":
         return ParityGPT(**{**GPT_SMALL, **kw})
+    if kind == "gpt_sometimes":
+        return SometimesGPT(**{**GPT_SMALL, **kw})
     if kind == "gpt_own_loss":
         return OwnLossGPT(**{**GPT_SMALL, **kw})
     if kind == "encoder":

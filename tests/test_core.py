@@ -117,6 +117,17 @@ def _checks(rank, world):
     pred = trainer.predict(model, torch.utils.data.DataLoader([Tokens(2, 64)[i][0] for i in range(2)],
                                                               batch_size=2))
     out["pred_shape"] = tuple(pred[0].shape)
+    # a length tp does not divide: without grad it runs without sp (generation token by token), in
+    # training it is refused
+    model.eval()
+    odd = torch.arange(2 * SEQ).view(2, SEQ) % 64
+    with torch.no_grad():
+        out["odd_logits"] = [model(odd[:, :n]) for n in (SEQ - 1, 1, SEQ)]
+    model.train()
+    try:
+        model.model(odd[:, :-1], odd[:, :-1])
+    except ValueError as e:
+        out["odd_error"] = str(e)
     # self.all_gather gathers over data-parallel replicas only (here dp = 1), as DDP's would
     out["gathered"] = tuple(trainer.strategy.all_gather(torch.full((3,), float(rank))).shape)
 
@@ -184,6 +195,12 @@ def test_validate_and_predict_match_single_process(checks):
     assert abs(checks[0]["val"] - ref) < 1e-5
     assert checks[0]["pred_shape"] == (2, SEQ, 64)
     assert [c["gathered"] for c in checks] == [(1, 3)] * 2  # not (2, 3): the tp copies are one replica
+    model.eval()
+    odd = torch.arange(2 * SEQ).view(2, SEQ) % 64
+    with torch.no_grad():
+        for n, got in zip((SEQ - 1, 1, SEQ), checks[0]["odd_logits"]):
+            torch.testing.assert_close(got, model(odd[:, :n]), atol=1e-5, rtol=0)
+    assert "a sequence of 15, which tp=2 does not divide" in checks[1]["odd_error"]
 
 
 def test_bf16_mixed_tracks_the_single_process_bf16_run(checks):

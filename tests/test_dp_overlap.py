@@ -138,6 +138,7 @@ def test_sync_reduces_parameters_the_overlap_does_not_know(monkeypatch):
 
     reduced = []
     monkeypatch.setattr(G, "_reduce", lambda grads, group, scale=1.0: reduced.append((len(grads), group)))
+    monkeypatch.setattr(G, "average_over_dp", lambda params, group, scale: reduced.append((len(params), group)))
     known, later = nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2))  # later: unfrozen after setup
     known.grad, later.grad = torch.ones(2), torch.ones(2)
     overlap = SimpleNamespace(finish=lambda: None, bucket_of={id(known): 0})

@@ -19,7 +19,7 @@ from lightning_tp.layers import ShardSpec, shard, unshard  # noqa: E402
 from lightning_tp.plans import Plan  # noqa: E402
 from lightning_tp.plans import apply as planner  # noqa: E402
 from models import make_model  # noqa: E402
-from test_parity import _check, _train_all  # noqa: E402
+from test_parity import BATCH, _check, _train_all  # noqa: E402
 
 FAMILIES = ["hf_gpt2", "hf_llama", "hf_qwen2", "hf_mistral", "hf_qwen3", "litgpt"]
 PP = dict(pp=2, microbatches=2)
@@ -38,6 +38,9 @@ WORLD2["hf_gpt2_pp2_padded"] = ("hf_gpt2", dict(padded=True), PP, TEN)
 WORLD2["hf_llama_kv1_tp2_sp_padded"] = ("hf_llama", dict(kv_heads=1, padded=True), dict(tp=2, sp=True), TEN)
 WORLD2["hf_qwen2_kv1_tp2_clip"] = ("hf_qwen2", dict(kv_heads=1), dict(tp=2), dict(TEN, gradient_clip_val=0.05))
 WORLD2["litgpt_kv1_tp2"] = ("litgpt", dict(query_groups=1), dict(tp=2), TEN)
+# manual optimization accumulating over 2 batches: the copies' sum over tp counts each backward once
+WORLD2["hf_llama_kv1_tp2_manual_accumulate"] = ("hf_llama", dict(kv_heads=1, manual_accumulate=2), dict(tp=2),
+                                                dict(max_steps=5, samples=10 * BATCH))
 # activation checkpointing on each family's blocks: keyword calls (Hugging Face), positional (litgpt)
 WORLD2["hf_llama_pp2_recompute"] = ("hf_llama", {}, dict(PP, activation_checkpointing=True), TEN)
 WORLD2["hf_gpt2_tp2_sp_recompute"] = ("hf_gpt2", {}, dict(tp=2, sp=True, activation_checkpointing=True), TEN)

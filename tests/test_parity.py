@@ -35,6 +35,12 @@ WORLD2 = {
     "tp2_sp_tied_padded_vocab": ("gpt", dict(vocab_size=63, tie_weights=True), dict(tp=2, sp=True), {}),
     # the logits the model returns are whole, though its own loss reads vocabulary shards
     "tp2_sp_own_loss_padded_vocab": ("gpt_own_loss", dict(vocab_size=63), dict(tp=2, sp=True), {}),
+    # manual optimization accumulating over 2 batches: each manual_backward syncs, sums over tp once
+    "tp2_sp_manual_accumulate": ("gpt", dict(manual_accumulate=2), dict(tp=2, sp=True),
+                                 dict(max_steps=6, samples=12 * BATCH)),
+    # weight averaging (its final weights are the average): copies of the sharded module
+    "tp2_sp_ema": ("gpt", dict(averaging="ema"), dict(tp=2, sp=True), dict(max_steps=10)),
+    "tp2_swa": ("gpt", dict(averaging="swa"), dict(tp=2), dict(max_steps=10, max_epochs=2, samples=5 * BATCH)),
     "tp2_sp_clip": ("gpt", {}, dict(tp=2, sp=True), CLIP),
     "dp2_accumulate": ("gpt", {}, dict(tp=1), ACCUMULATE),
     "tp2_demo_transformer": ("demo_transformer", {}, dict(tp=2), {}),  # nn.Transformer encoder-decoder
@@ -56,6 +62,8 @@ WORLD4 = {
     "tp2_dp2": ("gpt", {}, dict(tp=2), {}),
     "tp2_dp2_sp": ("gpt", {}, dict(tp=2, sp=True), {}),
     "tp2_dp2_sp_clip_accumulate": ("gpt", {}, dict(tp=2, sp=True), {**CLIP, **ACCUMULATE}),
+    # a parameter some replicas' batches do not reach (and, some steps, none): zeros in its bucket
+    "tp2_dp2_sometimes_used": ("gpt_sometimes", {}, dict(tp=2), {}),
 }
 
 
@@ -141,7 +149,8 @@ def _check(results, name, configs, world):
             assert got["launched_early"] == 0
         else:
             assert got["launched_early"] == got["buckets"] > 0
-    assert len(got["losses"]) == len(ref_losses) == steps * trainer_kw.get("accumulate_grad_batches", 1)
+    per_step = trainer_kw.get("accumulate_grad_batches", 1) * model_kw.get("manual_accumulate", 1)
+    assert len(got["losses"]) == len(ref_losses) == steps * per_step
     if "tokens" in ref_metrics:  # a torchmetrics SumMetric: synced over dp only, not tp replicas
         assert got["metrics"]["tokens"] == ref_metrics["tokens"]
     if "acc" in ref_metrics:  # read off whole logits

@@ -29,6 +29,10 @@ class TPContext:
     sp: bool = False
     seq_dim: int = 1
 
+    def __deepcopy__(self, memo):
+        """Shared by a copy of the model (an EMA, SWA's average): the same group, the same layout."""
+        return self
+
     def enter_region(self, x: torch.Tensor) -> torch.Tensor:
         """Replicated (or SP-sharded) activation -> input of column-parallel work."""
         if self.sp:

@@ -360,10 +360,23 @@ def _region_hook(fn, module, names):
 
 
 def _install_sp_boundaries(model, m: Match, ctx: TPContext) -> None:
+    """SP begins at ``sp_start`` (the sequence is split) and ends at ``sp_end`` (gathered). Decided per
+    forward: a sequence tp does not divide runs without SP where no gradient is taken (validation on
+    another length, generation token by token: the same numbers, the activations whole), and is
+    refused in training, where every rank needs an equal shard."""
     def enter(x):
-        return comm.scatter_to_sp(x, ctx.group, ctx.seq_dim)
+        n = x.shape[ctx.seq_dim]
+        ctx.sp = n % ctx.world == 0
+        if not ctx.sp and torch.is_grad_enabled():
+            raise ValueError(f"sequence parallelism (sp=True): {m.sp_start} is given a sequence of {n}, which "
+                             f"tp={ctx.world} does not divide, and in training every rank needs an equal shard. "
+                             f"Pad sequences to a multiple of {ctx.world} (forwards without grad, such as "
+                             f"validation or generation, take any length), or set sp=False.")
+        return comm.scatter_to_sp(x, ctx.group, ctx.seq_dim) if ctx.sp else x
 
     def leave(module, args, output):
+        if not ctx.sp:
+            return output
         if isinstance(output, tuple):
             return (comm.gather_to_full_sp(output[0], ctx.group, ctx.seq_dim),) + output[1:]
         return comm.gather_to_full_sp(output, ctx.group, ctx.seq_dim)
