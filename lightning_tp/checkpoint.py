@@ -2,8 +2,8 @@
 
     epoch=0-step=10.ckpt/
         meta.pt              trainer state (loops, callbacks, schedulers, hparams) + layout
-        model_tp0_pp0.pt     this shard's state_dict, optimizer states and shard specs
-        model_tp1_pp0.pt     ...
+        model_tp0_pp0.pt     this shard's state_dict, optimizer states and shard specs, and the
+        model_tp1_pp0.pt     trainer state as this rank has it (a callback's may hold its shards)
 
 Data-parallel replicas hold the same shards, so only dp rank 0 writes. The directory is written
 under a temporary name and renamed into place, so a crash mid-save leaves the previous checkpoint
@@ -44,7 +44,10 @@ def save(checkpoint: dict, path, mesh, module, barrier, broadcast) -> None:
     checkpoint = dict(checkpoint)
     shard = {"state_dict": checkpoint.pop("state_dict", {}),
              "optimizer_states": checkpoint.pop("optimizer_states", []),
-             "specs": shard_specs(module)}
+             "specs": shard_specs(module),
+             # the rest as this rank has it: what callbacks and on_save_checkpoint add may be this rank's
+             # own (EMAWeightAveraging's current_model_state holds its shards)
+             "rest": dict(checkpoint)}
     if mesh.rank == 0:
         for stale in path.parent.glob(f"{glob.escape(path.name)}.tmp-*"):  # left by an earlier crash
             shutil.rmtree(stale, ignore_errors=True)
@@ -84,6 +87,7 @@ def load(path, mesh) -> dict:
             f"lightning_tp.consolidate({str(path)!r}).")
     shard = torch.load(path / shard_file(mesh.tp_rank, mesh.pp_rank), map_location="cpu", weights_only=False)
     shard.pop("specs", None)
+    meta.update(shard.pop("rest", {}))  # this rank's own (dp rank 0's, as DDP keeps rank 0's)
     meta.update(shard)
     return meta
 

@@ -201,11 +201,12 @@ class HFSeq2SeqLM(L.LightningModule):
 class HFCausalLM(L.LightningModule):
     """A minimal LightningModule around a Hugging Face causal LM built from a config (no download)."""
 
-    def __init__(self, family: str, layers: int = 2, padded: bool = False, heads: int = 4, kv_heads: int = 2):
+    def __init__(self, family: str, layers: int = 2, padded: bool = False, heads: int = 4, kv_heads: int = 2,
+                 hidden_loss: bool = False):
         super().__init__()
         import transformers as T
 
-        self.padded = padded
+        self.padded, self.hidden_loss = padded, hidden_loss
         common = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                       num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=SEQ * 2,
                       attention_dropout=0.0, tie_word_embeddings=False)
@@ -244,7 +245,7 @@ class HFCausalLM(L.LightningModule):
             "falcon_alibi": lambda: T.FalconConfig(**falcon, multi_query=False, alibi=True),
         }
         config = configs[family]()
-        config._attn_implementation = "sdpa"
+        config._attn_implementation = "eager" if hidden_loss else "sdpa"  # eager: attention maps to return
         self.model = T.AutoModelForCausalLM.from_config(config)
 
     def training_step(self, batch, batch_idx):
@@ -254,6 +255,12 @@ class HFCausalLM(L.LightningModule):
             mask[::2, -3:] = 0
             labels = x.masked_fill(mask == 0, -100)
             loss = self.model(input_ids=x, attention_mask=mask, labels=labels, use_cache=False).loss
+        elif self.hidden_loss:  # a value head on the last token, a term on the first layer's first tokens
+            # and one on the last query's attention to the first key, per head
+            out = self.model(input_ids=x, labels=x, use_cache=False, output_hidden_states=True,
+                             output_attentions=True)
+            loss = out.loss + out.hidden_states[-1][:, -1].pow(2).mean() + out.hidden_states[1][:, :3].pow(2).mean()
+            loss = loss + (out.attentions[0][:, :, -1, 0] * torch.arange(1.0, 5.0)).mean()
         else:
             loss = self.model(input_ids=x, labels=x, use_cache=False).loss
         self.log("train_loss", loss, sync_dist=True)

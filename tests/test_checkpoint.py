@@ -1,4 +1,5 @@
-"""Sharded checkpoints in one 2-process launch (tp=2, sp; pp=2 interleaved; an encoder-decoder at pp=2):
+"""Sharded checkpoints in one 2-process launch (tp=2, sp, also with EMA weight averaging; pp=2
+interleaved; an encoder-decoder at pp=2):
 exact resume, a crash mid-save that leaves the previous checkpoint whole, and consolidation into the
 original single-device module."""
 
@@ -25,8 +26,8 @@ PP = dict(pp=2, schedule="interleaved_1f1b", virtual_stages=2, microbatches=2)
 ED = dict(pp=2, microbatches=2)
 
 
-def _fit(world, ckdir, ckpt_path=None, epochs=EPOCHS, layout=TP, kind="gpt"):
-    model = make_model(kind, n_layer=4 if "pp" in layout else 2) if kind == "gpt" else make_model(kind)
+def _fit(world, ckdir, ckpt_path=None, epochs=EPOCHS, layout=TP, kind="gpt", **model_kw):
+    model = make_model(kind, n_layer=4 if "pp" in layout else 2, **model_kw) if kind == "gpt" else make_model(kind)
     rec = LossRecorder()
     saver = ModelCheckpoint(dirpath=ckdir, filename="{epoch}", every_n_epochs=1, save_top_k=-1, save_last=True)
     kw = trainer_kwargs(enable_checkpointing=True)
@@ -70,6 +71,10 @@ def _scenario(rank, world, ckdir):
     _, _, out["pp_full"] = _fit(world, ckdir + "_pp", layout=PP)
     _, _, out["pp_resumed"] = _fit(world, ckdir + "_pp_resumed", ckpt_path=os.path.join(ckdir + "_pp", "epoch=1.ckpt"),
                                    layout=PP)
+    # EMAWeightAveraging keeps each rank's own shards of the current weights in the checkpoint
+    _, _, out["ema_full"] = _fit(world, ckdir + "_ema", averaging="ema")
+    _, _, out["ema_resumed"] = _fit(world, ckdir + "_ema_resumed", averaging="ema",
+                                    ckpt_path=os.path.join(ckdir + "_ema", "epoch=1.ckpt"))
     _, _, out["ed_full"] = _fit(world, ckdir + "_ed", layout=ED, kind="demo_transformer")
     _, _, out["ed_resumed"] = _fit(world, ckdir + "_ed_resumed", ckpt_path=os.path.join(ckdir + "_ed", "epoch=1.ckpt"),
                                    layout=ED, kind="demo_transformer")
@@ -82,7 +87,7 @@ def scenario(tmp_path_factory):
     return dist.run(2, _scenario, ckdir), ckdir
 
 
-@pytest.mark.parametrize("run", ["", "pp_", "ed_"])
+@pytest.mark.parametrize("run", ["", "pp_", "ed_", "ema_"])
 def test_resume_reproduces_the_uninterrupted_run_exactly(scenario, run):
     results, _ = scenario
     full, resumed = results[0][run + "full"], results[0][run + "resumed"]

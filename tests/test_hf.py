@@ -32,6 +32,10 @@ for fam in FAMILIES:
     WORLD2[f"{fam}_pp2"] = (fam, {}, PP, TEN)
 # attention masks, padding (ignored labels) and explicit position ids, GPT-2's tied embeddings
 WORLD2["hf_llama_tp2_sp_padded"] = ("hf_llama", dict(padded=True), dict(tp=2, sp=True), TEN)
+# a loss on the hidden states the model returns (output_hidden_states=True): whole, though sp shards them
+# and on the attention maps (output_attentions=True): whole, though each rank computes its heads
+WORLD2.update({f"hf_{fam}_tp2_sp_hidden_loss": (f"hf_{fam}", dict(hidden_loss=True), dict(tp=2, sp=True), TEN)
+               for fam in ("llama", "gpt2")})
 WORLD2["hf_gpt2_pp2_padded"] = ("hf_gpt2", dict(padded=True), PP, TEN)
 # replicated kv heads: the mask path (repeat_kv reads num_key_value_groups), q/k/v biases (Qwen2),
 # litgpt's fused [q|k|v], and the global norm of gradient clipping (a copy counted once)

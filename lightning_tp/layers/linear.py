@@ -28,6 +28,7 @@ class TPContext:
     rank: int = 0
     sp: bool = False
     seq_dim: int = 1
+    seq_len: int = 0  # the whole sequence's length, as SP last started (see plans.apply._whole_outputs)
 
     def __deepcopy__(self, memo):
         """Shared by a copy of the model (an EMA, SWA's average): the same group, the same layout."""

@@ -265,10 +265,29 @@ def apply(model: nn.Module, matches: list, group, tp: int, rank: int, sp: bool) 
                     _set_attrs(module, rules, tp)
         if ctx.sp:
             _install_sp_boundaries(model, m, ctx)
+        if m.plan.outputs is not None and _held(model, _join(m.prefix, m.plan.outputs)) is not None:
+            _held(model, _join(m.prefix, m.plan.outputs)).register_forward_hook(_whole_outputs(ctx))
         if has_ce and head is not None:
             head_path = next(path for path, style, _ in m.entries if style == "lm_head")
             root.register_forward_hook(_whole_logits(head_path[len(m.prefix) + 1:] if m.prefix else head_path))
     return replaced
+
+
+def _whole_outputs(ctx: TPContext):
+    """A forward hook for a module returning Hugging Face's outputs: the hidden states it collects
+    (``output_hidden_states=True``) are gathered where they are sequence shards (inside SP; after
+    an ``sp_end`` they are whole), the attention maps (``output_attentions=True``) over heads. The model's
+    own use (``last_hidden_state`` into its head) keeps the shards. Backward takes this rank's part."""
+    def hook(module, args, output):
+        hidden, maps = getattr(output, "hidden_states", None), getattr(output, "attentions", None)
+        if hidden is not None and ctx.sp:  # shards: 1/tp of the length SP started with
+            output.hidden_states = tuple(comm.gather_to_full_sp(h, ctx.group, ctx.seq_dim)
+                                         if h.shape[ctx.seq_dim] * ctx.world == ctx.seq_len else h for h in hidden)
+        if maps is not None and ctx.world > 1:
+            output.attentions = tuple(a if a is None else comm.gather_from_tp(a, ctx.group, 1) for a in maps)
+        return output
+
+    return hook
 
 
 def _whole_logits(head_path: str):
@@ -365,7 +384,7 @@ def _install_sp_boundaries(model, m: Match, ctx: TPContext) -> None:
     another length, generation token by token: the same numbers, the activations whole), and is
     refused in training, where every rank needs an equal shard."""
     def enter(x):
-        n = x.shape[ctx.seq_dim]
+        n = ctx.seq_len = x.shape[ctx.seq_dim]
         ctx.sp = n % ctx.world == 0
         if not ctx.sp and torch.is_grad_enabled():
             raise ValueError(f"sequence parallelism (sp=True): {m.sp_start} is given a sequence of {n}, which "

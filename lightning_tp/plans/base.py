@@ -82,6 +82,8 @@ class Plan:
               consumer follows. Unneeded when an 'lm_head' gathers its input itself.
     seq_dim:  the sequence dimension of activations (1 for batch-first).
     blocks:   the repeated block list (for pipeline parallelism); an encoder-decoder's two as a tuple.
+    outputs:  a module returning Hugging Face's outputs: its ``hidden_states`` (sequence shards under
+              SP) and ``attentions`` (this rank's heads) reach the user's code whole.
     pipeline: False where the family cannot be cut into stages.
     targets:  class names this plan is found by under ``plan="auto"``.
     requires: submodule paths that must exist for an auto match (tells same-named classes apart).
@@ -94,6 +96,7 @@ class Plan:
     sp_end: Optional[str] = None
     seq_dim: int = 1
     blocks: Optional[Union[str, tuple]] = None
+    outputs: Optional[str] = None
     pipeline: bool = True
     targets: tuple = ()
     requires: tuple = ()

@@ -61,7 +61,7 @@ class FalconPlan:
             "lm_head": "lm_head",
         }
         return Plan(name=self.name, styles=styles, attrs={attn: attrs}, sp_start="transformer.h.*",
-                    blocks="transformer.h")
+                    blocks="transformer.h", outputs="transformer")
 
 
 PLANS = [FalconPlan()]

@@ -76,7 +76,7 @@ class HFConfigPlan:
         styles.update({_path_of(module, module.get_input_embeddings()): "vocab",
                        _path_of(module, module.get_output_embeddings()): "lm_head"})
         return Plan(name=f"hf_{type(module).__name__}", styles=styles, attrs=attrs, sp_start=f"{base}.layers.*",
-                    blocks=f"{base}.layers")
+                    blocks=f"{base}.layers", outputs=base)
 
 
 def _base(module: nn.Module):
@@ -119,6 +119,7 @@ GPT2 = Plan(
     sp_start="transformer.drop",
     sp_end="transformer.h.*",
     blocks="transformer.h",
+    outputs="transformer",
 )
 
 OPT = Plan(
@@ -141,6 +142,7 @@ OPT = Plan(
     attrs={"model.decoder.layers.*.self_attn": {"num_heads": "divide", "embed_dim": "divide"}},
     sp_start="model.decoder.layers.*",
     blocks="model.decoder.layers",
+    outputs="model.decoder",
 )
 
 PLANS = [GPT2, OPT, HFConfigPlan()]
