@@ -73,10 +73,15 @@ class DPOverlap:
         self.after.append((grad, addend))
 
     def _launch(self, i: int) -> None:
-        tensors = with_flags(self.buckets[i])  # a parameter this replica's batch missed takes part as zeros
+        # a parameter this replica's batch missed takes part as zeros; one frozen since setup (alike on
+        # every replica) does not; a stage without trainable parameters has an empty bucket
+        params = [p for p in self.buckets[i] if p.requires_grad]
         self.next = i + 1
+        if not params:
+            return
+        tensors = with_flags(params)
         self.works.append(start_all_reduce(tensors, self.group))
-        self.launched.append((self.buckets[i], tensors))
+        self.launched.append((params, tensors))
 
     def finish(self) -> None:
         """Launch the buckets not yet complete (unused parameters), wait for all, average into .grad."""

@@ -178,7 +178,7 @@ def _tp_ops(base, matches, sp, tp, hidden, locate):
                                    esp, tp)
             if style == "vocab":
                 ops[loc].append(("all_reduce", mod.embedding_dim, "fwd"))
-            if style == "lm_head":  # the logits the model returns (with 'vocab_ce': its loss reads the shards)
+            if style == "lm_head" and not options.get("return_shards"):  # the logits the model returns
                 ops[loc].append(("all_gather", padded_size(_io(mod)[1], tp) / tp, "fwd"))
             if style == "vocab_ce" and "lm_head" in styles:
                 ops[loc] += [("all_reduce", 1, "fwd"), ("all_reduce", 2, "fwd")]

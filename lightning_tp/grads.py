@@ -134,15 +134,18 @@ def with_flags(params: list) -> list:
     replica's batch did not reach it (a data-dependent branch, an expert no token chose), so the
     replicas' buckets match; then one flag each, 1 where it had a gradient (see :func:`adopt`)."""
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flags = torch.tensor([float(p.grad is not None) for p in params], dtype=grads[0].dtype,
-                         device=grads[0].device)
+    flags = torch.ones(len(params), dtype=grads[0].dtype, device=grads[0].device)  # no host sync (GPU)
+    for i, p in enumerate(params):
+        if p.grad is None:
+            flags[i] = 0
     return grads + [flags]
 
 
 def adopt(params: list, synced: list) -> None:
     """After the all-reduce: a parameter without a gradient here takes the average where another
     replica had one (every replica steps it alike), and stays without one where none had (as one
-    process leaves an unused parameter: no weight decay, no Adam step)."""
+    process leaves an unused parameter: no weight decay, no Adam step). Reading the flags waits for
+    the device: only where a gradient is missing here."""
     if all(p.grad is not None for p in params):
         return
     for p, g, flag in zip(params, synced, synced[-1].tolist()):
@@ -152,6 +155,7 @@ def adopt(params: list, synced: list) -> None:
 
 def average_over_dp(params: list, group, scale: float) -> None:
     """Average the parameters' gradients over dp in flat buckets, missing ones as zeros (see with_flags)."""
+    params = [p for p in params if p.requires_grad]  # one set on every replica
     if not params or comm.group_size(group) == 1:
         return
     buckets = [(bucket, with_flags(bucket)) for bucket in _buckets(params)]

@@ -33,6 +33,7 @@ def on_nccl() -> bool:
 def parallelize(s, module):
     """``s``: the MegaStrategy (its options and mesh). Returns (pipeline runner or None, dp overlap or
     None) and records the layout on ``module._lightning_tp``."""
+    _share_groups_in_copies()
     done = getattr(module, "_lightning_tp", None)
     if done is not None:
         return _reuse(s, module, done), s._dp_overlap
@@ -74,6 +75,8 @@ def parallelize(s, module):
                                 device=s.root_device)
     overlap = _dp_overlap(s, module, runner)
     contexts = {id(m.ctx): m.ctx for m in replaced.values() if hasattr(m, "ctx")}
+    for ctx in contexts.values():  # a stage cannot tell the next one to leave SP for a forward
+        ctx.sp_fallback = s.pp == 1
     module._lightning_tp = {"tp": s.tp, "sp": s.sp, "pp": s.pp, "contexts": list(contexts.values()),
                             "runner": runner, "recompute": s.activation_checkpointing,
                             "tied_ranks": tied_ranks, "twins": meta_twins(module, split) if s.pp > 1 else []}
@@ -113,6 +116,14 @@ def _dp_overlap(s, module, runner):
                         armed=lambda: s._sync_grads and s.lightning_module.trainer.accumulate_grad_batches == 1)
     runner.dp_overlap = overlap
     return overlap
+
+
+def _share_groups_in_copies() -> None:
+    """A copy of a parallelized module (an EMA, SWA's average, ``copy.deepcopy`` in the user's code)
+    uses the same process groups: they hold connections and cannot be copied (deepcopy raised)."""
+    for kind in (dist.ProcessGroup, getattr(dist, "Store", None)):
+        if kind is not None and "__deepcopy__" not in kind.__dict__:
+            kind.__deepcopy__ = lambda self, memo: self
 
 
 def check_p2p_backend(s) -> None:

@@ -51,29 +51,13 @@ def _copy_averaged_models_again(trainer, module) -> None:
     for cb in trainer.callbacks:
         if getattr(cb, "_average_model", None) is None:
             continue
-        with _groups_shared_by_copies():
-            if WeightAveraging and isinstance(cb, WeightAveraging):
-                from torch.optim.swa_utils import AveragedModel
+        if WeightAveraging and isinstance(cb, WeightAveraging):
+            from torch.optim.swa_utils import AveragedModel
 
-                cb._average_model = AveragedModel(model=module, device=cb._device or module.device,
-                                                  use_buffers=cb._use_buffers, **cb._kwargs)
-            elif isinstance(cb, StochasticWeightAveraging):
-                cb._average_model = copy.deepcopy(module)
-
-
-@contextmanager
-def _groups_shared_by_copies():
-    """While copying a parallelized module: its process groups (in its layers, torchmetrics, the
-    pipeline runner) cannot be copied; the copy uses the same ones."""
-    group = dist.ProcessGroup
-    had = "__deepcopy__" in group.__dict__
-    if not had:
-        group.__deepcopy__ = lambda self, memo: self
-    try:
-        yield
-    finally:
-        if not had:
-            del group.__deepcopy__
+            cb._average_model = AveragedModel(model=module, device=cb._device or module.device,
+                                              use_buffers=cb._use_buffers, **cb._kwargs)
+        elif isinstance(cb, StochasticWeightAveraging):
+            cb._average_model = copy.deepcopy(module)
 
 
 def _step_args(args, kwargs, loop_batch_idx) -> tuple:
@@ -327,8 +311,8 @@ class MegaStrategy(ParallelStrategy):
 
     def optimizer_step(self, optimizer, closure, model=None, **kwargs):
         out = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if not self.lightning_module.automatic_optimization:
-            grads.forget_sums(self.lightning_module.parameters())
+        if not self.lightning_module.automatic_optimization:  # this optimizer's: another may go on accumulating
+            grads.forget_sums(p for group in optimizer.param_groups for p in group["params"])
         return out
 
     def _clip_grad_by_norm(self, optimizer, clip_val) -> None:
@@ -347,8 +331,9 @@ class MegaStrategy(ParallelStrategy):
     def all_gather(self, tensor, group: Optional[Any] = None, sync_grads: bool = False):
         """``self.all_gather`` gathers over data-parallel replicas only: tp and pp ranks of one replica
         hold the same samples (DDP's shape: (dp, ...))."""
-        return _all_gather_ddp_if_available(tensor, group=group if group is not None else self.mesh.dp_group,
-                                            sync_grads=sync_grads)
+        if group is None or group is dist.group.WORLD:  # LightningModule.all_gather passes WORLD
+            group = self.mesh.dp_group
+        return _all_gather_ddp_if_available(tensor, group=group, sync_grads=sync_grads)
 
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         if not _distributed_is_initialized():

@@ -129,7 +129,7 @@ def _checks(rank, world):
     except ValueError as e:
         out["odd_error"] = str(e)
     # self.all_gather gathers over data-parallel replicas only (here dp = 1), as DDP's would
-    out["gathered"] = tuple(trainer.strategy.all_gather(torch.full((3,), float(rank))).shape)
+    out["gathered"] = tuple(model.all_gather(torch.full((3,), float(rank))).shape)  # it passes group=WORLD
 
     # 6. bf16-mixed: autocast around the user's step, collectives on bf16 activations
     model, rec = make_model("gpt"), LossRecorder()
@@ -224,3 +224,28 @@ def test_vocab_parallel_loss_refuses_targets_outside_the_vocabulary_and_keeps_fp
     ref = F.cross_entropy(logits, target, reduction="none")
     assert loss.dtype == torch.float64
     torch.testing.assert_close(loss, ref, atol=1e-12, rtol=0)
+
+
+def test_sequence_parallelism_is_decided_per_forward():
+    """A length tp does not divide: without grad the forward runs without SP (one process's numbers:
+    the parity checks above), with grad it is refused, and under pp (a stage cannot tell the next one)
+    always; a divisible length turns SP back on."""
+    from lightning_tp.layers.linear import TPContext
+    from lightning_tp.plans.apply import Match, _install_sp_boundaries
+    from lightning_tp.plans.base import Plan
+
+    model = nn.Sequential(nn.Identity(), nn.Linear(4, 4))
+    ctx = TPContext(group=None, world=2, sp=True)
+    _install_sp_boundaries(model, Match("", Plan(name="t"), sp_start="0"), ctx)
+    odd = torch.randn(2, 3, 4)
+    with torch.no_grad():
+        model(odd)
+        assert ctx.whole and ctx.seq_len == 3 and not ctx.sp_now()
+    assert ctx.sp_now()  # a recomputation in a backward (grad on) is the training forward it recomputes
+    with pytest.raises(ValueError, match="a sequence of 3, which tp=2 does not divide, and in training"):
+        model(odd)
+    model(torch.randn(2, 4, 4))
+    assert not ctx.whole and ctx.sp_now()
+    ctx.sp_fallback = False
+    with torch.no_grad(), pytest.raises(ValueError, match="under pp the later stages expect shards"):
+        model(odd)

@@ -248,3 +248,16 @@ def test_command_on_the_example_config(capsys):
     capsys.readouterr()
     assert main(["explain", "--config", config, "--batch-shape", "8,32"]) == 0
     assert str(explain(model, tp=2, sp=True, dp=2, batch_shape=(8, 32), print_report=False)) in capsys.readouterr().out
+
+
+def test_logits_returned_whole_cost_one_all_gather_unless_the_head_returns_shards():
+    """With a vocab-parallel loss the model's own loss reads shards; the logits it returns are gathered
+    (tokens x vocab / tp per rank) unless the plan's lm_head says return_shards."""
+    from lightning_tp.plans.gpt import EXAMPLE_GPT
+
+    styles = dict(EXAMPLE_GPT.styles, lm_head={"style": "lm_head", "return_shards": True})
+    plan = dict(name="shards", styles=styles, attrs=EXAMPLE_GPT.attrs, sp_start=EXAMPLE_GPT.sp_start)
+    whole, shards = (explain(make_model("gpt").model, tp=2, batch_shape=(B, SEQ), print_report=False, plan=p).rank(0)
+                     for p in ("auto", plan))
+    assert whole.tp_bytes - shards.tp_bytes == B * SEQ * 64 // 2 * 4  # fp32 logits, 64 tokens of vocabulary
+

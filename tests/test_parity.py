@@ -41,6 +41,7 @@ WORLD2 = {
     # weight averaging (its final weights are the average): copies of the sharded module
     "tp2_sp_ema": ("gpt", dict(averaging="ema"), dict(tp=2, sp=True), dict(max_steps=10)),
     "tp2_swa": ("gpt", dict(averaging="swa"), dict(tp=2), dict(max_steps=10, max_epochs=2, samples=5 * BATCH)),
+    "pp2_ema": ("gpt", dict(averaging="ema"), dict(pp=2, microbatches=2), dict(max_steps=10)),  # stages copied
     "tp2_sp_clip": ("gpt", {}, dict(tp=2, sp=True), CLIP),
     "dp2_accumulate": ("gpt", {}, dict(tp=1), ACCUMULATE),
     "tp2_demo_transformer": ("demo_transformer", {}, dict(tp=2), {}),  # nn.Transformer encoder-decoder

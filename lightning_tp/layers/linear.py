@@ -29,6 +29,13 @@ class TPContext:
     sp: bool = False
     seq_dim: int = 1
     seq_len: int = 0  # the whole sequence's length, as SP last started (see plans.apply._whole_outputs)
+    sp_fallback: bool = True  # without grad, a length tp does not divide runs without SP (not under pp)
+    whole: bool = False  # this forward runs without SP (such a length, see plans.apply._install_sp_boundaries)
+
+    def sp_now(self) -> bool:
+        """SP for this call: configured, unless a forward without grad runs whole (a recomputation in a
+        backward has grad, and is the forward it recomputes)."""
+        return self.sp and not (self.whole and not torch.is_grad_enabled())
 
     def __deepcopy__(self, memo):
         """Shared by a copy of the model (an EMA, SWA's average): the same group, the same layout."""
@@ -36,7 +43,7 @@ class TPContext:
 
     def enter_region(self, x: torch.Tensor) -> torch.Tensor:
         """Replicated (or SP-sharded) activation -> input of column-parallel work."""
-        if self.sp:
+        if self.sp_now():
             return comm.gather_from_sp(x, self.group, self.token_dim(x))
         return comm.copy_to_tp(x, self.group)
 
@@ -170,7 +177,7 @@ class RowParallelLinear(nn.Module):
 
     def reduce(self, y):
         """The partial sums over tp: all-reduce, or reduce-scatter along the sequence under SP."""
-        if self.ctx.sp:
+        if self.ctx.sp_now():
             return comm.reduce_scatter_to_sp(y, self.ctx.group, self.ctx.token_dim(y))
         return comm.reduce_from_tp(y, self.ctx.group)
 

@@ -8,7 +8,7 @@ that requires grad is refused at the sender already, see stage._check_side_input
 at random outside the blocks differs once the stages' random streams part. Either way the
 receiving stage would compute with other inputs than one process does, and say nothing.
 
-So at its first run (microbatch 0 of the first step, training or not) the sending stage leaves a
+So at its first run with grad and its first without (microbatch 0) the sending stage leaves a
 fingerprint of its last block's other arguments (shape, dtype, sum, absolute sum per tensor) in
 the process group's key-value store; the receiving stage meets the same block as a placeholder, given
 the arguments its own code made, and compares. The store is written before the activation is sent
@@ -41,14 +41,17 @@ def _leaves(args, kwargs, hidden) -> list:
 
 def fingerprint(args, kwargs, hidden) -> list:
     """Per tensor: place, shape, dtype, the sum and absolute sum of its finite values, and the count of
-    those that are not (a causal mask's -inf)."""
+    those that are not (a causal mask's -inf); in float64, a chunk at a time (a long context's mask)."""
     out = []
     for place, t in _leaves(args, kwargs, hidden):
-        d = t.detach().to(torch.float64)
-        finite = torch.isfinite(d)
-        kept = torch.where(finite, d, torch.zeros((), dtype=d.dtype, device=d.device))
-        out.append([place, list(t.shape), str(t.dtype), kept.sum().item(), kept.abs().sum().item(),
-                    (~finite).sum().item()])
+        total = torch.zeros(3, dtype=torch.float64, device=t.device)
+        for part in t.detach().reshape(-1).split(1 << 22):
+            d = part.to(torch.float64)
+            finite = torch.isfinite(d)
+            d = torch.where(finite, d, 0.0)
+            total += torch.stack([d.sum(), d.abs().sum(), (~finite).sum().to(torch.float64)])
+        s, a, bad = total.tolist()
+        out.append([place, list(t.shape), str(t.dtype), s, a, int(bad)])
     return out
 
 
@@ -79,21 +82,25 @@ class SideInputCheck:
             return None
         return cls(store, lambda k: mesh.global_rank(mesh.tp_rank, mesh.dp_rank, k % pp))
 
+    def __deepcopy__(self, memo):  # a copy of the model (an EMA) checks nothing more
+        return self
+
     def _key(self, vstage: int, block: int) -> str:
-        return f"lightning_tp/side_inputs/{self.rank_of(vstage)}/{vstage}/{block}"
+        return f"lightning_tp/side_inputs/{self.rank_of(vstage)}/{vstage}/{block}/{int(torch.is_grad_enabled())}"
 
     def leave(self, vstage: int, block: int, args, kwargs, hidden) -> None:
-        """The sending stage (``vstage``), at its last block (``block``), before running it."""
-        if ("sent", vstage) in self.done:
+        """The sending stage (``vstage``), at its last block (``block``), before running it. Once with
+        grad and once without (a sanity check's validation runs first, training may give more)."""
+        if ("sent", vstage, torch.is_grad_enabled()) in self.done:
             return
-        self.done.add(("sent", vstage))
+        self.done.add(("sent", vstage, torch.is_grad_enabled()))
         self.store.set(self._key(vstage, block), json.dumps(fingerprint(args, kwargs, hidden)))
 
     def compare(self, vstage: int, block: int, args, kwargs, hidden) -> None:
         """The receiving stage (``vstage``), where its code calls the previous stage's last block."""
-        if ("got", vstage) in self.done:
+        if ("got", vstage, torch.is_grad_enabled()) in self.done:
             return
-        self.done.add(("got", vstage))
+        self.done.add(("got", vstage, torch.is_grad_enabled()))
         key = self._key(vstage - 1, block)
         try:
             self.store.wait([key], timedelta(seconds=60))  # no wait as the stages run: written before the send

@@ -267,8 +267,8 @@ def apply(model: nn.Module, matches: list, group, tp: int, rank: int, sp: bool) 
             _install_sp_boundaries(model, m, ctx)
         if m.plan.outputs is not None and _held(model, _join(m.prefix, m.plan.outputs)) is not None:
             _held(model, _join(m.prefix, m.plan.outputs)).register_forward_hook(_whole_outputs(ctx))
-        if has_ce and head is not None:
-            head_path = next(path for path, style, _ in m.entries if style == "lm_head")
+        head_path, head_options = next(((p, o) for p, style, o in m.entries if style == "lm_head"), (None, {}))
+        if has_ce and head is not None and not head_options.get("return_shards"):
             root.register_forward_hook(_whole_logits(head_path[len(m.prefix) + 1:] if m.prefix else head_path))
     return replaced
 
@@ -280,11 +280,13 @@ def _whole_outputs(ctx: TPContext):
     own use (``last_hidden_state`` into its head) keeps the shards. Backward takes this rank's part."""
     def hook(module, args, output):
         hidden, maps = getattr(output, "hidden_states", None), getattr(output, "attentions", None)
-        if hidden is not None and ctx.sp:  # shards: 1/tp of the length SP started with
+        if hidden is not None and ctx.sp_now():  # shards: 1/tp of the length SP started with
             output.hidden_states = tuple(comm.gather_to_full_sp(h, ctx.group, ctx.seq_dim)
-                                         if h.shape[ctx.seq_dim] * ctx.world == ctx.seq_len else h for h in hidden)
-        if maps is not None and ctx.world > 1:
-            output.attentions = tuple(a if a is None else comm.gather_from_tp(a, ctx.group, 1) for a in maps)
+                                         if isinstance(h, torch.Tensor) and h.shape[ctx.seq_dim] * ctx.world == ctx.seq_len
+                                         else h for h in hidden)
+        if maps is not None and ctx.world > 1:  # (under pp, other stages' entries are no tensors)
+            output.attentions = tuple(comm.gather_from_tp(a, ctx.group, 1) if isinstance(a, torch.Tensor) else a
+                                      for a in maps)
         return output
 
     return hook
@@ -294,7 +296,8 @@ def _whole_logits(head_path: str):
     """A forward hook for the module a plan with 'vocab_ce' covers. In training its LM head gives this
     rank's vocabulary columns, which the vocab-parallel loss inside the model reads; logits the model
     returns to the user's code (for an accuracy, or a loss of their own) are gathered whole, as one
-    process returns them (one all-gather of the logits a step; its backward takes this rank's slice).
+    process returns them (one all-gather of the logits a step, tokens x vocab held whole for a while:
+    the option ``return_shards`` leaves it out; its backward takes this rank's slice).
     The head is looked up when the hook runs: QAT may have replaced it since."""
     def hook(module, args, output):
         head = module.get_submodule(head_path)
@@ -385,16 +388,18 @@ def _install_sp_boundaries(model, m: Match, ctx: TPContext) -> None:
     refused in training, where every rank needs an equal shard."""
     def enter(x):
         n = ctx.seq_len = x.shape[ctx.seq_dim]
-        ctx.sp = n % ctx.world == 0
-        if not ctx.sp and torch.is_grad_enabled():
+        if n % ctx.world and (torch.is_grad_enabled() or not ctx.sp_fallback):
+            why = ("in training every rank needs an equal shard" if ctx.sp_fallback else
+                   "under pp the later stages expect shards")
             raise ValueError(f"sequence parallelism (sp=True): {m.sp_start} is given a sequence of {n}, which "
-                             f"tp={ctx.world} does not divide, and in training every rank needs an equal shard. "
-                             f"Pad sequences to a multiple of {ctx.world} (forwards without grad, such as "
-                             f"validation or generation, take any length), or set sp=False.")
-        return comm.scatter_to_sp(x, ctx.group, ctx.seq_dim) if ctx.sp else x
+                             f"tp={ctx.world} does not divide, and {why}. Pad sequences to a multiple of "
+                             f"{ctx.world}" + (" (forwards without grad, such as validation or generation, take "
+                                               "any length)" if ctx.sp_fallback else "") + ", or set sp=False.")
+        ctx.whole = n % ctx.world != 0
+        return x if ctx.whole else comm.scatter_to_sp(x, ctx.group, ctx.seq_dim)
 
     def leave(module, args, output):
-        if not ctx.sp:
+        if not ctx.sp_now():
             return output
         if isinstance(output, tuple):
             return (comm.gather_to_full_sp(output[0], ctx.group, ctx.seq_dim),) + output[1:]

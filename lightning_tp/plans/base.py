@@ -40,6 +40,8 @@ STYLE_OPTIONS = {
     "full_input": "the input is whole along the sequence even under SP (the module runs after sp_end)",
     "inputs": "for 'region': names of further arguments (by keyword or position) that enter the region too, "
               "e.g. cross-attention's key_value_states, read by its k and v",
+    "return_shards": "for 'lm_head' with 'vocab_ce': in training the model returns this rank's vocabulary "
+                     "columns, not whole logits (no all-gather of tokens x vocab: for a step that reads the loss only)",
 }
 
 

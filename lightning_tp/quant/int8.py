@@ -105,7 +105,7 @@ class Int8RowParallelLinear(Int8Linear):
             x = comm.scatter_to_tp(x, self.ctx.group, -1)
         lead = x.shape[:-1]
         acc = int8_matmul(self.quantize_input(x), self.weight_int8, self.backend).reshape(*lead, self.out_features)
-        if self.ctx.sp:
+        if self.ctx.sp_now():
             acc = comm.reduce_scatter(acc, self.ctx.token_dim(acc), self.ctx.group)
         else:
             acc = comm.all_reduce(acc, self.ctx.group)
