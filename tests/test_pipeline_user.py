@@ -119,14 +119,14 @@ class NormElsewhere(NormInHelper):
 def _staged(base, x, grad=True):
     """pp=2 in one process: stage 0's output feeds stage 1, which returns the model's output; the
     blocks' other arguments are checked across the stages through an in-process store."""
-    message, store = None, torch.distributed.HashStore()
+    message, side = None, SideInputCheck(torch.distributed.HashStore(), lambda k: k % 2)  # as both ranks' own
     for rank in (0, 1):
         model = copy.deepcopy(base)
         layout = plan_stages(model, 2)
         split = apply_split(model, layout, rank)
         state = install(layout.blocks(model), layout, rank,
                         [(model.get_submodule(n), twin, runs) for n, (twin, runs) in split["silence"].items()],
-                        side=SideInputCheck(store, lambda k: k % 2))
+                        side=side)
         state.active, state.received = rank, message
         with torch.set_grad_enabled(grad):
             try:

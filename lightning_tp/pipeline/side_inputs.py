@@ -66,8 +66,12 @@ class SideInputCheck:
     """One per rank's pipeline: ``rank_of(vstage)`` names the rank that runs a virtual stage of this
     rank's pipeline (keys are per sending rank, so dp and tp replicas of a pipeline do not mix)."""
 
+    made = 0  # checks made in this process; every rank makes its pipelines' in the same order
+
     def __init__(self, store, rank_of):
         self.store, self.rank_of, self.done = store, rank_of, set()
+        SideInputCheck.made += 1
+        self.number = SideInputCheck.made  # in the keys: a key an earlier pipeline left is never read
 
     @classmethod
     def for_mesh(cls, mesh, pp: int):
@@ -86,7 +90,8 @@ class SideInputCheck:
         return self
 
     def _key(self, vstage: int, block: int) -> str:
-        return f"lightning_tp/side_inputs/{self.rank_of(vstage)}/{vstage}/{block}/{int(torch.is_grad_enabled())}"
+        return (f"lightning_tp/side_inputs/{self.number}/{self.rank_of(vstage)}/{vstage}/{block}/"
+                f"{int(torch.is_grad_enabled())}")
 
     def leave(self, vstage: int, block: int, args, kwargs, hidden) -> None:
         """The sending stage (``vstage``), at its last block (``block``), before running it. Once with
@@ -105,7 +110,7 @@ class SideInputCheck:
         try:
             self.store.wait([key], timedelta(seconds=60))  # no wait as the stages run: written before the send
             theirs = json.loads(self.store.get(key))
-        except RuntimeError:  # a store that cannot answer: nothing is checked
+        except RuntimeError:  # a store that cannot answer (or ranks that made their checks apart): no check
             return
         try:
             self.store.delete_key(key)
