@@ -92,8 +92,9 @@ def sync_gradients(params, mesh, dp_overlap=None, repeated: bool = False) -> Non
         _sum_tied(params, mesh.emb_group)
     trainable = [p for p in params if p.requires_grad]
     params = [p for p in trainable if p.grad is not None]
-    summed = [p for p in params if getattr(p, "_tp_sp_partial", False) or _replicated_pieces(p, 0)]
-    before = _summed_before(summed) if repeated else []
+    summed = [p for p in params if getattr(p, "_tp_sp_partial", False) or _replicated_pieces(p, 0)] \
+        if repeated else []  # (found only where a step syncs more than once: manual optimization)
+    before = _summed_before(summed)
     _reduce([p.grad for p in params if getattr(p, "_tp_sp_partial", False)], mesh.tp_group)
     _sum_replicas(params, mesh)
     if repeated:
@@ -154,8 +155,8 @@ def adopt(params: list, synced: list) -> None:
 
 
 def average_over_dp(params: list, group, scale: float) -> None:
-    """Average the parameters' gradients over dp in flat buckets, missing ones as zeros (see with_flags)."""
-    params = [p for p in params if p.requires_grad]  # one set on every replica
+    """Average the parameters' gradients over dp in flat buckets, missing ones as zeros (see with_flags).
+    ``params``: the trainable ones, one set on every replica."""
     if not params or comm.group_size(group) == 1:
         return
     buckets = [(bucket, with_flags(bucket)) for bucket in _buckets(params)]
