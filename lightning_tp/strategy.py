@@ -35,6 +35,7 @@ from .mesh import ParallelMesh, build_mesh, data_parallel_size
 from .pipeline.executor import PipelineRunner
 from .pipeline.schedules import build_schedule
 from .parallelize import parallelize
+from .same_batch import BatchBroadcast
 
 
 def _copy_averaged_models_again(trainer, module) -> None:
@@ -105,6 +106,9 @@ class MegaStrategy(ParallelStrategy):
             :data:`lightning_tp.kernels.inject.KERNELS`); torch code with the same numbers off-GPU.
         plan: ``"auto"`` (find a built-in plan by module class), or a :class:`lightning_tp.Plan`/dict.
         sync_init: broadcast rank 0's initial weights before sharding, so unseeded models agree.
+        broadcast_batch: every tp/pp rank of a replica trains on its first rank's batch (one broadcast
+            per step), so random augmentation or per-rank loader seeds cannot split them; ``False``
+            trusts the loaders to agree.
         start_method: ``"popen"`` (re-run the script, like DDP) or ``"spawn"``/``"fork"``.
     """
 
@@ -116,7 +120,7 @@ class MegaStrategy(ParallelStrategy):
                  activation_checkpointing: Union[bool, int] = False,
                  p2p: Literal["auto", "eager", "batched"] = "auto",
                  kernels: Union[bool, list, None] = False, quant: Optional[str] = None, quant_range: str = "ema",
-                 load_full: Optional[str] = None, sync_init: bool = True,
+                 load_full: Optional[str] = None, sync_init: bool = True, broadcast_batch: bool = True,
                  process_group_backend: Optional[str] = None,
                  timeout: Optional[Union[timedelta, float]] = default_pg_timeout,
                  start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -157,6 +161,7 @@ class MegaStrategy(ParallelStrategy):
         self._start_method = start_method
         self._num_nodes = 1
         self._sync_grads = True
+        self.broadcast_batch, self._batch_broadcast = broadcast_batch, None
         self.mesh: ParallelMesh = ParallelMesh()
 
     # ------------------------------------------------------------------ topology
@@ -216,6 +221,9 @@ class MegaStrategy(ParallelStrategy):
         self._process_group_backend = backend
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
         self.mesh = build_mesh(self.tp, self.pp, device_type=self.root_device.type)
+        if self.broadcast_batch and comm.group_size(self.mesh.mp_group) > 1:
+            self._batch_broadcast = BatchBroadcast(self.mesh.mp_group, self.mesh.global_rank(0, self.mesh.dp_rank, 0),
+                                                   self.root_device)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -248,6 +256,12 @@ class MegaStrategy(ParallelStrategy):
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
+
+    def batch_to_device(self, batch, device=None, dataloader_idx: int = 0):
+        """After the move (and ``on_after_batch_transfer``), every tp/pp rank of a replica takes its
+        first rank's batch: random augmentation must not differ between the ranks of one model."""
+        batch = super().batch_to_device(batch, device, dataloader_idx)
+        return self._batch_broadcast(batch) if self._batch_broadcast is not None else batch
 
     # ------------------------------------------------------------------ pipeline steps
 

@@ -32,19 +32,43 @@ class Tokens(Dataset):
         return self.data[i, :-1], self.data[i, 1:]
 
 
+class CroppedTokens(Tokens):
+    """Each sample a random window of a longer sequence, drawn in a loader worker: the worker's seed
+    is Lightning's ``seed_everything(workers=True)`` one, which mixes in the global rank."""
+
+    EXTRA = 4
+
+    def __init__(self, n: int, vocab: int):
+        super().__init__(n, vocab, seq=SEQ + self.EXTRA)
+
+    def __getitem__(self, i):
+        o = int(torch.randint(0, self.EXTRA + 1, ()))
+        return self.data[i, o:o + SEQ], self.data[i, o + 1:o + SEQ + 1]
+
+
 class TokenData(L.LightningDataModule):
     """Under a parallel strategy Lightning shuffles with DistributedSampler(seed=0) over dp ranks. The
     reference (``single=True``) uses the same sampler with one replica, so its global batch k is the
-    union of the dp ranks' batches k."""
+    union of the dp ranks' batches k. ``crops``: :class:`CroppedTokens` in one worker seeded as
+    ``seed_everything(workers=True)`` does (with the global rank), the loader's base seed from its own
+    generator (the default one's position differs once a strategy has built its layers)."""
 
-    def __init__(self, n: int, vocab: int, batch_size: int, single: bool = False):
+    def __init__(self, n: int, vocab: int, batch_size: int, single: bool = False, crops: bool = False):
         super().__init__()
-        self.n, self.vocab, self.batch_size, self.single = n, vocab, batch_size, single
+        self.n, self.vocab, self.batch_size, self.single, self.crops = n, vocab, batch_size, single, crops
 
     def train_dataloader(self):
-        data = Tokens(self.n, self.vocab)
+        data = (CroppedTokens if self.crops else Tokens)(self.n, self.vocab)
         sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0) if self.single else None
-        return DataLoader(data, batch_size=self.batch_size, sampler=sampler)
+        if not self.crops:
+            return DataLoader(data, batch_size=self.batch_size, sampler=sampler)
+        from functools import partial
+
+        from lightning.fabric.utilities.seed import pl_worker_init_function
+
+        return DataLoader(data, batch_size=self.batch_size, sampler=sampler, num_workers=1,
+                          worker_init_fn=partial(pl_worker_init_function, rank=self.trainer.global_rank),
+                          generator=torch.Generator().manual_seed(7))
 
 
 # Adam's eps: key-projection biases have an exactly-zero true gradient (softmax ignores a constant
@@ -509,7 +533,8 @@ def trainer_kwargs(**kw):
     return base
 
 
-def reference_run(kind: str, model_kw: dict, steps: int, batch: int, samples: int | None = None, **trainer_kw):
+def reference_run(kind: str, model_kw: dict, steps: int, batch: int, samples: int | None = None,
+                  crops: bool = False, **trainer_kw):
     """The ground truth: the same seeded module trained by Lightning on one process (on ``samples``
     samples, epoch after epoch, if given)."""
     model = make_model(kind, reference=True, **model_kw)
@@ -517,6 +542,6 @@ def reference_run(kind: str, model_kw: dict, steps: int, batch: int, samples: in
     trainer = L.Trainer(devices=1, max_steps=steps, callbacks=[rec], use_distributed_sampler=False,
                         **trainer_kwargs(**trainer_kw))
     n = samples or steps * batch * trainer_kw.get("accumulate_grad_batches", 1)
-    trainer.fit(model, TokenData(n, vocab_of(model), batch, single=True))
+    trainer.fit(model, TokenData(n, vocab_of(model), batch, single=True, crops=crops))
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     return rec.losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, metrics

@@ -15,6 +15,7 @@ import dist
 from examples.gpt.model import GPT, GPTConfig
 from lightning_tp import MegaStrategy, comm
 from lightning_tp.mesh import build_mesh
+from lightning_tp.same_batch import BatchBroadcast
 from lightning_tp.plans import apply as planner
 from models import SEQ, LossRecorder, TokenData, Tokens, make_model, reference_run, trainer_kwargs
 
@@ -137,6 +138,16 @@ def _checks(rank, world):
                         callbacks=[rec], **trainer_kwargs())
     trainer.fit(model, TokenData(5 * 4, 64, 4))
     out["bf16"] = rec.losses
+
+    # 7. the batch every tp/pp rank of a replica trains on: its first rank's, whatever each loaded
+    send = BatchBroadcast(mesh.mp_group, 0, torch.device("cpu"))
+    out["batches"] = []
+    for step, n in enumerate((4, 4, 6)):  # the third batch changes shape: its layout is sent again
+        g = torch.Generator().manual_seed(100 * rank + step)  # every rank loads something else
+        batch = {"ids": torch.randint(0, 9, (2, n), generator=g), "text": [f"r{rank}s{step}", "x"],
+                 "pair": (torch.rand(n, generator=g) > 0.5, torch.randn(0, 3, generator=g)),
+                 "meta": {"step": step + rank, "w": torch.randn(3, generator=g, dtype=torch.float64)}}
+        out["batches"].append((batch, send(batch)))
     return out
 
 
@@ -201,6 +212,17 @@ def test_validate_and_predict_match_single_process(checks):
         for n, got in zip((SEQ - 1, 1, SEQ), checks[0]["odd_logits"]):
             torch.testing.assert_close(got, model(odd[:, :n]), atol=1e-5, rtol=0)
     assert "a sequence of 15, which tp=2 does not divide" in checks[1]["odd_error"]
+
+
+def test_every_rank_of_a_model_copy_gets_its_first_ranks_batch(checks):
+    for (sent, _), (loaded, got) in zip(checks[0]["batches"], checks[1]["batches"]):
+        assert not torch.equal(loaded["ids"], sent["ids"])  # the ranks did load different batches
+        assert got["text"] == sent["text"] and got["meta"]["step"] == sent["meta"]["step"]
+        assert isinstance(got["pair"], tuple) and got["pair"][0].dtype == torch.bool
+        for a, b in ((got["ids"], sent["ids"]), (got["pair"][0], sent["pair"][0]), (got["pair"][1], sent["pair"][1]),
+                     (got["meta"]["w"], sent["meta"]["w"])):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+    assert [got is sent for sent, got in checks[0]["batches"]] == [True] * 3  # the source keeps its own
 
 
 def test_bf16_mixed_tracks_the_single_process_bf16_run(checks):

@@ -43,6 +43,9 @@ WORLD2 = {
     "tp2_swa": ("gpt", dict(averaging="swa"), dict(tp=2), dict(max_steps=10, max_epochs=2, samples=5 * BATCH)),
     "pp2_ema": ("gpt", dict(averaging="ema"), dict(pp=2, microbatches=2), dict(max_steps=10)),  # stages copied
     "tp2_sp_clip": ("gpt", {}, dict(tp=2, sp=True), CLIP),
+    # random crops in a loader worker seeded with the global rank: every rank trains on rank 0's batch
+    "tp2_random_crops": ("gpt", {}, dict(tp=2), dict(crops=True, max_steps=10)),
+    "pp2_random_crops": ("gpt", {}, dict(pp=2, microbatches=2), dict(crops=True, max_steps=10)),
     "dp2_accumulate": ("gpt", {}, dict(tp=1), ACCUMULATE),
     "tp2_demo_transformer": ("demo_transformer", {}, dict(tp=2), {}),  # nn.Transformer encoder-decoder
     # activation checkpointing without a pipeline: both of the encoder-decoder's block lists recompute
@@ -80,7 +83,7 @@ def _train_all(rank, world, configs, ckdir):
                             callbacks=[rec], **trainer_kwargs(**trainer_kw))
         n = samples or steps * batch * dp * trainer_kw.get("accumulate_grad_batches", 1)
         with torch_path() if strategy_kw.get("kernels") else contextlib.nullcontext():
-            trainer.fit(model, TokenData(n, vocab_of(model), batch))
+            trainer.fit(model, TokenData(n, vocab_of(model), batch, crops=configs[name][3].get("crops", False)))
         if strategy_kw.get("kernels"):
             fused = [type(m).__name__ for m in model.modules() if type(m).__name__.startswith("Fused")]
             assert {"FusedLayerNorm", "FusedBiasGeLU"} <= set(fused), fused
@@ -111,7 +114,7 @@ def _steps(trainer_kw):
     """A config may ask for fewer steps (``max_steps`` in its trainer kwargs; 20 by default), another
     per-replica batch size (``batch``; BATCH by default) and a dataset size (``samples``, dp = 1 only:
     e.g. one that leaves each epoch a smaller last batch): all are taken out of the kwargs."""
-    rest = {k: v for k, v in trainer_kw.items() if k not in ("max_steps", "batch", "samples")}
+    rest = {k: v for k, v in trainer_kw.items() if k not in ("max_steps", "batch", "samples", "crops")}
     return trainer_kw.get("max_steps", STEPS), rest
 
 
@@ -121,7 +124,7 @@ def _check(results, name, configs, world):
     batch, samples = trainer_kw.get("batch", BATCH), trainer_kw.get("samples")
     steps, trainer_kw = _steps(trainer_kw)
     ref_losses, ref_weights, ref_metrics = reference_run(kind, model_kw, steps, batch * dp, samples=samples,
-                                                         **trainer_kw)
+                                                         crops=configs[name][3].get("crops", False), **trainer_kw)
     got = results[0][name]
     tol, weight_tol = TOL, TOL
     if "quant" in strategy_kw:

@@ -1,0 +1,102 @@
+"""One batch for every rank of a model copy: the first rank's, broadcast over the tp x pp group.
+
+Tensor- and pipeline-parallel ranks of one replica compute one model on one batch, so they must see
+the same samples. Their samplers agree (``distributed_sampler_kwargs`` uses the dp rank), but random
+work in the data pipeline need not: ``seed_everything(workers=True)`` seeds each loader worker with
+the *global* rank, a loader's base seed and in-process augmentation come from the default generator,
+and ``on_after_batch_transfer`` may draw on the device. Two ranks with different crops of a text
+would train on nothing anyone wrote, with no error. Megatron broadcasts each batch from tp rank 0
+for the same reason; here the source is the replica's first rank (tp 0 of the first stage), so a
+run whose data is random gets the batches global rank 0 would get alone.
+
+Cost per step: one 1-element broadcast saying whether the batch's layout (structure, shapes,
+dtypes, non-tensor values) changed, the layout itself only when it did (pickled), and one broadcast
+per dtype of all its tensors packed together.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.apply_func import apply_to_collection
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """Where a tensor of the batch was: its index among the batch's tensors and how to rebuild it."""
+
+    index: int
+    shape: tuple
+    dtype: torch.dtype
+    on_device: bool  # on the accelerator (else on the CPU)
+
+
+def _wire(dtype: torch.dtype) -> torch.dtype:
+    return torch.uint8 if dtype == torch.bool else dtype  # bool travels as bytes
+
+
+class BatchBroadcast:
+    """Per group: the last layout seen, so a steady batch shape costs no pickling on the receivers."""
+
+    def __init__(self, group, src: int, device: torch.device):
+        self.group, self.src, self.device = group, src, device
+        self.layout_bytes: bytes | None = None
+        self.layout = None
+
+    def __call__(self, batch):
+        src = dist.get_rank() == self.src
+        if src:
+            tensors: list = []
+            layout = apply_to_collection(batch, torch.Tensor, lambda t: self._slot(t, tensors))
+            try:
+                blob = pickle.dumps(layout)
+            except Exception as err:
+                raise TypeError(f"MegaStrategy sends each batch from rank {self.src} to the other tensor/pipeline "
+                                f"ranks of its replica, and a non-tensor part of this batch cannot be pickled "
+                                f"({err}). Return tensors, numbers, strings or containers of them from your "
+                                f"collate_fn.") from err
+        changed = torch.tensor([int(src and blob != self.layout_bytes)], device=self.device)
+        dist.broadcast(changed, self.src, group=self.group)
+        if changed.item():
+            box = [blob if src else None]
+            dist.broadcast_object_list(box, self.src, group=self.group, device=self.device)
+            self.layout_bytes, self.layout = box[0], pickle.loads(box[0])
+        elif self.layout is None:
+            raise RuntimeError("MegaStrategy batch broadcast: the first batch's layout never arrived.")
+        if src:
+            self.layout = layout
+        received = self._move_tensors(tensors if src else None, src)
+        return batch if src else received
+
+    @staticmethod
+    def _slot(t: torch.Tensor, tensors: list) -> _Slot:
+        tensors.append(t)
+        return _Slot(len(tensors) - 1, tuple(t.shape), t.dtype, t.device.type != "cpu")
+
+    def _move_tensors(self, tensors, src: bool):
+        slots: list = []
+        apply_to_collection(self.layout, _Slot, slots.append)
+        by_dtype: dict = {}
+        for slot in slots:
+            by_dtype.setdefault(_wire(slot.dtype), []).append(slot)
+        out = {}
+        for dtype, group in by_dtype.items():
+            sizes = [torch.Size(s.shape).numel() for s in group]
+            if src:
+                flat = torch.cat([tensors[s.index].detach().to(self.device, dtype).reshape(-1) for s in group])
+            else:
+                flat = torch.empty(sum(sizes), dtype=dtype, device=self.device)
+            if flat.numel():
+                dist.broadcast(flat, self.src, group=self.group)
+            if src:
+                continue
+            for slot, piece in zip(group, flat.split(sizes)):
+                t = piece.view(slot.shape)
+                t = t.to(torch.bool) if slot.dtype == torch.bool else t
+                out[slot.index] = t if slot.on_device else t.cpu()
+        if src:
+            return None
+        return apply_to_collection(self.layout, _Slot, lambda s: out[s.index])
