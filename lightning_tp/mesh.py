@@ -102,6 +102,18 @@ def build_mesh(tp: int = 1, pp: int = 1, device_type: str = "cpu") -> ParallelMe
     return mesh
 
 
+def gloo_twin_of_mp_group(mesh: ParallelMesh):
+    """This rank's model-parallel group again, on gloo: small CPU-side messages (a batch's layout) that
+    must not wait for the GPU. Every rank must call this (new_group is collective)."""
+    mine = None
+    for d in range(mesh.dp):
+        group = dist.new_group([mesh.global_rank(t, d, p) for p in range(mesh.pp) for t in range(mesh.tp)],
+                               backend="gloo")
+        if d == mesh.dp_rank:
+            mine = group
+    return mine
+
+
 def use_tied_ranks(mesh: ParallelMesh, pp_ranks: tuple) -> None:
     """Point ``emb_group`` at other pp ranks (an encoder-decoder's embedding copies: the first stage and
     the decoder's first). Every rank must call this with the same ranks (new_group is collective)."""

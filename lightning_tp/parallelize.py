@@ -9,11 +9,14 @@ after ``fit``) keeps its layout and is pointed at the new strategy's groups.
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 
 from . import grads, recompute
 from .dp_overlap import DPOverlap
 from .kernels.inject import apply_kernels
+from .layers.attention import TPMultiheadAttention
+from .layers.linear import ColumnParallelLinear, RowParallelLinear
 from .mesh import use_tied_ranks
 from .pipeline.executor import PipelineRunner
 from .pipeline.placeholders import meta_twins
@@ -23,6 +26,7 @@ from .pipeline.stage import install as install_stages
 from .plain import load_full
 from .plans import apply as planner
 from .quant import apply_qat
+from .rng import BlockStreams
 
 
 def on_nccl() -> bool:
@@ -47,9 +51,10 @@ def parallelize(s, module):
                              interleaved=s.schedule == "interleaved_1f1b")
     elif s._pipelined:  # microbatching without stages: one stage holding every block
         layout = plan_stages(module, 1, 1, s.pipeline_blocks or planner.blocks_path(module, s.plan))
-    recomputed = recompute.targets(module, s.activation_checkpointing, layout, s.mesh.pp_rank,
-                                   s.pipeline_blocks or _plan_blocks(module, s.plan)) \
-        if s.activation_checkpointing else []
+    hf_taken = s.pp > 1 and _take_over_hf_checkpointing(module, s, layout)
+    recompute_n = s.activation_checkpointing or hf_taken
+    recomputed = recompute.targets(module, recompute_n, layout, s.mesh.pp_rank,
+                                   s.pipeline_blocks or _plan_blocks(module, s.plan)) if recompute_n else []
     full_keys = list(module.state_dict().keys())
     # 2. one set of initial weights, then keep this rank's stage and shards
     if s.sync_init and s.mesh.world_size > 1:
@@ -73,13 +78,15 @@ def parallelize(s, module):
         batched = s.p2p == "batched" or (s.p2p == "auto" and on_nccl())
         runner = PipelineRunner(module, s.mesh, layout, state, s.schedule, s.microbatches, batched=batched,
                                 device=s.root_device)
+    streams = _block_streams(s, module, layout)
     overlap = _dp_overlap(s, module, runner)
     contexts = {id(m.ctx): m.ctx for m in replaced.values() if hasattr(m, "ctx")}
     for ctx in contexts.values():  # a stage cannot tell the next one to leave SP for a forward
         ctx.sp_fallback = s.pp == 1
     module._lightning_tp = {"tp": s.tp, "sp": s.sp, "pp": s.pp, "contexts": list(contexts.values()),
                             "runner": runner, "recompute": s.activation_checkpointing,
-                            "tied_ranks": tied_ranks, "twins": meta_twins(module, split) if s.pp > 1 else []}
+                            "tied_ranks": tied_ranks, "twins": meta_twins(module, split) if s.pp > 1 else [],
+                            "streams": streams}
     _set_metric_groups(module, s.mesh.dp_group)
     return runner, overlap
 
@@ -95,11 +102,77 @@ def _reuse(s, module, done):
     if len(done.get("tied_ranks", ())) > 1:
         use_tied_ranks(s.mesh, done["tied_ranks"])
     runner = done["runner"]
+    if (runner is None) == s._pipelined or (runner is not None and runner.layout.v != s.virtual_stages):
+        raise ValueError(f"{type(module).__name__} was already parallelized "
+                         f"{'without a pipeline' if runner is None else f'with virtual_stages={runner.layout.v}'}; "
+                         f"build a fresh module for this layout.")
+    batched = s.p2p == "batched" or (s.p2p == "auto" and on_nccl())
+    if runner is not None and (runner.schedule, runner.m, runner.batched) != (s.schedule, s.microbatches, batched):
+        recompute.check_option(s.activation_checkpointing, s.quant, s.schedule)
+        # another schedule or microbatch count on the same stages (a second Trainer's options)
+        runner = done["runner"] = PipelineRunner(module, s.mesh, runner.layout, runner.state, s.schedule,
+                                                 s.microbatches, batched=batched, device=s.root_device)
     if runner is not None:
         runner.mesh = s.mesh
         runner.dp_overlap = None  # the last strategy's; this one syncs after the step
         runner._trained = False  # a new run: its first batch is checked (see must_divide)
     return runner
+
+
+def _take_over_hf_checkpointing(module, s, layout) -> bool:
+    """Hugging Face's gradient checkpointing wraps a block's whole call, the stage's substitution of
+    the received activation included: reentrant (its default), the checkpoint's input is then the
+    placeholders' zeros, which need no grad, and a later stage's blocks get no gradient. Under a
+    pipeline it is switched off and each of this rank's blocks recomputes with ours instead, which
+    sits inside the stage wrappers: the same recompute."""
+    lists = [path for path, _ in layout.lists] if layout.lists else [layout.blocks_path]
+    near = lambda name: any(name == p or p.startswith(name + ".") or name.startswith(p + ".")  # noqa: E731
+                            for p in lists)  # a block, in one, or a parent of a list (not a vision tower)
+    on = [m for name, m in module.named_modules() if near(name) and getattr(m, "gradient_checkpointing", False)
+          is True and callable(getattr(m, "_gradient_checkpointing_func", None))]
+    if not on:
+        return False
+    recompute.check_option(True, s.quant, s.schedule)
+    for m in on:
+        m.gradient_checkpointing = False
+    from lightning.pytorch.utilities import rank_zero_warn
+
+    rank_zero_warn("Hugging Face gradient checkpointing under a pipeline is done by MegaStrategy's own recompute "
+                   "(as activation_checkpointing=True): each block of a stage recomputes its forward in its "
+                   "backward, inside the stage.")
+    return True
+
+
+def _block_streams(s, module, layout):
+    """tp/pp > 1: this rank's blocks draw from their own random streams (see :mod:`.rng`), seeded
+    from global rank 0's seed. None where no block list is found (a model without repeated blocks)."""
+    if s.tp == 1 and s.pp == 1:
+        return None
+    seed = torch.tensor([torch.initial_seed() & ((1 << 63) - 1)], dtype=torch.int64, device=s.root_device)
+    dist.broadcast(seed, src=0)
+    if layout is not None:
+        found = [layout.locate(i) for k in layout.vstages_of(s.mesh.pp_rank)
+                 for i in range(layout.ranges[k][0], layout.ranges[k][1] + 1)]
+    else:
+        try:
+            found = [(path, i) for path in recompute.block_lists(module, s.pipeline_blocks or _plan_blocks(module, s.plan))
+                     for i in range(len(module.get_submodule(path)))]
+        except ValueError:
+            if s.tp > 1 and any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in module.modules()):
+                from lightning.pytorch.utilities import rank_zero_warn
+
+                rank_zero_warn(f"{type(module).__name__} has dropout but no repeated block list was found: under "
+                               f"tp its split activations draw alike masks on every rank. Name the list with "
+                               f"MegaStrategy(pipeline_blocks='path.to.blocks') for a stream per rank.")
+            return None
+    blocks = [(f"{path}.{i}", module.get_submodule(path)[i]) for path, i in found]
+    inner = [m for _, b in blocks for m in b.modules()]
+    enters = [(m, isinstance(m, TPMultiheadAttention)) for m in inner
+              if isinstance(m, TPMultiheadAttention) or (isinstance(m, ColumnParallelLinear) and m.gather_output is False)]
+    leaves = [m for m in inner if isinstance(m, RowParallelLinear)]
+    streams = BlockStreams(int(seed.item()), s.mesh.pp_rank, s.mesh.tp_rank, s.sp, s.root_device)
+    streams.install(module, blocks, enters, leaves)
+    return streams
 
 
 def _dp_overlap(s, module, runner):

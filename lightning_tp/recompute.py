@@ -121,7 +121,14 @@ def _checkpointed_forward(self, *args, **kwargs):
     kwargs = {k: no_cache(k, v) for k, v in kwargs.items()}  # the recompute would update a cache again
     keys, n = tuple(kwargs), len(args)
 
+    calls = [0]
+
     def run(*flat):
+        calls[0] += 1
+        streams = self.__dict__.get("_lightning_tp_streams")  # under tp/pp: see lightning_tp/rng.py
+        if streams is not None and calls[0] > 1:  # the recompute (in backward, or ZB's weight half)
+            with streams.recomputing(""):
+                return inner(*flat[:n], **dict(zip(keys, flat[n:])))
         return inner(*flat[:n], **dict(zip(keys, flat[n:])))
 
     return checkpoint(run, *args, *kwargs.values(), use_reentrant=False)

@@ -10,8 +10,9 @@ for the same reason; here the source is the replica's first rank (tp 0 of the fi
 run whose data is random gets the batches global rank 0 would get alone.
 
 Cost per step: one 1-element broadcast saying whether the batch's layout (structure, shapes,
-dtypes, non-tensor values) changed, the layout itself only when it did (pickled), and one broadcast
-per dtype of all its tensors packed together.
+dtypes, non-tensor values) changed, the layout itself only when it did (pickled), both on the CPU
+(``cpu_group``: a gloo twin of the group on GPUs, so reading the flag waits for no GPU work), and one
+broadcast per dtype of all its tensors packed together.
 """
 
 from __future__ import annotations
@@ -41,8 +42,9 @@ def _wire(dtype: torch.dtype) -> torch.dtype:
 class BatchBroadcast:
     """Per group: the last layout seen, so a steady batch shape costs no pickling on the receivers."""
 
-    def __init__(self, group, src: int, device: torch.device):
+    def __init__(self, group, src: int, device: torch.device, cpu_group=None):
         self.group, self.src, self.device = group, src, device
+        self.cpu_group = cpu_group if cpu_group is not None else group
         self.layout_bytes: bytes | None = None
         self.layout = None
 
@@ -58,11 +60,11 @@ class BatchBroadcast:
                                 f"ranks of its replica, and a non-tensor part of this batch cannot be pickled "
                                 f"({err}). Return tensors, numbers, strings or containers of them from your "
                                 f"collate_fn.") from err
-        changed = torch.tensor([int(src and blob != self.layout_bytes)], device=self.device)
-        dist.broadcast(changed, self.src, group=self.group)
+        changed = torch.tensor([int(src and blob != self.layout_bytes)])
+        dist.broadcast(changed, self.src, group=self.cpu_group)
         if changed.item():
             box = [blob if src else None]
-            dist.broadcast_object_list(box, self.src, group=self.group, device=self.device)
+            dist.broadcast_object_list(box, self.src, group=self.cpu_group, device=torch.device("cpu"))
             self.layout_bytes, self.layout = box[0], pickle.loads(box[0])
         elif self.layout is None:
             raise RuntimeError("MegaStrategy batch broadcast: the first batch's layout never arrived.")

@@ -31,7 +31,8 @@ from . import recompute
 from .kernels.inject import kernel_names
 from .quant import bits_of
 from .quant.fake_quant import RANGE_MODES
-from .mesh import ParallelMesh, build_mesh, data_parallel_size
+from .mesh import ParallelMesh, build_mesh, data_parallel_size, gloo_twin_of_mp_group
+from .pipeline.epoch_end import install as install_epoch_end_sync
 from .pipeline.executor import PipelineRunner
 from .pipeline.schedules import build_schedule
 from .parallelize import parallelize
@@ -222,8 +223,9 @@ class MegaStrategy(ParallelStrategy):
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
         self.mesh = build_mesh(self.tp, self.pp, device_type=self.root_device.type)
         if self.broadcast_batch and comm.group_size(self.mesh.mp_group) > 1:
+            cpu_group = self.mesh.mp_group if backend == "gloo" else gloo_twin_of_mp_group(self.mesh)
             self._batch_broadcast = BatchBroadcast(self.mesh.mp_group, self.mesh.global_rank(0, self.mesh.dp_rank, 0),
-                                                   self.root_device)
+                                                   self.root_device, cpu_group)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -237,6 +239,8 @@ class MegaStrategy(ParallelStrategy):
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         self._runner, self._dp_overlap = parallelize(self, self.lightning_module)
+        if self._runner is not None:
+            install_epoch_end_sync(trainer, self._runner)
         _copy_averaged_models_again(trainer, self.lightning_module)
         self.model = self.precision_plugin.convert_module(self.model)
         for twin in self.lightning_module._lightning_tp["twins"]:  # placeholders' zeros in the model's dtype
@@ -244,7 +248,7 @@ class MegaStrategy(ParallelStrategy):
         self.model_to_device()
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
-            self.setup_optimizers(trainer)
+            self._on_every_rank("configure_optimizers", lambda: self.setup_optimizers(trainer))
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -252,6 +256,29 @@ class MegaStrategy(ParallelStrategy):
         scaler = getattr(self.precision_plugin, "scaler", None)
         if scaler is not None and self.tp * self.pp > 1:  # fp16 AMP: one skip-or-step decision for all
             grads.agree_on_overflow(scaler)
+
+    def _on_every_rank(self, what: str, fn) -> None:
+        """Run ``fn``; where it raises on one rank, raise on all (the others would wait in their first
+        collective). A pipeline stage whose modules are all frozen gets no trainable parameter."""
+        error = None
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - re-raised below, on every rank
+            error = e
+        failed = -1
+        if _distributed_is_initialized():
+            flag = torch.tensor([-1 if error is None else self.global_rank], device=self.root_device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            failed = int(flag.item())
+        if error is not None:
+            if self.pp > 1 and "empty parameter list" in str(error):
+                raise ValueError(f"{what} on pipeline stage {self.mesh.pp_rank} gave the optimizer no parameter: "
+                                 f"every parameter this stage holds is frozen (each stage's self.parameters() "
+                                 f"holds only its own). Give it self.parameters() unfiltered: frozen ones get no "
+                                 f"gradient and are not stepped.") from error
+            raise error
+        if failed >= 0:
+            raise RuntimeError(f"{what} failed on rank {failed} (its error is raised there); stopping every rank.")
 
     def model_to_device(self) -> None:
         assert self.model is not None
@@ -319,6 +346,9 @@ class MegaStrategy(ParallelStrategy):
 
     def post_backward(self, closure_loss: torch.Tensor) -> None:
         super().post_backward(closure_loss)
+        streams = getattr(self.lightning_module, "_lightning_tp", {}).get("streams")
+        if streams is not None:  # a refusal made while recomputing, which torch only warned about
+            streams.raise_pending()
         if self._sync_grads:  # manual optimization may sync several times before its optimizer step
             grads.sync_gradients(self.lightning_module.parameters(), self.mesh, self._dp_overlap,
                                  repeated=not self.lightning_module.automatic_optimization)

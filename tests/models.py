@@ -226,7 +226,7 @@ class HFCausalLM(L.LightningModule):
     """A minimal LightningModule around a Hugging Face causal LM built from a config (no download)."""
 
     def __init__(self, family: str, layers: int = 2, padded: bool = False, heads: int = 4, kv_heads: int = 2,
-                 hidden_loss: bool = False):
+                 hidden_loss: bool = False, grad_ckpt: bool = False):
         super().__init__()
         import transformers as T
 
@@ -271,6 +271,8 @@ class HFCausalLM(L.LightningModule):
         config = configs[family]()
         config._attn_implementation = "eager" if hidden_loss else "sdpa"  # eager: attention maps to return
         self.model = T.AutoModelForCausalLM.from_config(config)
+        if grad_ckpt:  # Hugging Face's own gradient checkpointing (reentrant, its default)
+            self.model.gradient_checkpointing_enable()
 
     def training_step(self, batch, batch_idx):
         x, _ = batch
@@ -292,6 +294,49 @@ class HFCausalLM(L.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=3e-3, eps=ADAM_EPS)
+
+
+class LoopLM(L.LightningModule):
+    """Code between the blocks (a residual over the user's own variable and an activation after each
+    block); or each block under the user's own checkpoint (``own_checkpoint=True``: non-reentrant,
+    plainly; ``"residual"``: with that code too; ``"reentrant"``); ``frozen_first``: the embedding and
+    the first two blocks frozen (a pipeline's first stage then holds no trainable parameter), and with
+    ``filtered`` the optimizer given only trainable parameters."""
+
+    def __init__(self, d: int = 32, layers: int = 4, own_checkpoint=False, frozen_first: bool = False,
+                 filtered: bool = False):
+        super().__init__()
+        self.filtered = filtered  # the optimizer gets only trainable parameters
+        self.emb, self.norm, self.head = nn.Embedding(64, d), nn.LayerNorm(d), nn.Linear(d, 64)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(d), nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+                                    for _ in range(layers))
+        self.own_checkpoint = own_checkpoint
+        if frozen_first:
+            for m in (self.emb, self.blocks[0], self.blocks[1]):
+                m.requires_grad_(False)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.emb(x)
+        for block in self.blocks:
+            if self.own_checkpoint == "residual":  # refused under pp: see stage._in_users_checkpoint
+                h = h + F.gelu(checkpoint(block, h, use_reentrant=False))
+            elif self.own_checkpoint:
+                h = checkpoint(block, h, use_reentrant=self.own_checkpoint == "reentrant")
+            else:
+                h = h + F.gelu(block(h))
+        return self.head(self.norm(h))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self(x).flatten(0, 1), y.flatten())
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self):  # every parameter, frozen ones too (they keep no gradient)
+        params = [p for p in self.parameters() if p.requires_grad] if self.filtered else self.parameters()
+        return torch.optim.AdamW(params, lr=3e-3, eps=ADAM_EPS)
 
 
 class LitGPTLM(L.LightningModule):
@@ -491,6 +536,8 @@ def _build(kind: str, **kw):
         return LitGPTLM(**kw)
     if kind == "demo_transformer":
         return DemoTransformerLM(**kw)
+    if kind == "loop":
+        return LoopLM(**kw)
     if kind == "seq2seq":
         return Seq2SeqLM(**kw)
     raise ValueError(kind)

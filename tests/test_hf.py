@@ -47,6 +47,8 @@ WORLD2["hf_llama_kv1_tp2_manual_accumulate"] = ("hf_llama", dict(kv_heads=1, man
                                                 dict(max_steps=5, samples=10 * BATCH))
 # activation checkpointing on each family's blocks: keyword calls (Hugging Face), positional (litgpt)
 WORLD2["hf_llama_pp2_recompute"] = ("hf_llama", {}, dict(PP, activation_checkpointing=True), TEN)
+# Hugging Face's own gradient checkpointing (reentrant) under pp: taken over by the stages' recompute
+WORLD2["hf_gpt2_pp2_hf_checkpointing"] = ("hf_gpt2", dict(grad_ckpt=True), PP, TEN)
 WORLD2["hf_gpt2_tp2_sp_recompute"] = ("hf_gpt2", {}, dict(tp=2, sp=True, activation_checkpointing=True), TEN)
 WORLD2["litgpt_pp2_recompute"] = ("litgpt", {}, dict(PP, activation_checkpointing=1), TEN)
 # interleaved: a rank's blocks of its other chunk pass through (in the tuple GPT-2's blocks return)

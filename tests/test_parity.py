@@ -46,6 +46,16 @@ WORLD2 = {
     # random crops in a loader worker seeded with the global rank: every rank trains on rank 0's batch
     "tp2_random_crops": ("gpt", {}, dict(tp=2), dict(crops=True, max_steps=10)),
     "pp2_random_crops": ("gpt", {}, dict(pp=2, microbatches=2), dict(crops=True, max_steps=10)),
+    # code between the blocks runs once, on the sending stage (h = h + gelu(block(h)))
+    "pp2_loop_residual": ("loop", {}, dict(pp=2, microbatches=2), dict(max_steps=10)),
+    # each block under the user's own non-reentrant checkpoint: recomputed outside the stage's run
+    "pp2_loop_own_checkpoint": ("loop", dict(own_checkpoint=True), dict(pp=2, microbatches=2), dict(max_steps=10)),
+    "pp2_zb_loop_own_checkpoint": ("loop", dict(own_checkpoint=True), dict(pp=2, microbatches=2, schedule="zb_h1"),
+                                   dict(max_steps=10)),
+    # the first stage holds no trainable parameter: no backward there
+    "pp2_loop_frozen_first": ("loop", dict(frozen_first=True), dict(pp=2, microbatches=2), dict(max_steps=10)),
+    "pp2_zb_loop_frozen_first": ("loop", dict(frozen_first=True), dict(pp=2, microbatches=2, schedule="zb_h1"),
+                                 dict(max_steps=10)),
     "dp2_accumulate": ("gpt", {}, dict(tp=1), ACCUMULATE),
     "tp2_demo_transformer": ("demo_transformer", {}, dict(tp=2), {}),  # nn.Transformer encoder-decoder
     # activation checkpointing without a pipeline: both of the encoder-decoder's block lists recompute

@@ -365,6 +365,16 @@ def _one_small_batch(world):
     return trainer.global_step, trainer.strategy.step_microbatches
 
 
+def _second_trainer(world):
+    """A second Trainer on a module a first one parallelized: its own schedule and microbatches."""
+    model = make_model("gpt", n_layer=2)
+    for kw in (dict(microbatches=2), dict(microbatches=4, schedule="gpipe")):
+        trainer = L.Trainer(devices=world, strategy=MegaStrategy(pp=2, timeout=60, **kw), max_steps=1,
+                            **trainer_kwargs())
+        trainer.fit(model, TokenData(8, 64, 8))
+    return trainer.strategy.step_microbatches, trainer.strategy._runner.schedule
+
+
 def _recompute_marks(world):
     """pp=2 over 4 blocks with activation_checkpointing=1: each rank checkpoints the first block of
     its stage (Megatron's block method), after a step that ran through them."""
@@ -451,6 +461,7 @@ def _bad_inputs(rank, world):
         "m_not_dividing": _expect_error(world, make_model("gpt", n_layer=2), MegaStrategy(pp=2, microbatches=3,
                                                                                           timeout=30), data),
         "one_small_batch": _one_small_batch(world),
+        "second_trainer": _second_trainer(world),
         "resumed_batch_size": _resumed_with_another_batch_size(world),
         "dropped_outputs": _dropped_outputs(world),
         "interleaved_blocks": _expect_error(world, make_model("gpt", n_layer=6),
@@ -462,6 +473,8 @@ def _bad_inputs(rank, world):
         "recompute_marks": _recompute_marks(world),
         "unsplittable": _expect_error(world, DictGPT(), MegaStrategy(pp=2, timeout=30), dicts),
         "returns_none": _expect_error(world, SkipsBatch(), MegaStrategy(microbatches=2, timeout=30)),
+        "frozen_filtered": _expect_error(world, make_model("loop", frozen_first=True, filtered=True),
+                                         MegaStrategy(pp=2, microbatches=2, timeout=30), data),
         "mailbox": _mailbox_across_steps(rank),
         "slot_mailbox": _mailbox_across_steps(rank, slotted=True),
         "overflow": _overflow_agreement(rank),
@@ -490,6 +503,10 @@ def test_a_sent_stage_output_keeps_its_graph_not_its_values(bad):
         assert last[mode] == [(1, 4, False)] * 4  # the last stage's: its scaled losses, never sent
 
 
+def test_a_second_trainer_runs_its_own_schedule_and_microbatches(bad):
+    assert [r["second_trainer"] for r in bad] == [(4, "gpipe"), (4, "gpipe")]
+
+
 def test_a_dataset_smaller_than_one_batch_trains(bad):
     assert [r["one_small_batch"] for r in bad] == [(2, 6), (2, 6)]  # 2 steps of 6 one-row microbatches
 
@@ -511,6 +528,33 @@ def test_pipeline_bad_input_raises_on_every_rank(bad, case, words):
         for w in words:
             assert w in message, f"{case}: {w!r} not in {message!r}"
         assert seconds < 20, f"{case}: {seconds:.1f}s"
+
+
+@pytest.mark.parametrize("rank, words", [
+    (0, ["configure_optimizers on pipeline stage 0", "no parameter", "unfiltered"]),
+    (1, ["configure_optimizers failed on rank 0"]),
+])
+def test_an_optimizer_without_parameters_on_a_frozen_stage_is_refused_on_every_rank(bad, rank, words):
+    message, seconds = bad[rank]["frozen_filtered"]
+    assert message is not None and all(w in message for w in words), message
+    assert seconds < 20
+
+
+def _one_stage_refuses(rank, world, own_checkpoint):
+    """Refused on the stage that finds it; the other waits for it until the timeout (a launch of its
+    own: a gloo timeout closes the connection for later checks)."""
+    return _expect_error(world, make_model("loop", own_checkpoint=own_checkpoint),
+                         MegaStrategy(pp=2, microbatches=2, timeout=5), TokenData(16, 64, 4))[0]
+
+
+@pytest.mark.parametrize("own_checkpoint, words", [
+    ("residual", ["block 2 begins virtual stage 1", "checkpoint of your own", "activation_checkpointing=True"]),
+    ("reentrant", ["no gradient reached the activation virtual stage 1 received", "use_reentrant=False"]),
+])
+def test_a_checkpoint_of_ones_own_that_cannot_work_under_pp_is_refused(own_checkpoint, words):
+    first, second = dist.run(2, _one_stage_refuses, own_checkpoint)
+    assert second is not None and all(w in second for w in words), second
+    assert first is not None  # stopped too (by the timeout)
 
 
 def test_many_logged_values_and_new_names_reach_every_stage(bad):

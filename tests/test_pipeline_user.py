@@ -336,6 +336,25 @@ class WithMetrics(Net):
         self.log("val_auroc", self.val_auroc)
 
 
+class EpochEndMetrics(Net):
+    """Lightning's usual epoch-end pattern: updated in the step, computed and logged at the epoch's end
+    (the first stage never reaches the update)."""
+
+    def __init__(self):
+        super().__init__()
+        from torchmetrics.classification import MulticlassAccuracy
+
+        self.val_acc = MulticlassAccuracy(V, average="micro")
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.val_acc.update(self(x).flatten(0, 1), y.flatten())
+
+    def on_validation_epoch_end(self):
+        self.log("val_acc", self.val_acc.compute())
+        self.val_acc.reset()
+
+
 class Seen(L.Callback):
     def __init__(self):
         self.losses, self.outputs = [], []
@@ -375,6 +394,12 @@ def _lightning_cases(world, tmp):
     t.fit(WithMetrics(), _loader(), _loader(8, 1))
     out["metrics"] = {k: float(v) for k, v in t.callback_metrics.items()}
     out["best"] = float(checkpoint.best_model_score)
+    checkpoint = L.pytorch.callbacks.ModelCheckpoint(dirpath=f"{tmp}/{world}_end", monitor="val_acc", mode="max")
+    t, _ = trainer([checkpoint], max_steps=-1, max_epochs=2, val_check_interval=2, enable_checkpointing=True,
+                   default_root_dir=tmp)
+    t.fit(EpochEndMetrics(), _loader(), _loader(8, 1))
+    out["epoch_end"] = (float(t.callback_metrics["val_acc"]), float(checkpoint.best_model_score),
+                        checkpoint.best_model_path.rpartition("/")[2])
     return out
 
 
@@ -412,6 +437,9 @@ def test_user_steps_run_as_lightning_calls_them(pipelined, tmp_path):
         for key, value in ref["metrics"].items():
             assert abs(got["metrics"][key] - value) < 1e-6, (key, got["metrics"], ref["metrics"])
         assert abs(got["best"] - ref["best"]) < 1e-6
+        # a metric computed at the epoch's end: the last stage's state on every stage (rank 0 logs it)
+        assert got["epoch_end"][2] == ref["epoch_end"][2] and ref["epoch_end"][1] > 0
+        torch.testing.assert_close(got["epoch_end"][:2], ref["epoch_end"][:2], atol=1e-6, rtol=0)
         # a dict step's other keys reach on_train_batch_end on the last stage, joined over microbatches
         if rank == 1:
             for g, r in zip(got["outputs"], ref["outputs"]):

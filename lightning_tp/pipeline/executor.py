@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._pytree import tree_map
 
+from ..rng import backward_pass
 from .landed import landed_after
 from .logs import BatchValues, StageLogs, captured_logs, early_publish, find_metrics, muted_metrics
 from .microbatch import (batches_per_epoch, merge_outputs, microbatches_for, must_divide, resumable_loader,
@@ -83,13 +84,20 @@ class PipelineRunner(StageLogs):
 
     def _run(self, hook: str, micro, rest, vstage, received, logs):
         self.state.active, self.state.received, self.state.entered = vstage, received, False
+        tree_map(_kept, micro)  # the batch's tensors never take a received activation (stage._takes_in_place)
         mute = vstage // self.layout.pp < self.layout.v - 1
         try:
             if self._metrics is None:  # looked up once: walking the module per microbatch adds up
                 self._metrics = find_metrics(self.module)
             with captured_logs(self.module, logs), muted_metrics(self._metrics, mute), \
                     self.batch_values.recording([] if mute else self._metrics):
-                return True, getattr(self.module, hook)(micro, *rest[0], **rest[1])
+                out = getattr(self.module, hook)(micro, *rest[0], **rest[1])
+            if vstage != self.layout.last_vstage:
+                nxt = self.layout.ranges[vstage][1] + 1
+                raise ValueError(f"pipeline: {hook} ran to its end on virtual stage {vstage} without calling block "
+                                 f"{nxt} (the next stage's first), where this stage hands its activation on. Every "
+                                 f"stage runs your step: it must call every block, in order, on every batch.")
+            return True, out
         except StageDone as done:
             return False, done.output
         finally:
@@ -172,6 +180,8 @@ class PipelineRunner(StageLogs):
             return (outputs[key], *self._send_route(a))
         g = input_grads.pop(key) if key in input_grads else inputs[key].grad
         inputs.pop(key)
+        if g is None:
+            raise _no_input_grad(self._vstage(a.chunk))
         return (g, *self._send_route(a))
 
     @staticmethod
@@ -281,12 +291,18 @@ class PipelineRunner(StageLogs):
                 out = out * st.scale
             st.outputs[key] = out
         else:  # the step runs inside Lightning's autocast; backward must not
-            with no_autocast(st.device), self._syncing(a):
-                if a.kind == "B":
-                    self._backward(key, k, st.outputs.pop(key), st.grads.pop(key, None), st.inputs,
-                                   st.input_grads, st.deferred, st.params)
-                else:
-                    st.deferred.pop(key).weight_grad()
+            # a checkpoint of the user's own recomputes blocks in here, outside any run (see stage._wrap)
+            received = st.inputs.get(key) if a.kind == "B" else getattr(st.deferred.get(key), "inp", None)
+            self.state.backward = (k, received)
+            try:
+                with no_autocast(st.device), self._syncing(a), backward_pass():
+                    if a.kind == "B":
+                        self._backward(key, k, st.outputs.pop(key), st.grads.pop(key, None), st.inputs,
+                                       st.input_grads, st.deferred, st.params)
+                    else:
+                        st.deferred.pop(key).weight_grad()
+            finally:
+                self.state.backward = None
 
     @contextlib.contextmanager
     def _syncing(self, a):
@@ -303,6 +319,19 @@ class PipelineRunner(StageLogs):
             overlap.remove()
 
     def _backward(self, key, k, out, grad, inputs, input_grads, deferred, params):
+        if not out.requires_grad:  # nothing of this stage's output depends on a trainable weight
+            if k > 0:
+                raise _no_input_grad(k)
+            lo, hi = self.layout.ranges[k]
+            blocks = self.layout.blocks(self.module)
+            if any(p.requires_grad for i in range(lo, hi + 1) for p in blocks[i].parameters()):
+                raise ValueError(f"pipeline: virtual stage {k}'s output does not require grad though its blocks "
+                                 f"hold trainable weights: a detach() or torch.no_grad() before the next stage, or "
+                                 f"a reentrant checkpoint around a block whose input needs no grad (use "
+                                 f"use_reentrant=False, or MegaStrategy(activation_checkpointing=True)).")
+            if self.zero_bubble:  # a frozen first stage: no backward, as one process computes none there
+                deferred[key] = _NoWeightGrad()
+            return
         if not self.zero_bubble:
             torch.autograd.backward(out, grad)
             return
@@ -382,3 +411,27 @@ class PipelineRunner(StageLogs):
         merged = tree_map(lambda t: t.cpu() if isinstance(t, torch.Tensor) else t, merge_outputs(results)) \
             if results else None
         return self._publish(logs, merged, train=False)
+
+
+def _kept(t):
+    if isinstance(t, torch.Tensor):
+        t._lightning_tp_placeholder = True
+    return t
+
+
+def _no_input_grad(k: int) -> ValueError:
+    return ValueError(
+        f"pipeline: no gradient reached the activation virtual stage {k} received, so none could go on to the "
+        f"earlier stages. A reentrant checkpoint around a block (torch.utils.checkpoint(..., use_reentrant=True)) "
+        f"is given the placeholders' input there, which does not require grad: use MegaStrategy("
+        f"activation_checkpointing=True), or use_reentrant=False. (A block run under torch.no_grad() or a "
+        f"detach() on a later stage does the same.)")
+
+
+class _NoWeightGrad:
+    """W of a stage whose output needs no gradient (every weight before it frozen)."""
+
+    inp = None
+
+    def weight_grad(self) -> None:
+        pass

@@ -46,14 +46,14 @@ def split_batch(batch, m: int, path: str = "batch") -> list:
 
 
 def rows(batch) -> list:
-    """The dim-0 size of every tensor in the batch, None for a scalar or a leaf that is no tensor."""
+    """The dim-0 size of every tensor in the batch, None for a scalar, -1 for a leaf that is no tensor."""
     if isinstance(batch, torch.Tensor):
         return [batch.shape[0] if batch.dim() else None]
     if isinstance(batch, Mapping):
         return [r for v in batch.values() for r in rows(v)]
     if isinstance(batch, (list, tuple)):
         return [r for v in batch for r in rows(v)]
-    return [None]
+    return [-1]
 
 
 def must_divide(hook: str, batch_idx: int, first_of_run: bool, batches_per_epoch) -> bool:
@@ -94,7 +94,7 @@ def microbatches_for(batch, m: int, strict: bool) -> int:
     is a wrong batch size, which :func:`split_batch` then explains); else the fewest microbatches,
     at least ``m``, that divide the batch (all of its rows, one each, when it has fewer than
     ``m``)."""
-    sizes = rows(batch)
+    sizes = [r for r in rows(batch) if r != -1]  # a string: split_batch says so, not a size
     if m == 1 or not sizes or None in sizes:
         return m  # split_batch says what cannot be split
     divisor = math.gcd(*sizes)

@@ -73,6 +73,9 @@ class SkippedBlock(PipelinePlaceholder):
 
     def forward(self, *args, **kwargs):
         memo, state = self.__dict__.setdefault("_memo", {}), self.stage
+        if state is not None and state.stop_at.get(self.index) == state.active:  # the next stage's first block
+            hidden = hidden_place(args, kwargs, memo.setdefault("hidden", hidden_name(self._twin[0])))
+            raise state.done(args[hidden] if isinstance(hidden, int) else kwargs[hidden])
         if state is not None and state.side is not None and state.active > 0 \
                 and self.index == state.ranges[state.active - 1][1]:
             hidden = hidden_place(args, kwargs, memo.setdefault("hidden", hidden_name(self._twin[0])))
@@ -211,8 +214,15 @@ def zeros_like_output(twin: nn.Module, args, kwargs):
         out = twin(*meta_args, **meta_kwargs)
         if key is not None:
             shapes[key] = out
-    return tree_map(lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device)
+    return tree_map(lambda t: _marked(torch.zeros(t.shape, dtype=t.dtype, device=device))
                     if isinstance(t, torch.Tensor) else t, out)
+
+
+def _marked(zeros: torch.Tensor) -> torch.Tensor:
+    """A placeholder's zeros, marked: the code may hold them elsewhere too (``x0 = emb(x)``), so a stage's
+    first block does not write the received activation into them (see stage._takes_in_place)."""
+    zeros._lightning_tp_placeholder = True
+    return zeros
 
 
 def _signature(args, kwargs):

@@ -5,7 +5,8 @@ positions) are made again by the user's code on each stage, from the batch and f
 stage holds. One made by a module another stage holds is not: that module is a placeholder there
 and returns zeros (a frozen embedding's output given to every block as a value residual; one
 that requires grad is refused at the sender already, see stage._check_side_inputs), and one drawn
-at random outside the blocks differs once the stages' random streams part. Either way the
+at random by a module only one stage runs differs (the blocks draw from streams of their own, see
+lightning_tp/rng.py, so draws in your code agree between stages). Either way the
 receiving stage would compute with other inputs than one process does, and say nothing.
 
 So at its first run with grad and its first without (microbatch 0) the sending stage leaves a
@@ -128,5 +129,5 @@ class SideInputCheck:
                     f"it differs between stage {vstage - 1} (sum {t[3]:.6g}) and stage {vstage} (sum {m[3]:.6g}), "
                     f"which makes it again: only hidden states travel between stages. Made by a module that "
                     f"another stage holds (a frozen embedding's output given to every block) it is zeros there; "
-                    f"drawn at random outside the blocks it differs. Make it inside the blocks, from the batch "
+                    f"drawn at random by a module only one stage runs it differs. Make it inside the blocks, from the batch "
                     f"or from buffers, or use tp/dp for this model.")

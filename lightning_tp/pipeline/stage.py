@@ -3,8 +3,15 @@
 Each block this rank owns gets a thin forward wrapper (an instance attribute, so module paths and
 state-dict keys stay the same). While virtual stage k runs, blocks outside k's range pass their
 input through, k's first block takes the activation received from stage k-1 instead of what the
-user's code computed, and k's last block stops the user's step by raising :class:`StageDone`
-with its output, unless k is the last stage, where the user's code runs on to the loss.
+user's code computed, and the entry of stage k+1's first block (a placeholder here) stops the
+user's step by raising :class:`StageDone` with that block's input, unless k is the last stage,
+where the user's code runs on to the loss. Stopping there, not at k's last block's output, runs
+the user's code between two blocks (``h = h + block(h)``, ``F.relu(block(h))``) once, on the
+sending stage, and lets a checkpoint around a block's call return before the step stops.
+
+A checkpoint of the user's own around a block's call (``torch.utils.checkpoint``, non-reentrant)
+recomputes the block in its backward, outside any stage's run: the wrapper then takes the stage
+and received activation of the microbatch whose backward runs (``StageState.backward``).
 
 An encoder-decoder (two block lists, see ``StageLayout.lists``) sends more than one tensor: a
 decoder block takes the encoder's output (``memory``) besides its hidden states, so a stage stops
@@ -43,6 +50,12 @@ class StageState:
     # an encoder-decoder, while a stage runs: id(tensor the user's code computed) -> (it, received stand-in)
     stand_ins: dict = field(default_factory=dict)
     side: object = None  # one block list: the check of the blocks' other arguments (see .side_inputs)
+    stop_at: dict = field(default_factory=dict)  # one block list: block index -> virtual stage that ends before it
+    backward: tuple | None = None  # while a backward runs: (virtual stage, its received activation)
+
+    @staticmethod
+    def done(output) -> StageDone:
+        return StageDone(output)
 
 
 def install(blocks, layout, pp_rank: int, silence=(), twins=None, side=None) -> StageState:
@@ -66,6 +79,7 @@ def install(blocks, layout, pp_rank: int, silence=(), twins=None, side=None) -> 
         _silence_outside(module, twin, runs, state)
     if not chained:  # an encoder-decoder's modules have their own places (see StageLayout.runs), and
         state.side = side  # its side inputs travel
+        state.stop_at = {layout.ranges[k][1] + 1: k for k in layout.vstages_of(pp_rank) if k < layout.last_vstage}
         for m in blocks.model.modules():
             if isinstance(m, ShapeOnly):
                 m.stage = state
@@ -104,24 +118,58 @@ def _wrap(block, index: int, state: StageState, twin=None) -> None:
     skip = _passthrough_of(twin, False, name)
 
     def forward(*args, **kwargs):
-        lo, hi = state.ranges[state.active]
+        recompute = state.backward is not None  # a user's checkpoint replays it (in B or W, see executor)
+        active, received = state.backward if recompute else (state.active, state.received)
+        lo, hi = state.ranges[active]
         if not lo <= index <= hi:
             return skip(args, kwargs)
         state.entered = True
-        if index == lo and state.active > 0:
-            if args:
-                args = (state.received,) + tuple(args[1:])
+        if index == lo and active > 0:
+            place = hidden_place(args, kwargs, name)
+            computed = args[0] if args else kwargs.get(place)
+            if not recompute and _takes_in_place(computed, received):
+                if _in_users_checkpoint():
+                    raise ValueError(
+                        f"pipeline: block {index} begins virtual stage {active} and is called under a checkpoint "
+                        f"of your own (torch.utils.checkpoint) after code between the blocks (h = h + block(h), "
+                        f"F.relu(block(h))): the received activation must become your variable, which cannot be "
+                        f"written inside that checkpoint. Use MegaStrategy(activation_checkpointing=True) instead, "
+                        f"or checkpoint inside the block.")
+                computed.copy_(received)  # the user's own variable holds it too: h = h + block(h)
+            elif args:
+                args = (received,) + tuple(args[1:])
             else:
-                kwargs = {**kwargs, hidden_place(args, kwargs, name): state.received}
-        if index == hi and state.active < state.last_vstage and state.side is not None:
-            state.side.leave(state.active, index, args, kwargs, hidden_place(args, kwargs, name))
+                kwargs = {**kwargs, place: received}
+        last = index == hi and active < state.last_vstage and not recompute
+        if last and state.side is not None:
+            state.side.leave(active, index, args, kwargs, hidden_place(args, kwargs, name))
         out = original(*args, **kwargs)
-        if index == hi and state.active < state.last_vstage:
+        if last:
             _check_side_inputs(args, kwargs, name, index)
-            raise StageDone(out if isinstance(out, torch.Tensor) else out[0])  # (hidden, ...) tuples
         return out
 
     block.forward = forward
+
+
+def _in_users_checkpoint() -> bool:
+    """Inside a non-reentrant ``torch.utils.checkpoint`` (its saved-tensor hooks), which refuses a
+    change in place of its input at the backward."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return hooks is not None and "_checkpoint_hook" in getattr(hooks[0], "__qualname__", "")
+
+
+def _takes_in_place(computed, received) -> bool:
+    """Whether the tensor the user's code hands the stage's first block can take the received
+    activation in place (autograd then routes the gradient of every use of it to the received leaf).
+    Not a placeholder's own output or a batch tensor, which the code may use elsewhere too
+    (``x0 = emb(x)``, a loss against the batch), a view
+    (of such an output, or sequence parallelism's shard of the hidden states), nor a leaf that
+    requires grad; else the block's argument alone is replaced."""
+    return (isinstance(computed, torch.Tensor) and isinstance(received, torch.Tensor)
+            and computed.shape == received.shape and computed.dtype == received.dtype
+            and computed.device == received.device
+            and not getattr(computed, "_lightning_tp_placeholder", False) and not computed._is_view()
+            and not (computed.requires_grad and computed.is_leaf))
 
 
 def _check_side_inputs(args, kwargs, name, index: int) -> None:
@@ -205,6 +253,9 @@ def _wrap_chained(block, index: int, state: StageState, list_start: bool, name: 
     skip = _passthrough_of(twin, True, first)
 
     def forward(*args, **kwargs):
+        if state.backward is not None:
+            raise ValueError(f"pipeline: {name} is recomputed in backward by a checkpoint of your own around its "
+                             f"call; in an encoder-decoder pipeline use MegaStrategy(activation_checkpointing=True).")
         lo, hi = state.ranges[state.active]
         if not lo <= index <= hi:
             return skip(args, kwargs)

@@ -1,0 +1,59 @@
+"""torchmetrics states at an epoch's end: the last stage's, on every stage.
+
+Every stage runs the user's step, but only the last one runs it past the model: a metric updated
+after the forward (``self.val_acc.update(logits, y)`` in ``validation_step``) has an empty state on
+the other stages. Lightning's usual pattern then computes it in ``on_validation_epoch_end``, on every
+rank, and global rank 0, which writes to the loggers and decides for ``ModelCheckpoint(monitor=...)``
+and ``EarlyStopping``, is the first stage: it logged 0 and kept the wrong checkpoint. So before the
+epoch-end hooks (a callback put first, so other callbacks see it too) the last stage's metric
+states go to the others of its pipeline: one pickled broadcast per epoch end. A metric logged in a
+step is mirrored every step already (see logs.StageLogs._mirror_metrics).
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import torch.distributed as dist
+
+from .logs import _load_state, _state_of, find_metrics
+
+
+class StageMetricsSync(L.Callback):
+    def __init__(self, runner):
+        self.runner = runner
+
+    def _sync(self, pl_module) -> None:
+        runner = self.runner
+        if runner is None or runner.layout.pp == 1:
+            return
+        last = runner._rank_of(runner.layout.pp - 1)
+        is_last = runner.mesh.pp_rank == runner.layout.pp - 1
+        paths = {id(m): p for p, m in pl_module.named_modules()}
+        from torchmetrics import Metric
+
+        metrics = [m for m in find_metrics(pl_module) if isinstance(m, Metric) and id(m) in paths]
+        if not metrics:
+            return
+        box = [{paths[id(m)]: _state_of(m, paths[id(m)], {}) for m in metrics} if is_last else None]
+        dist.broadcast_object_list(box, src=last, group=runner.mesh.pp_group)
+        if not is_last:
+            for path, state in box[0].items():
+                _load_state(pl_module.get_submodule(path), state)
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        self._sync(pl_module)
+
+    def on_validation_epoch_end(self, trainer, pl_module) -> None:
+        self._sync(pl_module)
+
+    def on_test_epoch_end(self, trainer, pl_module) -> None:
+        self._sync(pl_module)
+
+
+def install(trainer, runner) -> None:
+    """First among the trainer's callbacks (once; pointed at this run's runner)."""
+    own = next((c for c in trainer.callbacks if isinstance(c, StageMetricsSync)), None)
+    if own is None:
+        trainer.callbacks.insert(0, StageMetricsSync(runner))
+    else:
+        own.runner = runner
