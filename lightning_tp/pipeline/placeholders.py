@@ -11,6 +11,7 @@ should have run, a weight read where it is not held, a block's side output used 
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 
 import torch
@@ -152,11 +153,17 @@ class OnAnotherStage:
 def positional_names(block: nn.Module) -> list:
     """The names of a block's positional parameters, read from its class (a wrapper on the instance,
     activation checkpointing's or ours, takes ``*args``); [] when there is no signature to read."""
+    return list(_positional_names(type(block).forward))
+
+
+@functools.lru_cache(maxsize=None)
+def _positional_names(forward) -> tuple:
+    """Per forward function: placeholders ask at every microbatch, and inspect.signature is slow."""
     try:
-        params = list(inspect.signature(type(block).forward).parameters.values())[1:]  # after self
+        params = list(inspect.signature(forward).parameters.values())[1:]  # after self
     except (TypeError, ValueError):
-        return []
-    return [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        return ()
+    return tuple(p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
 
 
 def hidden_name(block: nn.Module):
