@@ -53,6 +53,7 @@ class _Step:
     input_grads: dict = field(default_factory=dict)  # zero bubble: input gradients computed by B
     deferred: dict = field(default_factory=dict)  # zero bubble: the W half, until its turn
     numbers: tuple | None = None  # gloo: the posted receive of the last stage's loss and logs
+    numbers_posted: bool = False
     published: tuple | None = None  # (the step's loss,) once published before the step's end
 
 
@@ -216,7 +217,6 @@ class PipelineRunner(StageLogs):
             p.grad = None
         device = self._device()  # the run's device even on a stage without trainable parameters
         st = _Step(split_batch(batch, m), rest, scale / m, params, device, [[] for _ in range(m)])
-        st.numbers = self._post_numbers(device)
         if self.slots is None:
             self._walk_actions(st)
         else:
@@ -227,7 +227,7 @@ class PipelineRunner(StageLogs):
         if st.published is not None:
             return st.published[0]
         mean_loss = float(sum(st.losses) / len(st.losses)) if st.losses else None
-        return self._publish(st.logs, mean_loss, st.numbers)
+        return self._publish(st.logs, mean_loss, self._numbers(st))
 
     def _walk_actions(self, st) -> None:
         """Eager (gloo): the action list in order, sends at once, receives posted ahead, sends dropped
@@ -235,8 +235,9 @@ class PipelineRunner(StageLogs):
         box = Mailbox(self._receives, device=st.device, remembered=self._shapes)
         for i, a in enumerate(self.actions):
             if i == self._publish_at:  # a stage without the loss: it has logged all it will
-                st.published = (self._publish(st.logs, None, st.numbers),)
+                st.published = (self._publish(st.logs, None, self._numbers(st)),)
             if a.kind in ("RECV_F", "RECV_B"):
+                self._numbers(st)  # posted with the step's other receives (see Mailbox.open)
                 src, t, channel = self._recv_args(a)
                 self._store(a, box.recv(src, t, st.device, channel), st.inputs, st.grads)
                 for sent in self._landed.get(i, ()):
@@ -247,6 +248,12 @@ class PipelineRunner(StageLogs):
             else:
                 self._compute(a, st)
         box.wait()
+
+    def _numbers(self, st):
+        """The posted receive of the last stage's numbers (gloo, see .logs), posted at first use."""
+        if not st.numbers_posted:
+            st.numbers, st.numbers_posted = self._post_numbers(st.device), True
+        return st.numbers
 
     def _walk_slots(self, st) -> None:
         """Batched (NCCL): one transfer group per time slot, see :mod:`.slots`."""

@@ -105,7 +105,8 @@ class Mailbox:
     schedule proves them landed (see :mod:`.landed`), else at step end).
 
     ``expected``: channel -> ordered ``[(tag, src), ...]`` of this step's receives on it (optional);
-    with ``device`` given, each channel's header receive is posted at once, and with ``remembered``
+    with ``device`` given, each channel's header receive is posted at the step's first receive
+    (:meth:`open`), and with ``remembered``
     ({"in": {}, "out": {}}, the caller's across steps; not in batched mode) its first payload too."""
 
     def __init__(self, expected: dict | None = None, depth: int = 2, batched: bool = False, device=None,
@@ -119,6 +120,19 @@ class Mailbox:
         self.headers = {}  # channel -> (tag, work, buffer) of a header receive posted in advance
         self.remembered = None if batched or device is None else remembered
         self.guessed = {}  # channel -> (tag, work, buffer) of a first payload posted with last step's shape
+        self.device, self.opened = device, False
+
+    def open(self) -> None:
+        """Post each channel's header (and guessed first payload) receive. Done at the step's first
+        receive (:meth:`recv` calls it), not at step start: the first stage's opening forwards need
+        nothing received and lie on every stage's critical path (posting cost ~1 ms there on gloo),
+        and a later stage starts with a receive anyway. Posting late is never wrong (gloo holds a
+        send until its receive is posted), and on the first stage the first gradient is sent long
+        after its first receive is reached."""
+        if self.opened:
+            return
+        self.opened = True
+        device = self.device
         if device is not None:
             for channel, ahead in self.expected.items():
                 t, src = ahead[0]
@@ -168,6 +182,7 @@ class Mailbox:
             self.remembered["in"][channel] = self.shapes[channel]
 
     def recv(self, src: int, t: int, device, channel) -> torch.Tensor:
+        self.open()
         if channel not in self.shapes:
             if channel in self.headers and self.headers[channel][0] == t:
                 _, work, header = self.headers.pop(channel)
