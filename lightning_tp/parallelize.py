@@ -29,6 +29,11 @@ from .quant import apply_qat
 from .rng import BlockStreams
 
 
+def _batched(s) -> bool:
+    """Pipeline transfers grouped per time slot (``p2p="batched"``, or auto on NCCL)."""
+    return s.p2p == "batched" or (s.p2p == "auto" and on_nccl())
+
+
 def on_nccl() -> bool:
     """Whether NCCL carries the transfers ("nccl", or a per-device backend string naming it)."""
     return "nccl" in dist.get_backend()
@@ -75,8 +80,7 @@ def parallelize(s, module):
         silence = [(module.get_submodule(name), twin, runs) for name, (twin, runs) in split["silence"].items()]
         side = SideInputCheck.for_mesh(s.mesh, layout.pp) if s.pp > 1 else None
         state = install_stages(layout.blocks(module), layout, s.mesh.pp_rank, silence, split["twins"], side)
-        batched = s.p2p == "batched" or (s.p2p == "auto" and on_nccl())
-        runner = PipelineRunner(module, s.mesh, layout, state, s.schedule, s.microbatches, batched=batched,
+        runner = PipelineRunner(module, s.mesh, layout, state, s.schedule, s.microbatches, batched=_batched(s),
                                 device=s.root_device)
     streams = _block_streams(s, module, layout)
     overlap = _dp_overlap(s, module, runner)
@@ -106,7 +110,7 @@ def _reuse(s, module, done):
         raise ValueError(f"{type(module).__name__} was already parallelized "
                          f"{'without a pipeline' if runner is None else f'with virtual_stages={runner.layout.v}'}; "
                          f"build a fresh module for this layout.")
-    batched = s.p2p == "batched" or (s.p2p == "auto" and on_nccl())
+    batched = _batched(s)
     if runner is not None and (runner.schedule, runner.m, runner.batched) != (s.schedule, s.microbatches, batched):
         recompute.check_option(s.activation_checkpointing, s.quant, s.schedule)
         # another schedule or microbatch count on the same stages (a second Trainer's options)

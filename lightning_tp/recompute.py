@@ -22,6 +22,7 @@ Hugging Face's own gradient checkpointing does.
 
 from __future__ import annotations
 
+import contextlib
 import types
 
 import torch
@@ -126,9 +127,8 @@ def _checkpointed_forward(self, *args, **kwargs):
     def run(*flat):
         calls[0] += 1
         streams = self.__dict__.get("_lightning_tp_streams")  # under tp/pp: see lightning_tp/rng.py
-        if streams is not None and calls[0] > 1:  # the recompute (in backward, or ZB's weight half)
-            with streams.recomputing(""):
-                return inner(*flat[:n], **dict(zip(keys, flat[n:])))
-        return inner(*flat[:n], **dict(zip(keys, flat[n:])))
+        replay = streams is not None and calls[0] > 1  # the recompute (in backward, or ZB's weight half)
+        with streams.recomputing("") if replay else contextlib.nullcontext():
+            return inner(*flat[:n], **dict(zip(keys, flat[n:])))
 
     return checkpoint(run, *args, *kwargs.values(), use_reentrant=False)

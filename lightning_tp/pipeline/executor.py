@@ -85,7 +85,6 @@ class PipelineRunner(StageLogs):
 
     def _run(self, hook: str, micro, rest, vstage, received, logs):
         self.state.active, self.state.received, self.state.entered = vstage, received, False
-        tree_map(_kept, micro)  # the batch's tensors never take a received activation (stage._takes_in_place)
         mute = vstage // self.layout.pp < self.layout.v - 1
         try:
             if self._metrics is None:  # looked up once: walking the module per microbatch adds up
@@ -216,7 +215,7 @@ class PipelineRunner(StageLogs):
         for p in params:
             p.grad = None
         device = self._device()  # the run's device even on a stage without trainable parameters
-        st = _Step(split_batch(batch, m), rest, scale / m, params, device, [[] for _ in range(m)])
+        st = _Step(_split(batch, m), rest, scale / m, params, device, [[] for _ in range(m)])
         if self.slots is None:
             self._walk_actions(st)
         else:
@@ -373,7 +372,7 @@ class PipelineRunner(StageLogs):
         m = self._microbatches(batch, hook, batch_idx)
         rest = rest if rest is not None else ((batch_idx,), {})
         self.batch_values.start()
-        micro, logs, results, received, outputs = split_batch(batch, m), [[] for _ in range(m)], [], {}, {}
+        micro, logs, results, received, outputs = _split(batch, m), [[] for _ in range(m)], [], {}, {}
         device = next((b.device for b in self.module.buffers()), None) or next(self.module.parameters()).device
         if m not in self._eval_plans:
             full = forward_only(self.layout.pp, m, self.layout.v)
@@ -418,6 +417,14 @@ class PipelineRunner(StageLogs):
         merged = tree_map(lambda t: t.cpu() if isinstance(t, torch.Tensor) else t, merge_outputs(results)) \
             if results else None
         return self._publish(logs, merged, train=False)
+
+
+def _split(batch, m: int) -> list:
+    """The batch's microbatches, their tensors marked: a batch tensor never takes a received
+    activation in place (see stage._takes_in_place)."""
+    micro = split_batch(batch, m)
+    tree_map(_kept, micro)
+    return micro
 
 
 def _kept(t):
