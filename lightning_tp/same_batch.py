@@ -16,7 +16,9 @@ GPU work), and one broadcast per dtype of all its tensors packed together. The s
 its broadcasts (``async_op``) and goes on with its step: under a pipeline it is the first stage,
 whose step boundary is on every stage's critical path (waiting for them cost ~4 ms a step on gloo
 here), while the receivers have nothing to do before their batch anyway. It waits for them at its
-next batch, by when every receiver has long taken them (each receives before its own step).
+next batch, by when every receiver has long taken them (each receives before its own step), and
+at the end (:meth:`finish`, from the strategy's teardown): gloo aborts a process that exits with
+a broadcast in flight.
 """
 
 from __future__ import annotations

@@ -418,6 +418,13 @@ class MegaStrategy(ParallelStrategy):
         if self.is_global_zero:
             self.checkpoint_io.remove_checkpoint(filepath)
 
+    def teardown(self) -> None:
+        """The batch broadcast's source waits for its last sends: a gloo broadcast still in flight when
+        the process exits aborts it ("terminate called without an active exception")."""
+        if self._batch_broadcast is not None:
+            self._batch_broadcast.finish()
+        super().teardown()
+
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:
         strategy_registry.register("mega", cls, description="lightning-tp: tensor, sequence, pipeline, data parallelism")

@@ -148,6 +148,7 @@ def _checks(rank, world):
                  "pair": (torch.rand(n, generator=g) > 0.5, torch.randn(0, 3, generator=g)),
                  "meta": {"step": step + rank, "w": torch.randn(3, generator=g, dtype=torch.float64)}}
         out["batches"].append((batch, send(batch)))
+    send.finish()  # the source's last broadcast, before the process exits
     return out
 
 
