@@ -58,19 +58,26 @@ def check_option(value, quant, schedule: str | None = None) -> None:
 def block_lists(model: nn.Module, name: str | None = None) -> list[str]:
     """Paths of the block lists to checkpoint without a pipeline: ``name`` (``pipeline_blocks=`` or the
     plan's ``blocks``), else every outermost ``nn.ModuleList`` of two or more same-class modules with
-    trainable parameters (an encoder-decoder has two)."""
+    trainable parameters (an encoder-decoder has two), else every such ``nn.Sequential`` of blocks."""
     if name is not None:  # one path, or an encoder-decoder's two
         return [find_blocks(model, n)[0] for n in ([name] if isinstance(name, str) else name)]
+    found = _outermost_lists(model, sequential=False) or _outermost_lists(model, sequential=True)
+    if not found:
+        raise ValueError(f"MegaStrategy(activation_checkpointing=...) checkpoints the model's repeated blocks (an "
+                         f"nn.ModuleList or nn.Sequential of same-class blocks), and none was found in "
+                         f"{type(model).__name__}. "
+                         f"Name the list: MegaStrategy(activation_checkpointing=True, pipeline_blocks='path.to.blocks').")
+    return found
+
+
+def _outermost_lists(model: nn.Module, sequential: bool) -> list[str]:
+    """Paths of the outermost block lists with trainable parameters (see split.is_block_list)."""
     found = []
     for path, module in model.named_modules():
         if any(path.startswith(p + ".") for p in found):
             continue  # a list inside a block (experts, heads): its block is checkpointed whole
-        if is_block_list(module) and any(p.requires_grad for p in module.parameters()):  # not metrics, frozen parts
+        if is_block_list(module, sequential) and any(p.requires_grad for p in module.parameters()):  # not metrics
             found.append(path)
-    if not found:
-        raise ValueError(f"MegaStrategy(activation_checkpointing=...) checkpoints the model's repeated blocks (an "
-                         f"nn.ModuleList of same-class blocks), and none was found in {type(model).__name__}. "
-                         f"Name the list: MegaStrategy(activation_checkpointing=True, pipeline_blocks='path.to.blocks').")
     return found
 
 

@@ -296,20 +296,36 @@ class HFCausalLM(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=3e-3, eps=ADAM_EPS)
 
 
+class ResidualGelu(nn.Module):
+    """``h + gelu(inner(h))``: LoopLM's code between the blocks, inside a block of its own."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, h):
+        return h + F.gelu(self.inner(h))
+
+
 class LoopLM(L.LightningModule):
     """Code between the blocks (a residual over the user's own variable and an activation after each
     block); or each block under the user's own checkpoint (``own_checkpoint=True``: non-reentrant,
     plainly; ``"residual"``: with that code too; ``"reentrant"``); ``frozen_first``: the embedding and
     the first two blocks frozen (a pipeline's first stage then holds no trainable parameter), and with
-    ``filtered`` the optimizer given only trainable parameters."""
+    ``filtered`` the optimizer given only trainable parameters; ``view_after``: each block's result
+    reshaped to a view before the next block; ``sequential``: the blocks (residual inside) in an
+    ``nn.Sequential`` called as a whole."""
 
     def __init__(self, d: int = 32, layers: int = 4, own_checkpoint=False, frozen_first: bool = False,
-                 filtered: bool = False):
+                 filtered: bool = False, view_after: bool = False, sequential: bool = False):
         super().__init__()
         self.filtered = filtered  # the optimizer gets only trainable parameters
+        self.view_after = view_after
         self.emb, self.norm, self.head = nn.Embedding(64, d), nn.LayerNorm(d), nn.Linear(d, 64)
         self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(d), nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
                                     for _ in range(layers))
+        if sequential:
+            self.blocks = nn.Sequential(*(ResidualGelu(block) for block in self.blocks))
         self.own_checkpoint = own_checkpoint
         if frozen_first:
             for m in (self.emb, self.blocks[0], self.blocks[1]):
@@ -319,6 +335,8 @@ class LoopLM(L.LightningModule):
         from torch.utils.checkpoint import checkpoint
 
         h = self.emb(x)
+        if isinstance(self.blocks, nn.Sequential):
+            return self.head(self.norm(self.blocks(h)))
         for block in self.blocks:
             if self.own_checkpoint == "residual":  # refused under pp: see stage._in_users_checkpoint
                 h = h + F.gelu(checkpoint(block, h, use_reentrant=False))
@@ -326,6 +344,8 @@ class LoopLM(L.LightningModule):
                 h = checkpoint(block, h, use_reentrant=self.own_checkpoint == "reentrant")
             else:
                 h = h + F.gelu(block(h))
+            if self.view_after:  # a later stage's first block is then given a view
+                h = h.view(h.shape)
         return self.head(self.norm(h))
 
     def training_step(self, batch, batch_idx):

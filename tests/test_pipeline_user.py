@@ -116,6 +116,18 @@ class NormElsewhere(NormInHelper):
         return _finish(self, h)
 
 
+class SequentialNet(Net):
+    """The blocks in an ``nn.Sequential`` called as a whole, inside the calls of the final norm
+    (registered before the blocks) and the head."""
+
+    def __init__(self):
+        super().__init__(layout="norm_first")
+        self.blocks = nn.Sequential(*self.blocks)
+
+    def forward(self, x):
+        return self.head(self.norm(self.blocks(self.emb(x))))
+
+
 def _staged(base, x, grad=True):
     """pp=2 in one process: stage 0's output feeds stage 1, which returns the model's output; the
     blocks' other arguments are checked across the stages through an in-process store."""
@@ -141,17 +153,18 @@ def _x():
 
 
 @pytest.mark.parametrize("style, layout", [("keywords", "plain"), ("plain", "in_proj"), ("plain", "norm_first"),
-                                           ("plain", "norm_in_helper")])
+                                           ("plain", "norm_in_helper"), ("plain", "sequential")])
 def test_staged_runs_match_the_unsplit_model(style, layout):
-    model = NormInHelper() if layout == "norm_in_helper" else Net(style, layout)
+    model = {"norm_in_helper": NormInHelper, "sequential": SequentialNet}.get(layout, lambda: Net(style, layout))()
     torch.testing.assert_close(_staged(model, _x()), model(_x()), atol=1e-6, rtol=0)
 
 
 def test_modules_go_where_the_parents_code_calls_them():
-    for layout, before, after in (("in_proj", ["emb", "project_in"], ["norm", "head"]),
-                                  ("norm_first", ["emb"], ["norm", "head"])):
-        groups = _outer_groups(Net(layout=layout), ["blocks"])
-        assert [n for n, _ in groups["before"]] == before and [n for n, _ in groups["after"]] == after, layout
+    for model, before, after in ((Net(layout="in_proj"), ["emb", "project_in"], ["norm", "head"]),
+                                 (Net(layout="norm_first"), ["emb"], ["norm", "head"]),
+                                 (SequentialNet(), ["emb"], ["norm", "head"])):  # norm(blocks(h)): after them
+        groups = _outer_groups(model, ["blocks"])
+        assert [n for n, _ in groups["before"]] == before and [n for n, _ in groups["after"]] == after, model
 
 
 def test_opt_final_norm_and_projections_go_where_they_run():
@@ -174,6 +187,18 @@ def test_the_pipeline_block_list_is_an_outermost_one():
     model = nn.Module()
     model.blocks = nn.ModuleList(MoE() for _ in range(2))
     assert plan_stages(model, 2).blocks_path == "blocks"
+
+
+def test_an_nn_sequential_of_blocks_is_the_block_list_where_no_module_list_is():
+    model = nn.Module()
+    model.mlp = nn.Sequential(nn.Linear(H, H), nn.Linear(H, H))  # layers, not blocks of their own
+    model.stem = nn.Sequential(*(Block() for _ in range(3)))
+    assert plan_stages(model, 2).blocks_path == "stem"
+    model.blocks = nn.ModuleList(Block() for _ in range(2))  # a ModuleList wins, even a shorter one
+    assert plan_stages(model, 2).blocks_path == "blocks"
+    del model.stem, model.blocks
+    with pytest.raises(ValueError, match="pipeline_blocks="):
+        plan_stages(model, 2)
 
 
 def test_a_family_plan_names_its_blocks_at_tp1_even_with_styles_it_cannot_shard():

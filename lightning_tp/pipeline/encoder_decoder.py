@@ -36,7 +36,7 @@ def find_encoder_decoder(model: nn.Module):
     for path, module in model.named_modules():
         if any(path.startswith(p + ".") for p in found):
             continue
-        if is_block_list(module) and any(p.requires_grad for p in module.parameters()):
+        if is_block_list(module, sequential=False) and any(p.requires_grad for p in module.parameters()):
             found.append(path)
     if len(found) != 2:
         return None

@@ -1,11 +1,12 @@
 """Cut a model into pipeline stages without touching its code.
 
-The stage unit is the model's repeated block list (an ``nn.ModuleList`` of same-class blocks, the
-outermost: not an MoE block's experts). Contiguous blocks go to each virtual stage; modules with
-parameters outside the block list go to the first stage when they hold an embedding, else where
-the block list's parent module calls them (before or after its loop over the blocks, read from its
-source), else by registration: before the blocks without a Linear (a patch embedding) to the first,
-the rest (final norm, head) to the last (litgpt registers its LM head before its blocks).
+The stage unit is the model's repeated block list (an ``nn.ModuleList`` or ``nn.Sequential`` of
+same-class blocks, the outermost: not an MoE block's experts). Contiguous blocks go to each virtual
+stage; modules with parameters outside the block list go to the first stage when they hold an
+embedding, else where the block list's parent module calls them (before or after its loop over the
+blocks, or its call of them, read from its source), else by registration: before the blocks without
+a Linear (a patch embedding) to the first, the rest (final norm, head) to the last (litgpt
+registers its LM head before its blocks).
 On a rank that does not own a module it is replaced by a placeholder (see :mod:`.placeholders`), so
 the user's forward still runs from top to bottom on every stage. An encoder-decoder's two block
 lists form one chain of stages (see :mod:`.encoder_decoder` and ``StageLayout.runs``).
@@ -25,9 +26,14 @@ from .placeholders import ShapeOnly, SkippedBlock, meta_twin
 # ------------------------------------------------------------------------------ finding the blocks
 
 
-def is_block_list(module: nn.Module) -> bool:
-    """An ``nn.ModuleList`` of two or more modules of one class: a model's repeated blocks."""
-    return isinstance(module, nn.ModuleList) and len(module) >= 2 and len({type(b) for b in module}) == 1
+def is_block_list(module: nn.Module, sequential: bool = True) -> bool:
+    """Two or more modules of one class: a model's repeated blocks. In an ``nn.ModuleList``, or (with
+    ``sequential``) in an ``nn.Sequential`` called as a whole (``self.blocks(h)``) when they are blocks
+    of their own (they have children: not ``nn.Sequential(nn.Linear, nn.Linear)``)."""
+    kinds = (nn.ModuleList, nn.Sequential) if sequential else nn.ModuleList
+    if not isinstance(module, kinds) or len(module) < 2 or len({type(b) for b in module}) != 1:
+        return False
+    return isinstance(module, nn.ModuleList) or any(True for _ in module[0].children())
 
 
 def find_blocks(model: nn.Module, name: str | None = None) -> tuple[str, nn.ModuleList]:
@@ -38,8 +44,9 @@ def find_blocks(model: nn.Module, name: str | None = None) -> tuple[str, nn.Modu
             blocks = model.get_submodule(name)
         except AttributeError:
             raise ValueError(f"pipeline_blocks={name!r}: no such module in {type(model).__name__}.") from None
-        if not isinstance(blocks, nn.ModuleList):
-            raise ValueError(f"pipeline_blocks={name!r} is a {type(blocks).__name__}, not an nn.ModuleList.")
+        if not isinstance(blocks, (nn.ModuleList, nn.Sequential)):
+            raise ValueError(f"pipeline_blocks={name!r} is a {type(blocks).__name__}, not an nn.ModuleList "
+                             f"or nn.Sequential of blocks.")
         return name, blocks
     best, found = None, []
     for path, module in model.named_modules():
@@ -47,14 +54,19 @@ def find_blocks(model: nn.Module, name: str | None = None) -> tuple[str, nn.Modu
             continue  # a list inside a block (an MoE block's experts, heads): never the pipeline's
         if is_block_list(module):
             found.append(path)
-            if best is None or len(module) > len(best[1]):
+            if best is None or _longer(module, best[1]):
                 best = (path, module)
     if best is None:
         raise ValueError(
-            f"pipeline parallelism needs the model's repeated block list (an nn.ModuleList of same-class blocks), "
-            f"and none was found in {type(model).__name__}. Name it: MegaStrategy(pp=..., "
+            f"pipeline parallelism needs the model's repeated block list (an nn.ModuleList or nn.Sequential of "
+            f"same-class blocks), and none was found in {type(model).__name__}. Name it: MegaStrategy(pp=..., "
             f"pipeline_blocks='path.to.blocks').")
     return best
+
+
+def _longer(blocks, than) -> bool:
+    """An ``nn.ModuleList`` over an ``nn.Sequential`` (a stem of two conv blocks), then more blocks."""
+    return (isinstance(blocks, nn.ModuleList), len(blocks)) > (isinstance(than, nn.ModuleList), len(than))
 
 
 # ------------------------------------------------------------------------------ assigning stages
@@ -333,7 +345,7 @@ def _called_around(model: nn.Module, blocks_path: str) -> dict:
             source = inspect.getsource(getattr(type(parent), method))
         except (AttributeError, OSError, TypeError):
             continue
-        loop = re.search(rf"\bin\s+(?:enumerate\()?self\.{re.escape(leaf)}\b|self\.{re.escape(leaf)}\[", source)
+        loop = re.search(rf"\bin\s+(?:enumerate\()?self\.{re.escape(leaf)}\b|self\.{re.escape(leaf)}\s*[\[(]", source)
         if loop is not None:
             break
     else:
@@ -342,7 +354,7 @@ def _called_around(model: nn.Module, blocks_path: str) -> dict:
     out = {}
     for child, _ in parent.named_children():
         pattern = rf"\bself\.{re.escape(child)}\s*\("
-        calls = [m.start() for m in re.finditer(pattern, source)]
+        calls = [_call_ends(source, m.end() - 1) for m in re.finditer(pattern, source)]
         calls += [at for at, body in helpers if re.search(pattern, body)]  # called in a helper it calls
         if child != leaf and calls:
             path = f"{parent_path}.{child}" if parent_path else child
@@ -350,8 +362,19 @@ def _called_around(model: nn.Module, blocks_path: str) -> dict:
     return out
 
 
+def _call_ends(source: str, opening: int) -> int:
+    """Where the call whose ``(`` is at ``opening`` ends: it runs once its arguments have, so
+    ``self.norm(self.blocks(h))`` calls the norm after the blocks."""
+    depth = 0
+    for at in range(opening, len(source)):
+        depth += {"(": 1, ")": -1}.get(source[at], 0)
+        if depth == 0:
+            return at
+    return opening
+
+
 def _helper_sources(parent: nn.Module, source: str) -> list:
-    """(where it is called, its source) of each method of the user's own classes that ``source`` calls
+    """(where its call ends, its source) of each method of the user's own classes that ``source`` calls
     (``self.finish(h)`` after the loop calling ``self.norm``); Lightning's and torch's are left out."""
     found = []
     for call in re.finditer(r"\bself\.([A-Za-z_]\w*)\s*\(", source):
@@ -360,7 +383,7 @@ def _helper_sources(parent: nn.Module, source: str) -> list:
         if module.split(".")[0] in ("torch", "lightning", "pytorch_lightning"):
             continue
         try:
-            found.append((call.start(), inspect.getsource(method)))
+            found.append((_call_ends(source, call.end() - 1), inspect.getsource(method)))
         except (OSError, TypeError):
             continue
     return found

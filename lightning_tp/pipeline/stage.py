@@ -127,19 +127,16 @@ def _wrap(block, index: int, state: StageState, twin=None) -> None:
         if index == lo and active > 0:
             place = hidden_place(args, kwargs, name)
             computed = args[0] if args else kwargs.get(place)
-            if not recompute and _takes_in_place(computed, received):
-                if _in_users_checkpoint():
-                    raise ValueError(
-                        f"pipeline: block {index} begins virtual stage {active} and is called under a checkpoint "
-                        f"of your own (torch.utils.checkpoint) after code between the blocks (h = h + block(h), "
-                        f"F.relu(block(h))): the received activation must become your variable, which cannot be "
-                        f"written inside that checkpoint. Use MegaStrategy(activation_checkpointing=True) instead, "
-                        f"or checkpoint inside the block.")
-                computed.copy_(received)  # the user's own variable holds it too: h = h + block(h)
-            elif args:
-                args = (received,) + tuple(args[1:])
-            else:
-                kwargs = {**kwargs, place: received}
+            taken = not recompute and _takes_in_place(computed, received)
+            if taken and _in_users_checkpoint():
+                raise ValueError(
+                    f"pipeline: block {index} begins virtual stage {active} and is called under a checkpoint "
+                    f"of your own (torch.utils.checkpoint) after code between the blocks (h = h + block(h), "
+                    f"F.relu(block(h))): the received activation must become your variable, which cannot be "
+                    f"written inside that checkpoint. Use MegaStrategy(activation_checkpointing=True) instead, "
+                    f"or checkpoint inside the block.")
+            if not (taken and _written(computed, received)):  # written: the user's variable holds it too
+                args, kwargs = ((received,) + tuple(args[1:]), kwargs) if args else (args, {**kwargs, place: received})
         last = index == hi and active < state.last_vstage and not recompute
         if last and state.side is not None:
             state.side.leave(active, index, args, kwargs, hidden_place(args, kwargs, name))
@@ -159,17 +156,32 @@ def _in_users_checkpoint() -> bool:
 
 
 def _takes_in_place(computed, received) -> bool:
-    """Whether the tensor the user's code hands the stage's first block can take the received
-    activation in place (autograd then routes the gradient of every use of it to the received leaf).
-    Not a placeholder's own output or a batch tensor, which the code may use elsewhere too
-    (``x0 = emb(x)``, a loss against the batch), a view
-    (of such an output, or sequence parallelism's shard of the hidden states), nor a leaf that
-    requires grad; else the block's argument alone is replaced."""
-    return (isinstance(computed, torch.Tensor) and isinstance(received, torch.Tensor)
+    """Whether the tensor the user's code hands the stage's first block may take the received
+    activation in place (autograd then routes the gradient of every use of it to the received leaf:
+    ``h = h + block(h)`` must add the received activation, not the zeros this stage computed before
+    it). Not a placeholder's own output or a batch tensor, nor a view of one (the code may use them
+    elsewhere too: ``x0 = emb(x)``, a loss against the batch), nor a leaf that requires grad. A view
+    of a tensor the user's code computed (``h = (h + block(h)).view(...)``) may: replacing only the
+    block's argument would leave that residual adding zeros."""
+    if not (isinstance(computed, torch.Tensor) and isinstance(received, torch.Tensor)
             and computed.shape == received.shape and computed.dtype == received.dtype
-            and computed.device == received.device
-            and not getattr(computed, "_lightning_tp_placeholder", False) and not computed._is_view()
-            and not (computed.requires_grad and computed.is_leaf))
+            and computed.device == received.device):
+        return False
+    base = computed._base if computed._is_view() else None
+    return not any(t is not None and (getattr(t, "_lightning_tp_placeholder", False) or (t.requires_grad and t.is_leaf))
+                   for t in (computed, base))
+
+
+def _written(computed, received) -> bool:
+    """Writes the received activation into the user's tensor, unless autograd refuses to (checked
+    before anything is written): a view made inside a custom Function (sequence parallelism's shard)
+    or one of several (``chunk``), or one that overlaps itself (``expand``). The caller then replaces
+    the block's argument alone."""
+    try:
+        computed.copy_(received)
+    except RuntimeError:
+        return False
+    return True
 
 
 def _check_side_inputs(args, kwargs, name, index: int) -> None:
