@@ -62,6 +62,7 @@ from torch import nn
 
 from .grads import replica_buffer_numel
 from .layers.shard import padded_size
+from .pipeline.block_lists import block_at
 from .pipeline.schedules import build_schedule
 from .pipeline.simulate import simulate
 from .pipeline.split import _outer_groups, apply_split, plan_stages
@@ -292,7 +293,7 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
             return hidden / (tp if sp_on else 1)
         return hidden * (2 if layout.ranges[k + 1][0] > layout.decoder_start else 1)
 
-    hidden = _width_in(base.get_submodule(lists[0][0])[0] if bpath else base)
+    hidden = _width_in(block_at(base.get_submodule(lists[0][0]), 0) if bpath else base)
     ops, style_of = _tp_ops(base, matches, sp, tp, hidden, locate)
     width = _saved_widths(base, style_of, tp, locate)
     sp_on = any(sp and mt.sp_start is not None for mt in matches)

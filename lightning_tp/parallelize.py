@@ -18,6 +18,7 @@ from .kernels.inject import apply_kernels
 from .layers.attention import TPMultiheadAttention
 from .layers.linear import ColumnParallelLinear, RowParallelLinear
 from .mesh import use_tied_ranks
+from .pipeline.block_lists import block_at, block_key
 from .pipeline.executor import PipelineRunner
 from .pipeline.placeholders import meta_twins
 from .pipeline.side_inputs import SideInputCheck
@@ -169,7 +170,8 @@ def _block_streams(s, module, layout):
                                f"tp its split activations draw alike masks on every rank. Name the list with "
                                f"MegaStrategy(pipeline_blocks='path.to.blocks') for a stream per rank.")
             return None
-    blocks = [(f"{path}.{i}", module.get_submodule(path)[i]) for path, i in found]
+    blocks = [(f"{path}.{block_key(module.get_submodule(path), i)}", block_at(module.get_submodule(path), i))
+              for path, i in found]
     inner = [m for _, b in blocks for m in b.modules()]
     enters = [(m, isinstance(m, TPMultiheadAttention)) for m in inner
               if isinstance(m, TPMultiheadAttention) or (isinstance(m, ColumnParallelLinear) and m.gather_output is False)]

@@ -30,7 +30,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .pipeline.placeholders import no_cache, positional_names
-from .pipeline.split import find_blocks, is_block_list
+from .pipeline.block_lists import block_at, block_key, find_blocks, is_block_list
 
 
 
@@ -58,25 +58,27 @@ def check_option(value, quant, schedule: str | None = None) -> None:
 def block_lists(model: nn.Module, name: str | None = None) -> list[str]:
     """Paths of the block lists to checkpoint without a pipeline: ``name`` (``pipeline_blocks=`` or the
     plan's ``blocks``), else every outermost ``nn.ModuleList`` of two or more same-class modules with
-    trainable parameters (an encoder-decoder has two), else every such ``nn.Sequential`` of blocks."""
+    trainable parameters (an encoder-decoder has two), else every outermost ``nn.Sequential`` or
+    ``nn.ModuleDict`` of such blocks (see pipeline.block_lists)."""
     if name is not None:  # one path, or an encoder-decoder's two
         return [find_blocks(model, n)[0] for n in ([name] if isinstance(name, str) else name)]
-    found = _outermost_lists(model, sequential=False) or _outermost_lists(model, sequential=True)
+    found = _outermost_lists(model)
+    found = [p for p in found if isinstance(model.get_submodule(p), nn.ModuleList)] or found
     if not found:
         raise ValueError(f"MegaStrategy(activation_checkpointing=...) checkpoints the model's repeated blocks (an "
-                         f"nn.ModuleList or nn.Sequential of same-class blocks), and none was found in "
-                         f"{type(model).__name__}. "
-                         f"Name the list: MegaStrategy(activation_checkpointing=True, pipeline_blocks='path.to.blocks').")
+                         f"nn.ModuleList, nn.Sequential or nn.ModuleDict of same-class blocks), and none was found in "
+                         f"{type(model).__name__}. Name the list: MegaStrategy(activation_checkpointing=True, "
+                         f"pipeline_blocks='path.to.blocks').")
     return found
 
 
-def _outermost_lists(model: nn.Module, sequential: bool) -> list[str]:
-    """Paths of the outermost block lists with trainable parameters (see split.is_block_list)."""
+def _outermost_lists(model: nn.Module) -> list[str]:
+    """Paths of the outermost block lists with trainable parameters (see pipeline.block_lists)."""
     found = []
     for path, module in model.named_modules():
         if any(path.startswith(p + ".") for p in found):
             continue  # a list inside a block (experts, heads): its block is checkpointed whole
-        if is_block_list(module, sequential) and any(p.requires_grad for p in module.parameters()):  # not metrics
+        if is_block_list(module) and any(p.requires_grad for p in module.parameters()):  # not metrics
             found.append(path)
     return found
 
@@ -93,7 +95,9 @@ def targets(model: nn.Module, n, layout=None, pp_rank: int = 0, name: str | None
             out += [layout.locate(i) for i in range(lo, hi + 1)][:first]
     else:
         out = [(path, i) for path in block_lists(model, name) for i in range(len(model.get_submodule(path)))[:first]]
-    twice = [f"{path}.{i}" for path, i in out if getattr(model.get_submodule(path)[i], "gradient_checkpointing", False)]
+    block = lambda path, i: block_at(model.get_submodule(path), i)  # noqa: E731
+    called = lambda path, i: f"{path}.{block_key(model.get_submodule(path), i)}"  # noqa: E731
+    twice = [called(path, i) for path, i in out if getattr(block(path, i), "gradient_checkpointing", False)]
     if twice:
         from lightning.pytorch.utilities import rank_zero_warn
 
@@ -101,7 +105,7 @@ def targets(model: nn.Module, n, layout=None, pp_rank: int = 0, name: str | None
                        f"checkpointing; MegaStrategy(activation_checkpointing=...) recomputes them a second time. "
                        f"Turn one off (model.gradient_checkpointing_disable()).")
     for path, i in out:
-        stateful = next((f"{path}.{i}.{sub}".rstrip(".") for sub, m in model.get_submodule(path)[i].named_modules()
+        stateful = next((f"{called(path, i)}.{sub}".rstrip(".") for sub, m in block(path, i).named_modules()
                          if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats), None)
         if stateful is not None:
             raise ValueError(f"MegaStrategy(activation_checkpointing=...): {stateful} keeps running statistics, "
@@ -113,7 +117,7 @@ def targets(model: nn.Module, n, layout=None, pp_rank: int = 0, name: str | None
 def apply(model: nn.Module, blocks: list[tuple[str, int]]) -> None:
     """Wrap each listed block's forward in a non-reentrant checkpoint (plain forward without grad)."""
     for path, i in blocks:
-        block = model.get_submodule(path)[i]
+        block = block_at(model.get_submodule(path), i)
         block._lightning_tp_inner_forward = block.forward
         block._lightning_tp_positional = positional_names(block)
         block.forward = types.MethodType(_checkpointed_forward, block)

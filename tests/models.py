@@ -313,19 +313,22 @@ class LoopLM(L.LightningModule):
     plainly; ``"residual"``: with that code too; ``"reentrant"``); ``frozen_first``: the embedding and
     the first two blocks frozen (a pipeline's first stage then holds no trainable parameter), and with
     ``filtered`` the optimizer given only trainable parameters; ``view_after``: each block's result
-    reshaped to a view before the next block; ``sequential``: the blocks (residual inside) in an
-    ``nn.Sequential`` called as a whole."""
+    reshaped to a view before the next block; ``container``: the blocks (residual inside) in an
+    ``nn.Sequential`` called as a whole (``"sequential"``) or in an ``nn.ModuleDict`` walked in order
+    (``"dict"``, as torchtitan's models hold their layers)."""
 
     def __init__(self, d: int = 32, layers: int = 4, own_checkpoint=False, frozen_first: bool = False,
-                 filtered: bool = False, view_after: bool = False, sequential: bool = False):
+                 filtered: bool = False, view_after: bool = False, container: str = "list"):
         super().__init__()
         self.filtered = filtered  # the optimizer gets only trainable parameters
         self.view_after = view_after
         self.emb, self.norm, self.head = nn.Embedding(64, d), nn.LayerNorm(d), nn.Linear(d, 64)
         self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(d), nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
                                     for _ in range(layers))
-        if sequential:
+        if container == "sequential":
             self.blocks = nn.Sequential(*(ResidualGelu(block) for block in self.blocks))
+        elif container == "dict":
+            self.blocks = nn.ModuleDict({f"layer{i}": ResidualGelu(block) for i, block in enumerate(self.blocks)})
         self.own_checkpoint = own_checkpoint
         if frozen_first:
             for m in (self.emb, self.blocks[0], self.blocks[1]):
@@ -337,6 +340,10 @@ class LoopLM(L.LightningModule):
         h = self.emb(x)
         if isinstance(self.blocks, nn.Sequential):
             return self.head(self.norm(self.blocks(h)))
+        if isinstance(self.blocks, nn.ModuleDict):
+            for layer in self.blocks.values():
+                h = layer(h)
+            return self.head(self.norm(h))
         for block in self.blocks:
             if self.own_checkpoint == "residual":  # refused under pp: see stage._in_users_checkpoint
                 h = h + F.gelu(checkpoint(block, h, use_reentrant=False))

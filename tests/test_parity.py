@@ -50,8 +50,11 @@ WORLD2 = {
     "pp2_loop_residual": ("loop", {}, dict(pp=2, microbatches=2), dict(max_steps=10)),
     # ... and hands the next block a view of its result (h = h.view(...)): the received activation goes into it
     "pp2_loop_residual_view": ("loop", dict(view_after=True), dict(pp=2, microbatches=2), dict(max_steps=10)),
-    # the blocks in an nn.Sequential called as a whole (h = self.blocks(h)), two chunks a rank
-    "pp2_loop_sequential_interleaved": ("loop", dict(sequential=True),
+    # the blocks in an nn.Sequential called as a whole (h = self.blocks(h)), two chunks a rank; in an
+    # nn.ModuleDict walked in order (torchtitan's layers), recomputed
+    "pp2_loop_dict_recompute": ("loop", dict(container="dict"),
+                                dict(pp=2, microbatches=2, activation_checkpointing=True), dict(max_steps=10)),
+    "pp2_loop_sequential_interleaved": ("loop", dict(container="sequential"),
                                         dict(pp=2, microbatches=2, schedule="interleaved_1f1b"), dict(max_steps=10)),
     # each block under the user's own non-reentrant checkpoint: recomputed outside the stage's run
     "pp2_loop_own_checkpoint": ("loop", dict(own_checkpoint=True), dict(pp=2, microbatches=2), dict(max_steps=10)),

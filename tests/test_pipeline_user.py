@@ -128,6 +128,20 @@ class SequentialNet(Net):
         return self.head(self.norm(self.blocks(self.emb(x))))
 
 
+class DictNet(Net):
+    """The blocks in an ``nn.ModuleDict`` walked in order (torchtitan's ``for layer in self.layers.values()``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleDict({f"layer{i}": block for i, block in enumerate(self.blocks)})
+
+    def forward(self, x):
+        h = self.emb(x)
+        for layer in self.blocks.values():
+            h = layer(h)
+        return self.head(self.norm(h))
+
+
 def _staged(base, x, grad=True):
     """pp=2 in one process: stage 0's output feeds stage 1, which returns the model's output; the
     blocks' other arguments are checked across the stages through an in-process store."""
@@ -153,9 +167,10 @@ def _x():
 
 
 @pytest.mark.parametrize("style, layout", [("keywords", "plain"), ("plain", "in_proj"), ("plain", "norm_first"),
-                                           ("plain", "norm_in_helper"), ("plain", "sequential")])
+                                           ("plain", "norm_in_helper"), ("plain", "sequential"), ("plain", "dict")])
 def test_staged_runs_match_the_unsplit_model(style, layout):
-    model = {"norm_in_helper": NormInHelper, "sequential": SequentialNet}.get(layout, lambda: Net(style, layout))()
+    model = {"norm_in_helper": NormInHelper, "sequential": SequentialNet, "dict": DictNet}.get(
+        layout, lambda: Net(style, layout))()
     torch.testing.assert_close(_staged(model, _x()), model(_x()), atol=1e-6, rtol=0)
 
 
@@ -189,14 +204,17 @@ def test_the_pipeline_block_list_is_an_outermost_one():
     assert plan_stages(model, 2).blocks_path == "blocks"
 
 
-def test_an_nn_sequential_of_blocks_is_the_block_list_where_no_module_list_is():
+def test_an_nn_sequential_or_module_dict_of_blocks_is_the_block_list_where_no_module_list_is():
     model = nn.Module()
     model.mlp = nn.Sequential(nn.Linear(H, H), nn.Linear(H, H))  # layers, not blocks of their own
+    model.heads = nn.ModuleDict({"a": nn.Linear(H, H), "b": nn.Linear(H, H)})
     model.stem = nn.Sequential(*(Block() for _ in range(3)))
-    assert plan_stages(model, 2).blocks_path == "stem"
+    model.layers = nn.ModuleDict({f"l{i}": Block() for i in range(4)})
+    layout = plan_stages(model, 2)
+    assert layout.blocks_path == "layers" and layout.blocks(model).name(3) == "layers.l3"
     model.blocks = nn.ModuleList(Block() for _ in range(2))  # a ModuleList wins, even a shorter one
     assert plan_stages(model, 2).blocks_path == "blocks"
-    del model.stem, model.blocks
+    del model.stem, model.layers, model.blocks
     with pytest.raises(ValueError, match="pipeline_blocks="):
         plan_stages(model, 2)
 

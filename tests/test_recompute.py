@@ -93,6 +93,13 @@ def test_which_blocks():
     nested.metrics = nn.ModuleList(nn.Identity() for _ in range(2))
     assert recompute.block_lists(nested) == ["blocks"]  # nothing to recompute for in those
     assert recompute.block_lists(nested, "blocks.0.experts") == ["blocks.0.experts"]
+    loose = nn.Module()  # no ModuleList of blocks: a Sequential or ModuleDict of them is recomputed
+    loose.stem = nn.Sequential(Experts(), Experts())
+    loose.layers = nn.ModuleDict({"a": Experts(), "b": Experts()})
+    loose.heads = nn.ModuleDict({"x": nn.Linear(2, 2), "y": nn.Linear(2, 2)})  # layers, not blocks
+    assert recompute.block_lists(loose) == ["stem", "layers"]
+    recompute.apply(loose, recompute.targets(loose, True))
+    assert loose.layers["b"]._lightning_tp_recompute and loose.stem[1]._lightning_tp_recompute
 
 
 @pytest.mark.parametrize("value", [-1, 1.5, "yes"])

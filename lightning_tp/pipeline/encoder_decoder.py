@@ -14,7 +14,8 @@ import inspect
 
 from torch import nn
 
-from .split import _outer_groups, find_blocks, holds_linear, is_block_list
+from .block_lists import block_at, find_blocks, is_block_list
+from .split import _outer_groups, holds_linear
 
 
 def takes_encoder_output(block: nn.Module) -> bool:
@@ -31,12 +32,12 @@ def find_encoder_decoder(model: nn.Module):
     same-class blocks with trainable parameters and says it is one: the second list's blocks are
     nn.TransformerDecoderLayer, or a Hugging Face config inside has ``is_encoder_decoder``. A block
     that merely could take an encoder's output (GPT-2's has the parameter) does not count. Else None
-    (the longest list is then the pipeline's, see split.find_blocks)."""
+    (the longest list is then the pipeline's, see block_lists.find_blocks)."""
     found = []
     for path, module in model.named_modules():
         if any(path.startswith(p + ".") for p in found):
             continue
-        if is_block_list(module, sequential=False) and any(p.requires_grad for p in module.parameters()):
+        if is_block_list(module, others=False) and any(p.requires_grad for p in module.parameters()):
             found.append(path)
     if len(found) != 2:
         return None
@@ -58,7 +59,7 @@ def encoder_decoder(model: nn.Module, names, pp: int) -> tuple:
             or order[encoder] > order[decoder]:
         raise ValueError(f"pipeline_blocks={list(names)}: an encoder-decoder's two lists must be apart, the "
                          f"encoder's registered first, as they run.")
-    if not takes_encoder_output(blocks[0]):
+    if not takes_encoder_output(block_at(blocks, 0)):
         raise ValueError(f"pipeline_blocks={list(names)}: two block lists are taken as an encoder and a decoder "
                          f"whose blocks take the encoder's output (as "
                          f"nn.TransformerDecoderLayer does), but the blocks of {decoder} take one tensor. Name "

@@ -1,7 +1,6 @@
 """Cut a model into pipeline stages without touching its code.
 
-The stage unit is the model's repeated block list (an ``nn.ModuleList`` or ``nn.Sequential`` of
-same-class blocks, the outermost: not an MoE block's experts). Contiguous blocks go to each virtual
+The stage unit is the model's repeated block list (see :mod:`.block_lists`). Contiguous blocks go to each virtual
 stage; modules with parameters outside the block list go to the first stage when they hold an
 embedding, else where the block list's parent module calls them (before or after its loop over the
 blocks, or its call of them, read from its source), else by registration: before the blocks without
@@ -20,53 +19,11 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from .block_lists import block_at, block_key, blocks_of, find_blocks, set_block
 from .placeholders import ShapeOnly, SkippedBlock, meta_twin
 
 
 # ------------------------------------------------------------------------------ finding the blocks
-
-
-def is_block_list(module: nn.Module, sequential: bool = True) -> bool:
-    """Two or more modules of one class: a model's repeated blocks. In an ``nn.ModuleList``, or (with
-    ``sequential``) in an ``nn.Sequential`` called as a whole (``self.blocks(h)``) when they are blocks
-    of their own (they have children: not ``nn.Sequential(nn.Linear, nn.Linear)``)."""
-    kinds = (nn.ModuleList, nn.Sequential) if sequential else nn.ModuleList
-    if not isinstance(module, kinds) or len(module) < 2 or len({type(b) for b in module}) != 1:
-        return False
-    return isinstance(module, nn.ModuleList) or any(True for _ in module[0].children())
-
-
-def find_blocks(model: nn.Module, name: str | None = None) -> tuple[str, nn.ModuleList]:
-    if isinstance(name, (list, tuple)) and len(name) == 1:
-        name = name[0]
-    if name is not None:
-        try:
-            blocks = model.get_submodule(name)
-        except AttributeError:
-            raise ValueError(f"pipeline_blocks={name!r}: no such module in {type(model).__name__}.") from None
-        if not isinstance(blocks, (nn.ModuleList, nn.Sequential)):
-            raise ValueError(f"pipeline_blocks={name!r} is a {type(blocks).__name__}, not an nn.ModuleList "
-                             f"or nn.Sequential of blocks.")
-        return name, blocks
-    best, found = None, []
-    for path, module in model.named_modules():
-        if any(path.startswith(p + ".") for p in found):
-            continue  # a list inside a block (an MoE block's experts, heads): never the pipeline's
-        if is_block_list(module):
-            found.append(path)
-            if best is None or _longer(module, best[1]):
-                best = (path, module)
-    if best is None:
-        raise ValueError(
-            f"pipeline parallelism needs the model's repeated block list (an nn.ModuleList or nn.Sequential of "
-            f"same-class blocks), and none was found in {type(model).__name__}. Name it: MegaStrategy(pp=..., "
-            f"pipeline_blocks='path.to.blocks').")
-    return best
-
-
-def _longer(blocks, than) -> bool:
-    """An ``nn.ModuleList`` over an ``nn.Sequential`` (a stem of two conv blocks), then more blocks."""
-    return (isinstance(blocks, nn.ModuleList), len(blocks)) > (isinstance(than, nn.ModuleList), len(than))
 
 
 # ------------------------------------------------------------------------------ assigning stages
@@ -166,15 +123,15 @@ class ChainedBlocks:
 
     def __getitem__(self, i: int) -> nn.Module:
         path, j = self.layout.locate(i)
-        return self.model.get_submodule(path)[j]
+        return block_at(self.model.get_submodule(path), j)
 
     def __setitem__(self, i: int, module: nn.Module) -> None:
         path, j = self.layout.locate(i)
-        self.model.get_submodule(path)[j] = module
+        set_block(self.model.get_submodule(path), j, module)
 
     def name(self, i: int) -> str:
         path, j = self.layout.locate(i)
-        return f"{path}.{j}"
+        return f"{path}.{block_key(self.model.get_submodule(path), j)}"
 
 
 def plan_stages(model: nn.Module, pp: int, v: int = 1, blocks=None, stage_layers=None,
@@ -190,9 +147,10 @@ def plan_stages(model: nn.Module, pp: int, v: int = 1, blocks=None, stage_layers
     if isinstance(blocks, (list, tuple)) and len(blocks) != 1:
         lists, tied_head = encoder_decoder(model, blocks, pp)
         path = " + ".join(p for p, _ in lists)
-        module = [b for p, _ in lists for b in model.get_submodule(p)]
+        module = [b for p, _ in lists for b in blocks_of(model.get_submodule(p))]
     else:
-        path, module = find_blocks(model, blocks)
+        path, container = find_blocks(model, blocks)
+        module = blocks_of(container)
     n, parts = len(module), pp * v
     if stage_layers is not None:
         stage_layers = list(stage_layers)

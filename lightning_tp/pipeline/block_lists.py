@@ -1,0 +1,80 @@
+"""A model's repeated block list: what a pipeline splits and activation checkpointing wraps.
+
+Blocks come in an ``nn.ModuleList`` (most models), an ``nn.Sequential`` called as a whole
+(``h = self.blocks(h)``) or an ``nn.ModuleDict`` walked in order (torchtitan's
+``for layer in self.layers.values()``). Everything else reads and replaces them by position
+through the helpers here, so the state-dict keys stay the container's own.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+
+
+def blocks_of(container: nn.Module) -> list:
+    return list(container.values()) if isinstance(container, nn.ModuleDict) else list(container)
+
+
+def block_key(container: nn.Module, j: int) -> str:
+    """The name of the j-th block in its container (``"3"``, or a ModuleDict's key)."""
+    return list(container.keys())[j] if isinstance(container, nn.ModuleDict) else str(j)
+
+
+def block_at(container: nn.Module, j: int) -> nn.Module:
+    return container[block_key(container, j)] if isinstance(container, nn.ModuleDict) else container[j]
+
+
+def set_block(container: nn.Module, j: int, module: nn.Module) -> None:
+    if isinstance(container, nn.ModuleDict):
+        container[block_key(container, j)] = module  # in place: the dict keeps its order
+    else:
+        container[j] = module
+
+
+def is_block_list(module: nn.Module, others: bool = True) -> bool:
+    """Two or more modules of one class: a model's repeated blocks. In an ``nn.ModuleList``, or (with
+    ``others``) in an ``nn.Sequential`` or ``nn.ModuleDict`` when they are blocks of their own (they
+    have children: not ``nn.Sequential(nn.Linear, nn.Linear)`` or a dict of task heads)."""
+    if not isinstance(module, CONTAINERS if others else nn.ModuleList):
+        return False
+    blocks = blocks_of(module)
+    if len(blocks) < 2 or len({type(b) for b in blocks}) != 1:
+        return False
+    return isinstance(module, nn.ModuleList) or any(True for _ in blocks[0].children())
+
+
+def find_blocks(model: nn.Module, name: str | None = None) -> tuple[str, nn.Module]:
+    """(path, container) of the pipeline's block list: ``name``, else the longest outermost
+    ``nn.ModuleList`` of blocks, else the longest other container of them."""
+    if isinstance(name, (list, tuple)) and len(name) == 1:
+        name = name[0]
+    if name is not None:
+        try:
+            blocks = model.get_submodule(name)
+        except AttributeError:
+            raise ValueError(f"pipeline_blocks={name!r}: no such module in {type(model).__name__}.") from None
+        if not isinstance(blocks, CONTAINERS):
+            raise ValueError(f"pipeline_blocks={name!r} is a {type(blocks).__name__}, not an nn.ModuleList, "
+                             f"nn.Sequential or nn.ModuleDict of blocks.")
+        return name, blocks
+    best, found = None, []
+    for path, module in model.named_modules():
+        if any(path.startswith(p + ".") for p in found):
+            continue  # a list inside a block (an MoE block's experts, heads): never the pipeline's
+        if is_block_list(module):
+            found.append(path)
+            if best is None or _before(module, best[1]):
+                best = (path, module)
+    if best is None:
+        raise ValueError(
+            f"pipeline parallelism needs the model's repeated block list (an nn.ModuleList, nn.Sequential or "
+            f"nn.ModuleDict of same-class blocks), and none was found in {type(model).__name__}. Name it: "
+            f"MegaStrategy(pp=..., pipeline_blocks='path.to.blocks').")
+    return best
+
+
+def _before(blocks, than) -> bool:
+    """An ``nn.ModuleList`` over another container (a stem of two conv blocks), then more blocks."""
+    return (isinstance(blocks, nn.ModuleList), len(blocks)) > (isinstance(than, nn.ModuleList), len(than))
