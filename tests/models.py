@@ -315,13 +315,15 @@ class LoopLM(L.LightningModule):
     ``filtered`` the optimizer given only trainable parameters; ``view_after``: each block's result
     reshaped to a view before the next block; ``container``: the blocks (residual inside) in an
     ``nn.Sequential`` called as a whole (``"sequential"``) or in an ``nn.ModuleDict`` walked in order
-    (``"dict"``, as torchtitan's models hold their layers)."""
+    (``"dict"``, as torchtitan's models hold their layers); ``long_skip``: the embedding's output added
+    to the last block's (it cannot work under pp: only hidden states travel between stages)."""
 
     def __init__(self, d: int = 32, layers: int = 4, own_checkpoint=False, frozen_first: bool = False,
-                 filtered: bool = False, view_after: bool = False, container: str = "list"):
+                 filtered: bool = False, view_after: bool = False, container: str = "list",
+                 long_skip: bool = False):
         super().__init__()
         self.filtered = filtered  # the optimizer gets only trainable parameters
-        self.view_after = view_after
+        self.view_after, self.long_skip = view_after, long_skip
         self.emb, self.norm, self.head = nn.Embedding(64, d), nn.LayerNorm(d), nn.Linear(d, 64)
         self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(d), nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
                                     for _ in range(layers))
@@ -337,7 +339,7 @@ class LoopLM(L.LightningModule):
     def forward(self, x):
         from torch.utils.checkpoint import checkpoint
 
-        h = self.emb(x)
+        h = x0 = self.emb(x)
         if isinstance(self.blocks, nn.Sequential):
             return self.head(self.norm(self.blocks(h)))
         if isinstance(self.blocks, nn.ModuleDict):
@@ -353,6 +355,8 @@ class LoopLM(L.LightningModule):
                 h = h + F.gelu(block(h))
             if self.view_after:  # a later stage's first block is then given a view
                 h = h.view(h.shape)
+        if self.long_skip:
+            h = h + x0
         return self.head(self.norm(h))
 
     def training_step(self, batch, batch_idx):

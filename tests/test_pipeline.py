@@ -475,6 +475,8 @@ def _bad_inputs(rank, world):
         "returns_none": _expect_error(world, SkipsBatch(), MegaStrategy(microbatches=2, timeout=30)),
         "frozen_filtered": _expect_error(world, make_model("loop", frozen_first=True, filtered=True),
                                          MegaStrategy(pp=2, microbatches=2, timeout=30), data),
+        "long_skip": _expect_error(world, make_model("loop", long_skip=True), MegaStrategy(pp=2, microbatches=2,
+                                                                                          timeout=30), data),
         "mailbox": _mailbox_across_steps(rank),
         "slot_mailbox": _mailbox_across_steps(rank, slotted=True),
         "overflow": _overflow_agreement(rank),
@@ -520,6 +522,8 @@ def test_a_dataset_smaller_than_one_batch_trains(bad):
     ("no_blocks", ["block list", "pipeline_blocks="]),
     ("recompute_no_blocks", ["activation_checkpointing", "none was found in NoBlocks", "pipeline_blocks="]),
     ("unsplittable", ["batch['name']", "str", "cannot be split"]),
+    # the embedding's output added after the blocks: NaN stand-ins on the last stage, refused at step 0
+    ("long_skip", ["virtual stage 1's result for microbatch 0 is NaN", "head(h + x0)", "use tp/dp"]),
 ])
 def test_pipeline_bad_input_raises_on_every_rank(bad, case, words):
     for rank_result in bad:
@@ -740,9 +744,9 @@ def test_nccl_refuses_what_its_p2p_cannot_run(monkeypatch):
 
 
 def test_placeholders_remember_output_shapes_per_argument_signature():
-    """A module on another stage answers with fresh zeros of its true output shape; the meta run that
-    finds the shape happens once per signature (shapes, dtypes, plain values), or every time when an
-    argument has none (a list)."""
+    """A module on another stage answers with fresh stand-ins of its true output shape (NaN, zeros where
+    not floating-point); the meta run that finds the shape happens once per signature (shapes, dtypes,
+    plain values), or every time when an argument has none (a list)."""
     from lightning_tp.pipeline.placeholders import ShapeOnly
 
     class Scaled(torch.nn.Module):
@@ -752,15 +756,16 @@ def test_placeholders_remember_output_shapes_per_argument_signature():
 
         def forward(self, idx, width=1, extra=None):
             self.runs += 1
-            return self.emb(idx).repeat(1, 1, width), None
+            return self.emb(idx).repeat(1, 1, width), None, idx + 1
 
     placeholder = ShapeOnly(Scaled(), "scaled")
     twin = placeholder._twin[0]
     idx = torch.zeros(2, 3, dtype=torch.long)
-    first, none = placeholder(idx)
-    again, _ = placeholder(idx)
-    assert none is None and first.shape == (2, 3, 4) and torch.equal(first, torch.zeros(2, 3, 4))
-    assert again is not first and twin.runs == 1  # fresh zeros, one meta run
+    first, none, ids = placeholder(idx)
+    again, _, _ = placeholder(idx)
+    assert none is None and first.shape == (2, 3, 4) and first.isnan().all()
+    assert ids.dtype == torch.long and torch.equal(ids, torch.zeros_like(idx))
+    assert again is not first and twin.runs == 1  # fresh stand-ins, one meta run
     assert placeholder(idx, width=2)[0].shape == (2, 3, 8) and twin.runs == 2  # another signature
     assert placeholder(torch.zeros(1, 5, dtype=torch.long), width=2)[0].shape == (1, 5, 8) and twin.runs == 3
     placeholder(idx, extra=[1])

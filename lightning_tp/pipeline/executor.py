@@ -25,6 +25,7 @@ from .microbatch import (batches_per_epoch, merge_outputs, microbatches_for, mus
                          split_batch)
 from .p2p import Mailbox, drop_sent_values, tag
 from .p2p_slots import SlotMailbox
+from .placeholders import agree_on_stand_ins, holds_nan
 from .schedules import Action, build_schedule, forward_only
 from .slots import slot_plan
 from .stage import StageDone
@@ -55,6 +56,7 @@ class _Step:
     numbers: tuple | None = None  # gloo: the posted receive of the last stage's loss and logs
     numbers_posted: bool = False
     published: tuple | None = None  # (the step's loss,) once published before the step's end
+    stand_in_at: tuple | None = None  # first training step: (vstage, microbatch) of a result holding NaN
 
 
 class PipelineRunner(StageLogs):
@@ -68,6 +70,7 @@ class PipelineRunner(StageLogs):
         self.dp_overlap = None  # dp > 1: the strategy's DPOverlap, hooked around self._final (see _syncing)
         self._plans, self._eval_plans, self._warned = {}, {}, set()
         self._trained = False  # a training step ran (the first of a run is checked, see must_divide)
+        self._results_checked = False  # the first training step's stage results were checked for NaN
         self._use(microbatches)
         self._log_names = None  # the last stage's logged names as of the previous step (see _share_numbers)
         self._metrics = None  # torchmetrics modules of the user's module (muted in all but the last chunk)
@@ -223,10 +226,13 @@ class PipelineRunner(StageLogs):
         for p, old in zip(params, saved):
             p._pp_fresh_grad, p.grad = p.grad, old
         self.step_extras = merge_outputs(st.extras) if st.extras else {}
-        if st.published is not None:
-            return st.published[0]
-        mean_loss = float(sum(st.losses) / len(st.losses)) if st.losses else None
-        return self._publish(st.logs, mean_loss, self._numbers(st))
+        if st.published is None:
+            mean_loss = float(sum(st.losses) / len(st.losses)) if st.losses else None
+            st.published = (self._publish(st.logs, mean_loss, self._numbers(st)),)
+        if not self._results_checked:  # after the publish: a stage waits there for the last stage's numbers
+            self._results_checked = True
+            agree_on_stand_ins(st.stand_in_at, device)
+        return st.published[0]
 
     def _walk_actions(self, st) -> None:
         """Eager (gloo): the action list in order, sends at once, receives posted ahead, sends dropped
@@ -295,6 +301,8 @@ class PipelineRunner(StageLogs):
                                      f"skipping a batch by returning None is not supported with pp or microbatches.")
                 st.losses.append(out.detach().float())
                 out = out * st.scale
+            if not self._results_checked and st.stand_in_at is None and holds_nan(out):
+                st.stand_in_at = (k, a.microbatch)
             st.outputs[key] = out
         else:  # the step runs inside Lightning's autocast; backward must not
             # a checkpoint of the user's own recomputes blocks in here, outside any run (see stage._wrap)

@@ -2,10 +2,12 @@
 runs unchanged from top to bottom on every stage.
 
 A skipped block passes its hidden states through (in the structure the real block returns, worked
-out by a meta-device twin); any other module returns zeros of its output's shape. Where the user's
-code reads an attribute (``layers[0].self_attn.batch_first``) the meta twin answers. What cannot
-stand in is said at the first step, not computed with zeros: a module called where its original
-should have run, a weight read where it is not held, a block's side output used on another stage.
+out by a meta-device twin); any other module returns stand-ins of its output's shape (NaN, see
+:func:`stand_in_output`). Where the user's code reads an attribute
+(``layers[0].self_attn.batch_first``) the meta twin answers. What cannot stand in is said at the
+first step, not computed with stand-ins: a module called where its original should have run, a
+weight read where it is not held, a block's side output used on another stage, a stand-in's value
+reaching a stage's result.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ import functools
 import inspect
 
 import torch
+import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
 
 def meta_twin(module: nn.Module) -> nn.Module:
@@ -60,7 +63,7 @@ class PipelinePlaceholder(nn.Module):
 
 def meta_twins(module: nn.Module, split: dict) -> list:
     """Every meta twin a split made (placeholders', silenced modules', a rank's interleaved blocks'):
-    whatever changes the model's dtype (bf16-true) must change theirs too, or their zeros stay fp32."""
+    whatever changes the model's dtype (bf16-true) must change theirs too, or their stand-ins stay fp32."""
     twins = [m._twin[0] for m in module.modules() if isinstance(m, PipelinePlaceholder)]
     return twins + [twin for twin, _ in split["silence"].values()] + list(split["twins"].values())
 
@@ -88,7 +91,7 @@ def passthrough(twin: nn.Module, args, kwargs, side_outputs: bool, memo: dict):
     """What a block outside the running stage returns: its input hidden states, in the structure the
     real block returns (a tensor, or a tuple whose first element is the hidden states, as Hugging
     Face blocks return), worked out once by its meta ``twin``. In an encoder-decoder the rest of a
-    tuple is zeros of its shape (``side_outputs``): T5's first block returns the position bias the
+    tuple is stand-ins of its shape (``side_outputs``): T5's first block returns the position bias the
     later ones are given, which then travels between stages (None would not say a tensor is expected
     there)."""
     if "hidden" not in memo:
@@ -96,7 +99,7 @@ def passthrough(twin: nn.Module, args, kwargs, side_outputs: bool, memo: dict):
     hidden = args[0] if args else kwargs[hidden_place(args, kwargs, memo["hidden"])]
     if side_outputs and not memo.get("plain"):
         try:
-            out = zeros_like_output(twin, args, kwargs)
+            out = stand_in_output(twin, args, kwargs)
         except Exception:  # noqa: BLE001 - a block that cannot run on meta: the plain path below
             out = hidden
         if not isinstance(out, torch.Tensor):
@@ -122,7 +125,7 @@ class OnAnotherStage:
     """What a block outside the running stage returns besides its hidden states, where the real block
     returns a tensor (an MoE block's auxiliary loss): only hidden states travel between stages, so it
     is not here. Checks for None pass; any use of it in a computation says so instead of failing on
-    ``None`` (``loss + aux``) or going on with zeros."""
+    ``None`` (``loss + aux``) or going on with stand-ins."""
 
     def __init__(self, what: str):
         self.what = what
@@ -181,7 +184,7 @@ def hidden_place(args, kwargs, name=None):
 
 
 class ShapeOnly(PipelinePlaceholder):
-    """Runs the meta twin of the original to return zeros of the true output shape."""
+    """Runs the meta twin of the original to return stand-ins of the true output shape."""
 
     runs_in = None  # "before" / "after": the stage the original went to (see split._outer_groups)
     stage = None  # the StageState, with one block list (see stage.install): checks where it is called
@@ -189,29 +192,34 @@ class ShapeOnly(PipelinePlaceholder):
     def forward(self, *args, **kwargs):
         if self.stage is not None:
             _check_place(self, self.stage)
-        return zeros_like_output(self._twin[0], args, kwargs)
+        return stand_in_output(self._twin[0], args, kwargs)
 
 
 def _check_place(placeholder: "ShapeOnly", state) -> None:
     """A placeholder called where its original should have run: the module went to the wrong end of
     the pipeline (where the code calls it could not be read, see split._called_around), and the run would
-    go on with zeros in its place. A module of the last stage called in the first stage's run runs
+    go on with stand-ins in its place. A module of the last stage called in the first stage's run runs
     before the blocks; one of the first stage called after the last stage's blocks began runs after."""
     wrong = {"after": state.active == 0, "before": state.active == state.last_vstage and state.entered}
     if wrong.get(placeholder.runs_in):
         where = ("before the blocks, but went to the last stage (it holds a Linear and no embedding)"
                  if placeholder.runs_in == "after" else
                  "after the blocks, but went to the first stage (it is registered before them and holds no Linear)")
-        raise ValueError(f"pipeline: {placeholder.skipped} runs {where}, so this stage would compute with zeros "
+        raise ValueError(f"pipeline: {placeholder.skipped} runs {where}, so this stage would compute with stand-ins "
                          f"in its place. Its place is read from where the block list's parent module calls it "
                          f"(`self.{placeholder.skipped.rpartition('.')[2]}(...)` in its forward), which did not "
                          f"say here. Call it in that forward, or use tp/dp for this model.")
 
 
-def zeros_like_output(twin: nn.Module, args, kwargs):
-    """Zeros shaped like what the original module returns for these arguments. The meta run that
-    finds the shapes costs ~0.1 ms a call, once per microbatch on every later stage: its result is
-    kept per argument signature (shapes and dtypes, plain values) where the arguments have one."""
+def stand_in_output(twin: nn.Module, args, kwargs):
+    """What a module another stage holds returns here: tensors of the original output's shape and
+    dtype, NaN where they are floating-point (else zeros). A later stage overwrites whatever its code
+    computes from them with the received activation at its first block; where a value made from
+    them reaches the stage's result anyway (the embedding's output added after the blocks,
+    ``head(h + x0)``), NaN makes it fail loudly (see executor's first-step check) instead of
+    computing with zeros and saying nothing. The meta run that finds the shapes costs ~0.1 ms a
+    call, once per microbatch on every later stage: its result is kept per argument signature
+    (shapes and dtypes, plain values) where the arguments have one."""
     device = next((t.device for t in _tensors(args, kwargs)), torch.device("cpu"))
     key = _signature(args, {k: v for k, v in kwargs.items() if k not in CACHE_KWARGS})  # T5 passes its cache
     shapes = twin.__dict__.setdefault("_lightning_tp_shapes", {})
@@ -221,15 +229,44 @@ def zeros_like_output(twin: nn.Module, args, kwargs):
         out = twin(*meta_args, **meta_kwargs)
         if key is not None:
             shapes[key] = out
-    return tree_map(lambda t: _marked(torch.zeros(t.shape, dtype=t.dtype, device=device))
-                    if isinstance(t, torch.Tensor) else t, out)
+    return tree_map(lambda t: _marked(_filled(t, device)) if isinstance(t, torch.Tensor) else t, out)
 
 
-def _marked(zeros: torch.Tensor) -> torch.Tensor:
-    """A placeholder's zeros, marked: the code may hold them elsewhere too (``x0 = emb(x)``), so a stage's
-    first block does not write the received activation into them (see stage._takes_in_place)."""
-    zeros._lightning_tp_placeholder = True
-    return zeros
+def _filled(t: torch.Tensor, device) -> torch.Tensor:
+    fill = float("nan") if t.dtype.is_floating_point or t.dtype.is_complex else 0
+    return torch.full(t.shape, fill, dtype=t.dtype, device=device)
+
+
+def holds_nan(result) -> bool:
+    flat, _ = tree_flatten(result)
+    return any(isinstance(t, torch.Tensor) and t.is_floating_point() and bool(torch.isnan(t.detach()).any())
+               for t in flat)
+
+
+def agree_on_stand_ins(found, device) -> None:
+    """At the end of the first training step, on every rank: a stage's result (the activation it sends
+    on, or the loss) that held NaN most likely held a placeholder's stand-in (see
+    :func:`stand_in_output`) that the user's code carried past the stage's first block, which
+    one process would have computed for real. Found on one stage, refused on all (before the
+    optimizer steps)."""
+    flag = torch.tensor([0 if found is None else 1 + found[0] * 1_000_000 + found[1]], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if flag.item() == 0:
+        return
+    vstage, microbatch = divmod(int(flag.item()) - 1, 1_000_000)
+    raise ValueError(
+        f"pipeline: virtual stage {vstage}'s result for microbatch {microbatch} is NaN at the first step. A module "
+        f"another stage holds returns NaN here, so your code most likely uses a value made by one past this "
+        f"stage's first block: the embedding's output added after the blocks (head(h + x0)) or between them "
+        f"(h = block(h) + x0). Only hidden states travel between stages: pass it to the blocks, or use tp/dp "
+        f"for this model. (Or the model gives NaN in one process too: check its data and initialization.)")
+
+
+def _marked(stand_in: torch.Tensor) -> torch.Tensor:
+    """A placeholder's output, marked: the code may hold it elsewhere too (``x0 = emb(x)``), so a stage's
+    first block does not write the received activation into it (see stage._takes_in_place)."""
+    stand_in._lightning_tp_placeholder = True
+    return stand_in
 
 
 def _signature(args, kwargs):

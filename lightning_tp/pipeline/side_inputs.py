@@ -3,7 +3,7 @@
 Only hidden states travel between stages; a block's other arguments (masks, rotary tables,
 positions) are made again by the user's code on each stage, from the batch and from modules every
 stage holds. One made by a module another stage holds is not: that module is a placeholder there
-and returns zeros (a frozen embedding's output given to every block as a value residual; one
+and returns NaN stand-ins (a frozen embedding's output given to every block as a value residual; one
 that requires grad is refused at the sender already, see stage._check_side_inputs), and one drawn
 at random by a module only one stage runs differs (the blocks draw from streams of their own, see
 lightning_tp/rng.py, so draws in your code agree between stages). Either way the
@@ -128,6 +128,6 @@ class SideInputCheck:
                     f"pipeline: block {block} is given {m[0]} (shape {tuple(m[1])}) besides its hidden states, and "
                     f"it differs between stage {vstage - 1} (sum {t[3]:.6g}) and stage {vstage} (sum {m[3]:.6g}), "
                     f"which makes it again: only hidden states travel between stages. Made by a module that "
-                    f"another stage holds (a frozen embedding's output given to every block) it is zeros there; "
+                    f"another stage holds (a frozen embedding's output given to every block) it is a stand-in there; "
                     f"drawn at random by a module only one stage runs it differs. Make it inside the blocks, from the batch "
                     f"or from buffers, or use tp/dp for this model.")

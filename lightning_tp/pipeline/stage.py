@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .placeholders import ShapeOnly, SkippedBlock, hidden_name, hidden_place, passthrough, zeros_like_output
+from .placeholders import ShapeOnly, SkippedBlock, hidden_name, hidden_place, passthrough, stand_in_output
 
 
 class StageDone(Exception):
@@ -60,7 +60,7 @@ class StageState:
 
 def install(blocks, layout, pp_rank: int, silence=(), twins=None, side=None) -> StageState:
     """``silence``: (module, meta twin, virtual stages it runs in) of modules outside the blocks that
-    this rank's other chunks must not rerun (they return zeros of their shape there); ``twins``: block
+    this rank's other chunks must not rerun (they return stand-ins of their shape there); ``twins``: block
     index -> meta twin of this rank's blocks, for their runs outside their stage (see _passthrough_of);
     ``side``: a :class:`.side_inputs.SideInputCheck`, or None (no check)."""
     twins = twins or {}
@@ -91,12 +91,12 @@ def install(blocks, layout, pp_rank: int, silence=(), twins=None, side=None) -> 
 
 def _silence_outside(module, twin, runs: set, state: StageState) -> None:
     """An embedding only feeds virtual stage 0 (and an encoder-decoder's decoder stage): in another
-    chunk's run it returns zeros of its shape."""
+    chunk's run it returns stand-ins of its shape (see placeholders.stand_in_output)."""
     original = module.forward
 
     def forward(*args, **kwargs):
         if state.active not in runs:
-            return zeros_like_output(twin, args, kwargs)
+            return stand_in_output(twin, args, kwargs)
         return original(*args, **kwargs)
 
     module.forward = forward
@@ -158,11 +158,11 @@ def _in_users_checkpoint() -> bool:
 def _takes_in_place(computed, received) -> bool:
     """Whether the tensor the user's code hands the stage's first block may take the received
     activation in place (autograd then routes the gradient of every use of it to the received leaf:
-    ``h = h + block(h)`` must add the received activation, not the zeros this stage computed before
+    ``h = h + block(h)`` must add the received activation, not the stand-ins this stage computed before
     it). Not a placeholder's own output or a batch tensor, nor a view of one (the code may use them
     elsewhere too: ``x0 = emb(x)``, a loss against the batch), nor a leaf that requires grad. A view
     of a tensor the user's code computed (``h = (h + block(h)).view(...)``) may: replacing only the
-    block's argument would leave that residual adding zeros."""
+    block's argument would leave that residual adding stand-ins."""
     if not (isinstance(computed, torch.Tensor) and isinstance(received, torch.Tensor)
             and computed.shape == received.shape and computed.dtype == received.dtype
             and computed.device == received.device):
@@ -189,7 +189,7 @@ def _check_side_inputs(args, kwargs, name, index: int) -> None:
     there by the user's code again (masks, rotary tables). A tensor computed from trainable weights
     (it requires grad and is no parameter, e.g. the embedding's output given to every block as a
     value residual, ``block(h, x0)``) cannot be: the next stage would make it from placeholders, as
-    zeros. Refused at the sending stage's first training step instead. (One made by frozen weights
+    stand-ins. Refused at the sending stage's first training step instead. (One made by frozen weights
     does not require grad: the receiving stage finds it differs, see .side_inputs.)"""
     hidden = hidden_place(args, kwargs, name)
     extra = [(i, a) for i, a in enumerate(args) if i != hidden] + [(k, a) for k, a in kwargs.items() if k != hidden]
@@ -199,7 +199,7 @@ def _check_side_inputs(args, kwargs, name, index: int) -> None:
             raise ValueError(f"pipeline: block {index} is given {what} (shape {tuple(a.shape)}) besides its hidden "
                              f"states, computed from trainable weights outside the blocks; only the hidden states "
                              f"travel between stages, so the next stage would not have it (it would compute it "
-                             f"from placeholders' zeros, and its gradient would not reach those weights). Use "
+                             f"from placeholders' stand-ins, and its gradient would not reach those weights). Use "
                              f"tp/dp for this model, or derive it inside the blocks.")
 
 
