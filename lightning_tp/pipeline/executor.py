@@ -5,8 +5,9 @@ it runs a single stage), each backward is plain autograd. What Lightning expects
 is kept: the gradients this step computed are set aside from ``p.grad`` until Lightning's
 backward call (Lightning zeroes grads between its training_step and backward), values logged in
 ``training_step`` are reduced over microbatches (their ``reduce_fx``) on the last stage and logged
-on every stage, and the step returns the true loss everywhere (:mod:`.logs`). Transfers: :mod:`.p2p` (eager, gloo) or
-:mod:`.p2p_slots` (one group per time slot, NCCL).
+on every stage, and the step returns the true loss everywhere (:mod:`.logs`). Transfers:
+:mod:`.p2p` (eager, gloo) or :mod:`.p2p_slots` (one group per time slot, NCCL). Forward-only steps
+(validate, test, predict): :mod:`.forward_only_step`.
 """
 
 from __future__ import annotations
@@ -16,17 +17,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
-from torch.utils._pytree import tree_map
 
 from ..rng import backward_pass
 from .landed import landed_after
 from .logs import BatchValues, StageLogs, captured_logs, early_publish, find_metrics, muted_metrics
-from .microbatch import (batches_per_epoch, merge_outputs, microbatches_for, must_divide, resumable_loader,
-                         split_batch)
+from .forward_only_step import ForwardOnlyStep
+from .microbatch import batches_per_epoch, merge_outputs, microbatches_for, must_divide, resumable_loader, split_marked
 from .p2p import Mailbox, drop_sent_values, tag
 from .p2p_slots import SlotMailbox
 from .placeholders import agree_on_stand_ins, holds_nan
-from .schedules import Action, build_schedule, forward_only
+from .schedules import Action, build_schedule
 from .slots import slot_plan
 from .stage import StageDone
 from .zb import SplitBackward
@@ -59,7 +59,7 @@ class _Step:
     stand_in_at: tuple | None = None  # first training step: (vstage, microbatch) of a result holding NaN
 
 
-class PipelineRunner(StageLogs):
+class PipelineRunner(StageLogs, ForwardOnlyStep):
     def __init__(self, module, mesh, layout, state, schedule: str, microbatches: int, batched: bool = False,
                  device=None):
         self.module, self.mesh, self.layout, self.state = module, mesh, layout, state
@@ -218,7 +218,7 @@ class PipelineRunner(StageLogs):
         for p in params:
             p.grad = None
         device = self._device()  # the run's device even on a stage without trainable parameters
-        st = _Step(_split(batch, m), rest, scale / m, params, device, [[] for _ in range(m)])
+        st = _Step(split_marked(batch, m), rest, scale / m, params, device, [[] for _ in range(m)])
         if self.slots is None:
             self._walk_actions(st)
         else:
@@ -371,74 +371,6 @@ class PipelineRunner(StageLogs):
                     fresh.add_(p.grad)
                 p.grad = fresh
                 p._pp_fresh_grad = None
-
-    # ---------------------------------------------------------------- forward only
-
-    def eval_step(self, hook: str, batch, batch_idx, rest=None):
-        """validate/test/predict: the forwards of :func:`.schedules.forward_only` (a group of
-        microbatches through every chunk before the next), eager or one transfer group per slot."""
-        m = self._microbatches(batch, hook, batch_idx)
-        rest = rest if rest is not None else ((batch_idx,), {})
-        self.batch_values.start()
-        micro, logs, results, received, outputs = _split(batch, m), [[] for _ in range(m)], [], {}, {}
-        device = next((b.device for b in self.module.buffers()), None) or next(self.module.parameters()).device
-        if m not in self._eval_plans:
-            full = forward_only(self.layout.pp, m, self.layout.v)
-            slots = slot_plan(full, self.layout.pp, self.layout.v) if self.batched else None
-            actions = full[self.mesh.pp_rank]
-            self._eval_plans[m] = (actions, slots and slots[self.mesh.pp_rank],
-                                   self._expected_receives(actions, forward_only=True))
-        actions, slots, expected = self._eval_plans[m]
-
-        def forward(a):
-            key = (a.microbatch, a.chunk)
-            finished, out = self._run(hook, micro[a.microbatch], rest, self._vstage(a.chunk),
-                                      received.pop(key, None), logs[a.microbatch])
-            if finished:
-                results.append(out)  # the last virtual stage takes microbatches in order
-            else:
-                outputs[key] = out
-
-        with torch.no_grad():
-            if slots is None:
-                box = Mailbox(expected, device=device)
-                for a in actions:
-                    if a.kind == "RECV_F":
-                        src, t, channel = self._recv_args(a, forward_only=True)
-                        received[(a.microbatch, a.chunk)] = box.recv(src, t, device, channel)
-                    elif a.kind == "SEND_F":
-                        box.send(outputs.pop((a.microbatch, a.chunk)), *self._send_route(a, forward_only=True))
-                    else:
-                        forward(a)
-            else:
-                box = SlotMailbox(self._eval_shapes, device)
-                for slot in slots:
-                    if slot.compute is not None:
-                        a = slot.compute
-                        if self._vstage(a.chunk) > 0:
-                            _, t, channel = self._recv_args(a, forward_only=True)
-                            received[(a.microbatch, a.chunk)] = box.take(channel, t)
-                        forward(a)
-                    box.group([(outputs.pop((a.microbatch, a.chunk)), *self._send_route(a, forward_only=True))
-                               for a in slot.sends], [self._recv_args(a, forward_only=True) for a in slot.recvs])
-        box.wait()
-        merged = tree_map(lambda t: t.cpu() if isinstance(t, torch.Tensor) else t, merge_outputs(results)) \
-            if results else None
-        return self._publish(logs, merged, train=False)
-
-
-def _split(batch, m: int) -> list:
-    """The batch's microbatches, their tensors marked: a batch tensor never takes a received
-    activation in place (see stage._takes_in_place)."""
-    micro = split_batch(batch, m)
-    tree_map(_kept, micro)
-    return micro
-
-
-def _kept(t):
-    if isinstance(t, torch.Tensor):
-        t._lightning_tp_placeholder = True
-    return t
 
 
 def _no_input_grad(k: int) -> ValueError:

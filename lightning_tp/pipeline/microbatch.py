@@ -20,6 +20,7 @@ import math
 from collections.abc import Mapping
 
 import torch
+from torch.utils._pytree import tree_map
 
 
 def split_batch(batch, m: int, path: str = "batch") -> list:
@@ -133,3 +134,17 @@ def merge_outputs(outputs: list):
     except Exception:  # noqa: BLE001 - objects whose == is not a bool (arrays): listed below
         pass
     return list(outputs)
+
+
+def split_marked(batch, m: int) -> list:
+    """The batch's microbatches, their tensors marked: a batch tensor never takes a received
+    activation in place (see stage._takes_in_place)."""
+    micro = split_batch(batch, m)
+    tree_map(_kept, micro)
+    return micro
+
+
+def _kept(t):
+    if isinstance(t, torch.Tensor):
+        t._lightning_tp_placeholder = True
+    return t

@@ -1,0 +1,68 @@
+"""validate/test/predict under a pipeline: the forwards of :func:`.schedules.forward_only`, no
+gradients, each stage running the user's own step on its microbatches (see :mod:`.executor`, whose
+runner this is a part of: it provides ``_run``, the transfer routes and the log publishing)."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._pytree import tree_map
+
+from .microbatch import merge_outputs, split_marked
+from .p2p import Mailbox
+from .p2p_slots import SlotMailbox
+from .schedules import forward_only
+from .slots import slot_plan
+
+
+class ForwardOnlyStep:
+    def eval_step(self, hook: str, batch, batch_idx, rest=None):
+        """validate/test/predict: the forwards of :func:`.schedules.forward_only` (a group of
+        microbatches through every chunk before the next), eager or one transfer group per slot."""
+        m = self._microbatches(batch, hook, batch_idx)
+        rest = rest if rest is not None else ((batch_idx,), {})
+        self.batch_values.start()
+        micro, logs, results, received, outputs = split_marked(batch, m), [[] for _ in range(m)], [], {}, {}
+        device = next((b.device for b in self.module.buffers()), None) or next(self.module.parameters()).device
+        if m not in self._eval_plans:
+            full = forward_only(self.layout.pp, m, self.layout.v)
+            slots = slot_plan(full, self.layout.pp, self.layout.v) if self.batched else None
+            actions = full[self.mesh.pp_rank]
+            self._eval_plans[m] = (actions, slots and slots[self.mesh.pp_rank],
+                                   self._expected_receives(actions, forward_only=True))
+        actions, slots, expected = self._eval_plans[m]
+
+        def forward(a):
+            key = (a.microbatch, a.chunk)
+            finished, out = self._run(hook, micro[a.microbatch], rest, self._vstage(a.chunk),
+                                      received.pop(key, None), logs[a.microbatch])
+            if finished:
+                results.append(out)  # the last virtual stage takes microbatches in order
+            else:
+                outputs[key] = out
+
+        with torch.no_grad():
+            if slots is None:
+                box = Mailbox(expected, device=device)
+                for a in actions:
+                    if a.kind == "RECV_F":
+                        src, t, channel = self._recv_args(a, forward_only=True)
+                        received[(a.microbatch, a.chunk)] = box.recv(src, t, device, channel)
+                    elif a.kind == "SEND_F":
+                        box.send(outputs.pop((a.microbatch, a.chunk)), *self._send_route(a, forward_only=True))
+                    else:
+                        forward(a)
+            else:
+                box = SlotMailbox(self._eval_shapes, device)
+                for slot in slots:
+                    if slot.compute is not None:
+                        a = slot.compute
+                        if self._vstage(a.chunk) > 0:
+                            _, t, channel = self._recv_args(a, forward_only=True)
+                            received[(a.microbatch, a.chunk)] = box.take(channel, t)
+                        forward(a)
+                    box.group([(outputs.pop((a.microbatch, a.chunk)), *self._send_route(a, forward_only=True))
+                               for a in slot.sends], [self._recv_args(a, forward_only=True) for a in slot.recvs])
+        box.wait()
+        merged = tree_map(lambda t: t.cpu() if isinstance(t, torch.Tensor) else t, merge_outputs(results)) \
+            if results else None
+        return self._publish(logs, merged, train=False)
