@@ -62,7 +62,7 @@ from torch import nn
 
 from .grads import replica_buffer_numel
 from .layers.shard import padded_size
-from .pipeline.block_lists import block_at
+from .pipeline.block_lists import block_at, block_key
 from .pipeline.schedules import build_schedule
 from .pipeline.simulate import simulate
 from .pipeline.split import _outer_groups, apply_split, plan_stages
@@ -269,10 +269,13 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
     decoder_parent = lists[-1][0].rpartition(".")[0] + "." if len(lists) > 1 else None
     order = {name: i for i, (name, _) in enumerate(base.named_modules())}
 
+    positions = {lpath: {block_key(c, j): j for j in range(len(c))} for lpath in offset if lpath
+                 for c in [base.get_submodule(lpath)]}  # a ModuleDict's blocks are named by their keys
+
     def locate(path):
         for lpath, first in offset.items():
             if path.startswith(lpath + "."):
-                return ("block", first + int(path[len(lpath) + 1:].split(".")[0]))
+                return ("block", first + positions[lpath][path[len(lpath) + 1:].split(".")[0]])
         if bpath is None or order[path] < order[lists[0][0]]:
             return ("first",)
         if len(lists) > 1 and order[path] < order[lists[1][0]]:

@@ -62,8 +62,7 @@ def block_lists(model: nn.Module, name: str | None = None) -> list[str]:
     ``nn.ModuleDict`` of such blocks (see pipeline.block_lists)."""
     if name is not None:  # one path, or an encoder-decoder's two
         return [find_blocks(model, n)[0] for n in ([name] if isinstance(name, str) else name)]
-    found = _outermost_lists(model)
-    found = [p for p in found if isinstance(model.get_submodule(p), nn.ModuleList)] or found
+    found = _outermost_lists(model, others=False) or _outermost_lists(model, others=True)
     if not found:
         raise ValueError(f"MegaStrategy(activation_checkpointing=...) checkpoints the model's repeated blocks (an "
                          f"nn.ModuleList, nn.Sequential or nn.ModuleDict of same-class blocks), and none was found in "
@@ -72,13 +71,13 @@ def block_lists(model: nn.Module, name: str | None = None) -> list[str]:
     return found
 
 
-def _outermost_lists(model: nn.Module) -> list[str]:
+def _outermost_lists(model: nn.Module, others: bool) -> list[str]:
     """Paths of the outermost block lists with trainable parameters (see pipeline.block_lists)."""
     found = []
     for path, module in model.named_modules():
         if any(path.startswith(p + ".") for p in found):
             continue  # a list inside a block (experts, heads): its block is checkpointed whole
-        if is_block_list(module) and any(p.requires_grad for p in module.parameters()):  # not metrics
+        if is_block_list(module, others) and any(p.requires_grad for p in module.parameters()):  # not metrics
             found.append(path)
     return found
 

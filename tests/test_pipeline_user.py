@@ -142,12 +142,58 @@ class DictNet(Net):
         return self.head(self.norm(h))
 
 
-def _staged(base, x, grad=True):
+class OverlapNet(Net):
+    """No embedding: the blocks are fed one view of a tensor made from the batch, and the head is given
+    another, overlapping one (h = block(h) alone between them: the stage's first block must not write
+    into the view)."""
+
+    def forward(self, x):
+        full = F.one_hot(x, V).float()
+        h, side = full[..., :H], full[..., 4:4 + H]
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h + side))
+
+
+class ScaledNet(Net):
+    """The embedding scaled by a weight of the root module (every stage holds it), a residual around
+    each block: on stage 1 what the code computed before the stage's first block is stand-ins, and
+    no NaN gradient may reach that weight from there."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x):
+        h = self.emb(x) * self.scale
+        for block in self.blocks:
+            h = h + 0.5 * block(h)
+        return self.head(self.norm(h))
+
+
+class AttributeReadNet(Net):
+    """The input projection called with an argument that reads a block's attribute: still before them."""
+
+    def __init__(self):
+        super().__init__(layout="in_proj")
+
+    def forward(self, x):
+        h = self.emb(x)
+        h = self.project_in(h if self.blocks[0].fc.bias is not None else -h)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h))
+
+
+def _staged(base, x, grad=True, models=None):
     """pp=2 in one process: stage 0's output feeds stage 1, which returns the model's output; the
-    blocks' other arguments are checked across the stages through an in-process store."""
+    blocks' other arguments are checked across the stages through an in-process store. ``models``:
+    a list that gets each stage's model."""
     message, side = None, SideInputCheck(torch.distributed.HashStore(), lambda k: k % 2)  # as both ranks' own
     for rank in (0, 1):
         model = copy.deepcopy(base)
+        if models is not None:
+            models.append(model)
         layout = plan_stages(model, 2)
         split = apply_split(model, layout, rank)
         state = install(layout.blocks(model), layout, rank,
@@ -167,17 +213,27 @@ def _x():
 
 
 @pytest.mark.parametrize("style, layout", [("keywords", "plain"), ("plain", "in_proj"), ("plain", "norm_first"),
-                                           ("plain", "norm_in_helper"), ("plain", "sequential"), ("plain", "dict")])
+                                           ("plain", "norm_in_helper"), ("plain", "sequential"), ("plain", "dict"),
+                                           ("plain", "overlap"), ("plain", "scaled")])
 def test_staged_runs_match_the_unsplit_model(style, layout):
-    model = {"norm_in_helper": NormInHelper, "sequential": SequentialNet, "dict": DictNet}.get(
-        layout, lambda: Net(style, layout))()
+    model = {"norm_in_helper": NormInHelper, "sequential": SequentialNet, "dict": DictNet, "overlap": OverlapNet,
+             "scaled": ScaledNet}.get(layout, lambda: Net(style, layout))()
     torch.testing.assert_close(_staged(model, _x()), model(_x()), atol=1e-6, rtol=0)
+
+
+def test_stand_ins_before_a_stages_first_block_send_no_gradient_to_weights_every_stage_holds():
+    stages = []
+    _staged(ScaledNet(), _x(), models=stages).sum().backward()
+    grads = [p.grad for p in stages[1].parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
+    assert stages[1].scale.grad is None  # made on stage 0; on stage 1 only stand-ins went through it
 
 
 def test_modules_go_where_the_parents_code_calls_them():
     for model, before, after in ((Net(layout="in_proj"), ["emb", "project_in"], ["norm", "head"]),
                                  (Net(layout="norm_first"), ["emb"], ["norm", "head"]),
-                                 (SequentialNet(), ["emb"], ["norm", "head"])):  # norm(blocks(h)): after them
+                                 (SequentialNet(), ["emb"], ["norm", "head"]),  # norm(blocks(h)): after them
+                                 (AttributeReadNet(), ["emb", "project_in"], ["norm", "head"])):
         groups = _outer_groups(model, ["blocks"])
         assert [n for n, _ in groups["before"]] == before and [n for n, _ in groups["after"]] == after, model
 
@@ -202,6 +258,12 @@ def test_the_pipeline_block_list_is_an_outermost_one():
     model = nn.Module()
     model.blocks = nn.ModuleList(MoE() for _ in range(2))
     assert plan_stages(model, 2).blocks_path == "blocks"
+
+
+def test_explain_names_module_dict_blocks_by_their_keys():
+    from lightning_tp import explain
+
+    assert explain(DictNet(), pp=2, batch_shape=(2, T), print_report=False).stages == [(0, 0, 0, 1), (1, 1, 2, 3)]
 
 
 def test_an_nn_sequential_or_module_dict_of_blocks_is_the_block_list_where_no_module_list_is():

@@ -93,10 +93,16 @@ def test_which_blocks():
     nested.metrics = nn.ModuleList(nn.Identity() for _ in range(2))
     assert recompute.block_lists(nested) == ["blocks"]  # nothing to recompute for in those
     assert recompute.block_lists(nested, "blocks.0.experts") == ["blocks.0.experts"]
+    class Pair(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(2, 2), nn.Linear(2, 2)
+
     loose = nn.Module()  # no ModuleList of blocks: a Sequential or ModuleDict of them is recomputed
-    loose.stem = nn.Sequential(Experts(), Experts())
-    loose.layers = nn.ModuleDict({"a": Experts(), "b": Experts()})
+    loose.stem = nn.Sequential(Pair(), Pair())
+    loose.layers = nn.ModuleDict({"a": Pair(), "b": Pair()})
     loose.heads = nn.ModuleDict({"x": nn.Linear(2, 2), "y": nn.Linear(2, 2)})  # layers, not blocks
+    loose.stacks = nn.ModuleDict({"x": nn.ModuleList([Pair()]), "y": nn.ModuleList([Pair()])})  # lists, not blocks
     assert recompute.block_lists(loose) == ["stem", "layers"]
     recompute.apply(loose, recompute.targets(loose, True))
     assert loose.layers["b"]._lightning_tp_recompute and loose.stem[1]._lightning_tp_recompute

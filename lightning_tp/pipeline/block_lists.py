@@ -42,12 +42,15 @@ def is_block_list(module: nn.Module, others: bool = True) -> bool:
     blocks = blocks_of(module)
     if len(blocks) < 2 or len({type(b) for b in blocks}) != 1:
         return False
-    return isinstance(module, nn.ModuleList) or any(True for _ in blocks[0].children())
+    if isinstance(module, nn.ModuleList):
+        return True
+    # blocks of their own, callable (a dict of ModuleLists holds lists, not blocks)
+    return not isinstance(blocks[0], (nn.ModuleList, nn.ModuleDict)) and any(True for _ in blocks[0].children())
 
 
 def find_blocks(model: nn.Module, name: str | None = None) -> tuple[str, nn.Module]:
     """(path, container) of the pipeline's block list: ``name``, else the longest outermost
-    ``nn.ModuleList`` of blocks, else the longest other container of them."""
+    ``nn.ModuleList`` of blocks, else the longest outermost other container of them."""
     if isinstance(name, (list, tuple)) and len(name) == 1:
         name = name[0]
     if name is not None:
@@ -59,14 +62,7 @@ def find_blocks(model: nn.Module, name: str | None = None) -> tuple[str, nn.Modu
             raise ValueError(f"pipeline_blocks={name!r} is a {type(blocks).__name__}, not an nn.ModuleList, "
                              f"nn.Sequential or nn.ModuleDict of blocks.")
         return name, blocks
-    best, found = None, []
-    for path, module in model.named_modules():
-        if any(path.startswith(p + ".") for p in found):
-            continue  # a list inside a block (an MoE block's experts, heads): never the pipeline's
-        if is_block_list(module):
-            found.append(path)
-            if best is None or _before(module, best[1]):
-                best = (path, module)
+    best = _longest(model, others=False) or _longest(model, others=True)
     if best is None:
         raise ValueError(
             f"pipeline parallelism needs the model's repeated block list (an nn.ModuleList, nn.Sequential or "
@@ -75,6 +71,14 @@ def find_blocks(model: nn.Module, name: str | None = None) -> tuple[str, nn.Modu
     return best
 
 
-def _before(blocks, than) -> bool:
-    """An ``nn.ModuleList`` over another container (a stem of two conv blocks), then more blocks."""
-    return (isinstance(blocks, nn.ModuleList), len(blocks)) > (isinstance(than, nn.ModuleList), len(than))
+def _longest(model: nn.Module, others: bool):
+    """(path, container) of the longest outermost block list, ModuleLists only unless ``others``."""
+    best, found = None, []
+    for path, module in model.named_modules():
+        if any(path.startswith(p + ".") for p in found):
+            continue  # a list inside a block (an MoE block's experts, heads): never the pipeline's
+        if is_block_list(module, others):
+            found.append(path)
+            if best is None or len(module) > len(best[1]):
+                best = (path, module)
+    return best

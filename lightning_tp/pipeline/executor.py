@@ -104,7 +104,7 @@ class PipelineRunner(StageLogs, ForwardOnlyStep):
         except StageDone as done:
             return False, done.output
         finally:
-            self.state.received, self.state.stand_ins = None, {}
+            self.state.received, self.state.stand_ins, self.state.passed = None, {}, None
 
     def _device(self):
         if self.device is not None:
@@ -231,7 +231,8 @@ class PipelineRunner(StageLogs, ForwardOnlyStep):
             st.published = (self._publish(st.logs, mean_loss, self._numbers(st)),)
         if not self._results_checked:  # after the publish: a stage waits there for the last stage's numbers
             self._results_checked = True
-            agree_on_stand_ins(st.stand_in_at, device)
+            if self.n_vstages > 1:  # microbatches alone (pp=1): no placeholders
+                agree_on_stand_ins(st.stand_in_at, device)
         return st.published[0]
 
     def _walk_actions(self, st) -> None:

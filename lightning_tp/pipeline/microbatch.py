@@ -147,4 +147,6 @@ def split_marked(batch, m: int) -> list:
 def _kept(t):
     if isinstance(t, torch.Tensor):
         t._lightning_tp_placeholder = True
+        if t._is_view():  # a chunk of the batch, or of the broadcast buffer: a view of it is the batch too
+            t._base._lightning_tp_placeholder = True
     return t

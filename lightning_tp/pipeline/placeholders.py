@@ -84,7 +84,10 @@ class SkippedBlock(PipelinePlaceholder):
                 and self.index == state.ranges[state.active - 1][1]:
             hidden = hidden_place(args, kwargs, memo.setdefault("hidden", hidden_name(self._twin[0])))
             state.side.compare(state.active, self.index, args, kwargs, hidden)
-        return passthrough(self._twin[0], args, kwargs, self.side_outputs, memo)
+        out = passthrough(self._twin[0], args, kwargs, self.side_outputs, memo)
+        if state is not None:
+            state.passed = out if isinstance(out, torch.Tensor) else out[0]
+        return out
 
 
 def passthrough(twin: nn.Module, args, kwargs, side_outputs: bool, memo: dict):
@@ -249,17 +252,19 @@ def agree_on_stand_ins(found, device) -> None:
     :func:`stand_in_output`) that the user's code carried past the stage's first block, which
     one process would have computed for real. Found on one stage, refused on all (before the
     optimizer steps)."""
-    flag = torch.tensor([0 if found is None else 1 + found[0] * 1_000_000 + found[1]], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    if flag.item() == 0:
+    none = 1 << 62
+    flag = torch.tensor([none if found is None else found[0] * 1_000_000 + found[1]], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # the first stage it shows on: later ones inherit its NaN
+    if flag.item() == none:
         return
-    vstage, microbatch = divmod(int(flag.item()) - 1, 1_000_000)
+    vstage, microbatch = divmod(int(flag.item()), 1_000_000)
     raise ValueError(
         f"pipeline: virtual stage {vstage}'s result for microbatch {microbatch} is NaN at the first step. A module "
         f"another stage holds returns NaN here, so your code most likely uses a value made by one past this "
         f"stage's first block: the embedding's output added after the blocks (head(h + x0)) or between them "
         f"(h = block(h) + x0). Only hidden states travel between stages: pass it to the blocks, or use tp/dp "
-        f"for this model. (Or the model gives NaN in one process too: check its data and initialization.)")
+        f"for this model. (Or the model gives NaN in one process too: check its data and initialization, and a "
+        f"loss over a microbatch whose labels are all ignore_index.)")
 
 
 def _marked(stand_in: torch.Tensor) -> torch.Tensor:

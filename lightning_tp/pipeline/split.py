@@ -308,11 +308,13 @@ def _called_around(model: nn.Module, blocks_path: str) -> dict:
             break
     else:
         return {}
-    helpers = _helper_sources(parent, source)
+    # the container called as a whole (self.norm(self.blocks(h))): a call around it runs after it
+    at = (lambda m: _call_ends(source, m.end() - 1)) if loop.group().endswith("(") else (lambda m: m.start())
+    helpers = _helper_sources(parent, source, at)
     out = {}
     for child, _ in parent.named_children():
         pattern = rf"\bself\.{re.escape(child)}\s*\("
-        calls = [_call_ends(source, m.end() - 1) for m in re.finditer(pattern, source)]
+        calls = [at(m) for m in re.finditer(pattern, source)]
         calls += [at for at, body in helpers if re.search(pattern, body)]  # called in a helper it calls
         if child != leaf and calls:
             path = f"{parent_path}.{child}" if parent_path else child
@@ -331,8 +333,8 @@ def _call_ends(source: str, opening: int) -> int:
     return opening
 
 
-def _helper_sources(parent: nn.Module, source: str) -> list:
-    """(where its call ends, its source) of each method of the user's own classes that ``source`` calls
+def _helper_sources(parent: nn.Module, source: str, at) -> list:
+    """(where it is called, by ``at``, its source) of each method of the user's own classes that ``source`` calls
     (``self.finish(h)`` after the loop calling ``self.norm``); Lightning's and torch's are left out."""
     found = []
     for call in re.finditer(r"\bself\.([A-Za-z_]\w*)\s*\(", source):
@@ -341,7 +343,7 @@ def _helper_sources(parent: nn.Module, source: str) -> list:
         if module.split(".")[0] in ("torch", "lightning", "pytorch_lightning"):
             continue
         try:
-            found.append((_call_ends(source, call.end() - 1), inspect.getsource(method)))
+            found.append((at(call), inspect.getsource(method)))
         except (OSError, TypeError):
             continue
     return found

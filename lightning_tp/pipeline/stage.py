@@ -52,6 +52,7 @@ class StageState:
     side: object = None  # one block list: the check of the blocks' other arguments (see .side_inputs)
     stop_at: dict = field(default_factory=dict)  # one block list: block index -> virtual stage that ends before it
     backward: tuple | None = None  # while a backward runs: (virtual stage, its received activation)
+    passed: object = None  # the hidden states the last skipped block handed on, in this run (see _wrap)
 
     @staticmethod
     def done(output) -> StageDone:
@@ -122,12 +123,16 @@ def _wrap(block, index: int, state: StageState, twin=None) -> None:
         active, received = state.backward if recompute else (state.active, state.received)
         lo, hi = state.ranges[active]
         if not lo <= index <= hi:
-            return skip(args, kwargs)
+            out = skip(args, kwargs)
+            state.passed = out if isinstance(out, torch.Tensor) else out[0]
+            return out
         state.entered = True
         if index == lo and active > 0:
             place = hidden_place(args, kwargs, name)
             computed = args[0] if args else kwargs.get(place)
-            taken = not recompute and _takes_in_place(computed, received)
+            # what the previous (skipped) block handed on, unchanged (h = block(h)): only the argument
+            # changes; else code between the blocks made it (h = h + block(h)) and it takes the activation
+            taken = not recompute and computed is not state.passed and _takes_in_place(computed, received)
             if taken and _in_users_checkpoint():
                 raise ValueError(
                     f"pipeline: block {index} begins virtual stage {active} and is called under a checkpoint "
@@ -173,12 +178,21 @@ def _takes_in_place(computed, received) -> bool:
 
 
 def _written(computed, received) -> bool:
-    """Writes the received activation into the user's tensor, unless autograd refuses to (checked
-    before anything is written): a view made inside a custom Function (sequence parallelism's shard)
-    or one of several (``chunk``), or one that overlaps itself (``expand``). The caller then replaces
-    the block's argument alone."""
+    """Writes the received activation into the user's tensor, its history on this stage cut first
+    (made from stand-ins, it would send NaN gradients into weights every stage holds: ``h = emb(x) *
+    self.scale``). Not into a view with a history (which cannot be cut in place), nor where autograd
+    refuses (checked before anything is written): a view made inside a custom Function (sequence
+    parallelism's shard) or one of several (``chunk``), or one that overlaps itself (``expand``).
+    The caller then replaces the block's argument alone."""
+    if computed._is_view():
+        if computed.requires_grad:
+            return False
+    elif computed.grad_fn is not None:
+        computed.detach_()
     try:
         computed.copy_(received)
+    except torch.OutOfMemoryError:
+        raise
     except RuntimeError:
         return False
     return True
