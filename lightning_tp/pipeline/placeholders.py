@@ -86,8 +86,13 @@ class SkippedBlock(PipelinePlaceholder):
             state.side.compare(state.active, self.index, args, kwargs, hidden)
         out = passthrough(self._twin[0], args, kwargs, self.side_outputs, memo)
         if state is not None:
-            state.passed = out if isinstance(out, torch.Tensor) else out[0]
+            state.passed = handed_on(out)
         return out
+
+
+def handed_on(out):
+    """The hidden states in what a skipped block returned (a tensor, or a tuple's first element)."""
+    return out if isinstance(out, torch.Tensor) else out[0]
 
 
 def passthrough(twin: nn.Module, args, kwargs, side_outputs: bool, memo: dict):

@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .placeholders import ShapeOnly, SkippedBlock, hidden_name, hidden_place, passthrough, stand_in_output
+from .placeholders import (ShapeOnly, SkippedBlock, handed_on, hidden_name, hidden_place, passthrough,
+                           stand_in_output)
 
 
 class StageDone(Exception):
@@ -124,7 +125,7 @@ def _wrap(block, index: int, state: StageState, twin=None) -> None:
         lo, hi = state.ranges[active]
         if not lo <= index <= hi:
             out = skip(args, kwargs)
-            state.passed = out if isinstance(out, torch.Tensor) else out[0]
+            state.passed = handed_on(out)
             return out
         state.entered = True
         if index == lo and active > 0:
