@@ -59,8 +59,10 @@ WORLD2.update({
     "dp2_m2_demo_transformer": ("demo_transformer", {}, dict(microbatches=2), {}),  # one stage: the whole chain
     # a head tied to the embedding: interleaved, the embedding runs on rank 0 (stages 0, 2) and rank 1
     # holds a silent copy for its head; three copies' gradients are summed at pp=4 below
+    # (10 steps: at 20, on an AVX-512 CPU, one bias of the 96 drifts to 1.04e-5, fp32 rounding of the
+    # tied copies' summed gradients amplified by Adam; the tied acceptance config, pp2_tied_embeddings, runs 20)
     "pp2_demo_transformer_tied_interleaved": ("demo_transformer", dict(tie_weights=True),
-                                              _pp(2, "interleaved_1f1b"), {}),
+                                              _pp(2, "interleaved_1f1b"), dict(max_steps=10)),
     # a user's encoder-decoder named by pipeline_blocks: a source and a target embedding (each copy
     # used on one stage only: the other's gradient counts as zero in the sum), no encoder norm, a
     # Linear bridge run by the stage that ends the encoder
@@ -129,11 +131,12 @@ QAT_SCHEDULES = {f"pp2_{s}_int8_qat": ("gpt", dict(n_layer=4, quant="int8"), dic
                                        dict(max_steps=6)) for s in ("1f1b", "zb_h1", "gpipe")}
 # "delayed" ranges fold once per optimizer step, so a pipelined QAT run follows the single-device one
 # ("ema" advances per microbatch: off by 2e-4 at step 1, 1.7e-3 by step 10). The first 5 steps agree
-# within 1e-5; then summing gradients per microbatch (another float order) flips a code now and then.
+# within 1e-5 (4 on an AVX-512 CPU, whose matmuls round otherwise: a code flip at step 5 moved the loss
+# by 1.1e-4); then summing gradients per microbatch (another float order) flips a code now and then.
 WORLD2.update({f"pp2_{s}_int8_qat_delayed": ("gpt", dict(n_layer=4, quant="int8", quant_range="delayed"),
                                              dict(quant="int8", quant_range="delayed", **_pp(2, s)), dict(max_steps=10))
                for s in ("1f1b", "zb_h1")})
-QAT_EXACT_STEPS.update({name: 5 for name in WORLD2 if name.endswith("_qat_delayed")})
+QAT_EXACT_STEPS.update({name: 4 for name in WORLD2 if name.endswith("_qat_delayed")})
 
 
 @pytest.fixture(scope="module")
