@@ -18,7 +18,7 @@ from .kernels.inject import apply_kernels
 from .layers.attention import TPMultiheadAttention
 from .layers.linear import ColumnParallelLinear, RowParallelLinear
 from .mesh import use_tied_ranks
-from .pipeline.block_lists import block_at, block_key
+from .pipeline.block_lists import block_at, block_key, called_parts
 from .pipeline.executor import PipelineRunner
 from .pipeline.placeholders import meta_twins
 from .pipeline.side_inputs import SideInputCheck
@@ -172,6 +172,7 @@ def _block_streams(s, module, layout):
             return None
     blocks = [(f"{path}.{block_key(module.get_submodule(path), i)}", block_at(module.get_submodule(path), i))
               for path, i in found]
+    blocks = [(f"{name}.{sub}" if sub else name, part) for name, b in blocks for sub, part in called_parts(b)]
     inner = [m for _, b in blocks for m in b.modules()]
     enters = [(m, isinstance(m, TPMultiheadAttention)) for m in inner
               if isinstance(m, TPMultiheadAttention) or (isinstance(m, ColumnParallelLinear) and m.gather_output is False)]

@@ -30,7 +30,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .pipeline.placeholders import no_cache, positional_names
-from .pipeline.block_lists import block_at, block_key, find_blocks, is_block_list
+from .pipeline.block_lists import block_at, block_key, called_parts, find_blocks, is_block_list
 
 
 
@@ -114,13 +114,18 @@ def targets(model: nn.Module, n, layout=None, pp_rank: int = 0, name: str | None
 
 
 def apply(model: nn.Module, blocks: list[tuple[str, int]]) -> None:
-    """Wrap each listed block's forward in a non-reentrant checkpoint (plain forward without grad)."""
+    """Wrap each listed block's forward in a non-reentrant checkpoint (plain forward without grad); a
+    block called piece by piece (``for attn, ff in self.layers``) has each piece checkpointed."""
     for path, i in blocks:
-        block = block_at(model.get_submodule(path), i)
-        block._lightning_tp_inner_forward = block.forward
-        block._lightning_tp_positional = positional_names(block)
-        block.forward = types.MethodType(_checkpointed_forward, block)
-        block._lightning_tp_recompute = True
+        for _, block in called_parts(block_at(model.get_submodule(path), i)):
+            _checkpoint(block)
+
+
+def _checkpoint(block: nn.Module) -> None:
+    block._lightning_tp_inner_forward = block.forward
+    block._lightning_tp_positional = positional_names(block)
+    block.forward = types.MethodType(_checkpointed_forward, block)
+    block._lightning_tp_recompute = True
 
 
 def _checkpointed_forward(self, *args, **kwargs):

@@ -315,7 +315,9 @@ class LoopLM(L.LightningModule):
     ``filtered`` the optimizer given only trainable parameters; ``view_after``: each block's result
     reshaped to a view before the next block; ``container``: the blocks (residual inside) in an
     ``nn.Sequential`` called as a whole (``"sequential"``) or in an ``nn.ModuleDict`` walked in order
-    (``"dict"``, as torchtitan's models hold their layers); ``long_skip``: the embedding's output added
+    (``"dict"``, as torchtitan's models hold their layers), or each block an ``nn.ModuleList`` of two
+    pieces the loop calls one by one with the residuals around them (``"pieces"``: ``for mix, mlp in
+    self.blocks``, as many research models write it); ``long_skip``: the embedding's output added
     to the last block's (it cannot work under pp: only hidden states travel between stages)."""
 
     def __init__(self, d: int = 32, layers: int = 4, own_checkpoint=False, frozen_first: bool = False,
@@ -331,6 +333,9 @@ class LoopLM(L.LightningModule):
             self.blocks = nn.Sequential(*(ResidualGelu(block) for block in self.blocks))
         elif container == "dict":
             self.blocks = nn.ModuleDict({f"layer{i}": ResidualGelu(block) for i, block in enumerate(self.blocks)})
+        elif container == "pieces":  # each layer a ModuleList of a mixer and an MLP, called one by one
+            self.blocks = nn.ModuleList(nn.ModuleList([nn.Sequential(nn.LayerNorm(d), nn.Linear(d, d)), block])
+                                        for block in self.blocks)
         self.own_checkpoint = own_checkpoint
         if frozen_first:
             for m in (self.emb, self.blocks[0], self.blocks[1]):
@@ -345,6 +350,11 @@ class LoopLM(L.LightningModule):
         if isinstance(self.blocks, nn.ModuleDict):
             for layer in self.blocks.values():
                 h = layer(h)
+            return self.head(self.norm(h))
+        if isinstance(self.blocks[0], nn.ModuleList):  # the residuals in the loop, around each piece
+            for mix, mlp in self.blocks:
+                h = mix(h) + h
+                h = F.gelu(mlp(h)) + h
             return self.head(self.norm(h))
         for block in self.blocks:
             if self.own_checkpoint == "residual":  # refused under pp: see stage._in_users_checkpoint

@@ -56,6 +56,12 @@ WORLD2 = {
                                 dict(pp=2, microbatches=2, activation_checkpointing=True), dict(max_steps=10)),
     "pp2_loop_sequential_interleaved": ("loop", dict(container="sequential"),
                                         dict(pp=2, microbatches=2, schedule="interleaved_1f1b"), dict(max_steps=10)),
+    # each block an nn.ModuleList of pieces the loop calls one by one (for mix, mlp in self.blocks), with
+    # the residuals around them in the loop; two chunks a rank, each piece recomputed
+    "pp2_loop_pieces": ("loop", dict(container="pieces"), dict(pp=2, microbatches=2), dict(max_steps=10)),
+    "pp2_loop_pieces_interleaved_recompute": ("loop", dict(container="pieces"),
+                                              dict(pp=2, microbatches=2, schedule="interleaved_1f1b",
+                                                   activation_checkpointing=True), dict(max_steps=10)),
     # each block under the user's own non-reentrant checkpoint: recomputed outside the stage's run
     "pp2_loop_own_checkpoint": ("loop", dict(own_checkpoint=True), dict(pp=2, microbatches=2), dict(max_steps=10)),
     "pp2_zb_loop_own_checkpoint": ("loop", dict(own_checkpoint=True), dict(pp=2, microbatches=2, schedule="zb_h1"),

@@ -185,6 +185,23 @@ class AttributeReadNet(Net):
         return self.head(self.norm(h))
 
 
+class PiecesNet(Net):
+    """Each block an ``nn.ModuleList`` of two pieces the loop calls one by one, with the residuals
+    around them (``for norm, fc in self.blocks``), as many research models write it."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(nn.ModuleList([nn.LayerNorm(H), nn.Linear(H, H)]) for _ in range(4))
+
+    def forward(self, x):
+        h = self.emb(x)
+        for norm, fc in self.blocks:
+            h = norm(h) + h
+            h = fc(h) + h
+        return self.head(self.norm(h))
+
+
 def _staged(base, x, grad=True, models=None):
     """pp=2 in one process: stage 0's output feeds stage 1, which returns the model's output; the
     blocks' other arguments are checked across the stages through an in-process store. ``models``:
@@ -214,10 +231,10 @@ def _x():
 
 @pytest.mark.parametrize("style, layout", [("keywords", "plain"), ("plain", "in_proj"), ("plain", "norm_first"),
                                            ("plain", "norm_in_helper"), ("plain", "sequential"), ("plain", "dict"),
-                                           ("plain", "overlap"), ("plain", "scaled")])
+                                           ("plain", "overlap"), ("plain", "scaled"), ("plain", "pieces")])
 def test_staged_runs_match_the_unsplit_model(style, layout):
     model = {"norm_in_helper": NormInHelper, "sequential": SequentialNet, "dict": DictNet, "overlap": OverlapNet,
-             "scaled": ScaledNet}.get(layout, lambda: Net(style, layout))()
+             "scaled": ScaledNet, "pieces": PiecesNet}.get(layout, lambda: Net(style, layout))()
     torch.testing.assert_close(_staged(model, _x()), model(_x()), atol=1e-6, rtol=0)
 
 

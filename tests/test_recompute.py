@@ -196,3 +196,30 @@ def test_a_hugging_face_key_value_cache_is_left_out_of_recomputed_blocks(family)
     model.gradient_checkpointing_enable()
     with pytest.warns(UserWarning, match="model.layers.0 .and 1 more. already recompute"):
         recompute.targets(model, True)
+
+
+def test_blocks_called_piece_by_piece_have_each_piece_recomputed():
+    """``for mix, mlp in self.blocks``: a block that is an nn.ModuleList is never called itself, so
+    its pieces are checkpointed (a wrapper on the list would recompute, and save, nothing)."""
+    def run(n):
+        torch.manual_seed(0)
+        model = make_model("loop", container="pieces")
+        if n:
+            recompute.apply(model, recompute.targets(model, n))
+        saved = [0]
+
+        def pack(t):
+            saved[0] += t.numel() * t.element_size()
+            return t
+
+        x = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = model(x).square().mean()
+        loss.backward()
+        return loss.item(), {k: p.grad for k, p in model.named_parameters()}, saved[0], model
+
+    loss, grads, kept, _ = run(False)
+    got_loss, got_grads, recomputed, model = run(True)
+    assert got_loss == loss and all(torch.equal(got_grads[k], g) for k, g in grads.items())
+    assert recomputed < kept / 2
+    assert all(piece._lightning_tp_recompute for block in model.blocks for piece in block)

@@ -4,6 +4,11 @@ Blocks come in an ``nn.ModuleList`` (most models), an ``nn.Sequential`` called a
 (``h = self.blocks(h)``) or an ``nn.ModuleDict`` walked in order (torchtitan's
 ``for layer in self.layers.values()``). Everything else reads and replaces them by position
 through the helpers here, so the state-dict keys stay the container's own.
+
+A block may itself be an ``nn.ModuleList`` or ``nn.ModuleDict`` of pieces that the user's code calls
+one by one (``for attn, ff in self.layers: h = attn(h) + h; h = ff(h) + h``, as many research
+models write it): such a container has no forward of its own, so what a block's call would do is
+done at its pieces' calls (see :func:`called_parts`).
 """
 
 from __future__ import annotations
@@ -11,6 +16,16 @@ from __future__ import annotations
 from torch import nn
 
 CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+PIECEWISE = (nn.ModuleList, nn.ModuleDict)  # a block of these is called piece by piece
+
+
+def called_parts(block: nn.Module, name: str = "") -> list:
+    """(path below the block, module) of what the user's code calls when the block runs: the block
+    itself, or each piece of a block that is an ``nn.ModuleList`` / ``nn.ModuleDict`` (recursively)."""
+    if not isinstance(block, PIECEWISE):
+        return [(name, block)]
+    return [part for key, child in block.named_children()
+            for part in called_parts(child, f"{name}.{key}" if name else key)]
 
 
 def blocks_of(container: nn.Module) -> list:

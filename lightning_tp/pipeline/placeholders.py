@@ -90,6 +90,17 @@ class SkippedBlock(PipelinePlaceholder):
         return out
 
 
+def skipped(block: nn.Module, name: str) -> nn.Module:
+    """What stands in for a block another stage holds: a :class:`SkippedBlock`, or for a block called
+    piece by piece (an ``nn.ModuleList`` / ``nn.ModuleDict``, see .block_lists) the same container of
+    skipped pieces, so the user's ``for attn, ff in self.layers`` unpacks it as it does the block."""
+    if isinstance(block, nn.ModuleDict):
+        return nn.ModuleDict({key: skipped(child, f"{name}.{key}") for key, child in block.items()})
+    if isinstance(block, nn.ModuleList):
+        return nn.ModuleList(skipped(child, f"{name}.{j}") for j, child in enumerate(block))
+    return SkippedBlock(block, name)
+
+
 def handed_on(out):
     """The hidden states in what a skipped block returned (a tensor, or a tuple's first element)."""
     return out if isinstance(out, torch.Tensor) else out[0]

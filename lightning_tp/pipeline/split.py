@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from .block_lists import block_at, block_key, blocks_of, find_blocks, set_block
-from .placeholders import ShapeOnly, SkippedBlock, meta_twin
+from .placeholders import ShapeOnly, SkippedBlock, meta_twin, skipped
 
 
 # ------------------------------------------------------------------------------ finding the blocks
@@ -194,8 +194,10 @@ def apply_split(model: nn.Module, layout: StageLayout, pp_rank: int) -> dict:
     twins = {i: meta_twin(blocks[i]) for i in sorted(mine)} if layout.v > 1 else {}
     for i in range(len(blocks)):
         if i not in mine:
-            blocks[i] = SkippedBlock(blocks[i], blocks.name(i))
-            blocks[i].side_outputs = bool(layout.lists)
+            blocks[i] = skipped(blocks[i], blocks.name(i))
+            for piece in blocks[i].modules():
+                if isinstance(piece, SkippedBlock):
+                    piece.side_outputs = bool(layout.lists)
     silence, my_vstages = {}, set(layout.vstages_of(pp_rank))
     encoder_only = _encoder_only(model, layout)
     for kind, runs in layout.runs().items():

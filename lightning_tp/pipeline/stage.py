@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .block_lists import PIECEWISE, called_parts
 from .placeholders import (ShapeOnly, SkippedBlock, handed_on, hidden_name, hidden_place, passthrough,
                            stand_in_output)
 
@@ -71,6 +72,10 @@ def install(blocks, layout, pp_rank: int, silence=(), twins=None, side=None) -> 
     for k in layout.vstages_of(pp_rank):
         lo, hi = layout.ranges[k]
         for i in range(lo, hi + 1):
+            if chained and isinstance(blocks[i], PIECEWISE):
+                raise ValueError(f"pipeline: {blocks.name(i)} is an {type(blocks[i]).__name__} whose pieces your code "
+                                 f"calls one by one; an encoder-decoder pipeline needs blocks called as a whole. "
+                                 f"Use tp/dp for this model.")
             if chained:
                 _wrap_chained(blocks[i], i, state, i == layout.decoder_start, blocks.name(i), twins.get(i))
             else:
@@ -86,8 +91,9 @@ def install(blocks, layout, pp_rank: int, silence=(), twins=None, side=None) -> 
             if isinstance(m, ShapeOnly):
                 m.stage = state
         for i in range(len(blocks)):
-            if isinstance(blocks[i], SkippedBlock):
-                blocks[i].stage, blocks[i].index = state, i
+            for piece in blocks[i].modules():  # a block, or the pieces of one called piece by piece
+                if isinstance(piece, SkippedBlock):
+                    piece.stage, piece.index = state, i
     return state
 
 
@@ -115,6 +121,20 @@ def _passthrough_of(twin, side_outputs: bool, name=None):
 
 
 def _wrap(block, index: int, state: StageState, twin=None) -> None:
+    """A block called as a whole takes the stage's activation at its call; one called piece by piece
+    (see .block_lists) at its first piece's call in a stage's run (the same piece each run: the
+    user's code is the same), which its recomputation finds again by ``entry``."""
+    parts = called_parts(block)
+    if parts == [("", block)]:
+        _wrap_call(block, index, state, twin, None)
+        return
+    twins = dict(called_parts(twin)) if twin is not None else {}
+    entry = {}
+    for path, piece in parts:
+        _wrap_call(piece, index, state, twins.get(path), entry)
+
+
+def _wrap_call(block, index: int, state: StageState, twin, entry) -> None:
     original = block.forward
     name = hidden_name(block)
     skip = _passthrough_of(twin, False, name)
@@ -127,8 +147,11 @@ def _wrap(block, index: int, state: StageState, twin=None) -> None:
             out = skip(args, kwargs)
             state.passed = handed_on(out)
             return out
+        if entry is not None and index == lo and not recompute and not state.entered:
+            entry["piece"] = block
+        starts = entry is None or entry.get("piece") is block
         state.entered = True
-        if index == lo and active > 0:
+        if index == lo and active > 0 and starts:
             place = hidden_place(args, kwargs, name)
             computed = args[0] if args else kwargs.get(place)
             # what the previous (skipped) block handed on, unchanged (h = block(h)): only the argument
