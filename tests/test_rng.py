@@ -32,18 +32,25 @@ class DropBlock(nn.Module):
 
 
 class DropLM(L.LightningModule):
-    def __init__(self, p: float = P, layers: int = 2, d: int = 16, vocab: int = 64, own_checkpoint: bool = False):
+    def __init__(self, p: float = P, layers: int = 2, d: int = 16, vocab: int = 64, own_checkpoint: bool = False,
+                 pieces: bool = False):
         super().__init__()
         L.seed_everything(0, verbose=False)
         self.emb, self.out = nn.Embedding(vocab, d), nn.Linear(d, vocab)
         self.blocks = nn.ModuleList([DropBlock(d, p) for _ in range(layers)])
+        if pieces:  # each block a ModuleList of two, called one by one (see pipeline.block_lists)
+            self.blocks = nn.ModuleList([nn.ModuleList([DropBlock(d, p), DropBlock(d, p)]) for _ in range(layers)])
         self.own_checkpoint = own_checkpoint
 
     def training_step(self, batch, batch_idx):
         x, y = batch
         h = self.emb(x)
-        for block in self.blocks:
-            h = checkpoint(block, h, use_reentrant=False) if self.own_checkpoint else block(h)
+        if isinstance(self.blocks[0], nn.ModuleList):
+            for first, second in self.blocks:
+                h = second(first(h))
+        else:
+            for block in self.blocks:
+                h = checkpoint(block, h, use_reentrant=False) if self.own_checkpoint else block(h)
         loss = F.cross_entropy(self.out(h).flatten(0, 1), y.flatten())
         self.log("train_loss", loss)
         return loss
@@ -110,6 +117,10 @@ def _checks(rank, world):
     out["sp"] = _fit(world, DropLM(), tp=2, sp=True)[0].masks
     rec, _ = _fit(world, DropLM(layers=3), pp=2, microbatches=2, stage_layers=[1, 2])
     out["pp"] = (rec.masks, rec.default_rng)
+    rec, _ = _fit(world, DropLM(layers=3, pieces=True), pp=2, microbatches=2, stage_layers=[1, 2])
+    out["pp_pieces"] = (rec.masks, rec.default_rng)
+    out["recompute_pp_pieces"] = [_fit(world, DropLM(pieces=True), activation_checkpointing=ac, pp=2, microbatches=2)[1]
+                                  for ac in (False, True)]
     # recomputation replays the masks: the same weights with and without it
     for name, kw in {"tp": dict(tp=2), "sp": dict(tp=2, sp=True), "pp": dict(pp=2, microbatches=2)}.items():
         out[f"recompute_{name}"] = [_fit(world, DropLM(), activation_checkpointing=ac, **kw)[1] for ac in (False, True)]
@@ -163,7 +174,14 @@ def test_pipeline_stages_draw_their_own_masks_and_keep_the_default_generator_ali
     assert len(rng0) == len(rng1) == 3 and all(torch.equal(a, b) for a, b in zip(rng0, rng1))
 
 
-@pytest.mark.parametrize("layout", ["tp", "sp", "pp"])
+def test_blocks_called_piece_by_piece_draw_from_the_stages_stream(checks):
+    (m0, rng0), (m1, rng1) = checks[0]["pp_pieces"], checks[1]["pp_pieces"]
+    assert set(m0) >= {"blocks.0.0.drop_out", "blocks.0.1.drop_out"} and set(m1) >= {"blocks.2.1.drop_out"}
+    assert _agree(m0["blocks.0.0.drop_out"], m1["blocks.1.0.drop_out"]) < 0.7
+    assert len(rng0) == len(rng1) == 3 and all(torch.equal(a, b) for a, b in zip(rng0, rng1))
+
+
+@pytest.mark.parametrize("layout", ["tp", "sp", "pp", "pp_pieces"])
 def test_recomputation_draws_the_forwards_masks_again(checks, layout):
     for r in checks:
         plain, recomputed = r[f"recompute_{layout}"]
