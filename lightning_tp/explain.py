@@ -315,7 +315,7 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
     rep.styles = [(p, s, c) for (p, s), c in counts.items()]
     if layout:
         rep.stages = [(k, k % pp, lo, hi) for k, (lo, hi) in enumerate(layout.ranges)]
-        groups = _outer_groups(base, list(offset))
+        groups = _outer_groups(base, list(offset), layout.companions)
         rep.outer = {"first": [n for n, _ in groups["before"]], "last": [n for n, _ in groups["after"]],
                      "between": [n for n, _ in groups["between"] + groups["decoder_in"]]}
         rep.layer_ops = list(ops[("block", 0)])

@@ -80,7 +80,8 @@ def parallelize(s, module):
     if s._pipelined:
         silence = [(module.get_submodule(name), twin, runs) for name, (twin, runs) in split["silence"].items()]
         side = SideInputCheck.for_mesh(s.mesh, layout.pp) if s.pp > 1 else None
-        state = install_stages(layout.blocks(module), layout, s.mesh.pp_rank, silence, split["twins"], side)
+        state = install_stages(layout.blocks(module), layout, s.mesh.pp_rank, silence, split["twins"], side,
+                               split.get("companion_twins"))
         runner = PipelineRunner(module, s.mesh, layout, state, s.schedule, s.microbatches, batched=_batched(s),
                                 device=s.root_device)
     streams = _block_streams(s, module, layout)
@@ -172,6 +173,8 @@ def _block_streams(s, module, layout):
             return None
     blocks = [(f"{path}.{block_key(module.get_submodule(path), i)}", block_at(module.get_submodule(path), i))
               for path, i in found]
+    if layout is not None:  # modules of lists walked with the blocks (zip) run with them
+        blocks += [(f"{c}.{i}", module.get_submodule(c)[i]) for c in layout.companions for _, i in found]
     blocks = [(f"{name}.{sub}" if sub else name, part) for name, b in blocks for sub, part in called_parts(b)]
     inner = [m for _, b in blocks for m in b.modules()]
     enters = [(m, isinstance(m, TPMultiheadAttention)) for m in inner

@@ -317,7 +317,8 @@ class LoopLM(L.LightningModule):
     ``nn.Sequential`` called as a whole (``"sequential"``) or in an ``nn.ModuleDict`` walked in order
     (``"dict"``, as torchtitan's models hold their layers), or each block an ``nn.ModuleList`` of two
     pieces the loop calls one by one with the residuals around them (``"pieces"``: ``for mix, mlp in
-    self.blocks``, as many research models write it); ``long_skip``: the embedding's output added
+    self.blocks``, as many research models write it), or a norm per block in a list of its own walked
+    with them (``"zip"``: ``for block, norm in zip(self.blocks, self.norms)``); ``long_skip``: the embedding's output added
     to the last block's (it cannot work under pp: only hidden states travel between stages)."""
 
     def __init__(self, d: int = 32, layers: int = 4, own_checkpoint=False, frozen_first: bool = False,
@@ -333,6 +334,8 @@ class LoopLM(L.LightningModule):
             self.blocks = nn.Sequential(*(ResidualGelu(block) for block in self.blocks))
         elif container == "dict":
             self.blocks = nn.ModuleDict({f"layer{i}": ResidualGelu(block) for i, block in enumerate(self.blocks)})
+        elif container == "zip":  # a norm per block in a list of its own, walked with the blocks
+            self.norms = nn.ModuleList(nn.LayerNorm(d) for _ in range(layers))
         elif container == "pieces":  # each layer a ModuleList of a mixer and an MLP, called one by one
             self.blocks = nn.ModuleList(nn.ModuleList([nn.Sequential(nn.LayerNorm(d), nn.Linear(d, d)), block])
                                         for block in self.blocks)
@@ -350,6 +353,10 @@ class LoopLM(L.LightningModule):
         if isinstance(self.blocks, nn.ModuleDict):
             for layer in self.blocks.values():
                 h = layer(h)
+            return self.head(self.norm(h))
+        if hasattr(self, "norms"):
+            for block, norm in zip(self.blocks, self.norms):
+                h = h + F.gelu(block(norm(h)))
             return self.head(self.norm(h))
         if isinstance(self.blocks[0], nn.ModuleList):  # the residuals in the loop, around each piece
             for mix, mlp in self.blocks:

@@ -62,6 +62,12 @@ WORLD2 = {
     "pp2_loop_pieces_interleaved_recompute": ("loop", dict(container="pieces"),
                                               dict(pp=2, microbatches=2, schedule="interleaved_1f1b",
                                                    activation_checkpointing=True), dict(max_steps=10)),
+    # a norm per block in a list of its own, walked with the blocks (zip(self.blocks, self.norms)): block
+    # i's norm goes to block i's stage; two chunks a rank, and zero bubble's split backward
+    "pp2_loop_zip_interleaved": ("loop", dict(container="zip"),
+                                 dict(pp=2, microbatches=2, schedule="interleaved_1f1b"), dict(max_steps=10)),
+    "pp2_loop_zip_zb_h1": ("loop", dict(container="zip"), dict(pp=2, microbatches=2, schedule="zb_h1"),
+                           dict(max_steps=10)),
     # each block under the user's own non-reentrant checkpoint: recomputed outside the stage's run
     "pp2_loop_own_checkpoint": ("loop", dict(own_checkpoint=True), dict(pp=2, microbatches=2), dict(max_steps=10)),
     "pp2_zb_loop_own_checkpoint": ("loop", dict(own_checkpoint=True), dict(pp=2, microbatches=2, schedule="zb_h1"),

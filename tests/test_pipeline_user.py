@@ -202,6 +202,31 @@ class PiecesNet(Net):
         return self.head(self.norm(h))
 
 
+class ZipNet(Net):
+    """A norm per block in a list of its own, walked with the blocks (``zip(self.blocks, self.norms)``);
+    ``norms_first``: that list registered first (a tie by length went to it); ``heads``: another list
+    as long, used after the loop (not walked with the blocks)."""
+
+    def __init__(self, norms_first=False, heads=False):
+        super().__init__()
+        del self.blocks
+        torch.manual_seed(0)
+        if norms_first:
+            self.norms = nn.ModuleList(nn.LayerNorm(H) for _ in range(4))
+        self.blocks = nn.ModuleList(Block() for _ in range(4))
+        if not norms_first:
+            self.norms = nn.ModuleList(nn.LayerNorm(H) for _ in range(4))
+        if heads:
+            self.heads = nn.ModuleList(nn.Linear(H, V) for _ in range(4))
+
+    def forward(self, x):
+        h = self.emb(x)
+        for block, norm in zip(self.blocks, self.norms):
+            h = h + block(norm(h))
+        out = self.head(self.norm(h))
+        return out + sum(head(h) for head in self.heads) if hasattr(self, "heads") else out
+
+
 def _staged(base, x, grad=True, models=None):
     """pp=2 in one process: stage 0's output feeds stage 1, which returns the model's output; the
     blocks' other arguments are checked across the stages through an in-process store. ``models``:
@@ -231,11 +256,36 @@ def _x():
 
 @pytest.mark.parametrize("style, layout", [("keywords", "plain"), ("plain", "in_proj"), ("plain", "norm_first"),
                                            ("plain", "norm_in_helper"), ("plain", "sequential"), ("plain", "dict"),
-                                           ("plain", "overlap"), ("plain", "scaled"), ("plain", "pieces")])
+                                           ("plain", "overlap"), ("plain", "scaled"), ("plain", "pieces"),
+                                           ("plain", "zip"), ("plain", "zip_norms_first")])
 def test_staged_runs_match_the_unsplit_model(style, layout):
     model = {"norm_in_helper": NormInHelper, "sequential": SequentialNet, "dict": DictNet, "overlap": OverlapNet,
-             "scaled": ScaledNet, "pieces": PiecesNet}.get(layout, lambda: Net(style, layout))()
+             "scaled": ScaledNet, "pieces": PiecesNet, "zip": ZipNet,
+             "zip_norms_first": lambda: ZipNet(norms_first=True)}.get(layout, lambda: Net(style, layout))()
     torch.testing.assert_close(_staged(model, _x()), model(_x()), atol=1e-6, rtol=0)
+
+
+def test_lists_walked_with_the_blocks_go_with_them():
+    for norms_first in (False, True):
+        layout = plan_stages(ZipNet(norms_first), 2)
+        assert (layout.blocks_path, layout.companions) == ("blocks", ("norms",))  # the heavier list is the blocks
+        model = ZipNet(norms_first)
+        apply_split(model, layout, 1)
+        assert [type(m).__name__ for m in model.norms] == ["SkippedBlock"] * 2 + ["LayerNorm"] * 2
+    assert plan_stages(ZipNet(heads=True), 2).companions == ("norms",)  # as long, but not walked with them
+
+
+class IndexedNormsNet(ZipNet):
+    def forward(self, x):
+        h = self.emb(x)
+        for i, block in enumerate(self.blocks):
+            h = h + block(self.norms[i](h))
+        return self.head(self.norm(h))
+
+
+def test_a_list_indexed_inside_the_loop_is_refused_naming_zip():
+    with pytest.raises(ValueError, match=r"norms\.0 went to the last stage.*zip\(self\.blocks, self\.norms\)"):
+        _staged(IndexedNormsNet(), _x())
 
 
 def test_stand_ins_before_a_stages_first_block_send_no_gradient_to_weights_every_stage_holds():

@@ -8,10 +8,15 @@ through the helpers here, so the state-dict keys stay the container's own.
 A block may itself be an ``nn.ModuleList`` or ``nn.ModuleDict`` of pieces that the user's code calls
 one by one (``for attn, ff in self.layers: h = attn(h) + h; h = ff(h) + h``, as many research
 models write it): such a container has no forward of its own, so what a block's call would do is
-done at its pieces' calls (see :func:`called_parts`).
+done at its pieces' calls (see :func:`called_parts`). Lists walked together with the block list
+(``for block, norm in zip(self.blocks, self.norms)``) go with it: their i-th module is a piece of
+block i (see :func:`zipped_with`).
 """
 
 from __future__ import annotations
+
+import inspect
+import re
 
 from torch import nn
 
@@ -97,3 +102,25 @@ def _longest(model: nn.Module, others: bool):
             if best is None or len(module) > len(best[1]):
                 best = (path, module)
     return best
+
+
+def zipped_with(model: nn.Module, path: str) -> list:
+    """Paths of the lists the block list's parent walks together with it, read from its ``forward`` (or
+    ``training_step``): siblings of the same length named with it in one ``zip(self.blocks, self.norms)``.
+    Their i-th modules run with block i, so they go with it, to its stage."""
+    parent_path, _, leaf = path.rpartition(".")
+    parent = model.get_submodule(parent_path)
+    n, out = len(model.get_submodule(path)), []
+    for method in ("forward", "training_step"):
+        try:
+            source = inspect.getsource(getattr(type(parent), method))
+        except (AttributeError, OSError, TypeError):
+            continue
+        for call in re.finditer(r"\bzip\(([^()]*)\)", source):
+            names = re.findall(r"\bself\.([A-Za-z_]\w*)\b(?!\s*[.\[(])", call.group(1))
+            for name in names if leaf in names else ():
+                other = parent._modules.get(name)
+                sibling = f"{parent_path}.{name}" if parent_path else name
+                if name != leaf and isinstance(other, nn.ModuleList) and len(other) == n and sibling not in out:
+                    out.append(sibling)
+    return out

@@ -65,7 +65,8 @@ def meta_twins(module: nn.Module, split: dict) -> list:
     """Every meta twin a split made (placeholders', silenced modules', a rank's interleaved blocks'):
     whatever changes the model's dtype (bf16-true) must change theirs too, or their stand-ins stay fp32."""
     twins = [m._twin[0] for m in module.modules() if isinstance(m, PipelinePlaceholder)]
-    return twins + [twin for twin, _ in split["silence"].values()] + list(split["twins"].values())
+    return twins + [twin for twin, _ in split["silence"].values()] + list(split["twins"].values()) + \
+        list(split.get("companion_twins", {}).values())
 
 
 class SkippedBlock(PipelinePlaceholder):
@@ -224,10 +225,18 @@ def _check_place(placeholder: "ShapeOnly", state) -> None:
         where = ("before the blocks, but went to the last stage (it holds a Linear and no embedding)"
                  if placeholder.runs_in == "after" else
                  "after the blocks, but went to the first stage (it is registered before them and holds no Linear)")
+        parent, _, leaf = placeholder.skipped.rpartition(".")
+        if leaf.isdigit():  # one of a list of its own called inside the loop (self.norms[i](h))
+            holder = "last" if placeholder.runs_in == "after" else "first"
+            raise ValueError(f"pipeline: {placeholder.skipped} went to the {holder} stage but is called where this "
+                             f"stage runs, so it would compute with stand-ins in its place. A list with one module "
+                             f"per block, called inside the loop over the blocks, goes with them when "
+                             f"your loop walks both: `for block, x in zip(self.blocks, self.{parent.rpartition('.')[2]})`"
+                             f" (module i then runs on block i's stage). Or use tp/dp for this model.")
         raise ValueError(f"pipeline: {placeholder.skipped} runs {where}, so this stage would compute with stand-ins "
                          f"in its place. Its place is read from where the block list's parent module calls it "
-                         f"(`self.{placeholder.skipped.rpartition('.')[2]}(...)` in its forward), which did not "
-                         f"say here. Call it in that forward, or use tp/dp for this model.")
+                         f"(`self.{leaf}(...)` in its forward), which did not say here. Call it in that forward, or "
+                         f"use tp/dp for this model.")
 
 
 def stand_in_output(twin: nn.Module, args, kwargs):

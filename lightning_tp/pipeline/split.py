@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from .block_lists import block_at, block_key, blocks_of, find_blocks, set_block
+from .block_lists import block_at, block_key, blocks_of, find_blocks, set_block, zipped_with
 from .placeholders import ShapeOnly, SkippedBlock, meta_twin, skipped
 
 
@@ -65,6 +65,7 @@ class StageLayout:
     v: int
     lists: tuple = ()  # an encoder-decoder: ((encoder path, length), (decoder path, length))
     tied_head: bool = False  # an encoder-decoder whose head shares the embedding's weight
+    companions: tuple = ()  # paths of lists walked with the blocks (zip): their i-th module goes with block i
 
     @property
     def last_vstage(self) -> int:
@@ -140,7 +141,7 @@ def plan_stages(model: nn.Module, pp: int, v: int = 1, blocks=None, stage_layers
     a block list's path, or an encoder-decoder's two (a list: encoder, then decoder)."""
     from .encoder_decoder import encoder_decoder, find_encoder_decoder  # it uses this module's search
 
-    lists, tied_head = (), False
+    lists, tied_head, companions = (), False, ()
     pair = find_encoder_decoder(model)
     if blocks is None or (pair and blocks == pair[0]):
         blocks = pair or blocks  # naming the encoder's list (nn.TransformerEncoder's plan does) takes the pair
@@ -150,6 +151,11 @@ def plan_stages(model: nn.Module, pp: int, v: int = 1, blocks=None, stage_layers
         module = [b for p, _ in lists for b in blocks_of(model.get_submodule(p))]
     else:
         path, container = find_blocks(model, blocks)
+        group = [path] + zipped_with(model, path)
+        if blocks is None:  # lists walked together: the blocks are the heaviest (not the norms beside them)
+            path = max(group, key=lambda p: sum(t.numel() for t in model.get_submodule(p).parameters()))
+            container = model.get_submodule(path)
+        companions = tuple(p for p in group if p != path)
         module = blocks_of(container)
     n, parts = len(module), pp * v
     if stage_layers is not None:
@@ -165,12 +171,14 @@ def plan_stages(model: nn.Module, pp: int, v: int = 1, blocks=None, stage_layers
         if interleaved and n % parts:
             raise ValueError(f"the interleaved schedule needs the {n} blocks of {path} divisible by "
                              f"pp*virtual_stages = {parts}; change virtual_stages or set stage_layers.")
-        sizes = balanced_split([sum(p.numel() for p in b.parameters()) or 1 for b in module], parts)
+        with_companions = [[b] + [model.get_submodule(c)[i] for c in companions] for i, b in enumerate(module)]
+        sizes = balanced_split([sum(p.numel() for m in ms for p in m.parameters()) or 1 for ms in with_companions],
+                               parts)
     ranges, start = [], 0
     for size in sizes:
         ranges.append((start, start + size - 1))
         start += size
-    return StageLayout(path, ranges, pp, v, lists, tied_head)
+    return StageLayout(path, ranges, pp, v, lists, tied_head, companions)
 
 
 def apply_split(model: nn.Module, layout: StageLayout, pp_rank: int) -> dict:
@@ -183,7 +191,7 @@ def apply_split(model: nn.Module, layout: StageLayout, pp_rank: int) -> dict:
     for k in layout.vstages_of(pp_rank):
         lo, hi = layout.ranges[k]
         mine.update(range(lo, hi + 1))
-    groups = _outer_groups(model, [p for p, _ in layout.lists] or [layout.blocks_path])
+    groups = _outer_groups(model, [p for p, _ in layout.lists] or [layout.blocks_path], layout.companions)
     params_before = {id(p) for _, m in groups["before"] for p in m.parameters()}
     if layout.lists:  # the decoder's copy of the embeddings (see StageLayout.runs)
         tied = [p for _, m in groups["before"] for p in m.parameters()] if len(layout.replica_ranks()) > 1 else []
@@ -192,12 +200,17 @@ def apply_split(model: nn.Module, layout: StageLayout, pp_rank: int) -> dict:
     # interleaved: this rank's blocks also run outside their stage (in its other chunks' runs), passing
     # their input through; the structure they return is worked out by a meta twin made before sharding
     twins = {i: meta_twin(blocks[i]) for i in sorted(mine)} if layout.v > 1 else {}
+    companion_twins = {(c, i): meta_twin(model.get_submodule(c)[i]) for c in layout.companions
+                       for i in sorted(mine)} if layout.v > 1 else {}
     for i in range(len(blocks)):
         if i not in mine:
             blocks[i] = skipped(blocks[i], blocks.name(i))
             for piece in blocks[i].modules():
                 if isinstance(piece, SkippedBlock):
                     piece.side_outputs = bool(layout.lists)
+            for c in layout.companions:
+                beside = model.get_submodule(c)
+                beside[i] = skipped(beside[i], f"{c}.{i}")
     silence, my_vstages = {}, set(layout.vstages_of(pp_rank))
     encoder_only = _encoder_only(model, layout)
     for kind, runs in layout.runs().items():
@@ -219,7 +232,7 @@ def apply_split(model: nn.Module, layout: StageLayout, pp_rank: int) -> dict:
     for p in tied:  # numbered as in the unsplit model: every copy sums in one order (see grads._sum_tied)
         p._pp_tied, p._pp_tied_index, p._pp_copy = True, order[id(p)], bool(layout.lists)
     holds_tied = pp_rank in (layout.replica_ranks() if layout.lists else (0, layout.pp - 1))
-    return {"tied": tied if holds_tied else [], "silence": silence, "twins": twins}
+    return {"tied": tied if holds_tied else [], "silence": silence, "twins": twins, "companion_twins": companion_twins}
 
 
 def _encoder_only(model: nn.Module, layout: StageLayout) -> set:
@@ -238,18 +251,19 @@ def _encoder_only(model: nn.Module, layout: StageLayout) -> set:
     return {i for i, names in paths.items() if all(n.startswith(encoder + ".") for n in names)}
 
 
-def _outer_groups(model: nn.Module, paths: list) -> dict:
-    """Top-most modules with parameters outside the block lists, by where they run: "before" (the
-    first stage: embeddings, or anything before the blocks without a Linear), "after" (the rest), and
-    for an encoder-decoder (see :func:`_encoder_decoder_kind`) "between" and "decoder_in"."""
-    groups, seen, taken = {"before": [], "between": [], "decoder_in": [], "after": []}, 0, []
+def _outer_groups(model: nn.Module, paths: list, companions=()) -> dict:
+    """Top-most modules with parameters outside the block lists (and the lists walked with them,
+    ``companions``), by where they run: "before" (the first stage: embeddings, or anything before the
+    blocks without a Linear), "after" (the rest), and for an encoder-decoder (see
+    :func:`_encoder_decoder_kind`) "between" and "decoder_in"."""
+    groups, seen, taken = {"before": [], "between": [], "decoder_in": [], "after": []}, 0, list(companions)
     called = _called_around(model, paths[0]) if len(paths) == 1 else {}
     for name, m in model.named_modules():
         if name in paths:
             seen += 1
             taken.append(name)
             continue
-        if not name or any(name.startswith(t + ".") for t in taken) or any(p.startswith(name + ".") for p in paths):
+        if not name or name in taken or any(name.startswith(t + ".") for t in taken) or any(p.startswith(name + ".") for p in paths):
             continue
         if any(True for _ in m.parameters(recurse=False)) or _is_leafy_owner(m):
             kind = "before" if _runs_first(m, seen > 0, called.get(name)) else "after"
@@ -305,7 +319,8 @@ def _called_around(model: nn.Module, blocks_path: str) -> dict:
             source = inspect.getsource(getattr(type(parent), method))
         except (AttributeError, OSError, TypeError):
             continue
-        loop = re.search(rf"\bin\s+(?:enumerate\()?self\.{re.escape(leaf)}\b|self\.{re.escape(leaf)}\s*[\[(]", source)
+        loop = re.search(rf"\bin\s+(?:enumerate\(|zip\([^()]*?)?self\.{re.escape(leaf)}\b|self\.{re.escape(leaf)}\s*[\[(]",
+                         source)
         if loop is not None:
             break
     else:

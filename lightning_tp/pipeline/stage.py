@@ -61,12 +61,14 @@ class StageState:
         return StageDone(output)
 
 
-def install(blocks, layout, pp_rank: int, silence=(), twins=None, side=None) -> StageState:
+def install(blocks, layout, pp_rank: int, silence=(), twins=None, side=None, companion_twins=None) -> StageState:
     """``silence``: (module, meta twin, virtual stages it runs in) of modules outside the blocks that
     this rank's other chunks must not rerun (they return stand-ins of their shape there); ``twins``: block
-    index -> meta twin of this rank's blocks, for their runs outside their stage (see _passthrough_of);
-    ``side``: a :class:`.side_inputs.SideInputCheck`, or None (no check)."""
-    twins = twins or {}
+    index -> meta twin of this rank's blocks, for their runs outside their stage (see _passthrough_of),
+    and ``companion_twins`` (list path, index) -> those of the lists walked with them (see
+    StageLayout.companions); ``side``: a :class:`.side_inputs.SideInputCheck`, or None (no check)."""
+    twins, companion_twins = twins or {}, companion_twins or {}
+    beside = [(c, blocks.model.get_submodule(c)) for c in layout.companions]
     state = StageState(layout.ranges, layout.last_vstage)
     chained = layout.decoder_start is not None
     for k in layout.vstages_of(pp_rank):
@@ -79,7 +81,7 @@ def install(blocks, layout, pp_rank: int, silence=(), twins=None, side=None) -> 
             if chained:
                 _wrap_chained(blocks[i], i, state, i == layout.decoder_start, blocks.name(i), twins.get(i))
             else:
-                _wrap(blocks[i], i, state, twins.get(i))
+                _wrap(blocks[i], i, state, twins.get(i), [(c[i], companion_twins.get((path, i))) for path, c in beside])
         if chained and k < layout.last_vstage:
             _stop_at(blocks[hi + 1], k, state, hi + 1 == layout.decoder_start)
     for module, twin, runs in silence:
@@ -90,8 +92,8 @@ def install(blocks, layout, pp_rank: int, silence=(), twins=None, side=None) -> 
         for m in blocks.model.modules():
             if isinstance(m, ShapeOnly):
                 m.stage = state
-        for i in range(len(blocks)):
-            for piece in blocks[i].modules():  # a block, or the pieces of one called piece by piece
+        for i in range(len(blocks)):  # a block, the pieces of one called piece by piece, and those beside it
+            for piece in [m for module in [blocks[i]] + [c[i] for _, c in beside] for m in module.modules()]:
                 if isinstance(piece, SkippedBlock):
                     piece.stage, piece.index = state, i
     return state
@@ -120,18 +122,22 @@ def _passthrough_of(twin, side_outputs: bool, name=None):
     return lambda args, kwargs: passthrough(twin, args, kwargs, side_outputs, memo)
 
 
-def _wrap(block, index: int, state: StageState, twin=None) -> None:
+def _wrap(block, index: int, state: StageState, twin=None, beside=()) -> None:
     """A block called as a whole takes the stage's activation at its call; one called piece by piece
-    (see .block_lists) at its first piece's call in a stage's run (the same piece each run: the
-    user's code is the same), which its recomputation finds again by ``entry``."""
+    (see .block_lists), or with modules of lists walked beside it (``beside``: (module, its meta twin)
+    of ``zip(self.blocks, self.norms)``), at the first call among its pieces in a stage's run (the same
+    piece each run: the user's code is the same), which its recomputation finds again by ``entry``."""
     parts = called_parts(block)
-    if parts == [("", block)]:
+    if parts == [("", block)] and not beside:
         _wrap_call(block, index, state, twin, None)
         return
     twins = dict(called_parts(twin)) if twin is not None else {}
     entry = {}
     for path, piece in parts:
         _wrap_call(piece, index, state, twins.get(path), entry)
+    for module, module_twin in beside:
+        for path, piece in called_parts(module):
+            _wrap_call(piece, index, state, dict(called_parts(module_twin)).get(path) if module_twin is not None else None, entry)
 
 
 def _wrap_call(block, index: int, state: StageState, twin, entry) -> None:
