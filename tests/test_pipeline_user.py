@@ -275,6 +275,31 @@ def test_lists_walked_with_the_blocks_go_with_them():
     assert plan_stages(ZipNet(heads=True), 2).companions == ("norms",)  # as long, but not walked with them
 
 
+class ConditionedNet(ZipNet):
+    """A list walked with the blocks whose modules are called on a condition before each block (FiLM):
+    a stage starts, and stops, at the first piece given hidden states, not at ``mod(self.c)``."""
+
+    def __init__(self):
+        super().__init__()
+        del self.norms
+        self.mods = nn.ModuleList(nn.Linear(H, H) for _ in range(4)).requires_grad_(False)
+        self.register_buffer("c", torch.randn(H, generator=torch.Generator().manual_seed(2)))
+
+    def forward(self, x):
+        h = self.emb(x)
+        for block, mod in zip(self.blocks, self.mods):
+            h = block(h, x0=mod(self.c))
+        return self.head(self.norm(h))
+
+
+def test_a_stage_starts_and_stops_at_the_first_piece_given_hidden_states():
+    model = ConditionedNet()
+    assert plan_stages(model, 2).companions == ("mods",)
+    torch.testing.assert_close(_staged(model, _x()), model(_x()), atol=1e-6, rtol=0)
+    with torch.no_grad():
+        torch.testing.assert_close(_staged(model, _x(), grad=False), model(_x()), atol=1e-6, rtol=0)
+
+
 class IndexedNormsNet(ZipNet):
     def forward(self, x):
         h = self.emb(x)

@@ -75,12 +75,15 @@ class SkippedBlock(PipelinePlaceholder):
     side_outputs = False  # an encoder-decoder's (see passthrough)
     index = None  # its place in the block list and, with one block list, the StageState (see stage.install):
     stage = None  # the block before the running stage's first checks its other arguments (see .side_inputs)
+    piece = False  # one piece of a block (see .block_lists): the stage stops at the first given hidden states
 
     def forward(self, *args, **kwargs):
         memo, state = self.__dict__.setdefault("_memo", {}), self.stage
         if state is not None and state.stop_at.get(self.index) == state.active:  # the next stage's first block
             hidden = hidden_place(args, kwargs, memo.setdefault("hidden", hidden_name(self._twin[0])))
-            raise state.done(args[hidden] if isinstance(hidden, int) else kwargs[hidden])
+            value = args[hidden] if isinstance(hidden, int) else kwargs[hidden]
+            if not self.piece or _shaped_as(value, state.last_out):  # not a norm's mod(condition)
+                raise state.done(value)
         if state is not None and state.side is not None and state.active > 0 \
                 and self.index == state.ranges[state.active - 1][1]:
             hidden = hidden_place(args, kwargs, memo.setdefault("hidden", hidden_name(self._twin[0])))
@@ -91,15 +94,21 @@ class SkippedBlock(PipelinePlaceholder):
         return out
 
 
-def skipped(block: nn.Module, name: str) -> nn.Module:
+def skipped(block: nn.Module, name: str, piece: bool = False) -> nn.Module:
     """What stands in for a block another stage holds: a :class:`SkippedBlock`, or for a block called
     piece by piece (an ``nn.ModuleList`` / ``nn.ModuleDict``, see .block_lists) the same container of
     skipped pieces, so the user's ``for attn, ff in self.layers`` unpacks it as it does the block."""
     if isinstance(block, nn.ModuleDict):
-        return nn.ModuleDict({key: skipped(child, f"{name}.{key}") for key, child in block.items()})
+        return nn.ModuleDict({key: skipped(child, f"{name}.{key}", True) for key, child in block.items()})
     if isinstance(block, nn.ModuleList):
-        return nn.ModuleList(skipped(child, f"{name}.{j}") for j, child in enumerate(block))
-    return SkippedBlock(block, name)
+        return nn.ModuleList(skipped(child, f"{name}.{j}", True) for j, child in enumerate(block))
+    out = SkippedBlock(block, name)
+    out.piece = piece
+    return out
+
+
+def _shaped_as(value, shape) -> bool:
+    return isinstance(value, torch.Tensor) and (tuple(value.shape), value.dtype) == shape
 
 
 def handed_on(out):

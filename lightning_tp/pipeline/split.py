@@ -210,7 +210,7 @@ def apply_split(model: nn.Module, layout: StageLayout, pp_rank: int) -> dict:
                     piece.side_outputs = bool(layout.lists)
             for c in layout.companions:
                 beside = model.get_submodule(c)
-                beside[i] = skipped(beside[i], f"{c}.{i}")
+                beside[i] = skipped(beside[i], f"{c}.{i}", piece=True)
     silence, my_vstages = {}, set(layout.vstages_of(pp_rank))
     encoder_only = _encoder_only(model, layout)
     for kind, runs in layout.runs().items():

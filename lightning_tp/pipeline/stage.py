@@ -55,6 +55,7 @@ class StageState:
     stop_at: dict = field(default_factory=dict)  # one block list: block index -> virtual stage that ends before it
     backward: tuple | None = None  # while a backward runs: (virtual stage, its received activation)
     passed: object = None  # the hidden states the last skipped block handed on, in this run (see _wrap)
+    last_out: tuple | None = None  # (shape, dtype) of what the stage's last block call handed on (see SkippedBlock)
 
     @staticmethod
     def done(output) -> StageDone:
@@ -125,8 +126,9 @@ def _passthrough_of(twin, side_outputs: bool, name=None):
 def _wrap(block, index: int, state: StageState, twin=None, beside=()) -> None:
     """A block called as a whole takes the stage's activation at its call; one called piece by piece
     (see .block_lists), or with modules of lists walked beside it (``beside``: (module, its meta twin)
-    of ``zip(self.blocks, self.norms)``), at the first call among its pieces in a stage's run (the same
-    piece each run: the user's code is the same), which its recomputation finds again by ``entry``."""
+    of ``zip(self.blocks, self.norms)``), at the first call among its pieces in a stage's run given
+    hidden states (shaped like the activation: not ``mod(condition)``; the same piece each run, as the
+    user's code is the same), which its recomputation finds again by ``entry``."""
     parts = called_parts(block)
     if parts == [("", block)] and not beside:
         _wrap_call(block, index, state, twin, None)
@@ -153,10 +155,12 @@ def _wrap_call(block, index: int, state: StageState, twin, entry) -> None:
             out = skip(args, kwargs)
             state.passed = handed_on(out)
             return out
-        if entry is not None and index == lo and not recompute and not state.entered:
-            entry["piece"] = block
+        if entry is not None and index == lo and active > 0 and not recompute and not state.entered \
+                and _like(args[0] if args else kwargs.get(hidden_place(args, kwargs, name)), received):
+            entry["piece"] = block  # the first piece given hidden states (not a norm's mod(condition))
         starts = entry is None or entry.get("piece") is block
-        state.entered = True
+        if entry is None or starts or index != lo or active == 0:
+            state.entered = True
         if index == lo and active > 0 and starts:
             place = hidden_place(args, kwargs, name)
             computed = args[0] if args else kwargs.get(place)
@@ -178,9 +182,17 @@ def _wrap_call(block, index: int, state: StageState, twin, entry) -> None:
         out = original(*args, **kwargs)
         if last:
             _check_side_inputs(args, kwargs, name, index)
+        hidden = out if isinstance(out, torch.Tensor) else out[0] if isinstance(out, (tuple, list)) and out else None
+        if isinstance(hidden, torch.Tensor):
+            state.last_out = (tuple(hidden.shape), hidden.dtype)
         return out
 
     block.forward = forward
+
+
+def _like(value, received) -> bool:
+    return isinstance(value, torch.Tensor) and isinstance(received, torch.Tensor) and \
+        value.shape == received.shape and value.dtype == received.dtype
 
 
 def _in_users_checkpoint() -> bool:
