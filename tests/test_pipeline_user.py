@@ -265,6 +265,42 @@ def test_staged_runs_match_the_unsplit_model(style, layout):
     torch.testing.assert_close(_staged(model, _x()), model(_x()), atol=1e-6, rtol=0)
 
 
+def test_a_stage_sends_where_it_stops_and_waits_for_its_input_at_its_first_block():
+    """The executor (gloo) hands a run the send of its result, made where the stage stops, and the
+    wait for its received activation, made at the stage's first block: the user's code before the
+    blocks (here the embedding's placeholder) runs while the transfer is in flight. The received
+    buffer holds NaN until that wait fills it, as gloo's would hold garbage: a block reading it
+    earlier would give NaN."""
+    base, x = Net(), _x()
+    models, sent, events = [], [], []
+    for rank in (0, 1):
+        model = copy.deepcopy(base)
+        models.append(model)
+        layout = plan_stages(model, 2)
+        split = apply_split(model, layout, rank)
+        state = install(layout.blocks(model), layout, rank,
+                        [(model.get_submodule(n), twin, runs) for n, (twin, runs) in split["silence"].items()])
+        state.active = rank
+        if rank == 0:
+            state.on_stop = sent.append
+            with pytest.raises(StageDone) as stop:
+                model(x)
+            assert len(sent) == 1 and sent[0] is stop.value.output and state.on_stop is None
+            continue
+        buffer = torch.full_like(sent[0], float("nan"))
+        state.received = buffer
+
+        def arrive():
+            events.append("arrived")
+            buffer.copy_(sent[0].detach())
+
+        state.arrival = arrive
+        model.emb.register_forward_hook(lambda *_: events.append("before the blocks"))
+        out = model(x)
+    assert events == ["before the blocks", "arrived"] and state.arrival is None
+    torch.testing.assert_close(out, base(x), atol=1e-6, rtol=0)
+
+
 def test_lists_walked_with_the_blocks_go_with_them():
     for norms_first in (False, True):
         layout = plan_stages(ZipNet(norms_first), 2)

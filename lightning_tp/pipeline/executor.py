@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -57,6 +58,9 @@ class _Step:
     numbers_posted: bool = False
     published: tuple | None = None  # (the step's loss,) once published before the step's end
     stand_in_at: tuple | None = None  # first training step: (vstage, microbatch) of a result holding NaN
+    box: Mailbox | None = None  # eager (gloo): the step's Mailbox, for sends made where a run stops
+    arrivals: dict = field(default_factory=dict)  # eager: received activations' pending waits, until their F
+    sent_early: set = field(default_factory=set)  # eager: (microbatch, chunk) whose SEND_F left at the stop
 
 
 class PipelineRunner(StageLogs, ForwardOnlyStep):
@@ -86,8 +90,12 @@ class PipelineRunner(StageLogs, ForwardOnlyStep):
     def _vstage(self, chunk: int) -> int:
         return chunk * self.layout.pp + self.mesh.pp_rank
 
-    def _run(self, hook: str, micro, rest, vstage, received, logs):
+    def _run(self, hook: str, micro, rest, vstage, received, logs, arrival=None, on_stop=None):
+        """The user's step on one microbatch as virtual stage ``vstage``: (ran to its end, its result or
+        what the stage hands on). ``arrival``: the wait for ``received``'s values, left to the stage's
+        first block; ``on_stop``: sends what the stage hands on, where it stops (see StageState)."""
         self.state.active, self.state.received, self.state.entered = vstage, received, False
+        self.state.arrival, self.state.on_stop = arrival, on_stop
         mute = vstage // self.layout.pp < self.layout.v - 1
         try:
             if self._metrics is None:  # looked up once: walking the module per microbatch adds up
@@ -100,11 +108,17 @@ class PipelineRunner(StageLogs, ForwardOnlyStep):
                 raise ValueError(f"pipeline: {hook} ran to its end on virtual stage {vstage} without calling block "
                                  f"{nxt} (the next stage's first), where this stage hands its activation on. Every "
                                  f"stage runs your step: it must call every block, in order, on every batch.")
-            return True, out
+            result = True, out
         except StageDone as done:
-            return False, done.output
+            result = False, done.output
+        except BaseException:
+            self.state.arrival = None  # a failing step: not waited on
+            raise
         finally:
             self.state.received, self.state.stand_ins, self.state.passed = None, {}, None
+            self.state.on_stop = None
+        self.state.arrived()  # a run that never reached its first block
+        return result
 
     def _device(self):
         if self.device is not None:
@@ -238,22 +252,37 @@ class PipelineRunner(StageLogs, ForwardOnlyStep):
     def _walk_actions(self, st) -> None:
         """Eager (gloo): the action list in order, sends at once, receives posted ahead, sends dropped
         where a receive proves them landed."""
-        box = Mailbox(self._receives, device=st.device, remembered=self._shapes)
+        box = st.box = Mailbox(self._receives, device=st.device, remembered=self._shapes)
         for i, a in enumerate(self.actions):
             if i == self._publish_at:  # a stage without the loss: it has logged all it will
                 st.published = (self._publish(st.logs, None, self._numbers(st)),)
+            key = (a.microbatch, a.chunk)
             if a.kind in ("RECV_F", "RECV_B"):
                 self._numbers(st)  # posted with the step's other receives (see Mailbox.open)
                 src, t, channel = self._recv_args(a)
-                self._store(a, box.recv(src, t, st.device, channel), st.inputs, st.grads)
-                for sent in self._landed.get(i, ()):
-                    box.release(sent)
+                tensor, work = box.recv(src, t, st.device, channel, wait=False)
+                self._store(a, tensor, st.inputs, st.grads)
+                arrival = partial(_arrive, work, box, self._landed.get(i, ()))
+                if a.kind == "RECV_F":  # waited on at the stage's first block (StageState.arrived)
+                    st.arrivals[key] = arrival
+                else:
+                    arrival()
             elif a.kind in ("SEND_F", "SEND_B"):
-                box.send(*self._send_args(a, st.outputs, st.inputs, st.input_grads))
+                if key in st.sent_early:
+                    st.sent_early.discard(key)
+                else:
+                    box.send(*self._send_args(a, st.outputs, st.inputs, st.input_grads))
                 self._drop_sent_values(a, st)
             else:
                 self._compute(a, st)
         box.wait()
+
+    def _send_at_stop(self, st, a, value) -> None:
+        """SEND_F of F action ``a``'s result, made where the stage stops (see StageState.done): sends never
+        block, so one made earlier than the action list says cannot deadlock, and a channel's
+        microbatches still leave in order."""
+        st.box.send(value, *self._send_route(Action("SEND_F", a.microbatch, a.chunk)))
+        st.sent_early.add((a.microbatch, a.chunk))
 
     def _numbers(self, st):
         """The posted receive of the last stage's numbers (gloo, see .logs), posted at first use."""
@@ -289,8 +318,10 @@ class PipelineRunner(StageLogs, ForwardOnlyStep):
     def _compute(self, a, st) -> None:
         key, k = (a.microbatch, a.chunk), self._vstage(a.chunk)
         if a.kind == "F":
+            early = st.box is not None and k != self.layout.last_vstage
             finished, out = self._run("training_step", st.micro[a.microbatch], st.rest, k, st.inputs.get(key),
-                                      st.logs[a.microbatch])
+                                      st.logs[a.microbatch], st.arrivals.pop(key, None),
+                                      partial(self._send_at_stop, st, a) if early else None)
             if finished:
                 if isinstance(out, Mapping):
                     st.extras.append({k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in out.items()
@@ -372,6 +403,13 @@ class PipelineRunner(StageLogs, ForwardOnlyStep):
                     fresh.add_(p.grad)
                 p.grad = fresh
                 p._pp_fresh_grad = None
+
+
+def _arrive(work, box, landed) -> None:
+    """A receive's wait, then the release of the sends its arrival proves landed (see .landed)."""
+    work.wait()
+    for sent in landed:
+        box.release(sent)
 
 
 def _no_input_grad(k: int) -> ValueError:

@@ -181,7 +181,10 @@ class Mailbox:
         if self.remembered is not None:
             self.remembered["in"][channel] = self.shapes[channel]
 
-    def recv(self, src: int, t: int, device, channel) -> torch.Tensor:
+    def recv(self, src: int, t: int, device, channel, wait: bool = True):
+        """The tensor received with tag ``t``; with ``wait=False``, (the tensor, its work) before its values
+        are in: the caller waits before reading it. A channel's first message of a step is waited on
+        here either way, for its shape."""
         self.open()
         if channel not in self.shapes:
             if channel in self.headers and self.headers[channel][0] == t:
@@ -201,6 +204,8 @@ class Mailbox:
         if ahead and ahead[0][0] == t:  # posted unforeseen, or as the guessed first payload
             ahead.pop(0)
         self._post_ahead(channel, device)
+        if not wait:
+            return out, work
         work.wait()
         return out
 

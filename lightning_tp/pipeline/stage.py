@@ -56,10 +56,26 @@ class StageState:
     backward: tuple | None = None  # while a backward runs: (virtual stage, its received activation)
     passed: object = None  # the hidden states the last skipped block handed on, in this run (see _wrap)
     last_out: tuple | None = None  # (shape, dtype) of what the stage's last block call handed on (see SkippedBlock)
+    # gloo training: the received activation's pending wait (see arrived), and the send of what this
+    # run hands on, made where it stops (see done)
+    arrival: object = None
+    on_stop: object = None
 
-    @staticmethod
-    def done(output) -> StageDone:
+    def done(self, output) -> StageDone:
+        """End the run here with ``output``. Its send leaves now (``on_stop``), not once the step has
+        unwound through the user's code and the executor: that delay lay on every transfer's path."""
+        on_stop, self.on_stop = self.on_stop, None
+        if on_stop is not None:
+            on_stop(output)
         return StageDone(output)
+
+    def arrived(self) -> None:
+        """Wait for the received activation's values. The executor leaves the wait to the stage's first
+        block, so the user's code before it (the step up to the model's blocks, placeholders) runs
+        while the transfer is in flight instead of after it, on every transfer's path."""
+        arrival, self.arrival = self.arrival, None
+        if arrival is not None:
+            arrival()
 
 
 def install(blocks, layout, pp_rank: int, silence=(), twins=None, side=None, companion_twins=None) -> StageState:
@@ -162,6 +178,7 @@ def _wrap_call(block, index: int, state: StageState, twin, entry) -> None:
         if entry is None or starts or index != lo or active == 0:
             state.entered = True
         if index == lo and active > 0 and starts:
+            state.arrived()
             place = hidden_place(args, kwargs, name)
             computed = args[0] if args else kwargs.get(place)
             # what the previous (skipped) block handed on, unchanged (h = block(h)): only the argument
@@ -328,6 +345,7 @@ def _wrap_chained(block, index: int, state: StageState, list_start: bool, name: 
         if not lo <= index <= hi:
             return skip(args, kwargs)
         if index == lo and state.active > 0:
+            state.arrived()
             places = _carried(args, kwargs, list_start, first)
             computed = [_at(args, kwargs, p) for p in places]
             parts = unpack(state.received, computed)
@@ -378,7 +396,7 @@ def _stop_at(block, vstage: int, state: StageState, list_start: bool) -> None:
                 raise ValueError("pipeline: two block lists are taken as an encoder and a decoder, but the second "
                                  "list's first block is given no tensor besides its own input (the encoder's "
                                  "output). Name one block list: pipeline_blocks='path.to.blocks'.")
-            raise StageDone(pack([_stand_in(_at(args, kwargs, p), state) for p in places]))
+            raise state.done(pack([_stand_in(_at(args, kwargs, p), state) for p in places]))
         return original(*args, **kwargs)
 
     block.forward = forward
