@@ -35,6 +35,7 @@ class Stats:
         self.n_f = self.n_b = 0  # block forward / backward calls
         # seconds inside our executor: whole train_step, Mailbox.send/recv/wait, _publish (log broadcast)
         self.train_step = self.send = self.recv = self.wait = self.publish = 0.0
+        self.arrival_waits = 0.0  # of recv: the receives' waits (an activation's made inside an F, at its first block)
         self.mailbox_peak = 0  # bytes of sent tensors our Mailbox still holds (it releases them at step end)
         self.act = {"F": 0.0, "B": 0.0, "W": 0.0}  # seconds inside our F / B / W actions (compute, no P2P)
         self.first_work, self.last_work = None, 0.0  # start of the step's first block cost, end of its last
@@ -239,17 +240,36 @@ def _instrument_executor():
         return wrapper
 
     p2p.Mailbox.send = timed(counting(p2p.Mailbox.send), "send")
-    p2p.Mailbox.recv = timed(p2p.Mailbox.recv, "recv")
+    p2p.Mailbox.recv = timed(p2p.Mailbox.recv, "recv")  # a channel's first message: its header's wait
+
+    def arriving(fn):
+        """A receive's wait, left by the executor to the stage's first block (an activation: inside an F,
+        see StageState.arrived) or made at once (a gradient): blocked time, not the action's own."""
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                dt = time.perf_counter() - t0
+                STATS.recv += dt
+                STATS.arrival_waits += dt
+        return wrapper
+
+    executor._arrive = arriving(executor._arrive)
     p2p.Mailbox.wait = timed(p2p.Mailbox.wait, "wait")
     executor.PipelineRunner.train_step = timed(executor.PipelineRunner.train_step, "train_step")
     executor.PipelineRunner._publish = timed(executor.PipelineRunner._publish, "publish")
     from lightning_tp.pipeline import zb
 
     def action(fn, kind):
-        def record(dt, args):
-            STATS.act[kind] += dt
-            STATS.acts[kind] += 1
-        return timing(fn, record)
+        def wrapper(*args, **kwargs):
+            t0, waited = time.perf_counter(), STATS.arrival_waits
+            try:
+                return fn(*args, **kwargs)
+            finally:  # less the receive's wait made inside it (see arriving)
+                STATS.act[kind] += time.perf_counter() - t0 - (STATS.arrival_waits - waited)
+                STATS.acts[kind] += 1
+        return wrapper
 
     executor.PipelineRunner._run = action(executor.PipelineRunner._run, "F")  # training: one F each
     executor.PipelineRunner._backward = action(executor.PipelineRunner._backward, "B")

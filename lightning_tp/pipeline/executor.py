@@ -7,12 +7,12 @@ backward call (Lightning zeroes grads between its training_step and backward), v
 ``training_step`` are reduced over microbatches (their ``reduce_fx``) on the last stage and logged
 on every stage, and the step returns the true loss everywhere (:mod:`.logs`). Transfers:
 :mod:`.p2p` (eager, gloo) or :mod:`.p2p_slots` (one group per time slot, NCCL). Forward-only steps
-(validate, test, predict): :mod:`.forward_only_step`.
+(validate, test, predict): :mod:`.forward_only_step`; a backward action and the hand-over of the
+step's gradients to Lightning: :mod:`.backward_step`.
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import partial
@@ -20,6 +20,7 @@ from functools import partial
 import torch
 
 from ..rng import backward_pass
+from .backward_step import BackwardStep, no_input_grad
 from .landed import landed_after
 from .logs import BatchValues, StageLogs, captured_logs, early_publish, find_metrics, muted_metrics
 from .forward_only_step import ForwardOnlyStep
@@ -30,7 +31,6 @@ from .placeholders import agree_on_stand_ins, holds_nan
 from .schedules import Action, build_schedule
 from .slots import slot_plan
 from .stage import StageDone
-from .zb import SplitBackward
 
 
 def no_autocast(device):
@@ -63,7 +63,7 @@ class _Step:
     sent_early: set = field(default_factory=set)  # eager: (microbatch, chunk) whose SEND_F left at the stop
 
 
-class PipelineRunner(StageLogs, ForwardOnlyStep):
+class PipelineRunner(StageLogs, ForwardOnlyStep, BackwardStep):
     def __init__(self, module, mesh, layout, state, schedule: str, microbatches: int, batched: bool = False,
                  device=None):
         self.module, self.mesh, self.layout, self.state = module, mesh, layout, state
@@ -198,7 +198,7 @@ class PipelineRunner(StageLogs, ForwardOnlyStep):
         g = input_grads.pop(key) if key in input_grads else inputs[key].grad
         inputs.pop(key)
         if g is None:
-            raise _no_input_grad(self._vstage(a.chunk))
+            raise no_input_grad(self._vstage(a.chunk))
         return (g, *self._send_route(a))
 
     @staticmethod
@@ -277,12 +277,12 @@ class PipelineRunner(StageLogs, ForwardOnlyStep):
                 self._compute(a, st)
         box.wait()
 
-    def _send_at_stop(self, st, a, value) -> None:
-        """SEND_F of F action ``a``'s result, made where the stage stops (see StageState.done): sends never
-        block, so one made earlier than the action list says cannot deadlock, and a channel's
-        microbatches still leave in order."""
-        st.box.send(value, *self._send_route(Action("SEND_F", a.microbatch, a.chunk)))
-        st.sent_early.add((a.microbatch, a.chunk))
+    def _send_at_stop(self, box, sent: set, a, value, forward_only: bool = False) -> None:
+        """SEND_F of F action ``a``'s result, made where the stage stops (see StageState.done) and noted
+        in ``sent``: sends never block, so one made earlier than the action list says cannot deadlock,
+        and a channel's microbatches still leave in order."""
+        box.send(value, *self._send_route(Action("SEND_F", a.microbatch, a.chunk), forward_only))
+        sent.add((a.microbatch, a.chunk))
 
     def _numbers(self, st):
         """The posted receive of the last stage's numbers (gloo, see .logs), posted at first use."""
@@ -321,7 +321,7 @@ class PipelineRunner(StageLogs, ForwardOnlyStep):
             early = st.box is not None and k != self.layout.last_vstage
             finished, out = self._run("training_step", st.micro[a.microbatch], st.rest, k, st.inputs.get(key),
                                       st.logs[a.microbatch], st.arrivals.pop(key, None),
-                                      partial(self._send_at_stop, st, a) if early else None)
+                                      partial(self._send_at_stop, st.box, st.sent_early, a) if early else None)
             if finished:
                 if isinstance(out, Mapping):
                     st.extras.append({k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in out.items()
@@ -350,81 +350,9 @@ class PipelineRunner(StageLogs, ForwardOnlyStep):
             finally:
                 self.state.backward = None
 
-    @contextlib.contextmanager
-    def _syncing(self, a):
-        """Around a chunk's final weight-gradient pass of the step: every gradient it accumulates is
-        final, so the dp overlap's hooks start each bucket's all-reduce as it completes."""
-        overlap = self.dp_overlap
-        if a not in self._final or overlap is None or not overlap.armed():
-            yield
-            return
-        overlap.hook()
-        try:
-            yield
-        finally:
-            overlap.remove()
-
-    def _backward(self, key, k, out, grad, inputs, input_grads, deferred, params):
-        if not out.requires_grad:  # nothing of this stage's output depends on a trainable weight
-            if k > 0:
-                raise _no_input_grad(k)
-            lo, hi = self.layout.ranges[k]
-            blocks = self.layout.blocks(self.module)
-            if any(p.requires_grad for i in range(lo, hi + 1) for p in blocks[i].parameters()):
-                raise ValueError(f"pipeline: virtual stage {k}'s output does not require grad though its blocks "
-                                 f"hold trainable weights: a detach() or torch.no_grad() before the next stage, or "
-                                 f"a reentrant checkpoint around a block whose input needs no grad (use "
-                                 f"use_reentrant=False, or MegaStrategy(activation_checkpointing=True)).")
-            if self.zero_bubble:  # a frozen first stage: no backward, as one process computes none there
-                deferred[key] = _NoWeightGrad()
-            return
-        if not self.zero_bubble:
-            torch.autograd.backward(out, grad)
-            return
-        # ZB: B computes only the input gradient now; W (the weight half, see .zb) runs later.
-        split = SplitBackward(out, grad, inputs[key] if k > 0 else None, params)
-        g = split.input_grad()
-        if g is not None:
-            input_grads[key] = g
-        deferred[key] = split
-
-    @staticmethod
-    def merge_grads(module, overlap=None) -> None:
-        """Hand the step's gradients to Lightning, after its zero_grad (adds to accumulated ones). The
-        step's own tensor becomes ``.grad``: a dp all-reduce started on it in the step (``overlap``,
-        see DPOverlap) writes its result there, and what ``.grad`` held (not zeroed: a gradient
-        synced at an earlier step) is added after that."""
-        for p in module.parameters():
-            fresh = getattr(p, "_pp_fresh_grad", None)
-            if fresh is not None:
-                if p.grad is not None and overlap is not None and overlap.started(p):
-                    overlap.add_after_sync(fresh, p.grad)
-                elif p.grad is not None:
-                    fresh.add_(p.grad)
-                p.grad = fresh
-                p._pp_fresh_grad = None
-
 
 def _arrive(work, box, landed) -> None:
     """A receive's wait, then the release of the sends its arrival proves landed (see .landed)."""
     work.wait()
     for sent in landed:
         box.release(sent)
-
-
-def _no_input_grad(k: int) -> ValueError:
-    return ValueError(
-        f"pipeline: no gradient reached the activation virtual stage {k} received, so none could go on to the "
-        f"earlier stages. A reentrant checkpoint around a block (torch.utils.checkpoint(..., use_reentrant=True)) "
-        f"is given the placeholders' input there, which does not require grad: use MegaStrategy("
-        f"activation_checkpointing=True), or use_reentrant=False. (A block run under torch.no_grad() or a "
-        f"detach() on a later stage does the same.)")
-
-
-class _NoWeightGrad:
-    """W of a stage whose output needs no gradient (every weight before it frozen)."""
-
-    inp = None
-
-    def weight_grad(self) -> None:
-        pass

@@ -4,6 +4,8 @@ runner this is a part of: it provides ``_run``, the transfer routes and the log 
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch.utils._pytree import tree_map
 
@@ -31,10 +33,16 @@ class ForwardOnlyStep:
                                    self._expected_receives(actions, forward_only=True))
         actions, slots, expected = self._eval_plans[m]
 
-        def forward(a):
-            key = (a.microbatch, a.chunk)
-            finished, out = self._run(hook, micro[a.microbatch], rest, self._vstage(a.chunk),
-                                      received.pop(key, None), logs[a.microbatch])
+        # eager: a received activation's wait until its stage's first block, and the outputs sent where
+        # their run stopped (as in training, see executor._walk_actions)
+        arrivals, sent = {}, set()
+
+        def forward(a, box=None):
+            key, k = (a.microbatch, a.chunk), self._vstage(a.chunk)
+            early = box is not None and k != self.layout.last_vstage
+            finished, out = self._run(hook, micro[a.microbatch], rest, k, received.pop(key, None), logs[a.microbatch],
+                                      arrivals.pop(key, None),
+                                      partial(self._send_at_stop, box, sent, a, forward_only=True) if early else None)
             if finished:
                 results.append(out)  # the last virtual stage takes microbatches in order
             else:
@@ -44,13 +52,19 @@ class ForwardOnlyStep:
             if slots is None:
                 box = Mailbox(expected, device=device)
                 for a in actions:
+                    key = (a.microbatch, a.chunk)
                     if a.kind == "RECV_F":
                         src, t, channel = self._recv_args(a, forward_only=True)
-                        received[(a.microbatch, a.chunk)] = box.recv(src, t, device, channel)
+                        received[key], work = box.recv(src, t, device, channel, wait=False)
+                        arrivals[key] = work.wait
                     elif a.kind == "SEND_F":
-                        box.send(outputs.pop((a.microbatch, a.chunk)), *self._send_route(a, forward_only=True))
+                        out = outputs.pop(key)
+                        if key in sent:
+                            sent.discard(key)
+                        else:
+                            box.send(out, *self._send_route(a, forward_only=True))
                     else:
-                        forward(a)
+                        forward(a, box)
             else:
                 box = SlotMailbox(self._eval_shapes, device)
                 for slot in slots:

@@ -1,0 +1,86 @@
+"""The backward side of a pipeline step (a part of :class:`.executor.PipelineRunner`): one backward
+action (a plain backward, or zero bubble's input half with the weight half deferred, see :mod:`.zb`),
+the dp overlap's hooks around a chunk's final weight-gradient pass, and the hand-over of the step's
+gradients to Lightning after its ``zero_grad``."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from .zb import SplitBackward
+
+
+class BackwardStep:
+    @contextlib.contextmanager
+    def _syncing(self, a):
+        """Around a chunk's final weight-gradient pass of the step: every gradient it accumulates is
+        final, so the dp overlap's hooks start each bucket's all-reduce as it completes."""
+        overlap = self.dp_overlap
+        if a not in self._final or overlap is None or not overlap.armed():
+            yield
+            return
+        overlap.hook()
+        try:
+            yield
+        finally:
+            overlap.remove()
+
+    def _backward(self, key, k, out, grad, inputs, input_grads, deferred, params):
+        if not out.requires_grad:  # nothing of this stage's output depends on a trainable weight
+            if k > 0:
+                raise no_input_grad(k)
+            lo, hi = self.layout.ranges[k]
+            blocks = self.layout.blocks(self.module)
+            if any(p.requires_grad for i in range(lo, hi + 1) for p in blocks[i].parameters()):
+                raise ValueError(f"pipeline: virtual stage {k}'s output does not require grad though its blocks "
+                                 f"hold trainable weights: a detach() or torch.no_grad() before the next stage, or "
+                                 f"a reentrant checkpoint around a block whose input needs no grad (use "
+                                 f"use_reentrant=False, or MegaStrategy(activation_checkpointing=True)).")
+            if self.zero_bubble:  # a frozen first stage: no backward, as one process computes none there
+                deferred[key] = _NoWeightGrad()
+            return
+        if not self.zero_bubble:
+            torch.autograd.backward(out, grad)
+            return
+        # ZB: B computes only the input gradient now; W (the weight half, see .zb) runs later.
+        split = SplitBackward(out, grad, inputs[key] if k > 0 else None, params)
+        g = split.input_grad()
+        if g is not None:
+            input_grads[key] = g
+        deferred[key] = split
+
+    @staticmethod
+    def merge_grads(module, overlap=None) -> None:
+        """Hand the step's gradients to Lightning, after its zero_grad (adds to accumulated ones). The
+        step's own tensor becomes ``.grad``: a dp all-reduce started on it in the step (``overlap``,
+        see DPOverlap) writes its result there, and what ``.grad`` held (not zeroed: a gradient
+        synced at an earlier step) is added after that."""
+        for p in module.parameters():
+            fresh = getattr(p, "_pp_fresh_grad", None)
+            if fresh is not None:
+                if p.grad is not None and overlap is not None and overlap.started(p):
+                    overlap.add_after_sync(fresh, p.grad)
+                elif p.grad is not None:
+                    fresh.add_(p.grad)
+                p.grad = fresh
+                p._pp_fresh_grad = None
+
+
+def no_input_grad(k: int) -> ValueError:
+    return ValueError(
+        f"pipeline: no gradient reached the activation virtual stage {k} received, so none could go on to the "
+        f"earlier stages. A reentrant checkpoint around a block (torch.utils.checkpoint(..., use_reentrant=True)) "
+        f"is given the placeholders' input there, which does not require grad: use MegaStrategy("
+        f"activation_checkpointing=True), or use_reentrant=False. (A block run under torch.no_grad() or a "
+        f"detach() on a later stage does the same.)")
+
+
+class _NoWeightGrad:
+    """W of a stage whose output needs no gradient (every weight before it frozen)."""
+
+    inp = None
+
+    def weight_grad(self) -> None:
+        pass
