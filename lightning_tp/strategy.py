@@ -27,6 +27,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from . import checkpoint as ckpt
 from . import comm
 from . import grads
+from .failures import FailureNotes
 from . import recompute
 from .kernels.inject import kernel_names
 from .quant import bits_of
@@ -163,6 +164,7 @@ class MegaStrategy(ParallelStrategy):
         self._num_nodes = 1
         self._sync_grads = True
         self.broadcast_batch, self._batch_broadcast = broadcast_batch, None
+        self._failures = None  # this run's notes of which rank failed first (see .failures)
         self.mesh: ParallelMesh = ParallelMesh()
 
     # ------------------------------------------------------------------ topology
@@ -222,6 +224,7 @@ class MegaStrategy(ParallelStrategy):
         self._process_group_backend = backend
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
         self.mesh = build_mesh(self.tp, self.pp, device_type=self.root_device.type)
+        self._failures = FailureNotes.open(self.mesh)
         if self.broadcast_batch and comm.group_size(self.mesh.mp_group) > 1:
             cpu_group = self.mesh.mp_group if backend == "gloo" else gloo_twin_of_mp_group(self.mesh)
             self._batch_broadcast = BatchBroadcast(self.mesh.mp_group, self.mesh.global_rank(0, self.mesh.dp_rank, 0),
@@ -417,6 +420,14 @@ class MegaStrategy(ParallelStrategy):
     def remove_checkpoint(self, filepath) -> None:
         if self.is_global_zero:
             self.checkpoint_io.remove_checkpoint(filepath)
+
+    def on_exception(self, exception: BaseException) -> None:
+        """Note this rank's error for the others; to an error that only says another rank went away
+        (gloo's "Connection closed by peer"), add the first error noted (see :mod:`.failures`)."""
+        if self._failures is not None:
+            self._failures.record(exception)
+            self._failures.explain(exception)
+        super().on_exception(exception)
 
     def teardown(self) -> None:
         """The batch broadcast's source waits for its last sends: a gloo broadcast still in flight when

@@ -1,0 +1,80 @@
+"""When one rank fails, say why on the others.
+
+An error that one rank meets alone (a bug in the loss, which under a pipeline runs on the last stage
+only; a callback's error on one rank) leaves the other ranks waiting in a transfer or a collective.
+They stop when the failing process exits, every launcher's way on an uncaught error, and gloo
+reports the closed connection ("Connection closed by peer ... Check the logs of the remote
+worker"), or at the process group's timeout where the process lives on. So each rank's error is
+noted in the process group's store (the first one noted stays), and a rank whose own error is
+such a lost peer gets that note added to its exception (``add_note``, shown under its traceback):
+every rank's traceback names the rank that failed first and its error. Best effort: where the
+store lives in the failing process (global rank 0 under Lightning's own launchers), it went with it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from datetime import timedelta
+
+import torch.distributed as dist
+
+_LOST_PEER = ("connection closed by peer", "connection reset by peer", "broken pipe", "timed out waiting",
+              "socket timeout", "application timeout caused pair closure")
+_runs = itertools.count()  # one key set per Trainer entry (fit, validate, ...), made alike on every rank
+_NOTE_CHARS = 4000
+
+
+def lost_peer(exc: BaseException) -> bool:
+    """Whether the error is a transfer or collective failing because another rank went away."""
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(words in text for words in _LOST_PEER)
+
+
+def where(mesh) -> str:
+    """This rank in words: its global rank and the coordinates of the layout's parallel sizes > 1."""
+    parts = [f"{name} rank {rank} of {size}" for name, rank, size in
+             (("pipeline", mesh.pp_rank, mesh.pp), ("tp", mesh.tp_rank, mesh.tp), ("dp", mesh.dp_rank, mesh.dp))
+             if size > 1]
+    return f"global rank {mesh.rank}" + (f" ({', '.join(parts)})" if parts else "")
+
+
+class FailureNotes:
+    """``where``: this rank in words (global rank, stage, tp/dp rank), for the others' tracebacks."""
+
+    def __init__(self, store, where: str, wait: float = 2.0):
+        self.store, self.where, self.wait = store, where, timedelta(seconds=wait)
+        self.prefix = f"lightning_tp/failed/{next(_runs)}"
+
+    @classmethod
+    def open(cls, mesh):
+        """Over the default process group's store, or None without one (every rank calls this once per
+        Trainer entry, in the same order: the key numbers agree)."""
+        try:
+            store = dist.distributed_c10d._get_default_store()
+        except (RuntimeError, ValueError):
+            return None
+        return cls(store, where(mesh))
+
+    def record(self, exc: BaseException) -> None:
+        """On a failing rank, before it exits: note its error, unless another rank's was noted first or
+        its own is a lost peer (a consequence: it would hide the cause)."""
+        if not isinstance(exc, Exception) or lost_peer(exc):
+            return
+        try:
+            if self.store.add(f"{self.prefix}/count", 1) == 1:
+                note = f"{self.where} raised {type(exc).__name__}: {exc}"
+                self.store.set(f"{self.prefix}/note", note[:_NOTE_CHARS])
+        except Exception:  # the store is gone or unreachable: nothing to tell
+            pass
+
+    def explain(self, exc: BaseException) -> None:
+        """On a rank whose error is a lost peer: add the first noted error to it."""
+        if not lost_peer(exc):
+            return
+        key = f"{self.prefix}/note"
+        try:
+            self.store.wait([key], self.wait)
+            note = self.store.get(key).decode(errors="replace")
+        except Exception:  # none noted (the peer was killed), or the store went with the failing process
+            return
+        exc.add_note(f"lightning_tp: {note}\n(this rank, {self.where}, stopped waiting for it)")

@@ -1,0 +1,79 @@
+"""An error one rank meets alone is named on the others: a bug in the loss, which under a pipeline
+runs on the last stage only, stops the first stage with gloo's "Connection closed by peer", which
+then carries the last stage's error (lightning_tp/failures.py)."""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+
+import dist
+from lightning_tp import MegaStrategy
+from lightning_tp.failures import FailureNotes, lost_peer
+from test_pipeline_user import Net, _loader
+
+CLOSED = "[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:5534"
+
+
+def _notes(store):
+    first, other = FailureNotes(store, "global rank 1 (pipeline rank 1 of 2)"), FailureNotes(store, "global rank 0")
+    other.prefix = first.prefix  # one Trainer entry on two ranks (here: one process)
+    return first, other
+
+
+def test_the_first_error_noted_is_added_to_a_lost_peer():
+    failing, waiting = _notes(torch.distributed.HashStore())
+    assert lost_peer(RuntimeError(CLOSED)) and lost_peer(RuntimeError("Timed out waiting 60000ms for recv operation"))
+    assert not lost_peer(ValueError("connection closed by peer")) and not lost_peer(RuntimeError("shape mismatch"))
+    waiting.record(RuntimeError(CLOSED))  # a consequence, never the cause
+    failing.record(ValueError("a bug in the loss"))
+    waiting.record(ValueError("a later error elsewhere"))  # the first noted stays
+    err = RuntimeError(CLOSED)
+    waiting.explain(err)
+    assert err.__notes__ == ["lightning_tp: global rank 1 (pipeline rank 1 of 2) raised ValueError: a bug in the "
+                             "loss\n(this rank, global rank 0, stopped waiting for it)"]
+    own = ValueError("its own error")
+    waiting.explain(own)  # not a lost peer: left alone
+    assert not hasattr(own, "__notes__")
+
+
+def test_nothing_is_added_where_nothing_was_noted():
+    _, waiting = _notes(torch.distributed.HashStore())
+    waiting.wait = timedelta(seconds=0.1)
+    err = RuntimeError(CLOSED)
+    waiting.explain(err)
+    assert not hasattr(err, "__notes__")
+
+
+class LossBug(Net):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)  # under pp=2 the first stage stops in here; the last one goes on
+        if batch_idx == 1:
+            raise ValueError("a bug in the user's loss code")
+        return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+def _fit_failing(rank, world):
+    t0 = time.monotonic()
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=MegaStrategy(pp=2, microbatches=2, timeout=60),
+                        max_steps=4, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0, use_distributed_sampler=False)
+    try:
+        trainer.fit(LossBug(), _loader())
+    except Exception as err:  # returned, and this process exits: as a launcher's would, with its error
+        return type(err).__name__, str(err), getattr(err, "__notes__", []), time.monotonic() - t0
+    return None
+
+
+def test_a_loss_bug_on_the_last_stage_is_named_on_the_first():
+    first, last = dist.run(2, _fit_failing)
+    assert last[:2] == ("ValueError", "a bug in the user's loss code") and last[2] == []
+    assert lost_peer(RuntimeError(first[1])), first  # gloo's own words stay the error
+    assert len(first[2]) == 1 and "global rank 1 (pipeline rank 1 of 2) raised ValueError: a bug in the user's loss " \
+        "code" in first[2][0] and "global rank 0 (pipeline rank 0 of 2)" in first[2][0], first
+    assert first[3] < 30, f"the first stage waited {first[3]:.0f} s (the process group's timeout is 60 s)"
