@@ -57,6 +57,7 @@ class SplitBackward:
         self.params = [p for p in params if p.requires_grad]
         self.captured: dict = {}
         self.groups: list = []
+        self.whole = False  # a compiled region on the input path: B runs the whole backward (see input_grad)
         self.split = self._split_nodes() if inp is not None and out.grad_fn is not None else None
 
     def _split_nodes(self) -> list | None:
@@ -65,6 +66,9 @@ class SplitBackward:
         weights = {}  # AccumulateGrad node -> its parameter, found on the walk (one lookup per node)
         reach_in, below = {}, {}  # below: weight nodes under a weight-only node
         order, kids = _post_order(self.out.grad_fn)
+        if any(type(node).__name__ == "CompiledFunctionBackward" for node in order):
+            self.whole = True
+            return None
         for node in order:
             children = kids[node]
             reach_in[node] = node is target or any(reach_in[c] for c in children)
@@ -92,7 +96,16 @@ class SplitBackward:
         return list(split)
 
     def input_grad(self):
-        """B: the input's gradient (None on the first stage); keeps what W needs."""
+        """B: the input's gradient (None on the first stage); keeps what W needs. A region compiled by
+        ``torch.compile`` (``block.compile()``) is one autograd node that computes its weights'
+        gradients with its input's, and a second call would compute both again (and refuses to: its
+        buffers are donated to the first); a stage holding one runs its whole backward here, W
+        then has nothing left to do."""
+        if self.whole:
+            torch.autograd.backward(self.out, self.grad, inputs=[self.inp] + self.params)
+            g, self.inp.grad = self.inp.grad, None
+            self.out = self.grad = None
+            return g
         if self.split is None:
             return None
         hooks = [n.register_prehook(lambda grads, n=n: self.captured.__setitem__(n, grads)) for n in self.split]
@@ -105,6 +118,8 @@ class SplitBackward:
 
     def weight_grad(self) -> None:
         """W: accumulate the parameters' gradients into ``.grad``; frees the graph."""
+        if self.whole:
+            return
         if self.split is None:  # first stage (or an input-free output): the plain backward
             torch.autograd.backward(self.out, self.grad, inputs=self.params or None)
         else:

@@ -1,0 +1,58 @@
+"""Blocks compiled by the user (``block.compile()``) under a pipeline: the stage wrappers run inside
+the compiled call, and zero bubble's split leaves a compiled region whole (it computes its weight
+gradients with its input's, once: a second backward through it is refused). Against the same
+module uncompiled on one process. (Lightning itself refuses ``trainer.fit(torch.compile(model))``
+with any strategy but single-device, DDP and FSDP.)"""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+
+import dist
+from lightning_tp import MegaStrategy
+from test_pipeline_user import Net, _loader
+
+SCHEDULES = ("1f1b", "interleaved_1f1b", "zb_h1")
+
+
+class CompiledBlocks(Net):
+    def __init__(self):
+        super().__init__()
+        for block in self.blocks:
+            block.compile()
+
+
+class Losses(L.Callback):
+    def __init__(self):
+        self.losses = []
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.losses.append(float(trainer.callback_metrics["train_loss"]))
+
+
+def _fit(model, world, schedule=None):
+    seen = Losses()
+    strategy = "auto" if world == 1 else MegaStrategy(
+        pp=2, microbatches=2, schedule=schedule, virtual_stages=2 if schedule == "interleaved_1f1b" else 1, timeout=120)
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=4, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        num_sanity_val_steps=0, use_distributed_sampler=False, callbacks=[seen])
+    trainer.fit(model, _loader())
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items() if k.startswith("blocks.")
+               and not getattr(v, "is_meta", False) and v.numel()}
+    return seen.losses, weights
+
+
+def _each_schedule(rank, world):
+    return {s: _fit(CompiledBlocks(), world, s) for s in SCHEDULES}
+
+
+def test_compiled_blocks_train_as_one_process_under_each_schedule():
+    ref_losses, ref_weights = _fit(Net(), 1)
+    for rank, got in enumerate(dist.run(2, _each_schedule, timeout=600)):
+        for schedule, (losses, weights) in got.items():
+            torch.testing.assert_close(losses, ref_losses, atol=1e-5, rtol=0, msg=schedule)
+            assert weights, (schedule, rank)
+            for key, value in weights.items():  # this rank's blocks (the others are placeholders here)
+                torch.testing.assert_close(value, ref_weights[key], atol=1e-5, rtol=0, msg=f"{schedule} {key}")
