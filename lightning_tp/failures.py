@@ -77,4 +77,8 @@ class FailureNotes:
             note = self.store.get(key).decode(errors="replace")
         except Exception:  # none noted (the peer was killed), or the store went with the failing process
             return
-        exc.add_note(f"lightning_tp: {note}\n(this rank, {self.where}, stopped waiting for it)")
+        note = f"lightning_tp: {note}\n(this rank, {self.where}, stopped waiting for it)"
+        if hasattr(exc, "add_note"):
+            exc.add_note(note)
+        else:  # Python 3.10: no notes; the message itself carries it
+            exc.args = (f"{exc.args[0] if exc.args else ''}\n{note}",) + tuple(exc.args[1:])

@@ -13,8 +13,9 @@ So at its first run with grad and its first without (microbatch 0) the sending s
 fingerprint of its last block's other arguments (shape, dtype, sum, absolute sum per tensor) in
 the process group's key-value store; the receiving stage meets the same block as a placeholder, given
 the arguments its own code made, and compares. The store is written before the activation is sent
-and read after it arrived, so the read never waits. A mismatch is refused there, naming the block
-and the argument.
+and read after it arrived (microbatch 0 is its channel's first message of the step, whose header
+the receiver waits for at the receive; the payload's wait comes later, at the stage's first block),
+so the read never waits. A mismatch is refused there, naming the block and the argument.
 """
 
 from __future__ import annotations

@@ -104,7 +104,7 @@ class SplitBackward:
         if self.whole:
             torch.autograd.backward(self.out, self.grad, inputs=[self.inp] + self.params)
             g, self.inp.grad = self.inp.grad, None
-            self.out = self.grad = None
+            self.out = self.grad = self.inp = None
             return g
         if self.split is None:
             return None
