@@ -1,8 +1,8 @@
 """Blocks compiled by the user (``block.compile()``) under a pipeline: the stage wrappers run inside
 the compiled call, and zero bubble's split leaves a compiled region whole (it computes its weight
 gradients with its input's, once: a second backward through it is refused). Against the same
-module uncompiled on one process. (Lightning itself refuses ``trainer.fit(torch.compile(model))``
-with any strategy but single-device, DDP and FSDP.)"""
+module uncompiled on one process. Under tp and sp: the same numbers as uncompiled blocks. (Lightning
+itself refuses ``trainer.fit(torch.compile(model))`` with any strategy but single-device, DDP and FSDP.)"""
 
 from __future__ import annotations
 
@@ -56,3 +56,30 @@ def test_compiled_blocks_train_as_one_process_under_each_schedule():
             assert weights, (schedule, rank)
             for key, value in weights.items():  # this rank's blocks (the others are placeholders here)
                 torch.testing.assert_close(value, ref_weights[key], atol=1e-5, rtol=0, msg=f"{schedule} {key}")
+
+
+def _tp_runs(rank, world):
+    """The example GPT under tp=2 (and with sp), its blocks compiled or not, on the same data."""
+    from models import LossRecorder, TokenData, make_model, trainer_kwargs, vocab_of
+
+    out = {}
+    for sp in (False, True):
+        for compiled in (False, True):
+            model = make_model("gpt", n_layer=2)
+            for block in model.model.transformer.h if compiled else ():
+                block.compile()
+            rec = LossRecorder()
+            trainer = L.Trainer(devices=world, strategy=MegaStrategy(tp=2, sp=sp, timeout=120), max_steps=4,
+                                callbacks=[rec], use_distributed_sampler=False, **trainer_kwargs())
+            trainer.fit(model, TokenData(4 * 8, vocab_of(model), 8))
+            out[(sp, compiled)] = rec.losses
+    return out
+
+
+def test_compiled_blocks_give_the_same_numbers_under_tp_and_sp():
+    """The tp layers' collectives (autograd Functions of lightning_tp.comm) inside compiled blocks; the
+    uncompiled runs are the parity suite's, checked against one process there."""
+    for got in dist.run(2, _tp_runs, timeout=600):
+        for sp in (False, True):
+            assert len(got[(sp, False)]) == 4
+            torch.testing.assert_close(got[(sp, True)], got[(sp, False)], atol=1e-5, rtol=0, msg=f"sp={sp}")
