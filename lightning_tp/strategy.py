@@ -27,8 +27,8 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from . import checkpoint as ckpt
 from . import comm
 from . import grads
-from .failures import FailureNotes
 from . import recompute
+from .failures import FailureNotes
 from .kernels.inject import kernel_names
 from .quant import bits_of
 from .quant.fake_quant import RANGE_MODES
