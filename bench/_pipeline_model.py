@@ -39,6 +39,7 @@ class Stats:
         self.mailbox_peak = 0  # bytes of sent tensors our Mailbox still holds (it releases them at step end)
         self.act = {"F": 0.0, "B": 0.0, "W": 0.0}  # seconds inside our F / B / W actions (compute, no P2P)
         self.first_work, self.last_work = None, 0.0  # start of the step's first block cost, end of its last
+        self.holds = []  # (start, end, "F" or "B") of each simulated cost: a block's forward from its entry, a backward half
         self.acts = {"F": 0, "B": 0, "W": 0}
 
     def add(self, n):
@@ -82,6 +83,7 @@ def _hold(t, start=None):
         pass
     STATS.last_work = time.perf_counter()
     STATS.sleep += STATS.last_work - t0
+    STATS.holds.append((t0 if start is None else start, STATS.last_work, "B" if start is None else "F"))
     if STATS.first_work is None:
         STATS.first_work = deadline - t
 
@@ -184,7 +186,7 @@ class Recorder:
                                n_f=s.n_f, n_b=s.n_b, train_step=s.train_step, send=s.send, recv=s.recv,
                                wait=s.wait, publish=s.publish, mailbox_peak=s.mailbox_peak,
                                leftover=s.inflight, act=dict(s.act), acts=dict(s.acts), first_work=s.first_work,
-                               last_work=s.last_work))
+                               last_work=s.last_work, holds=list(s.holds)))
 
     def result(self):
         return dict(start=self.start, end=self.end, stats=self.stats)

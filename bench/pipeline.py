@@ -171,6 +171,40 @@ def work_spans(per_rank):
                              - min(r["stats"][i]["first_work"] for r in per_rank) for i in idx)
 
 
+def exposures(per_rank, name: str, m: int):
+    """Per transfer on a v=1 schedule, where the receiver waits for it (its previous action ended 0.5 ms
+    or more before the message's block did): from the sender's last block's end to the receiver's
+    first block's start, median over measured steps (forward, backward) in seconds. What a transfer
+    costs on the critical path: the executor's code on both sides plus the link."""
+    sched, per = build_schedule(name, P, m, 1), N_BLOCKS // P
+    fwd, bwd = [], []
+    for i in _measured(per_rank):
+        acts = []  # per rank: {(kind, microbatch): (start, end)} and the end of the action before each
+        for rank, r in enumerate(per_rank):
+            holds = r["stats"][i]["holds"]
+            f = [h for h in holds if h[2] == "F"]
+            b = [h for h in holds if h[2] == "B"]
+            if len(f) != per * m or len(b) != 2 * per * m:  # not this step's blocks alone: skip it
+                break
+            fs = iter((f[j][0], f[j + per - 1][1]) for j in range(0, len(f), per))
+            bs = iter((b[j][0], b[j + 2 * per - 1][1]) for j in range(0, len(b), 2 * per))
+            spans, before, last = {}, {}, None
+            for a in sched[rank]:
+                if a.kind in ("F", "B"):
+                    spans[(a.kind, a.microbatch)] = span = next(fs if a.kind == "F" else bs)
+                    before[(a.kind, a.microbatch)], last = last, span[1]
+            acts.append((spans, before))
+        else:
+            for mb in range(m):
+                for s in range(P - 1):
+                    for kind, src, dst, out in (("F", s, s + 1, fwd), ("B", s + 1, s, bwd)):
+                        sent = acts[src][0][(kind, mb)][1]
+                        ready = acts[dst][1][(kind, mb)]
+                        if ready is not None and ready < sent - 0.5e-3:
+                            out.append(acts[dst][0][(kind, mb)][0] - sent)
+    return (statistics.median(fwd) if fwd else float("nan")), (statistics.median(bwd) if bwd else float("nan"))
+
+
 def action_costs(per_rank) -> list:
     """Per rank: the median over measured steps of each action kind's mean duration (s), as timed
     inside our executor (the block's sleeps plus its real compute and the executor's own code)."""
@@ -326,6 +360,13 @@ def report(results):
                       f"{'ok' if ratio >= 1.0 else 'MISSED':>6}  {ms(o_span) + ' / ' + ms(t_span):>23}  "
                       f"{t_span / o_span:>6.3f}  {ms(o_period - o_span) + ' / ' + ms(t_period - t_span):>22}  "
                       f"{o_period / models[(name, m)]:>14.3f} / {t_period / models[(name, m)]:.3f}")
+
+    print(f"   per transfer on 1F1B's critical path, m={MS[0]} (a receiver waiting for it): from the sender's last "
+          f"block's end\n   to the receiver's first block's start, median ms, forward / backward:  " +
+          ";  ".join(f"{label} {f * 1e3:.2f} / {b * 1e3:.2f}" for label, (f, b) in
+                     (("ours", exposures(get(("ours", "1f1b", MS[0])), "1f1b", MS[0])),
+                      ("torch plain", exposures(get(("torch", "1f1b", MS[0])), "1f1b", MS[0])),
+                      ("torch in Lightning", exposures(get(("torch_lightning", "1f1b", MS[0])), "1f1b", MS[0])))))
 
     # ---- 3. memory
     m = MS[0]
