@@ -31,7 +31,7 @@ class Losses(L.Callback):
         self.losses.append(float(trainer.callback_metrics["train_loss"]))
 
 
-def _fit(model, world, schedule=None):
+def _fit(model, world, schedule=None, overlap=None):
     seen = Losses()
     strategy = "auto" if world == 1 else MegaStrategy(
         pp=2, microbatches=2, schedule=schedule, virtual_stages=2 if schedule == "interleaved_1f1b" else 1, timeout=120)
@@ -39,6 +39,8 @@ def _fit(model, world, schedule=None):
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         num_sanity_val_steps=0, use_distributed_sampler=False, callbacks=[seen])
     trainer.fit(model, _loader())
+    if overlap is not None:  # dp: (buckets the last step's backward started, buckets a backward may start)
+        overlap.extend([trainer.strategy._dp_overlap.launched_early, trainer.strategy._dp_overlap.early_buckets])
     weights = {k: v.detach().clone() for k, v in model.state_dict().items() if k.startswith("blocks.")
                and not getattr(v, "is_meta", False) and v.numel()}
     return seen.losses, weights
@@ -56,6 +58,21 @@ def test_compiled_blocks_train_as_one_process_under_each_schedule():
             assert weights, (schedule, rank)
             for key, value in weights.items():  # this rank's blocks (the others are placeholders here)
                 torch.testing.assert_close(value, ref_weights[key], atol=1e-5, rtol=0, msg=f"{schedule} {key}")
+
+
+def _zb_with_dp(rank, world):
+    overlap = []
+    return _fit(CompiledBlocks(), world, "zb_h1", overlap), overlap
+
+
+def test_compiled_stages_under_zb_h1_start_their_dp_sync_in_the_backward():
+    """pp=2 x dp=2 (both replicas on the same batches: the average is one process's gradient). A stage
+    of compiled blocks runs its whole backward at B, so its gradients are final at the chunk's last B:
+    the dp overlap starts every bucket there, not after the step."""
+    ref_losses, _ = _fit(Net(), 1)
+    for rank, ((losses, _), (launched, buckets)) in enumerate(dist.run(4, _zb_with_dp, timeout=600)):
+        torch.testing.assert_close(losses, ref_losses, atol=1e-5, rtol=0, msg=f"rank {rank}")
+        assert launched == buckets > 0, (rank, launched, buckets)
 
 
 def _tp_runs(rank, world):

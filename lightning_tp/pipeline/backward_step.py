@@ -16,9 +16,12 @@ class BackwardStep:
     @contextlib.contextmanager
     def _syncing(self, a):
         """Around a chunk's final weight-gradient pass of the step: every gradient it accumulates is
-        final, so the dp overlap's hooks start each bucket's all-reduce as it completes."""
+        final, so the dp overlap's hooks start each bucket's all-reduce as it completes. Under zero
+        bubble that is the chunk's last W, or its last B where B runs the whole backward (a stage of
+        compiled blocks, known from the chunk's first B)."""
         overlap = self.dp_overlap
-        if a not in self._final or overlap is None or not overlap.armed():
+        final = a in self._final or (a.chunk in self._whole_chunks and a in self._final_b)
+        if not final or overlap is None or not overlap.armed():
             yield
             return
         overlap.hook()
@@ -46,6 +49,8 @@ class BackwardStep:
             return
         # ZB: B computes only the input gradient now; W (the weight half, see .zb) runs later.
         split = SplitBackward(out, grad, inputs[key] if k > 0 else None, params)
+        if split.whole:
+            self._whole_chunks.add(key[1])
         g = split.input_grad()
         if g is not None:
             input_grads[key] = g

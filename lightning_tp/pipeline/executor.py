@@ -73,6 +73,7 @@ class PipelineRunner(StageLogs, ForwardOnlyStep, BackwardStep):
         self.n_vstages = layout.pp * layout.v
         self.dp_overlap = None  # dp > 1: the strategy's DPOverlap, hooked around self._final (see _syncing)
         self._plans, self._eval_plans, self._warned = {}, {}, set()
+        self._whole_chunks = set()  # zero bubble: chunks whose backward B runs whole (compiled blocks, see .zb)
         self._trained = False  # a training step ran (the first of a run is checked, see must_divide)
         self._results_checked = False  # the first training step's stage results were checked for NaN
         self._use(microbatches)
@@ -144,12 +145,17 @@ class PipelineRunner(StageLogs, ForwardOnlyStep, BackwardStep):
                 # each chunk's final weight-gradient pass of the step (B, or ZB's W): its gradients are then
                 # final, so the dp overlap starts their sync there. Chunks finish last-first, as buckets go.
                 final={next(a for a in reversed(actions) if a.kind == ("W" if zero_bubble else "B") and a.chunk == c)
-                       for c in range(v)})
+                       for c in range(v)},
+                # zero bubble: each chunk's last B, final instead where the chunk's backward is not split (see
+                # BackwardStep._syncing)
+                final_b={next(a for a in reversed(actions) if a.kind == "B" and a.chunk == c)
+                         for c in range(v)} if zero_bubble else set())
         plan = self._plans[m]
         self.step_m = m  # this step's microbatch count (MegaStrategy.step_microbatches)
         self.actions, self.zero_bubble, self._receives = plan["actions"], plan["zero_bubble"], plan["receives"]
         self.slots, self._publish_at, self._landed, self._final = (plan["slots"], plan["publish_at"], plan["landed"],
                                                                    plan["final"])
+        self._final_b = plan["final_b"]
 
     def _microbatches(self, batch, hook: str, batch_idx: int) -> int:
         """This batch's microbatch count (see .microbatch), warning once per hook when it is not m."""
