@@ -144,18 +144,15 @@ class PipelineRunner(StageLogs, ForwardOnlyStep, BackwardStep):
                                                 for i, js in landed_after(full, pp)[rank].items()},
                 # each chunk's final weight-gradient pass of the step (B, or ZB's W): its gradients are then
                 # final, so the dp overlap starts their sync there. Chunks finish last-first, as buckets go.
-                final={next(a for a in reversed(actions) if a.kind == ("W" if zero_bubble else "B") and a.chunk == c)
-                       for c in range(v)},
+                final=_last_per_chunk(actions, "W" if zero_bubble else "B", v),
                 # zero bubble: each chunk's last B, final instead where the chunk's backward is not split (see
                 # BackwardStep._syncing)
-                final_b={next(a for a in reversed(actions) if a.kind == "B" and a.chunk == c)
-                         for c in range(v)} if zero_bubble else set())
+                final_b=_last_per_chunk(actions, "B", v) if zero_bubble else set())
         plan = self._plans[m]
         self.step_m = m  # this step's microbatch count (MegaStrategy.step_microbatches)
         self.actions, self.zero_bubble, self._receives = plan["actions"], plan["zero_bubble"], plan["receives"]
-        self.slots, self._publish_at, self._landed, self._final = (plan["slots"], plan["publish_at"], plan["landed"],
-                                                                   plan["final"])
-        self._final_b = plan["final_b"]
+        self.slots, self._publish_at, self._landed = plan["slots"], plan["publish_at"], plan["landed"]
+        self._final, self._final_b = plan["final"], plan["final_b"]
 
     def _microbatches(self, batch, hook: str, batch_idx: int) -> int:
         """This batch's microbatch count (see .microbatch), warning once per hook when it is not m."""
@@ -355,6 +352,11 @@ class PipelineRunner(StageLogs, ForwardOnlyStep, BackwardStep):
                         st.deferred.pop(key).weight_grad()
             finally:
                 self.state.backward = None
+
+
+def _last_per_chunk(actions, kind: str, v: int) -> set:
+    """Each of the ``v`` chunks' last action of ``kind`` in a rank's action list."""
+    return {next(a for a in reversed(actions) if a.kind == kind and a.chunk == c) for c in range(v)}
 
 
 def _arrive(work, box, landed) -> None:
