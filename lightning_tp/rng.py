@@ -46,15 +46,23 @@ def _mix(*parts) -> int:
 _BACKWARD = [0]  # depth of backward_pass(): a pipeline's backward actions
 
 
-@contextlib.contextmanager
-def backward_pass():
+class _BackwardPass:
     """Around a pipeline's backward actions (B, W): a block's forward in there is a recomputation, also
-    where ZB's weight half reads a saved tensor outside any autograd backward call (see pipeline.zb)."""
-    _BACKWARD[0] += 1
-    try:
-        yield
-    finally:
+    where ZB's weight half reads a saved tensor outside any autograd backward call (see pipeline.zb).
+    A class, not a generator: it is entered on every gradient transfer's path."""
+
+    def __enter__(self):
+        _BACKWARD[0] += 1
+
+    def __exit__(self, *exc):
         _BACKWARD[0] -= 1
+
+
+def backward_pass() -> _BackwardPass:
+    return _BACKWARD_PASS
+
+
+_BACKWARD_PASS = _BackwardPass()
 
 
 def _in_backward() -> bool:

@@ -13,22 +13,17 @@ from .zb import SplitBackward
 
 
 class BackwardStep:
-    @contextlib.contextmanager
     def _syncing(self, a):
         """Around a chunk's final weight-gradient pass of the step: every gradient it accumulates is
         final, so the dp overlap's hooks start each bucket's all-reduce as it completes. Under zero
         bubble that is the chunk's last W, or its last B where B runs the whole backward (a stage of
-        compiled blocks, known from the chunk's first B)."""
+        compiled blocks, known from the chunk's first B). Elsewhere nothing (a plain context: this
+        lies on every gradient transfer's path)."""
         overlap = self.dp_overlap
         final = a in self._final or (a.chunk in self._whole_chunks and a in self._final_b)
         if not final or overlap is None or not overlap.armed():
-            yield
-            return
-        overlap.hook()
-        try:
-            yield
-        finally:
-            overlap.remove()
+            return contextlib.nullcontext()
+        return _hooked(overlap)
 
     def _backward(self, key, k, out, grad, inputs, input_grads, deferred, params):
         if not out.requires_grad:  # nothing of this stage's output depends on a trainable weight
@@ -71,6 +66,15 @@ class BackwardStep:
                     fresh.add_(p.grad)
                 p.grad = fresh
                 p._pp_fresh_grad = None
+
+
+@contextlib.contextmanager
+def _hooked(overlap):
+    overlap.hook()
+    try:
+        yield
+    finally:
+        overlap.remove()
 
 
 def no_input_grad(k: int) -> ValueError:

@@ -13,6 +13,7 @@ step's gradients to Lightning: :mod:`.backward_step`.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import partial
@@ -34,6 +35,10 @@ from .stage import StageDone
 
 
 def no_autocast(device):
+    """Autocast off for a backward run inside Lightning's (mixed precision); nothing where it is off
+    already (building the context costs more than the gradient's send, on its path)."""
+    if not torch.is_autocast_enabled(device.type):
+        return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, enabled=False)
 
 
@@ -60,7 +65,7 @@ class _Step:
     stand_in_at: tuple | None = None  # first training step: (vstage, microbatch) of a result holding NaN
     box: Mailbox | None = None  # eager (gloo): the step's Mailbox, for sends made where a run stops
     arrivals: dict = field(default_factory=dict)  # eager: received activations' pending waits, until their F
-    sent_early: set = field(default_factory=set)  # eager: (microbatch, chunk) whose SEND_F left at the stop
+    sent_early: set = field(default_factory=set)  # eager: (kind, microbatch, chunk) of sends made ahead of their action
 
 
 class PipelineRunner(StageLogs, ForwardOnlyStep, BackwardStep):
@@ -101,9 +106,13 @@ class PipelineRunner(StageLogs, ForwardOnlyStep, BackwardStep):
         try:
             if self._metrics is None:  # looked up once: walking the module per microbatch adds up
                 self._metrics = find_metrics(self.module)
-            with captured_logs(self.module, logs), muted_metrics(self._metrics, mute), \
-                    self.batch_values.recording([] if mute else self._metrics):
-                out = getattr(self.module, hook)(micro, *rest[0], **rest[1])
+            step = getattr(self.module, hook)
+            with captured_logs(self.module, logs):
+                if self._metrics:
+                    with muted_metrics(self._metrics, mute), self.batch_values.recording([] if mute else self._metrics):
+                        out = step(micro, *rest[0], **rest[1])
+                else:  # no torchmetrics: two contexts less on the pipeline's critical path
+                    out = step(micro, *rest[0], **rest[1])
             if vstage != self.layout.last_vstage:
                 nxt = self.layout.ranges[vstage][1] + 1
                 raise ValueError(f"pipeline: {hook} ran to its end on virtual stage {vstage} without calling block "
@@ -271,8 +280,8 @@ class PipelineRunner(StageLogs, ForwardOnlyStep, BackwardStep):
                 else:
                     arrival()
             elif a.kind in ("SEND_F", "SEND_B"):
-                if key in st.sent_early:
-                    st.sent_early.discard(key)
+                if (a.kind, *key) in st.sent_early:
+                    st.sent_early.discard((a.kind, *key))
                 else:
                     box.send(*self._send_args(a, st.outputs, st.inputs, st.input_grads))
                 self._drop_sent_values(a, st)
@@ -285,7 +294,15 @@ class PipelineRunner(StageLogs, ForwardOnlyStep, BackwardStep):
         in ``sent``: sends never block, so one made earlier than the action list says cannot deadlock,
         and a channel's microbatches still leave in order."""
         box.send(value, *self._send_route(Action("SEND_F", a.microbatch, a.chunk), forward_only))
-        sent.add((a.microbatch, a.chunk))
+        sent.add(("SEND_F", a.microbatch, a.chunk))
+
+    def _send_grad_now(self, a, st) -> None:
+        """SEND_B of B action ``a``'s input gradient, made as its backward returns (gloo; noted in
+        ``st.sent_early``): the action list's SEND_B comes after the backward's context exits and
+        the loop's turn, which lay on every gradient transfer's path (early: see _send_at_stop)."""
+        send = Action("SEND_B", a.microbatch, a.chunk)
+        st.box.send(*self._send_args(send, st.outputs, st.inputs, st.input_grads))
+        st.sent_early.add(("SEND_B", a.microbatch, a.chunk))
 
     def _numbers(self, st):
         """The posted receive of the last stage's numbers (gloo, see .logs), posted at first use."""
@@ -348,6 +365,8 @@ class PipelineRunner(StageLogs, ForwardOnlyStep, BackwardStep):
                     if a.kind == "B":
                         self._backward(key, k, st.outputs.pop(key), st.grads.pop(key, None), st.inputs,
                                        st.input_grads, st.deferred, st.params)
+                        if st.box is not None and k > 0:
+                            self._send_grad_now(a, st)
                     else:
                         st.deferred.pop(key).weight_grad()
             finally:

@@ -59,8 +59,8 @@ class ForwardOnlyStep:
                         arrivals[key] = work.wait
                     elif a.kind == "SEND_F":
                         out = outputs.pop(key)
-                        if key in sent:
-                            sent.discard(key)
+                        if ("SEND_F", *key) in sent:
+                            sent.discard(("SEND_F", *key))
                         else:
                             box.send(out, *self._send_route(a, forward_only=True))
                     else:

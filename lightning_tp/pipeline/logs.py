@@ -21,17 +21,24 @@ from .p2p import tag
 from .simulate import simulate
 
 
-@contextmanager
-def captured_logs(module, sink: list):
+class captured_logs:
     """Collect self.log calls instead of sending them to Lightning (once per microbatch). Tensors are
     kept detached: a logged loss would otherwise hold its microbatch's graph, and under zero bubble
-    (whose backward keeps the graph for W) all its saved activations, until the step ends."""
-    module.log = lambda name, value, *args, **kwargs: sink.append(
-        (name, value.detach() if isinstance(value, torch.Tensor) else value, args, kwargs))
-    try:
-        yield
-    finally:
-        del module.log
+    (whose backward keeps the graph for W) all its saved activations, until the step ends. Set in the
+    instance's ``__dict__`` directly: ``nn.Module.__setattr__`` and its ``__delattr__`` (which look
+    through parameters, buffers and submodules first) cost more than the rest of a stage's run between
+    two blocks, and that lies on the pipeline's critical path."""
+
+    def __init__(self, module, sink: list):
+        self.module, self.sink = module, sink
+
+    def __enter__(self):
+        sink = self.sink
+        self.module.__dict__["log"] = lambda name, value, *args, **kwargs: sink.append(
+            (name, value.detach() if isinstance(value, torch.Tensor) else value, args, kwargs))
+
+    def __exit__(self, *exc):
+        self.module.__dict__.pop("log", None)
 
 
 def find_metrics(module) -> list:
