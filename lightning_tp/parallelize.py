@@ -21,6 +21,7 @@ from .mesh import use_tied_ranks
 from .pipeline.block_lists import block_at, block_key, called_parts
 from .pipeline.executor import PipelineRunner
 from .pipeline.placeholders import meta_twins
+from .pipeline.sharded_twins import shard_twins
 from .pipeline.side_inputs import SideInputCheck
 from .pipeline.split import apply_split, plan_stages
 from .pipeline.stage import install as install_stages
@@ -70,6 +71,8 @@ def parallelize(s, module):
     if len(tied_ranks) > 1:
         use_tied_ranks(s.mesh, tied_ranks)
     replaced = planner.apply(module, matches, s.mesh.tp_group, s.tp, s.mesh.tp_rank, s.sp)
+    if s.pp > 1 and s.tp > 1:
+        shard_twins(module, layout, split, matches, s.tp, s.mesh.tp_rank)
     apply_kernels(module, s.kernels)
     if s.quant is not None:
         apply_qat(module, s.quant, tp_group=s.mesh.tp_group, dp_group=s.mesh.dp_group, act_range=s.quant_range)

@@ -71,6 +71,10 @@ WORLD2.update({f"hf_{fam}_tp2_sp": (f"hf_{fam}", {}, dict(tp=2, sp=True), TEN)
                for fam in ("falcon", "falcon_mq", "falcon_mha")})
 WORLD4 = {f"{fam}_tp2_pp2": (fam, {}, dict(tp=2, **PP), TEN) for fam in FAMILIES}
 WORLD4.update({f"{fam}_tp2_pp2": (fam, {}, dict(tp=2, **PP), steps) for fam, steps in SEQ2SEQ.items()})
+# T5 split inside its stacks: the position bias each stage hands on is computed per tp rank's heads
+# (inside the encoder; inside the decoder with the encoder-decoder bias too)
+WORLD4.update({f"hf_t5_tp2_pp2_split_{at}": ("hf_t5", {}, dict(tp=2, **PP, stage_layers=layers), TEN)
+               for at, layers in (("encoder", [1, 3]), ("decoder", [3, 1]))})
 WORLD4["hf_llama_tp4_sp"] = ("hf_llama", {}, dict(tp=4, sp=True), TEN)  # 2 kv heads over 4 ranks
 WORLD4["hf_qwen3_tp4"] = ("hf_qwen3", {}, dict(tp=4), TEN)  # and a per-head k_norm on the copies
 
