@@ -24,7 +24,8 @@ Per optimizer step, with n = B*T tokens per replica (B: the batch one process lo
     Megatron's 4 all-reduces of b*s*h per layer.
   * PP: each virtual stage sends m activations of (B/m)*T*h (/tp under SP) unless it is the last,
     and m gradients back unless it is the first; inside an encoder-decoder's decoder a message also
-    holds the encoder's output (2h, source and target of one length assumed).
+    holds the encoder's output (2h, source and target of one length assumed); T5's stacks give each
+    block their masks and position biases positionally, so its messages hold those too (_t5_side).
   * SP grads (replicated params with partial grads, plus the all-heads buffer of key/value heads
     copied to several tp ranks), tied embeddings (first and last stage; an encoder-decoder's embedding
     and its copy on the decoder's first stage), DP
@@ -67,6 +68,7 @@ from .pipeline.schedules import build_schedule
 from .pipeline.simulate import simulate
 from .pipeline.split import _outer_groups, apply_split, plan_stages
 from .plans import apply as planner
+from .plans.hf_seq2seq import layout_of as seq2seq_layout
 from . import recompute
 
 _ACTIVATIONS = ("torch.nn.modules.activation", "transformers.activations")
@@ -128,6 +130,29 @@ def _io(m: nn.Module):
     if type(m).__name__ == "Conv1D" and hasattr(m, "nf"):
         return tuple(m.weight.shape)
     return None
+
+
+
+def _t5_heads(model) -> int | None:
+    """The attention heads of a Hugging Face encoder-decoder of T5's layout, else None."""
+    found = seq2seq_layout(model)
+    if found is None or found[2] != "t5":
+        return None
+    return model.get_submodule(found[0])[0].layer[0].SelfAttention.n_heads
+
+
+def _t5_side(nxt: int, decoder_start: int, heads: int, T: int) -> int:
+    """Elements per token a message to T5's block ``nxt`` holds besides the hidden states and the encoder's
+    output: its stack gives every block the masks and position biases positionally, and a stage hands
+    on each floating-point positional argument (see pipeline.stage._carried). Inside the encoder the
+    attention mask (B, 1, 1, T) and the position bias (B, heads, T, T: this tp rank's heads); at the
+    decoder's first block the causal mask (B, 1, T, T) and the encoder's mask (B, 1, 1, T); later in the
+    decoder both masks and both position biases (its own, the encoder-decoder one)."""
+    if nxt < decoder_start:
+        return 1 + heads * T
+    if nxt == decoder_start:
+        return T + 1
+    return T + 1 + 2 * heads * T
 
 
 def _width_in(module: nn.Module) -> int:
@@ -291,12 +316,16 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
 
     def message(k):
         """Elements per token virtual stage k sends on (its gradient comes back alike): the hidden states,
-        and inside an encoder-decoder's decoder the encoder's output too (same sequence length assumed)."""
+        and inside an encoder-decoder's decoder the encoder's output too (same sequence length assumed);
+        T5's blocks are also given its masks and position biases (see _t5_side)."""
         if not layout.lists:
             return hidden / (tp if sp_on else 1)
-        return hidden * (2 if layout.ranges[k + 1][0] > layout.decoder_start else 1)
+        nxt = layout.ranges[k + 1][0]
+        out = hidden * (2 if nxt > layout.decoder_start else 1)
+        return out + (_t5_side(nxt, layout.decoder_start, t5_heads // tp, T) if t5_heads else 0)
 
     hidden = _width_in(block_at(base.get_submodule(lists[0][0]), 0) if bpath else base)
+    t5_heads = _t5_heads(base) if layout is not None and layout.lists else None
     ops, style_of = _tp_ops(base, matches, sp, tp, hidden, locate)
     width = _saved_widths(base, style_of, tp, locate)
     sp_on = any(sp and mt.sp_start is not None for mt in matches)

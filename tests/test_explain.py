@@ -45,6 +45,12 @@ CONFIGS = {
     # Hugging Face BART's plan: the cross-attention's region entered by the decoder's hidden states and
     # by the encoder's output (key_value_states), one backward all-reduce each
     "tp2_dp2_hf_bart": (dict(kind="hf_bart"), dict(tp=2)),
+    # T5 passes its masks and position biases to each block positionally: they travel too. One block a
+    # stage (inside the encoder, at the decoder's first block, inside the decoder), then tp=2 split in
+    # the encoder (each rank's position bias holds its heads)
+    "pp4_hf_t5": (dict(kind="hf_t5", copied=True), dict(pp=4, microbatches=2)),
+    "tp2_pp2_hf_t5_split_encoder": (dict(kind="hf_t5", copied=True),
+                                    dict(tp=2, pp=2, microbatches=2, stage_layers=[1, 3])),
 }
 
 

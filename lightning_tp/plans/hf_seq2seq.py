@@ -41,7 +41,7 @@ def _kv_input(attention: nn.Module):
     return next((n for n in ("key_value_states", "encoder_hidden_states") if n in params), None)
 
 
-def _layout(module: nn.Module):
+def layout_of(module: nn.Module):
     """(encoder path, decoder path, "bart" | "t5", the cross-attention's input name) or None: a
     layout seen in part (FSMT's attention, Switch Transformers' expert MLPs) does not match."""
     lists = find_encoder_decoder(module)
@@ -108,10 +108,10 @@ class HFSeq2SeqPlan:
 
     def matches(self, module: nn.Module) -> bool:
         return getattr(getattr(module, "config", None), "is_encoder_decoder", False) is True and \
-            hasattr(module, "get_output_embeddings") and _layout(module) is not None
+            hasattr(module, "get_output_embeddings") and layout_of(module) is not None
 
     def build(self, module: nn.Module) -> Plan:
-        enc, dec, kind, kv = _layout(module)
+        enc, dec, kind, kv = layout_of(module)
         styles, attrs = (_bart if kind == "bart" else _t5)(enc, dec, kv, module)
         head = module.get_output_embeddings()
         for name in _token_embeddings(module, head):
