@@ -75,6 +75,9 @@ WORLD4.update({f"{fam}_tp2_pp2": (fam, {}, dict(tp=2, **PP), steps) for fam, ste
 # (inside the encoder; inside the decoder with the encoder-decoder bias too)
 WORLD4.update({f"hf_t5_tp2_pp2_split_{at}": ("hf_t5", {}, dict(tp=2, **PP, stage_layers=layers), TEN)
                for at, layers in (("encoder", [1, 3]), ("decoder", [3, 1]))})
+# interleaved: a rank's blocks of its other chunk pass through with this rank's heads' bias too
+WORLD4["hf_t5_tp2_pp2_interleaved"] = ("hf_t5", {}, dict(tp=2, **PP, schedule="interleaved_1f1b", virtual_stages=2),
+                                       TEN)
 WORLD4["hf_llama_tp4_sp"] = ("hf_llama", {}, dict(tp=4, sp=True), TEN)  # 2 kv heads over 4 ranks
 WORLD4["hf_qwen3_tp4"] = ("hf_qwen3", {}, dict(tp=4), TEN)  # and a per-head k_norm on the copies
 
