@@ -132,7 +132,6 @@ def _io(m: nn.Module):
     return None
 
 
-
 def _t5_heads(model) -> int | None:
     """The attention heads of a Hugging Face encoder-decoder of T5's layout, else None."""
     found = seq2seq_layout(model)

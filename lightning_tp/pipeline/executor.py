@@ -26,7 +26,7 @@ from .landed import landed_after
 from .logs import BatchValues, StageLogs, captured_logs, early_publish, find_metrics, muted_metrics
 from .forward_only_step import ForwardOnlyStep
 from .microbatch import batches_per_epoch, merge_outputs, microbatches_for, must_divide, resumable_loader, split_marked
-from .p2p import Mailbox, drop_sent_values, tag
+from .p2p import Mailbox, drop_sent_values, made_early, tag
 from .p2p_slots import SlotMailbox
 from .placeholders import agree_on_stand_ins, holds_nan
 from .schedules import Action, build_schedule
@@ -280,9 +280,7 @@ class PipelineRunner(StageLogs, ForwardOnlyStep, BackwardStep):
                 else:
                     arrival()
             elif a.kind in ("SEND_F", "SEND_B"):
-                if (a.kind, *key) in st.sent_early:
-                    st.sent_early.discard((a.kind, *key))
-                else:
+                if not made_early(st.sent_early, a):
                     box.send(*self._send_args(a, st.outputs, st.inputs, st.input_grads))
                 self._drop_sent_values(a, st)
             else:

@@ -10,7 +10,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from .microbatch import merge_outputs, split_marked
-from .p2p import Mailbox
+from .p2p import Mailbox, made_early
 from .p2p_slots import SlotMailbox
 from .schedules import forward_only
 from .slots import slot_plan
@@ -59,9 +59,7 @@ class ForwardOnlyStep:
                         arrivals[key] = work.wait
                     elif a.kind == "SEND_F":
                         out = outputs.pop(key)
-                        if ("SEND_F", *key) in sent:
-                            sent.discard(("SEND_F", *key))
-                        else:
+                        if not made_early(sent, a):
                             box.send(out, *self._send_route(a, forward_only=True))
                     else:
                         forward(a, box)
