@@ -25,7 +25,8 @@ Per optimizer step, with n = B*T tokens per replica (B: the batch one process lo
   * PP: each virtual stage sends m activations of (B/m)*T*h (/tp under SP) unless it is the last,
     and m gradients back unless it is the first; inside an encoder-decoder's decoder a message also
     holds the encoder's output (2h, source and target of one length assumed); T5's stacks give each
-    block their masks and position biases positionally, so its messages hold those too (_t5_side).
+    block their masks and position biases positionally, so its messages hold those too, and their
+    gradients the biases' only (_t5_side).
   * SP grads (replicated params with partial grads, plus the all-heads buffer of key/value heads
     copied to several tp ranks), tied embeddings (first and last stage; an encoder-decoder's embedding
     and its copy on the decoder's first stage), DP
@@ -140,18 +141,20 @@ def _t5_heads(model) -> int | None:
     return model.get_submodule(found[0])[0].layer[0].SelfAttention.n_heads
 
 
-def _t5_side(nxt: int, decoder_start: int, heads: int, T: int) -> int:
+def _t5_side(nxt: int, decoder_start: int, heads: int, T: int, grad: bool = False) -> int:
     """Elements per token a message to T5's block ``nxt`` holds besides the hidden states and the encoder's
     output: its stack gives every block the masks and position biases positionally, and a stage hands
     on each floating-point positional argument (see pipeline.stage._carried). Inside the encoder the
     attention mask (B, 1, 1, T) and the position bias (B, heads, T, T: this tp rank's heads); at the
     decoder's first block the causal mask (B, 1, T, T) and the encoder's mask (B, 1, 1, T); later in the
-    decoder both masks and both position biases (its own, the encoder-decoder one)."""
+    decoder both masks and both position biases (its own, the encoder-decoder one). ``grad``: what
+    comes back, the gradient of the biases made from weights only (the masks and the encoder-decoder
+    bias, which T5 makes of zeros and the mask, need none: see pipeline.stage.pack)."""
+    if grad:
+        return 0 if nxt == decoder_start else heads * T
     if nxt < decoder_start:
         return 1 + heads * T
-    if nxt == decoder_start:
-        return T + 1
-    return T + 1 + 2 * heads * T
+    return T + 1 + (0 if nxt == decoder_start else 2 * heads * T)
 
 
 def _width_in(module: nn.Module) -> int:
@@ -313,15 +316,15 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
         vstages = {"first": runs["before"], "last": runs["after"]}.get(loc[0]) or runs[loc[0]]
         return sum(k % pp == r for k in vstages) if layout else 1
 
-    def message(k):
-        """Elements per token virtual stage k sends on (its gradient comes back alike): the hidden states,
-        and inside an encoder-decoder's decoder the encoder's output too (same sequence length assumed);
-        T5's blocks are also given its masks and position biases (see _t5_side)."""
+    def message(k, grad=False):
+        """Elements per token virtual stage k sends on (``grad``: its gradient, coming back): the hidden
+        states, and inside an encoder-decoder's decoder the encoder's output too (same sequence length
+        assumed); T5's blocks are also given its masks and position biases (see _t5_side)."""
         if not layout.lists:
             return hidden / (tp if sp_on else 1)
         nxt = layout.ranges[k + 1][0]
         out = hidden * (2 if nxt > layout.decoder_start else 1)
-        return out + (_t5_side(nxt, layout.decoder_start, t5_heads // tp, T) if t5_heads else 0)
+        return out + (_t5_side(nxt, layout.decoder_start, t5_heads // tp, T, grad) if t5_heads else 0)
 
     hidden = _width_in(block_at(base.get_submodule(lists[0][0]), 0) if bpath else base)
     t5_heads = _t5_heads(base) if layout is not None and layout.lists else None
@@ -366,7 +369,8 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
         act = max(chunks, default=0) + sum(width[(kind,)] for kind in ("first", "between", "decoder_in", "last")
                                            if times((kind,), r) and (kind, ) in width)
         ks = layout.vstages_of(r) if layout else []
-        sends = sum(message(k) for k in ks if k < layout.last_vstage) + sum(message(k - 1) for k in ks if k > 0)
+        sends = sum(message(k) for k in ks if k < layout.last_vstage) + \
+            sum(message(k - 1, grad=True) for k in ks if k > 0)
         tp_elems = sum(n * w for loc, n in mine for _, w, phase in ops[loc])
         tp_again = sum(w for i in again for _, w, phase in ops[("block", i)] if phase == "fwd")
         for t in range(tp):

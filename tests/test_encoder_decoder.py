@@ -8,9 +8,11 @@ import torch
 from torch import nn
 
 from lightning_tp.explain import explain
+from lightning_tp.pipeline.p2p import grad_split
 from lightning_tp.pipeline.placeholders import ShapeOnly, SkippedBlock
 from lightning_tp.pipeline.split import apply_split, plan_stages
-from lightning_tp.pipeline.stage import StageDone, StageState, _carried, _stop_at, install, pack, unpack
+from lightning_tp.pipeline.messages import pack, unpack, with_grad_split
+from lightning_tp.pipeline.stage import StageDone, StageState, _carried, _stop_at, install
 from lightning_tp.plans import apply as planner
 from models import make_model
 
@@ -128,6 +130,38 @@ def test_gradients_reach_both_senders_through_one_message():
     torch.testing.assert_close(memory.grad, 2 * (memory.detach() * 3) * 3)
 
 
+def test_only_the_parts_that_need_a_gradient_get_one_back():
+    """T5's mask beside its hidden states and position bias: it travels, its gradient does not (the
+    receiver computes none, the sender gets those of the other two, as the whole message's backward
+    gives them)."""
+    w = torch.randn(4, requires_grad=True)
+    mask = torch.randn(2, 1, 4)
+
+    def parts():
+        return [torch.ones(2, 3, 4) * w, mask, w.expand(2, 4, 4) * 2]
+
+    def loss(h, m, b):
+        return (h * h).sum() + ((b + m) ** 2).sum()
+
+    whole = torch.cat([p.reshape(-1) for p in parts()])  # every part's gradient comes back: the reference
+    leaf = whole.detach().requires_grad_()
+    loss(*unpack(leaf, [torch.zeros(2, 3, 4), torch.zeros(2, 1, 4), torch.zeros(2, 4, 4)])).backward()
+    whole.backward(leaf.grad)
+    expected, w.grad = w.grad, None
+
+    message = pack(parts())
+    assert message._lightning_tp_grad_split == (0b101, 2 * 3 * 4 + 2 * 4 * 4)
+    received = with_grad_split(message.detach().clone(), message._lightning_tp_grad_split)
+    h, m, b = unpack(received, [torch.zeros(2, 3, 4), torch.zeros(2, 1, 4), torch.zeros(2, 4, 4)])
+    assert torch.equal(m, mask) and not m.requires_grad and torch.equal(h, torch.ones(2, 3, 4) * w)
+    loss(h, m, b).backward()
+    assert received.grad.shape == (2 * 3 * 4 + 2 * 4 * 4,)  # what travels back
+    message[:message._lightning_tp_grad_split[1]].backward(received.grad)  # the sender's B (see _backward)
+    torch.testing.assert_close(w.grad, expected)
+    with pytest.raises(ValueError, match="same batch shapes"):
+        unpack(received, [torch.zeros(2, 3, 4), torch.zeros(2, 1, 4), torch.zeros(2, 5, 4)])
+
+
 def test_a_stage_ends_at_the_next_stages_first_block_with_what_it_is_given():
     state = StageState([(0, 0), (1, 1)], 1)
     block = nn.TransformerDecoderLayer(8, 2, 16, 0.0, batch_first=True)
@@ -242,8 +276,8 @@ def test_a_bf16_model_staged_matches_it_unstaged():
             state.active, state.received = rank, message
             try:
                 out = run(model)
-            except StageDone as done:
-                message = done.output.detach()
+            except StageDone as done:  # received as the executor takes it: padding masks need no gradient
+                message = with_grad_split(done.output.detach(), grad_split(done.output))
         torch.testing.assert_close(out, reference, atol=0, rtol=0)
 
 

@@ -51,6 +51,12 @@ WORLD2["hf_llama_pp2_recompute"] = ("hf_llama", {}, dict(PP, activation_checkpoi
 WORLD2["hf_gpt2_pp2_hf_checkpointing"] = ("hf_gpt2", dict(grad_ckpt=True), PP, TEN)
 WORLD2["hf_gpt2_tp2_sp_recompute"] = ("hf_gpt2", {}, dict(tp=2, sp=True, activation_checkpointing=True), TEN)
 WORLD2["litgpt_pp2_recompute"] = ("litgpt", {}, dict(PP, activation_checkpointing=1), TEN)
+# split inside the encoder: BART's padding mask (given to every block positionally) and T5's mask
+# travel with the hidden states, and only the parts that need a gradient get one back (1F1B; ZB-H1's
+# split backward)
+WORLD2["hf_bart_pp2_padded_split_encoder"] = ("hf_bart", dict(padded=True), dict(PP, stage_layers=[1, 3]), TEN)
+WORLD2["hf_t5_pp2_zb_split_encoder"] = ("hf_t5", {}, dict(PP, schedule="zb_h1", stage_layers=[1, 3]), TEN)
+WORLD2["hf_t5_pp2_batched_p2p_split_decoder"] = ("hf_t5", {}, dict(PP, stage_layers=[3, 1], p2p="batched"), TEN)
 # interleaved: a rank's blocks of its other chunk pass through (in the tuple GPT-2's blocks return)
 WORLD2["hf_gpt2_pp2_interleaved"] = ("hf_gpt2", dict(layers=4), dict(PP, schedule="interleaved_1f1b",
                                                                        virtual_stages=2), TEN)

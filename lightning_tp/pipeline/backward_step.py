@@ -26,6 +26,9 @@ class BackwardStep:
         return _hooked(overlap)
 
     def _backward(self, key, k, out, grad, inputs, input_grads, deferred, params):
+        split = getattr(out, "_lightning_tp_grad_split", None)
+        if split is not None:  # the gradient of the parts that need one, the message's leading values (see stage.pack)
+            out = out[:split[1]]
         if not out.requires_grad:  # nothing of this stage's output depends on a trainable weight
             if k > 0:
                 raise no_input_grad(k)

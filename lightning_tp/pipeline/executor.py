@@ -31,6 +31,7 @@ from .p2p_slots import SlotMailbox
 from .placeholders import agree_on_stand_ins, holds_nan
 from .schedules import Action, build_schedule
 from .slots import slot_plan
+from .messages import with_grad_split
 from .stage import StageDone
 
 
@@ -220,10 +221,11 @@ class PipelineRunner(StageLogs, ForwardOnlyStep, BackwardStep):
             drop_sent_values(st.outputs, key, st.inputs.get(key))
 
     @staticmethod
-    def _store(a, tensor, inputs, grads) -> None:
+    def _store(a, tensor, inputs, grads, split) -> None:
+        """A received activation, as the leaf its gradient is taken of (``split``: see stage.pack), or gradient."""
         key = (a.microbatch, a.chunk)
         if a.kind == "RECV_F":
-            inputs[key] = tensor.requires_grad_()
+            inputs[key] = with_grad_split(tensor, split)
         else:
             grads[key] = tensor
 
@@ -273,7 +275,7 @@ class PipelineRunner(StageLogs, ForwardOnlyStep, BackwardStep):
                 self._numbers(st)  # posted with the step's other receives (see Mailbox.open)
                 src, t, channel = self._recv_args(a)
                 tensor, work = box.recv(src, t, st.device, channel, wait=False)
-                self._store(a, tensor, st.inputs, st.grads)
+                self._store(a, tensor, st.inputs, st.grads, box.splits_in.get(channel, (0, 0)))
                 arrival = partial(_arrive, work, box, self._landed.get(i, ()))
                 if a.kind == "RECV_F":  # waited on at the stage's first block (StageState.arrived)
                     st.arrivals[key] = arrival
@@ -316,7 +318,7 @@ class PipelineRunner(StageLogs, ForwardOnlyStep, BackwardStep):
                 needed = self._input_of(slot.compute)
                 if needed is not None:
                     _, t, channel = self._recv_args(needed)
-                    self._store(needed, box.take(channel, t), st.inputs, st.grads)
+                    self._store(needed, box.take(channel, t), st.inputs, st.grads, box.splits_in.get(channel, (0, 0)))
                 self._compute(slot.compute, st)
             box.group([self._send_args(a, st.outputs, st.inputs, st.input_grads) for a in slot.sends],
                       [self._recv_args(a) for a in slot.recvs])

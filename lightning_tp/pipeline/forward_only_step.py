@@ -14,6 +14,7 @@ from .p2p import Mailbox, made_early
 from .p2p_slots import SlotMailbox
 from .schedules import forward_only
 from .slots import slot_plan
+from .messages import with_grad_split
 
 
 class ForwardOnlyStep:
@@ -55,7 +56,8 @@ class ForwardOnlyStep:
                     key = (a.microbatch, a.chunk)
                     if a.kind == "RECV_F":
                         src, t, channel = self._recv_args(a, forward_only=True)
-                        received[key], work = box.recv(src, t, device, channel, wait=False)
+                        message, work = box.recv(src, t, device, channel, wait=False)
+                        received[key] = with_grad_split(message, box.splits_in.get(channel, (0, 0)), grad=False)
                         arrivals[key] = work.wait
                     elif a.kind == "SEND_F":
                         out = outputs.pop(key)
@@ -70,7 +72,8 @@ class ForwardOnlyStep:
                         a = slot.compute
                         if self._vstage(a.chunk) > 0:
                             _, t, channel = self._recv_args(a, forward_only=True)
-                            received[(a.microbatch, a.chunk)] = box.take(channel, t)
+                            received[(a.microbatch, a.chunk)] = with_grad_split(
+                                box.take(channel, t), box.splits_in.get(channel, (0, 0)), grad=False)
                         forward(a)
                     box.group([(outputs.pop((a.microbatch, a.chunk)), *self._send_route(a, forward_only=True))
                                for a in slot.sends], [self._recv_args(a, forward_only=True) for a in slot.recvs])

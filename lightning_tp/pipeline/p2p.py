@@ -27,15 +27,23 @@ import torch.distributed as dist
 from .. import comm
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool]
-_HEADER = 10  # ndim, dtype code, up to 8 dims
+_DIMS = 8
+_HEADER = 2 + _DIMS + 2  # ndim, dtype code, up to 8 dims, then the grad split (see grad_split)
 
 
-def header_of(tensor: torch.Tensor) -> torch.Tensor:
-    """The shape message: ndim, dtype code, dims, as int64 on the tensor's device."""
-    if tensor.dim() > _HEADER - 2:
-        raise ValueError(f"pipeline activations of {tensor.dim()} dims are not supported (max {_HEADER - 2}).")
+def grad_split(tensor: torch.Tensor) -> tuple:
+    """(parts, numel) of a packed message whose parts only some need a gradient (see stage.pack):
+    a bit per part that does, and how many leading values they fill; (0, 0) where the whole message's
+    gradient comes back. Read before the send detaches the tensor (an attribute of the object)."""
+    return getattr(tensor, "_lightning_tp_grad_split", (0, 0))
+
+
+def header_of(tensor: torch.Tensor, split: tuple = (0, 0)) -> torch.Tensor:
+    """The shape message: ndim, dtype code, dims, the grad split, as int64 on the tensor's device."""
+    if tensor.dim() > _DIMS:
+        raise ValueError(f"pipeline activations of {tensor.dim()} dims are not supported (max {_DIMS}).")
     shape = [tensor.dim(), _DTYPES.index(tensor.dtype), *tensor.shape]
-    header = torch.tensor(shape + [0] * (_HEADER - len(shape)), dtype=torch.int64)
+    header = torch.tensor(shape + [0] * (_HEADER - 2 - len(shape)) + list(split), dtype=torch.int64)
     if tensor.device.type == "cuda":  # pinned, so that the copy does not wait for the GPU to catch up
         header = header.pin_memory().to(tensor.device, non_blocking=True)
     return header
@@ -46,7 +54,22 @@ def shape_of(header: torch.Tensor) -> tuple:
     return tuple(values[2:2 + values[0]]), _DTYPES[values[1]]
 
 
-def first_message(tensor: torch.Tensor, channel, remembered: dict | None) -> tuple[list, list]:
+def split_of(header: torch.Tensor) -> tuple:
+    """The grad split a header carries (see grad_split)."""
+    return tuple(header[-2:].tolist())
+
+
+def checked_split(sent: dict, channel, split: tuple) -> None:
+    """A channel's header goes with its first message of a step, so every microbatch after it must
+    split its gradient alike (a part that requires grad in one and not the next is refused)."""
+    first = sent.setdefault(channel, split)
+    if first != split:
+        raise ValueError(f"pipeline: the tensors a stage hands on need a gradient in one microbatch and not in "
+                         f"another of the same step (parts {bin(first[0])} then {bin(split[0])}): every microbatch "
+                         f"must run the same code.")
+
+
+def first_message(tensor: torch.Tensor, channel, remembered: dict | None, split: tuple = (0, 0)) -> tuple[list, list]:
     """A channel's first message of a step, as ``(now, after)`` lists of (tensor, tag offset): the
     header, and the payload in ``now`` when the receiver posted it with the remembered shape, else
     in ``after`` (the receiver reads the header first); when the remembered shape is stale, ``now``
@@ -56,7 +79,7 @@ def first_message(tensor: torch.Tensor, channel, remembered: dict | None) -> tup
     old = None
     if remembered is not None:
         old, remembered["out"][channel] = remembered["out"].get(channel), new
-    now = [(header_of(tensor), 0)]
+    now = [(header_of(tensor, split), 0)]
     if old == new:
         return now + [(tensor, 1)], []
     if old is None:
@@ -124,6 +147,7 @@ class Mailbox:
         self.pending = deque()  # [work, tensor] of sends in flight, oldest first ([None, None]: released)
         self.by_tag = {}  # a message's tag -> its entries in pending, until released
         self.sent_header, self.shapes = set(), {}  # per channel, for this step
+        self.splits_out, self.splits_in = {}, {}  # per channel, this step's grad split (see grad_split)
         self.batched = batched  # NCCL: no receive posted ahead (it would hold up the sends behind it)
         self.expected = {} if batched else {c: list(v) for c, v in (expected or {}).items()}
         self.posted, self.depth = {}, depth  # channel -> [(tag, work, buffer)] in order
@@ -167,13 +191,15 @@ class Mailbox:
         return op(tensor, peer, tag=t)
 
     def send(self, tensor: torch.Tensor, dst: int, t: int, channel) -> None:
+        split = grad_split(tensor)
+        checked_split(self.splits_out, channel, split)
         tensor = tensor.detach().contiguous()
         comm._record("send", tensor, None)  # the payload only (not the header): counted like collectives
         release_landed(self.pending)
         parts = [(tensor, 1)]
         if channel not in self.sent_header:
             self.sent_header.add(channel)
-            now, after = first_message(tensor, channel, self.remembered)
+            now, after = first_message(tensor, channel, self.remembered, split)
             parts = now + after  # no grouping here: all of it leaves at once
         entries = [[self._isend(x, dst, t + offset), x] for x, offset in parts]
         self.pending.extend(entries)
@@ -188,6 +214,7 @@ class Mailbox:
 
     def _learn_shape(self, channel, header) -> None:
         self.shapes[channel] = shape_of(header)
+        self.splits_in[channel] = split_of(header)
         if self.remembered is not None:
             self.remembered["in"][channel] = self.shapes[channel]
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
-from .p2p import _HEADER, first_message, release_landed, shape_of
+from .p2p import _HEADER, checked_split, first_message, grad_split, release_landed, shape_of, split_of
 
 
 class SlotMailbox:
@@ -27,6 +27,7 @@ class SlotMailbox:
     def __init__(self, remembered: dict, device):
         self.remembered, self.device = remembered, device
         self.shapes, self.sent_first = {}, set()  # per channel, this step
+        self.splits_out, self.splits_in = {}, {}  # per channel, this step's grad split (see p2p.grad_split)
         self.arrived = {}  # (channel, tag) -> [work, buffer] of a posted payload
         self.unissued = {}  # id(buffer) -> its entry in arrived, until its group is issued
         self.keep = deque()  # sends in flight [work, tensor], oldest first
@@ -36,6 +37,8 @@ class SlotMailbox:
         release_landed(self.keep)
         ops, later, headers = [], [], []
         for tensor, dst, t, channel in sends:
+            split = grad_split(tensor)
+            checked_split(self.splits_out, channel, split)
             tensor = tensor.detach().contiguous()
             comm._record("send", tensor, None)
             if channel in self.sent_first:
@@ -46,7 +49,7 @@ class SlotMailbox:
                 ops.append((dist.isend, tensor, dst, t + 1))
                 continue
             self.sent_first.add(channel)
-            now, after = first_message(tensor, channel, self.remembered)
+            now, after = first_message(tensor, channel, self.remembered, split)
             ops += [(dist.isend, x, dst, t + offset) for x, offset in now]
             later += [(dist.isend, x, dst, t + offset) for x, offset in after]
         for src, t, channel in recvs:
@@ -63,7 +66,7 @@ class SlotMailbox:
         works = self._issue(ops)
         for i, src, t, channel, guess in headers:  # the CPU waits for this slot here (reads the headers)
             works[i].wait()
-            shape = shape_of(ops[i][1])
+            shape, self.splits_in[channel] = shape_of(ops[i][1]), split_of(ops[i][1])
             self.shapes[channel] = self.remembered["in"][channel] = shape
             if guess is None:  # the payload follows the header (see first_message)
                 later.append(self._payload(channel, src, t, t + 1))

@@ -19,7 +19,8 @@ at the entry of the next stage's first block and sends that block's floating-poi
 arguments and keyword ones shaped like an encoder's output (see _carried), packed into one flat
 tensor; the receiver puts them in the same places, and in its later blocks puts each received
 tensor wherever the tensor it stands for is passed again (the same ``memory`` object goes to
-every decoder block). At the decoder's first block the hidden
+every decoder block). Only the parts that require grad get a gradient back (see .messages): a mask
+given positionally travels, its gradient does not. At the decoder's first block the hidden
 states come from the decoder's own embedding copy, so only the rest travels.
 """
 
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .block_lists import PIECEWISE, called_parts
+from .messages import pack, unpack
 from .placeholders import (ShapeOnly, SkippedBlock, handed_on, hidden_name, hidden_place, passthrough,
                            stand_in_output)
 
@@ -305,26 +307,6 @@ def _floating(a) -> bool:
 
 def _at(args, kwargs, place):
     return args[place] if isinstance(place, int) else kwargs[place]
-
-
-def pack(parts: list) -> torch.Tensor:
-    if len(parts) == 1:
-        return parts[0]
-    if len({p.dtype for p in parts}) > 1:
-        raise ValueError(f"pipeline: a stage sends tensors of dtypes {[p.dtype for p in parts]} together; they "
-                         f"travel as one message and must share a dtype.")
-    return torch.cat([p.reshape(-1) for p in parts])
-
-
-def unpack(message: torch.Tensor, like: list) -> list:
-    """Split a packed message into tensors shaped like ``like`` (what this stage's code computed)."""
-    if len(like) == 1:
-        return [message.view(like[0].shape)]
-    sizes = [t.numel() for t in like]
-    if message.numel() != sum(sizes):
-        raise ValueError(f"pipeline: received {message.numel()} values for tensors of shapes "
-                         f"{[tuple(t.shape) for t in like]}; every stage must see the same batch shapes.")
-    return [part.view(t.shape) for part, t in zip(message.split(sizes), like)]
 
 
 def _stand_in(value, state: StageState):
