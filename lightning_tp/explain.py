@@ -64,6 +64,7 @@ from torch import nn
 
 from .grads import replica_buffer_numel
 from .layers.shard import padded_size
+from .parallelize import check_sp_with_stages
 from .pipeline.block_lists import block_at, block_key
 from .pipeline.schedules import build_schedule
 from .pipeline.simulate import simulate
@@ -197,8 +198,10 @@ def _tp_ops(base, matches, sp, tp, hidden, locate):
             esp = msp and not options.get("full_input")
             style_of[path] = (style, esp, options)
             mod, loc = base.get_submodule(path), locate(path)
-            if style in ("region", "colwise", "lm_head", "mha"):
-                ops[loc] += _enter(_width_in(mod), esp, tp) * (1 + len(options.get("inputs", ())))
+            if style in ("region", "colwise", "lm_head", "mha"):  # inputs whole under SP enter by copy
+                ops[loc] += _enter(_width_in(mod), esp, tp)
+                ops[loc] += _enter(_width_in(mod), esp and not options.get("whole_inputs"), tp) * \
+                    len(options.get("inputs", ()))
             if style == "mha" and _cross_attention(base, path):  # the encoder's output enters too
                 ops[loc] += _enter(_width_in(mod), esp, tp)
             if style in ("rowwise", "mha"):
@@ -210,10 +213,10 @@ def _tp_ops(base, matches, sp, tp, hidden, locate):
                 ops[loc].append(("all_gather", padded_size(_io(mod)[1], tp) / tp, "fwd"))
             if style == "vocab_ce" and "lm_head" in styles:
                 ops[loc] += [("all_reduce", 1, "fwd"), ("all_reduce", 2, "fwd")]
-        if msp:
-            ops[locate(mt.sp_start)].append(("all_gather", hidden / tp, "bwd"))
-            if mt.sp_end is not None:
-                ops[locate(mt.sp_end)].append(("all_gather", hidden / tp, "fwd"))
+        for start in mt.sp_starts() if msp else ():  # the split's backward, at each sequence's start
+            ops[locate(start)].append(("all_gather", hidden / tp, "bwd"))
+        if msp and mt.sp_end is not None:
+            ops[locate(mt.sp_end)].append(("all_gather", hidden / tp, "fwd"))
     return ops, style_of
 
 
@@ -282,6 +285,7 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
             raise ValueError("explain(activation_checkpointing=...) models the model's block list and found none; "
                              "name it with pipeline_blocks='path.to.blocks'.") from None
         layout = None  # no block list: the whole model is one stage
+    check_sp_with_stages(module, sp, pp, layout, matches)
     # one replay of the schedule: peak in-flight microbatches (set by each rank's action order alone) and
     # the idle share of a step with equal blocks, backward = 2 forwards (ZB: its halves alike), free transfers
     unit = {"F": Fraction(1, v), "B": Fraction(2, v), "W": Fraction(1, v)}

@@ -41,6 +41,15 @@ def on_nccl() -> bool:
     return "nccl" in dist.get_backend()
 
 
+def check_sp_with_stages(module, sp: bool, pp: int, layout, matches) -> None:
+    """SP under pp on an encoder-decoder is refused (not built yet): its messages would hold shards of
+    two sequences, and the stand-ins a receiving stage unpacks them by are whole."""
+    if sp and pp > 1 and layout is not None and layout.lists and any(m.sp_start for m in matches):
+        raise ValueError(f"MegaStrategy(sp=True, pp={pp}): sequence parallelism with pipeline stages is not "
+                         f"supported for an encoder-decoder ({type(module).__name__}) yet. Use sp=False with pp, "
+                         f"or sp=True with pp=1.")
+
+
 def parallelize(s, module):
     """``s``: the MegaStrategy (its options and mesh). Returns (pipeline runner or None, dp overlap or
     None) and records the layout on ``module._lightning_tp``."""
@@ -58,6 +67,7 @@ def parallelize(s, module):
                              interleaved=s.schedule == "interleaved_1f1b")
     elif s._pipelined:  # microbatching without stages: one stage holding every block
         layout = plan_stages(module, 1, 1, s.pipeline_blocks or planner.blocks_path(module, s.plan))
+    check_sp_with_stages(module, s.sp, s.pp, layout, matches)
     hf_taken = s.pp > 1 and _take_over_hf_checkpointing(module, s, layout)
     recompute_n = s.activation_checkpointing or hf_taken
     recomputed = recompute.targets(module, recompute_n, layout, s.mesh.pp_rank,

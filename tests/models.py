@@ -174,11 +174,14 @@ class HFSeq2SeqLM(L.LightningModule):
     embedding as the library does; the loss is the model's own from ``labels``. Whisper's input is a
     spectrogram: here each source token's fixed random column of ``MELS`` features (SEQ frames)."""
 
-    def __init__(self, family: str, layers: int = 2, attention: str = "sdpa", padded: bool = False):
+    def __init__(self, family: str, layers: int = 2, attention: str = "sdpa", padded: bool = False,
+                 hidden_loss: bool = False):
         super().__init__()
         import transformers as tf
 
         self.padded = padded  # every other source row's last 2 tokens masked out (attention_mask)
+        self.hidden_loss = hidden_loss  # terms on what the stacks return on request (hidden states, maps)
+        attention = "eager" if hidden_loss else attention  # eager: attention maps to return
 
         if family == "bart":
             config = tf.BartConfig(vocab_size=64, d_model=32, encoder_layers=layers, decoder_layers=layers,
@@ -213,6 +216,13 @@ class HFSeq2SeqLM(L.LightningModule):
             mask = torch.ones_like(x)
             mask[::2, -2:] = 0
             loss = self.model(input_ids=x, attention_mask=mask, labels=y).loss
+        elif self.hidden_loss:  # the encoder's output, a decoder layer's first tokens, per-head map entries
+            out = self.model(input_ids=x, labels=y, output_hidden_states=True, output_attentions=True)
+            heads = torch.arange(1.0, 5.0)
+            loss = out.loss + out.encoder_last_hidden_state[:, -1].pow(2).mean() + \
+                out.encoder_hidden_states[-2][:, -2:].pow(2).mean() + out.decoder_hidden_states[1][:, :3].pow(2).mean()
+            for maps in (out.encoder_attentions, out.decoder_attentions, out.cross_attentions):
+                loss = loss + (maps[0][:, :, -1, 0] * heads).mean()
         else:
             loss = self.model(input_ids=x, labels=y).loss
         self.log("train_loss", loss, sync_dist=True)

@@ -45,6 +45,10 @@ CONFIGS = {
     # Hugging Face BART's plan: the cross-attention's region entered by the decoder's hidden states and
     # by the encoder's output (key_value_states), one backward all-reduce each
     "tp2_dp2_hf_bart": (dict(kind="hf_bart"), dict(tp=2)),
+    # and under SP: each stack's sequence split where its blocks begin, the encoder's output gathered
+    # where it ends and entering each cross-attention whole (by copy: a backward all-reduce)
+    "tp2_sp_dp2_hf_bart": (dict(kind="hf_bart"), dict(tp=2, sp=True)),
+    "tp2_sp_dp2_hf_t5": (dict(kind="hf_t5"), dict(tp=2, sp=True)),
     # T5 passes its masks and position biases to each block positionally: they travel too. One block a
     # stage (inside the encoder, at the decoder's first block, inside the decoder), then tp=2 split in
     # the encoder (each rank's position bias holds its heads)

@@ -65,6 +65,15 @@ WORLD2["hf_gpt2_pp2_interleaved"] = ("hf_gpt2", dict(layers=4), dict(PP, schedul
 SEQ2SEQ = {"hf_bart": TEN, "hf_t5": TEN, "hf_whisper": {}}  # Whisper needs 20 steps to learn measurably
 WORLD2.update({f"{fam}_tp2": (fam, {}, dict(tp=2), steps) for fam, steps in SEQ2SEQ.items()})
 WORLD2["hf_mt5_tp2"] = ("hf_mt5", {}, dict(tp=2), TEN)  # T5's layout with a gated MLP and an untied head
+# sequence parallel: each stack's sequence split where its blocks begin, the encoder's output gathered
+# where the encoder ends (T5 reads its length before the decoder's blocks); BART padded, T5 unpadded
+# (its default cross-attention mask), Whisper's spectrogram front-end before the encoder's blocks
+WORLD2.update({f"{fam}_tp2_sp": (fam, kw, dict(tp=2, sp=True), steps) for fam, kw, steps in
+               (("hf_bart", dict(padded=True), TEN), ("hf_t5", {}, TEN), ("hf_mt5", {}, TEN),
+                ("hf_whisper", {}, {}))})
+# what the stacks return on request (hidden states, attention and cross-attention maps) is whole
+WORLD2.update({f"hf_{fam}_tp2_sp_hidden_loss": (f"hf_{fam}", dict(hidden_loss=True), dict(tp=2, sp=True), TEN)
+               for fam in ("bart", "t5")})
 # config plans whose base model, embedding or head sit under other names (Gemma 3, GPT-NeoX)
 WORLD2.update({f"hf_{fam}_tp2_sp": (f"hf_{fam}", {}, dict(tp=2, sp=True), TEN) for fam in ("gemma3", "gpt_neox")})
 WORLD2["hf_opt_tp2_sp"] = ("hf_opt", {}, dict(tp=2, sp=True), TEN)  # its MLP on tokens flattened to 2-d

@@ -47,6 +47,11 @@ class TPContext:
             return comm.gather_from_sp(x, self.group, self.token_dim(x))
         return comm.copy_to_tp(x, self.group)
 
+    def enter_whole(self, x: torch.Tensor) -> torch.Tensor:
+        """An activation whole along the sequence even under SP (an encoder's output, gathered where its
+        SP ends) -> input of column-parallel work: a copy, its backward an all-reduce."""
+        return comm.copy_to_tp(x, self.group)
+
     def token_dim(self, x: torch.Tensor) -> int:
         """The dimension SP shards ``x`` along: the sequence's, or dim 0 of tokens flattened to 2-d (OPT's
         MLP runs on ``(batch x sequence, hidden)``; per-token work does not mind the order the gather

@@ -13,6 +13,7 @@ import inspect
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from torch import nn
@@ -41,8 +42,11 @@ class Match:
     prefix: str
     plan: Plan
     entries: list = field(default_factory=list)  # (full path, style)
-    sp_start: str | None = None
+    sp_start: str | tuple | None = None  # a path, or one per sequence (see Plan.sp_start)
     sp_end: str | None = None
+
+    def sp_starts(self) -> tuple:
+        return (self.sp_start,) if isinstance(self.sp_start, str) else tuple(self.sp_start or ())
 
 
 def _join(prefix: str, path: str) -> str:
@@ -111,9 +115,10 @@ def resolve(model: nn.Module, tp: int, sp: bool, plan="auto") -> list:
                         _check_attr(_join(prefix, name), attr, _getattr_path(module, attr), rule, tp)
         names = [n for n, _ in root.named_modules()]
         if p.sp_start is not None:
-            starts = [n for n in names if path_matches(p.sp_start, n)]
+            starts = [next((n for n in names if path_matches(glob, n)), None) for glob in p.sp_starts()]
             ends = [n for n in names if p.sp_end is not None and path_matches(p.sp_end, n)]
-            m.sp_start = _join(prefix, starts[0]) if starts else None
+            starts = tuple(_join(prefix, n) for n in starts if n is not None)
+            m.sp_start = (starts[0] if len(starts) == 1 else starts) if starts else None
             m.sp_end = _join(prefix, ends[-1]) if ends else None
         if not m.entries:
             warnings.warn(f"lightning_tp: plan {p.name!r} matched no module under {prefix or 'the model'}.")
@@ -128,10 +133,24 @@ def resolve(model: nn.Module, tp: int, sp: bool, plan="auto") -> list:
         _check_ties(model, matches)
     if sp and tp > 1:
         for m in matches:
+            _check_layerdrop(model.get_submodule(m.prefix) if m.prefix else model, m)
             if m.sp_start is None and m.entries:
                 warnings.warn(f"lightning_tp: plan {m.plan.name!r} has no sp_start; {m.prefix or 'the model'} runs "
                               f"without sequence parallelism.")
     return matches
+
+
+def _check_layerdrop(root: nn.Module, m: Match) -> None:
+    """LayerDrop (a Hugging Face config's ``layerdrop``, ``encoder_layerdrop``, ``decoder_layerdrop``:
+    M2M100's default is 0.05) skips whole blocks in training, the one where SP begins too: the sequence
+    would stay whole and be gathered as if split. Refused under sp, before any collective."""
+    config = getattr(root, "config", None)
+    drops = {n: getattr(config, n, 0) for n in ("layerdrop", "encoder_layerdrop", "decoder_layerdrop")}
+    drops = {n: v for n, v in drops.items() if isinstance(v, (int, float)) and v > 0}
+    if m.sp_start is not None and drops:
+        raise ValueError(f"sequence parallelism (sp=True): {m.prefix or 'the model'}'s config skips blocks at random "
+                         f"in training (LayerDrop: {drops}), the block where SP begins included. Set "
+                         f"{', '.join(f'config.{n} = 0' for n in drops)}, or sp=False.")
 
 
 _KEEPS_WEIGHTS = {"region", "sp_norm", "partial", "replicate", "vocab_ce"}  # styles that shard no parameter
@@ -265,8 +284,10 @@ def apply(model: nn.Module, matches: list, group, tp: int, rank: int, sp: bool) 
                     _set_attrs(module, rules, tp)
         if ctx.sp:
             _install_sp_boundaries(model, m, ctx)
-        if m.plan.outputs is not None and _held(model, _join(m.prefix, m.plan.outputs)) is not None:
-            _held(model, _join(m.prefix, m.plan.outputs)).register_forward_hook(_whole_outputs(ctx))
+        outputs = (m.plan.outputs,) if isinstance(m.plan.outputs, str) else m.plan.outputs or ()
+        for held in (_held(model, _join(m.prefix, path)) for path in outputs):
+            if held is not None:  # (after the sp_end's hook on the same module: see _whole_outputs)
+                held.register_forward_hook(_whole_outputs(ctx))
         head_path, head_options = next(((p, o) for p, style, o in m.entries if style == "lm_head"), (None, {}))
         if has_ce and head is not None and not head_options.get("return_shards"):
             root.register_forward_hook(_whole_logits(head_path[len(m.prefix) + 1:] if m.prefix else head_path))
@@ -276,17 +297,21 @@ def apply(model: nn.Module, matches: list, group, tp: int, rank: int, sp: bool) 
 def _whole_outputs(ctx: TPContext):
     """A forward hook for a module returning Hugging Face's outputs: the hidden states it collects
     (``output_hidden_states=True``) are gathered where they are sequence shards (inside SP; after
-    an ``sp_end`` they are whole), the attention maps (``output_attentions=True``) over heads. The model's
-    own use (``last_hidden_state`` into its head) keeps the shards. Backward takes this rank's part."""
+    an ``sp_end`` they are whole), the attention maps (``output_attentions=True``; a decoder's
+    ``cross_attentions`` too) over heads. The model's own use (``last_hidden_state`` into its head)
+    keeps the shards. Backward takes this rank's part. An encoder-decoder's stack runs it as it
+    returns, when ``ctx.seq_len`` is still its own sequence's."""
     def hook(module, args, output):
-        hidden, maps = getattr(output, "hidden_states", None), getattr(output, "attentions", None)
+        hidden = getattr(output, "hidden_states", None)
         if hidden is not None and ctx.sp_now():  # shards: 1/tp of the length SP started with
             output.hidden_states = tuple(comm.gather_to_full_sp(h, ctx.group, ctx.seq_dim)
                                          if isinstance(h, torch.Tensor) and h.shape[ctx.seq_dim] * ctx.world == ctx.seq_len
                                          else h for h in hidden)
-        if maps is not None and ctx.world > 1:  # (under pp, other stages' entries are no tensors)
-            output.attentions = tuple(comm.gather_from_tp(a, ctx.group, 1) if isinstance(a, torch.Tensor) else a
-                                      for a in maps)
+        for name in ("attentions", "cross_attentions"):
+            maps = getattr(output, name, None)
+            if maps is not None and ctx.world > 1:  # (under pp, other stages' entries are no tensors)
+                setattr(output, name, tuple(comm.gather_from_tp(a, ctx.group, 1) if isinstance(a, torch.Tensor)
+                                            else a for a in maps))
         return output
 
     return hook
@@ -336,7 +361,8 @@ def _build(module, style, ctx, path, memo, has_ce, head, options):
         module.embedding_dim = module.weight.shape[1]
         return module
     if style == "region":
-        hook = _region_hook(ctx.enter_region, module, options.get("inputs", ()))
+        whole = ctx.enter_whole if options.get("whole_inputs") else ctx.enter_region
+        hook = _region_hook(ctx.enter_region, module, options.get("inputs", ()), whole)
         module.register_forward_pre_hook(hook, with_kwargs=True)
         return module
     if style in ("sp_norm", "partial"):
@@ -358,9 +384,11 @@ def _first_tensor_hook(fn):
     return hook
 
 
-def _region_hook(fn, module, names):
+def _region_hook(fn, module, names, named_fn=None):
     """The first tensor argument enters the TP region, and each argument named in ``names``, given by
-    keyword or at its place in the forward's signature: one entry for all the layers that read it."""
+    keyword or at its place in the forward's signature: one entry for all the layers that read it
+    (by ``named_fn``, where those are whole under SP; else by ``fn``)."""
+    named_fn = named_fn or fn
     if not names:
         return _first_tensor_hook(fn)
     params = list(inspect.signature(module.forward).parameters)
@@ -376,7 +404,7 @@ def _region_hook(fn, module, names):
         for kind, key in dict.fromkeys(([first] if first else []) + places):  # each place once
             held = kwargs if kind == "kw" else args
             if (kind == "kw" or key < len(args)) and torch.is_tensor(held[key]):
-                held[key] = fn(held[key])
+                held[key] = (fn if (kind, key) == first else named_fn)(held[key])
         return tuple(args), kwargs
     return hook
 
@@ -386,12 +414,12 @@ def _install_sp_boundaries(model, m: Match, ctx: TPContext) -> None:
     forward: a sequence tp does not divide runs without SP where no gradient is taken (validation on
     another length, generation token by token: the same numbers, the activations whole), and is
     refused in training, where every rank needs an equal shard."""
-    def enter(x):
+    def enter(x, path):
         n = ctx.seq_len = x.shape[ctx.seq_dim]
         if n % ctx.world and (torch.is_grad_enabled() or not ctx.sp_fallback):
             why = ("in training every rank needs an equal shard" if ctx.sp_fallback else
                    "under pp the later stages expect shards")
-            raise ValueError(f"sequence parallelism (sp=True): {m.sp_start} is given a sequence of {n}, which "
+            raise ValueError(f"sequence parallelism (sp=True): {path or 'the model'} is given a sequence of {n}, which "
                              f"tp={ctx.world} does not divide, and {why}. Pad sequences to a multiple of "
                              f"{ctx.world}" + (" (forwards without grad, such as validation or generation, take "
                                                "any length)" if ctx.sp_fallback else "") + ", or set sp=False.")
@@ -401,13 +429,17 @@ def _install_sp_boundaries(model, m: Match, ctx: TPContext) -> None:
     def leave(module, args, output):
         if not ctx.sp_now():
             return output
+        if isinstance(getattr(output, "last_hidden_state", None), torch.Tensor):  # a Hugging Face stack's output
+            output.last_hidden_state = comm.gather_to_full_sp(output.last_hidden_state, ctx.group, ctx.seq_dim)
+            return output
         if isinstance(output, tuple):
             return (comm.gather_to_full_sp(output[0], ctx.group, ctx.seq_dim),) + output[1:]
         return comm.gather_to_full_sp(output, ctx.group, ctx.seq_dim)
 
-    start = _held(model, m.sp_start) if m.sp_start else model
-    if start is not None:
-        start.register_forward_pre_hook(_first_tensor_hook(enter), with_kwargs=True)
+    for path in m.sp_starts() or ("",):  # several: each sequence's (their regions must not overlap)
+        start = _held(model, path) if path else model
+        if start is not None:
+            start.register_forward_pre_hook(_first_tensor_hook(partial(enter, path=path)), with_kwargs=True)
     if m.sp_end is not None:
         end = _held(model, m.sp_end) if m.sp_end else model
         if end is not None:

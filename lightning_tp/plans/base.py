@@ -40,6 +40,8 @@ STYLE_OPTIONS = {
     "full_input": "the input is whole along the sequence even under SP (the module runs after sp_end)",
     "inputs": "for 'region': names of further arguments (by keyword or position) that enter the region too, "
               "e.g. cross-attention's key_value_states, read by its k and v",
+    "whole_inputs": "for 'region' with 'inputs': true where those are whole along the sequence even under SP (an "
+                    "encoder's output, gathered at its sp_end): they enter by copy, as without SP",
     "return_shards": "for 'lm_head' with 'vocab_ce': in training the model returns this rank's vocabulary "
                      "columns, not whole logits (no all-gather of tokens x vocab: for a step that reads the loss only)",
 }
@@ -79,13 +81,16 @@ class Plan:
               per-rank values, e.g. ``{"transformer.h.*.attn": {"n_head": "divide"}}``. A dotted
               attribute (``"config.n_head"``) divides a per-module copy of the object it sits on,
               so a config shared by the whole model is left alone.
-    sp_start: glob; the first matching module's input is split along the sequence (SP begins).
+    sp_start: glob; the first matching module's input is split along the sequence (SP begins). A
+              tuple of globs splits several sequences, one each (an encoder-decoder's source and target
+              where each stack's blocks begin).
     sp_end:   glob; the last matching module's output is gathered (SP ends), if a replicated
               consumer follows. Unneeded when an 'lm_head' gathers its input itself.
     seq_dim:  the sequence dimension of activations (1 for batch-first).
     blocks:   the repeated block list (for pipeline parallelism); an encoder-decoder's two as a tuple.
     outputs:  a module returning Hugging Face's outputs: its ``hidden_states`` (sequence shards under
-              SP) and ``attentions`` (this rank's heads) reach the user's code whole.
+              SP), ``attentions`` and ``cross_attentions`` (this rank's heads) reach the user's code
+              whole; or a tuple of such modules (an encoder-decoder's two stacks).
     pipeline: False where the family cannot be cut into stages.
     targets:  class names this plan is found by under ``plan="auto"``.
     requires: submodule paths that must exist for an auto match (tells same-named classes apart).
@@ -94,11 +99,11 @@ class Plan:
     name: str
     styles: dict = field(default_factory=dict)
     attrs: dict = field(default_factory=dict)
-    sp_start: Optional[str] = None
+    sp_start: Optional[Union[str, tuple]] = None
     sp_end: Optional[str] = None
     seq_dim: int = 1
     blocks: Optional[Union[str, tuple]] = None
-    outputs: Optional[str] = None
+    outputs: Optional[Union[str, tuple]] = None
     pipeline: bool = True
     targets: tuple = ()
     requires: tuple = ()
@@ -114,6 +119,9 @@ class Plan:
                                        or not all(isinstance(n, str) for n in inputs)):
                 raise ValueError(f"plan {self.name!r}: option 'inputs' of {glob!r} must be a list of argument names "
                                  f"on a 'region' style, got {inputs!r} on {style!r}.")
+            if options.get("whole_inputs") and not inputs:
+                raise ValueError(f"plan {self.name!r}: option 'whole_inputs' of {glob!r} needs 'inputs' (the arguments "
+                                 f"that are whole).")
             unknown = set(options) - set(STYLE_OPTIONS)
             if unknown:
                 raise ValueError(f"plan {self.name!r}: unknown option(s) {sorted(unknown)} for {glob!r}; choose from "
@@ -128,12 +136,17 @@ class Plan:
     def from_dict(cls, d: dict) -> "Plan":
         d = dict(d)
         d.setdefault("name", "user")
-        if isinstance(d.get("blocks"), list):
-            d["blocks"] = tuple(d["blocks"])
+        for key in ("blocks", "sp_start", "outputs"):
+            if isinstance(d.get(key), list):
+                d[key] = tuple(d[key])
         for key in ("targets", "requires"):
             if key in d:
                 d[key] = tuple(d[key])
         return cls(**d)
+
+    def sp_starts(self) -> tuple:
+        """The sp_start globs, one per sequence SP splits (none without SP)."""
+        return (self.sp_start,) if isinstance(self.sp_start, str) else tuple(self.sp_start or ())
 
     def style_of(self, path: str):
         """(style, options) of the first glob matching ``path``, or (None, {})."""

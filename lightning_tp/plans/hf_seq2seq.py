@@ -11,7 +11,16 @@ the decoder's hidden states and its key and value the encoder's output, so its r
 both (option ``inputs``: ``key_value_states``), one backward all-reduce each, as Megatron's
 cross-attention does with its query and fused key-value projections. The token embeddings are vocab-parallel (BART ties three embedding modules and
 the head to one weight: it is sharded once), the head gathers the logits for the model's own loss.
-No sequence parallelism (as for nn.Transformer): norms stay replicated.
+
+Sequence parallelism splits each sequence where its stack's blocks begin (``sp_start``, one per
+stack) and gathers the encoder's output where the encoder ends (``sp_end``; its final norm runs on
+the shards), so the encoder's output reaches the decoder and the user's code whole, and enters each
+cross-attention's region by copy (option ``whole_inputs``). T5's decoder reads the source length
+off that output before its blocks (its default cross-attention mask), which shards would get wrong.
+The decoder's shards reach the head, which gathers them. Norms inside the blocks and after them
+are 'sp_norm'; one before them (BART's ``layernorm_embedding``) stays replicated. What each stack
+returns on request (``output_hidden_states``, ``output_attentions``: its hidden states, attention
+maps and cross-attention maps) reaches the user's code whole, with or without SP.
 """
 
 from __future__ import annotations
@@ -59,6 +68,29 @@ def layout_of(module: nn.Module):
     return (*lists, kind, kv) if kv is not None else None
 
 
+def _is_norm(m: nn.Module) -> bool:
+    return type(m).__name__.endswith(("Norm", "LayerNorm", "RMSNorm"))
+
+
+def _norms(module: nn.Module, path: str) -> dict:
+    """Styles of the norms of block list ``path``'s blocks and of its stack (the list's parent): 'sp_norm'
+    where they run on sequence shards, inside the blocks and after them; 'replicate' before them (a norm
+    of the embeddings)."""
+    stack_path = path.rpartition(".")[0]
+    stack = module.get_submodule(stack_path) if stack_path else module
+    styles = {f"{path}.*.{_glob_indices(name)}": "sp_norm"
+              for name, m in module.get_submodule(path)[0].named_modules() if name and _is_norm(m)}
+    for name, m in stack.named_children():
+        if _is_norm(m):
+            styles[f"{stack_path}.{name}" if stack_path else name] = "replicate" if "embed" in name else "sp_norm"
+    return styles
+
+
+def _glob_indices(name: str) -> str:
+    """T5's ``layer.0.layer_norm``, ``layer.2.layer_norm``: one glob for every sub-layer's norm."""
+    return ".".join("*" if part.isdigit() else part for part in name.split("."))
+
+
 def _bart(enc: str, dec: str, kv: str, module: nn.Module) -> tuple:
     styles, attrs = {}, {}
     for path in (enc, dec):
@@ -69,8 +101,9 @@ def _bart(enc: str, dec: str, kv: str, module: nn.Module) -> tuple:
         styles[f"{path}.*.self_attn.out_proj"] = "rowwise"
         styles.update({f"{path}.*.fc1": "colwise", f"{path}.*.fc2": "rowwise"})
         attrs[f"{path}.*.self_attn"] = {"num_heads": "divide", "embed_dim": "divide"}
+        styles.update(_norms(module, path))
     head_dim = module.get_submodule(dec)[0].encoder_attn.head_dim
-    styles[f"{dec}.*.encoder_attn"] = {"style": "region", "inputs": [kv]}
+    styles[f"{dec}.*.encoder_attn"] = {"style": "region", "inputs": [kv], "whole_inputs": True}
     styles.update({f"{dec}.*.encoder_attn.{p}": {"style": "colwise_local", "unit": head_dim}
                    for p in ("q_proj", "k_proj", "v_proj")})
     styles[f"{dec}.*.encoder_attn.out_proj"] = "rowwise"
@@ -92,9 +125,10 @@ def _t5(enc: str, dec: str, kv: str, module: nn.Module) -> tuple:
         for name, _ in block.layer[-1].DenseReluDense.named_children():  # wi, or gated wi_0 and wi_1; wo
             if name.startswith(("wi", "wo")):
                 styles[f"{ff}.{name}"] = "rowwise" if name == "wo" else "colwise"
+        styles.update(_norms(module, path))
     cross = f"{dec}.*.layer.1.EncDecAttention"
     unit = module.get_submodule(dec)[0].layer[1].EncDecAttention.key_value_proj_dim
-    styles[cross] = {"style": "region", "inputs": [kv]}
+    styles[cross] = {"style": "region", "inputs": [kv], "whole_inputs": True}
     styles.update({f"{cross}.{p}": {"style": "colwise_local", "unit": unit} for p in "qkv"})
     styles[f"{cross}.o"] = "rowwise"
     attrs[cross] = {"n_heads": "divide", "inner_dim": "divide"}
@@ -118,7 +152,9 @@ class HFSeq2SeqPlan:
             styles[name] = "vocab"
         if head is not None:  # the path resolve() visits: the first one a module is found under
             styles[_path_of(module, head)] = "lm_head"
-        return Plan(name=f"hf_seq2seq_{kind}", styles=styles, attrs=attrs, blocks=(enc, dec))
+        return Plan(name=f"hf_seq2seq_{kind}", styles=styles, attrs=attrs, blocks=(enc, dec),
+                    sp_start=(f"{enc}.*", f"{dec}.*"), sp_end=enc.rpartition(".")[0],
+                    outputs=(enc.rpartition(".")[0], dec.rpartition(".")[0]))
 
 
 def _token_embeddings(module: nn.Module, head) -> list:
