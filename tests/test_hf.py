@@ -74,6 +74,7 @@ WORLD2.update({f"{fam}_tp2_sp": (fam, kw, dict(tp=2, sp=True), steps) for fam, k
 # what the stacks return on request (hidden states, attention and cross-attention maps) is whole
 WORLD2.update({f"hf_{fam}_tp2_sp_hidden_loss": (f"hf_{fam}", dict(hidden_loss=True), dict(tp=2, sp=True), TEN)
                for fam in ("bart", "t5")})
+WORLD2["hf_t5_tp2_hidden_loss"] = ("hf_t5", dict(hidden_loss=True), dict(tp=2), TEN)  # the maps without sp
 # config plans whose base model, embedding or head sit under other names (Gemma 3, GPT-NeoX)
 WORLD2.update({f"hf_{fam}_tp2_sp": (f"hf_{fam}", {}, dict(tp=2, sp=True), TEN) for fam in ("gemma3", "gpt_neox")})
 WORLD2["hf_opt_tp2_sp"] = ("hf_opt", {}, dict(tp=2, sp=True), TEN)  # its MLP on tokens flattened to 2-d
