@@ -64,7 +64,6 @@ from torch import nn
 
 from .grads import replica_buffer_numel
 from .layers.shard import padded_size
-from .parallelize import check_sp_with_stages
 from .pipeline.block_lists import block_at, block_key
 from .pipeline.schedules import build_schedule
 from .pipeline.simulate import simulate
@@ -150,7 +149,7 @@ def _t5_side(nxt: int, decoder_start: int, heads: int, T: int, grad: bool = Fals
     decoder's first block the causal mask (B, 1, T, T) and the encoder's mask (B, 1, 1, T); later in the
     decoder both masks and both position biases (its own, the encoder-decoder one). ``grad``: what
     comes back, the gradient of the biases made from weights only (the masks and the encoder-decoder
-    bias, which T5 makes of zeros and the mask, need none: see pipeline.stage.pack)."""
+    bias, which T5 makes of zeros and the mask, need none: see pipeline.messages.pack)."""
     if grad:
         return 0 if nxt == decoder_start else heads * T
     if nxt < decoder_start:
@@ -187,9 +186,10 @@ def _cross_attention(base, path: str) -> bool:
     return leaf == "multihead_attn" and isinstance(base.get_submodule(parent), nn.TransformerDecoderLayer)
 
 
-def _tp_ops(base, matches, sp, tp, hidden, locate):
+def _tp_ops(base, matches, sp, tp, hidden, locate, locate_end=None):
     """TP collectives per location ("block", i) / ("first",) / ("last",), as (op, elements per
-    token, pass), from the plan entries; and {path: (style, sp on, options)}."""
+    token, pass), from the plan entries; and {path: (style, sp on, options)}. ``locate_end``: where a
+    module's output is made (an encoder stack's: at its last block), for an sp_end."""
     ops, style_of = defaultdict(list), {}
     for mt in matches:
         msp = sp and mt.sp_start is not None
@@ -216,7 +216,7 @@ def _tp_ops(base, matches, sp, tp, hidden, locate):
         for start in mt.sp_starts() if msp else ():  # the split's backward, at each sequence's start
             ops[locate(start)].append(("all_gather", hidden / tp, "bwd"))
         if msp and mt.sp_end is not None:
-            ops[locate(mt.sp_end)].append(("all_gather", hidden / tp, "fwd"))
+            ops[(locate_end or locate)(mt.sp_end)].append(("all_gather", hidden / tp, "fwd"))
     return ops, style_of
 
 
@@ -285,7 +285,6 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
             raise ValueError("explain(activation_checkpointing=...) models the model's block list and found none; "
                              "name it with pipeline_blocks='path.to.blocks'.") from None
         layout = None  # no block list: the whole model is one stage
-    check_sp_with_stages(module, sp, pp, layout, matches)
     # one replay of the schedule: peak in-flight microbatches (set by each rank's action order alone) and
     # the idle share of a step with equal blocks, backward = 2 forwards (ZB: its halves alike), free transfers
     unit = {"F": Fraction(1, v), "B": Fraction(2, v), "W": Fraction(1, v)}
@@ -313,6 +312,13 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
             return ("decoder_in",) if decoder_parent != "." and path.startswith(decoder_parent) else ("between",)
         return ("last",)
 
+    def locate_end(path):
+        """Where ``path``'s output is made: a stack holding a block list (an encoder) makes it at the
+        list's last block, whatever stage that is; anything else where it sits."""
+        held = [(first, n) for (lpath, n), first in zip(lists, offset.values())
+                if path and lpath.startswith(path + ".")]
+        return ("block", held[0][0] + held[0][1] - 1) if held and held[0][1] else locate(path)
+
     def times(loc, r):
         """How often rank r runs ``loc`` per microbatch (an encoder-decoder's embedding copy may run twice)."""
         if loc[0] == "block":
@@ -324,15 +330,16 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
         """Elements per token virtual stage k sends on (``grad``: its gradient, coming back): the hidden
         states, and inside an encoder-decoder's decoder the encoder's output too (same sequence length
         assumed); T5's blocks are also given its masks and position biases (see _t5_side)."""
+        shard = hidden / (tp if sp_on else 1)  # under SP a stack's hidden states travel as shards
         if not layout.lists:
-            return hidden / (tp if sp_on else 1)
-        nxt = layout.ranges[k + 1][0]
-        out = hidden * (2 if nxt > layout.decoder_start else 1)
+            return shard
+        nxt = layout.ranges[k + 1][0]  # the encoder's output (whole) once the decoder has begun
+        out = hidden if nxt == layout.decoder_start else shard + (hidden if nxt > layout.decoder_start else 0)
         return out + (_t5_side(nxt, layout.decoder_start, t5_heads // tp, T, grad) if t5_heads else 0)
 
     hidden = _width_in(block_at(base.get_submodule(lists[0][0]), 0) if bpath else base)
     t5_heads = _t5_heads(base) if layout is not None and layout.lists else None
-    ops, style_of = _tp_ops(base, matches, sp, tp, hidden, locate)
+    ops, style_of = _tp_ops(base, matches, sp, tp, hidden, locate, locate_end)
     width = _saved_widths(base, style_of, tp, locate)
     sp_on = any(sp and mt.sp_start is not None for mt in matches)
 

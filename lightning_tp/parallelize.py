@@ -23,6 +23,7 @@ from .pipeline.executor import PipelineRunner
 from .pipeline.placeholders import meta_twins
 from .pipeline.sharded_twins import shard_twins
 from .pipeline.side_inputs import SideInputCheck
+from .pipeline import sp_stages
 from .pipeline.split import apply_split, plan_stages
 from .pipeline.stage import install as install_stages
 from .plain import load_full
@@ -39,15 +40,6 @@ def _batched(s) -> bool:
 def on_nccl() -> bool:
     """Whether NCCL carries the transfers ("nccl", or a per-device backend string naming it)."""
     return "nccl" in dist.get_backend()
-
-
-def check_sp_with_stages(module, sp: bool, pp: int, layout, matches) -> None:
-    """SP under pp on an encoder-decoder is refused (not built yet): its messages would hold shards of
-    two sequences, and the stand-ins a receiving stage unpacks them by are whole."""
-    if sp and pp > 1 and layout is not None and layout.lists and any(m.sp_start for m in matches):
-        raise ValueError(f"MegaStrategy(sp=True, pp={pp}): sequence parallelism with pipeline stages is not "
-                         f"supported for an encoder-decoder ({type(module).__name__}) yet. Use sp=False with pp, "
-                         f"or sp=True with pp=1.")
 
 
 def parallelize(s, module):
@@ -67,7 +59,6 @@ def parallelize(s, module):
                              interleaved=s.schedule == "interleaved_1f1b")
     elif s._pipelined:  # microbatching without stages: one stage holding every block
         layout = plan_stages(module, 1, 1, s.pipeline_blocks or planner.blocks_path(module, s.plan))
-    check_sp_with_stages(module, s.sp, s.pp, layout, matches)
     hf_taken = s.pp > 1 and _take_over_hf_checkpointing(module, s, layout)
     recompute_n = s.activation_checkpointing or hf_taken
     recomputed = recompute.targets(module, recompute_n, layout, s.mesh.pp_rank,
@@ -102,6 +93,8 @@ def parallelize(s, module):
     contexts = {id(m.ctx): m.ctx for m in replaced.values() if hasattr(m, "ctx")}
     for ctx in contexts.values():  # a stage cannot tell the next one to leave SP for a forward
         ctx.sp_fallback = s.pp == 1
+    if s.pp > 1:
+        sp_stages.install(layout, runner.state, matches, contexts.values(), s.tp)
     module._lightning_tp = {"tp": s.tp, "sp": s.sp, "pp": s.pp, "contexts": list(contexts.values()),
                             "runner": runner, "recompute": s.activation_checkpointing,
                             "tied_ranks": tied_ranks, "twins": meta_twins(module, split) if s.pp > 1 else [],

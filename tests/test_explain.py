@@ -55,6 +55,10 @@ CONFIGS = {
     "pp4_hf_t5": (dict(kind="hf_t5", copied=True), dict(pp=4, microbatches=2)),
     "tp2_pp2_hf_t5_split_encoder": (dict(kind="hf_t5", copied=True),
                                     dict(tp=2, pp=2, microbatches=2, stage_layers=[1, 3])),
+    # and under sp: the hidden states inside the encoder travel as sequence shards, the encoder's output
+    # (into the decoder's stage) whole
+    "tp2_sp_pp2_hf_t5_split_encoder": (dict(kind="hf_t5", copied=True),
+                                       dict(tp=2, sp=True, pp=2, microbatches=2, stage_layers=[1, 3])),
 }
 
 

@@ -94,6 +94,14 @@ WORLD4.update({f"hf_t5_tp2_pp2_split_{at}": ("hf_t5", {}, dict(tp=2, **PP, stage
 # interleaved: a rank's blocks of its other chunk pass through with this rank's heads' bias too
 WORLD4["hf_t5_tp2_pp2_interleaved"] = ("hf_t5", {}, dict(tp=2, **PP, schedule="interleaved_1f1b", virtual_stages=2),
                                        TEN)
+# sp x pp: inside a stack the hidden states travel as this rank's sequence shard, the encoder's output
+# (gathered where the encoder ends) whole; split at the decoder's start, inside the encoder, inside the
+# decoder, and interleaved (a rank's passthrough runs neither split nor gather stand-ins)
+WORLD4["hf_bart_tp2_sp_pp2"] = ("hf_bart", dict(padded=True), dict(tp=2, sp=True, **PP), TEN)
+WORLD4.update({f"hf_t5_tp2_sp_pp2_split_{at}": ("hf_t5", {}, dict(tp=2, sp=True, **PP, stage_layers=layers), TEN)
+               for at, layers in (("encoder", [1, 3]), ("decoder", [3, 1]))})
+WORLD4["hf_t5_tp2_sp_pp2_interleaved"] = ("hf_t5", {}, dict(tp=2, sp=True, **PP, schedule="interleaved_1f1b",
+                                                            virtual_stages=2), TEN)
 WORLD4["hf_llama_tp4_sp"] = ("hf_llama", {}, dict(tp=4, sp=True), TEN)  # 2 kv heads over 4 ranks
 WORLD4["hf_qwen3_tp4"] = ("hf_qwen3", {}, dict(tp=4), TEN)  # and a per-head k_norm on the copies
 

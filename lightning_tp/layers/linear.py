@@ -31,6 +31,7 @@ class TPContext:
     seq_len: int = 0  # the whole sequence's length, as SP last started (see plans.apply._whole_outputs)
     sp_fallback: bool = True  # without grad, a length tp does not divide runs without SP (not under pp)
     whole: bool = False  # this forward runs without SP (such a length, see plans.apply._install_sp_boundaries)
+    here: object = None  # an encoder-decoder under pp: path -> whether it runs for real now (see pipeline.sp_stages)
 
     def sp_now(self) -> bool:
         """SP for this call: configured, unless a forward without grad runs whole (a recomputation in a

@@ -27,7 +27,7 @@ class BackwardStep:
 
     def _backward(self, key, k, out, grad, inputs, input_grads, deferred, params):
         split = getattr(out, "_lightning_tp_grad_split", None)
-        if split is not None:  # the gradient of the parts that need one, the message's leading values (see stage.pack)
+        if split is not None:  # only the parts that need a gradient get one: the leading values (messages.pack)
             out = out[:split[1]]
         if not out.requires_grad:  # nothing of this stage's output depends on a trainable weight
             if k > 0:

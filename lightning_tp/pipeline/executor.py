@@ -25,13 +25,13 @@ from .backward_step import BackwardStep, no_input_grad
 from .landed import landed_after
 from .logs import BatchValues, StageLogs, captured_logs, early_publish, find_metrics, muted_metrics
 from .forward_only_step import ForwardOnlyStep
+from .messages import with_grad_split
 from .microbatch import batches_per_epoch, merge_outputs, microbatches_for, must_divide, resumable_loader, split_marked
 from .p2p import Mailbox, drop_sent_values, made_early, tag
 from .p2p_slots import SlotMailbox
 from .placeholders import agree_on_stand_ins, holds_nan
 from .schedules import Action, build_schedule
 from .slots import slot_plan
-from .messages import with_grad_split
 from .stage import StageDone
 
 
@@ -222,7 +222,7 @@ class PipelineRunner(StageLogs, ForwardOnlyStep, BackwardStep):
 
     @staticmethod
     def _store(a, tensor, inputs, grads, split) -> None:
-        """A received activation, as the leaf its gradient is taken of (``split``: see stage.pack), or gradient."""
+        """A received activation, as the leaf its gradient is taken of (``split``: see messages.pack), or gradient."""
         key = (a.microbatch, a.chunk)
         if a.kind == "RECV_F":
             inputs[key] = with_grad_split(tensor, split)

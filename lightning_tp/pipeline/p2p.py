@@ -32,7 +32,7 @@ _HEADER = 2 + _DIMS + 2  # ndim, dtype code, up to 8 dims, then the grad split (
 
 
 def grad_split(tensor: torch.Tensor) -> tuple:
-    """(parts, numel) of a packed message whose parts only some need a gradient (see stage.pack):
+    """(parts, numel) of a packed message whose parts only some need a gradient (see messages.pack):
     a bit per part that does, and how many leading values they fill; (0, 0) where the whole message's
     gradient comes back. Read before the send detaches the tensor (an attribute of the object)."""
     return getattr(tensor, "_lightning_tp_grad_split", (0, 0))

@@ -32,6 +32,7 @@ import torch
 
 from .block_lists import PIECEWISE, called_parts
 from .messages import pack, unpack
+from .sp_stages import shard_like
 from .placeholders import (ShapeOnly, SkippedBlock, handed_on, hidden_name, hidden_place, passthrough,
                            stand_in_output)
 
@@ -62,6 +63,9 @@ class StageState:
     # run hands on, made where it stops (see done)
     arrival: object = None
     on_stop: object = None
+    # an encoder-decoder under sp: the hidden states a stage receives inside a stack are sequence shards
+    sp_shards: int = 1
+    seq_dim: int = 1
 
     def done(self, output) -> StageDone:
         """End the run here with ``output``. Its send leaves now (``on_stop``), not once the step has
@@ -330,9 +334,11 @@ def _wrap_chained(block, index: int, state: StageState, list_start: bool, name: 
             state.arrived()
             places = _carried(args, kwargs, list_start, first)
             computed = [_at(args, kwargs, p) for p in places]
-            parts = unpack(state.received, computed)
-            # later blocks are given the side inputs again (memory), never the first block's hidden states
             hidden = hidden_place(args, kwargs, first)
+            like = [shard_like(c, state.sp_shards, state.seq_dim) if p == hidden and state.sp_shards > 1 else c
+                    for p, c in zip(places, computed)]  # this rank's shard of the sequence (see .sp_stages)
+            parts = unpack(state.received, like)
+            # later blocks are given the side inputs again (memory), never the first block's hidden states
             state.stand_ins = {id(c): (c, part) for p, c, part in zip(places, computed, parts) if p != hidden}
             received = dict(zip(places, parts))
             # by place: a tensor may be passed twice (src and tgt alike), only one place is received

@@ -415,6 +415,8 @@ def _install_sp_boundaries(model, m: Match, ctx: TPContext) -> None:
     another length, generation token by token: the same numbers, the activations whole), and is
     refused in training, where every rank needs an equal shard."""
     def enter(x, path):
+        if ctx.here is not None and not ctx.here(path):  # a stand-in for another stage's block: whole
+            return x
         n = ctx.seq_len = x.shape[ctx.seq_dim]
         if n % ctx.world and (torch.is_grad_enabled() or not ctx.sp_fallback):
             why = ("in training every rank needs an equal shard" if ctx.sp_fallback else
@@ -427,7 +429,7 @@ def _install_sp_boundaries(model, m: Match, ctx: TPContext) -> None:
         return x if ctx.whole else comm.scatter_to_sp(x, ctx.group, ctx.seq_dim)
 
     def leave(module, args, output):
-        if not ctx.sp_now():
+        if not ctx.sp_now() or (ctx.here is not None and not ctx.here(m.sp_end)):
             return output
         if isinstance(getattr(output, "last_hidden_state", None), torch.Tensor):  # a Hugging Face stack's output
             output.last_hidden_state = comm.gather_to_full_sp(output.last_hidden_state, ctx.group, ctx.seq_dim)

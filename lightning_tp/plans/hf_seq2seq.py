@@ -20,7 +20,8 @@ off that output before its blocks (its default cross-attention mask), which shar
 The decoder's shards reach the head, which gathers them. Norms inside the blocks and after them
 are 'sp_norm'; one before them (BART's ``layernorm_embedding``) stays replicated. What each stack
 returns on request (``output_hidden_states``, ``output_attentions``: its hidden states, attention
-maps and cross-attention maps) reaches the user's code whole, with or without SP.
+maps and cross-attention maps) reaches the user's code whole, with or without SP. Under pp see
+pipeline/sp_stages.py.
 """
 
 from __future__ import annotations

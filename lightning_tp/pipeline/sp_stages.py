@@ -1,0 +1,60 @@
+"""Sequence parallelism in an encoder-decoder's pipeline stages.
+
+Each stack's sequence is split where its blocks begin and the encoder's output is gathered where
+the encoder ends (see plans.hf_seq2seq). Under pp every stage runs the user's whole forward, the
+blocks of other stages passing stand-ins through (whole along the sequence: the meta twins are
+sharded without SP), so those two points must act only in a run where the block they sit at runs
+for real: splitting a stand-in would shrink it, gathering one would double it. A stage receiving
+inside a stack gets this rank's sequence shard of the hidden states, and the rest of its message
+(the encoder's output, masks, T5's position biases) whole.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+
+def chain_index(layout, path: str):
+    """The chain index of the block at ``path`` ('model.encoder.layers.0'), or for a stack holding a
+    block list ('model.encoder') its last block's: where its output is made. None elsewhere."""
+    start = 0
+    for lpath, n in layout.lists:
+        if path.startswith(lpath + "."):
+            head = path[len(lpath) + 1:].split(".")[0]
+            return start + int(head) if head.isdigit() else None
+        if lpath.startswith(path + "."):
+            return start + n - 1
+        start += n
+    return None
+
+
+def runs_here(state, indices: dict, path: str) -> bool:
+    """Whether the module at ``path`` runs for real in the current run (its block is in the running
+    virtual stage's range); True for a module outside the blocks."""
+    i = indices.get(path)
+    if i is None:
+        return True
+    lo, hi = state.ranges[state.active]
+    return lo <= i <= hi
+
+
+def install(layout, state, matches, contexts, tp: int, seq_dim: int = 1) -> None:
+    """Gate each SP context's split and gather by the running stage, and tell the stages the hidden
+    states they receive are sequence shards (see stage._wrap_chained)."""
+    sp = [ctx for ctx in contexts if ctx.sp]
+    if not sp or not layout.lists:
+        return
+    paths = [p for m in matches for p in m.sp_starts() + ((m.sp_end,) if m.sp_end else ())]
+    indices = {p: chain_index(layout, p) for p in paths}
+    for ctx in sp:
+        ctx.here = partial(runs_here, state, indices)
+    state.sp_shards, state.seq_dim = tp, seq_dim
+
+
+def shard_like(t: torch.Tensor, shards: int, seq_dim: int) -> torch.Tensor:
+    """A shape-only tensor like ``t`` with its sequence dimension split ``shards`` ways."""
+    shape = list(t.shape)
+    shape[seq_dim] //= shards
+    return torch.empty(shape, dtype=t.dtype, device="meta")
