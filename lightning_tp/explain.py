@@ -202,8 +202,8 @@ def _tp_ops(base, matches, sp, tp, hidden, locate, locate_end=None):
                 ops[loc] += _enter(_width_in(mod), esp, tp)
                 ops[loc] += _enter(_width_in(mod), esp and not options.get("whole_inputs"), tp) * \
                     len(options.get("inputs", ()))
-            if style == "mha" and _cross_attention(base, path):  # the encoder's output enters too
-                ops[loc] += _enter(_width_in(mod), esp, tp)
+            if style == "mha" and _cross_attention(base, path):  # the encoder's output enters too (whole: a copy)
+                ops[loc] += _enter(_width_in(mod), esp and not options.get("whole_inputs"), tp)
             if style in ("rowwise", "mha"):
                 ops[loc] += _leave(_io(mod)[1] if _io(mod) else getattr(mod, "embed_dim", None) or mod.embedding_dim,
                                    esp, tp)
@@ -215,8 +215,8 @@ def _tp_ops(base, matches, sp, tp, hidden, locate, locate_end=None):
                 ops[loc] += [("all_reduce", 1, "fwd"), ("all_reduce", 2, "fwd")]
         for start in mt.sp_starts() if msp else ():  # the split's backward, at each sequence's start
             ops[locate(start)].append(("all_gather", hidden / tp, "bwd"))
-        if msp and mt.sp_end is not None:
-            ops[(locate_end or locate)(mt.sp_end)].append(("all_gather", hidden / tp, "fwd"))
+        for end in mt.sp_ends() if msp else ():
+            ops[(locate_end or locate)(end)].append(("all_gather", hidden / tp, "fwd"))
     return ops, style_of
 
 

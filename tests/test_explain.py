@@ -42,6 +42,11 @@ CONFIGS = {
                                              dict(pp=2, microbatches=2, schedule="interleaved_1f1b",
                                                   virtual_stages=2)),
     "tp2_pp2_demo_transformer": (dict(kind="demo_transformer", copied=True), dict(tp=2, pp=2, microbatches=2)),
+    # and under sp: each stack split at its first layer and gathered after its final norm (the encoder's
+    # on the stage of its last layer), the memory entering the cross-attention by copy
+    "tp2_sp_dp2_demo_transformer": (dict(kind="demo_transformer"), dict(tp=2, sp=True)),
+    "tp2_sp_pp2_demo_transformer": (dict(kind="demo_transformer", copied=True),
+                                    dict(tp=2, sp=True, pp=2, microbatches=2)),
     # Hugging Face BART's plan: the cross-attention's region entered by the decoder's hidden states and
     # by the encoder's output (key_value_states), one backward all-reduce each
     "tp2_dp2_hf_bart": (dict(kind="hf_bart"), dict(tp=2)),

@@ -79,6 +79,9 @@ WORLD2 = {
                                  dict(max_steps=10)),
     "dp2_accumulate": ("gpt", {}, dict(tp=1), ACCUMULATE),
     "tp2_demo_transformer": ("demo_transformer", {}, dict(tp=2), {}),  # nn.Transformer encoder-decoder
+    # sp: each stack split where its layers begin, gathered after its final norm (the encoder's output
+    # into the cross-attention whole, the decoder's into the demo's head outside the plan)
+    "tp2_sp_demo_transformer": ("demo_transformer", {}, dict(tp=2, sp=True), {}),
     # activation checkpointing without a pipeline: both of the encoder-decoder's block lists recompute
     "tp2_demo_transformer_recompute": ("demo_transformer", {}, dict(tp=2, activation_checkpointing=True), {}),
     "tp2_sp_recompute": ("gpt", {}, dict(tp=2, sp=True, activation_checkpointing=True), {}),

@@ -117,6 +117,9 @@ WORLD4.update({
     # 4+4 blocks over 4 stages (3, 2, 1, 2): stage 1 ends the encoder and starts the decoder
     "pp4_demo_transformer_uneven_gpipe": ("demo_transformer", dict(nlayers=4), _pp(4, "gpipe"), {}),
     "tp2_pp2_demo_transformer": ("demo_transformer", {}, dict(tp=2, **_pp(2, "1f1b")), {}),
+    "tp2_sp_pp2_demo_transformer": ("demo_transformer", {}, dict(tp=2, sp=True, **_pp(2, "1f1b")), {}),
+    "tp2_sp_pp2_demo_transformer_interleaved": ("demo_transformer", {},
+                                                dict(tp=2, sp=True, **_pp(2, "interleaved_1f1b")), {}),
     "pp2_dp2_demo_transformer_zb_h1": ("demo_transformer", dict(nlayers=3), _pp(2, "zb_h1"), {}),
     # interleaved: rank 0 runs the embedding for the encoder (stage 0) and the decoder (stage 2), so no
     # one backward pass finalizes its gradient: dp syncs it after the backward, not during

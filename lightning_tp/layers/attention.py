@@ -35,6 +35,7 @@ class TPMultiheadAttention(nn.Module):
         self.num_heads, self.embed_dim, self.dropout, self.batch_first = num_heads, embed_dim, dropout, batch_first
         self.local_heads = num_heads // ctx.world
         self.head_dim = embed_dim // num_heads
+        self.whole_memory = False  # a cross-attention's key and value whole under SP: they enter by copy
         # Read by nn.TransformerEncoder(Layer): False keeps them off their fused fast path,
         # which would run the local shards as if they were the whole layer.
         self._qkv_same_embed_dim = False
@@ -73,9 +74,10 @@ class TPMultiheadAttention(nn.Module):
             q, k, v = F.linear(self.ctx.enter_region(query), self.in_proj_weight, self.in_proj_bias).chunk(3, -1)
         else:  # cross-attention: the memory enters once for k and v (one backward all-reduce, not two)
             q = F.linear(self.ctx.enter_region(query), w[0], b[0])
-            memory = self.ctx.enter_region(key) if shared_kv else None
-            k = F.linear(memory if memory is not None else self.ctx.enter_region(key), w[1], b[1])
-            v = F.linear(memory if memory is not None else self.ctx.enter_region(value), w[2], b[2])
+            enter = self.ctx.enter_whole if self.whole_memory else self.ctx.enter_region
+            memory = enter(key) if shared_kv else None
+            k = F.linear(memory if memory is not None else enter(key), w[1], b[1])
+            v = F.linear(memory if memory is not None else enter(value), w[2], b[2])
         q, k, v = self._heads(q), self._heads(k), self._heads(v)
         mask = self._mask(attn_mask, key_padding_mask, q)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,

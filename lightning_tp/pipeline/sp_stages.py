@@ -46,7 +46,7 @@ def install(layout, state, matches, contexts, tp: int, seq_dim: int = 1) -> None
     sp = [ctx for ctx in contexts if ctx.sp]
     if not sp or not layout.lists:
         return
-    paths = [p for m in matches for p in m.sp_starts() + ((m.sp_end,) if m.sp_end else ())]
+    paths = [p for m in matches for p in m.sp_starts() + m.sp_ends()]
     indices = {p: chain_index(layout, p) for p in paths}
     for ctx in sp:
         ctx.here = partial(runs_here, state, indices)

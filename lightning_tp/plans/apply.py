@@ -43,10 +43,13 @@ class Match:
     plan: Plan
     entries: list = field(default_factory=list)  # (full path, style)
     sp_start: str | tuple | None = None  # a path, or one per sequence (see Plan.sp_start)
-    sp_end: str | None = None
+    sp_end: str | tuple | None = None  # the same (see Plan.sp_end)
 
     def sp_starts(self) -> tuple:
         return (self.sp_start,) if isinstance(self.sp_start, str) else tuple(self.sp_start or ())
+
+    def sp_ends(self) -> tuple:
+        return (self.sp_end,) if isinstance(self.sp_end, str) else tuple(self.sp_end or ())
 
 
 def _join(prefix: str, path: str) -> str:
@@ -116,10 +119,11 @@ def resolve(model: nn.Module, tp: int, sp: bool, plan="auto") -> list:
         names = [n for n, _ in root.named_modules()]
         if p.sp_start is not None:
             starts = [next((n for n in names if path_matches(glob, n)), None) for glob in p.sp_starts()]
-            ends = [n for n in names if p.sp_end is not None and path_matches(p.sp_end, n)]
+            ends = [next((n for n in reversed(names) if path_matches(glob, n)), None) for glob in p.sp_ends()]
             starts = tuple(_join(prefix, n) for n in starts if n is not None)
+            ends = tuple(_join(prefix, n) for n in ends if n is not None)
             m.sp_start = (starts[0] if len(starts) == 1 else starts) if starts else None
-            m.sp_end = _join(prefix, ends[-1]) if ends else None
+            m.sp_end = (ends[0] if len(ends) == 1 else ends) if ends else None
         if not m.entries:
             warnings.warn(f"lightning_tp: plan {p.name!r} matched no module under {prefix or 'the model'}.")
         _report(p, root, prefix, names)
@@ -354,7 +358,9 @@ def _build(module, style, ctx, path, memo, has_ce, head, options):
     if style == "vocab_ce":
         return VocabParallelCrossEntropy.from_module(module, head, path) if head is not None else module
     if style == "mha":
-        return TPMultiheadAttention.from_module(module, ctx, path, memo)
+        new = TPMultiheadAttention.from_module(module, ctx, path, memo)
+        new.whole_memory = bool(options.get("whole_inputs"))
+        return new
     if style == "embedding_cols":  # kept as it is, with this rank's columns: its lookups need no communication
         module.weight = _shard_param(module.weight, ShardSpec(dim=1, world=ctx.world, full=module.embedding_dim),
                                      ctx, memo)
@@ -428,8 +434,8 @@ def _install_sp_boundaries(model, m: Match, ctx: TPContext) -> None:
         ctx.whole = n % ctx.world != 0
         return x if ctx.whole else comm.scatter_to_sp(x, ctx.group, ctx.seq_dim)
 
-    def leave(module, args, output):
-        if not ctx.sp_now() or (ctx.here is not None and not ctx.here(m.sp_end)):
+    def leave(module, args, output, path):
+        if not ctx.sp_now() or (ctx.here is not None and not ctx.here(path)):
             return output
         if isinstance(getattr(output, "last_hidden_state", None), torch.Tensor):  # a Hugging Face stack's output
             output.last_hidden_state = comm.gather_to_full_sp(output.last_hidden_state, ctx.group, ctx.seq_dim)
@@ -442,10 +448,10 @@ def _install_sp_boundaries(model, m: Match, ctx: TPContext) -> None:
         start = _held(model, path) if path else model
         if start is not None:
             start.register_forward_pre_hook(_first_tensor_hook(partial(enter, path=path)), with_kwargs=True)
-    if m.sp_end is not None:
-        end = _held(model, m.sp_end) if m.sp_end else model
+    for path in m.sp_ends():
+        end = _held(model, path) if path else model
         if end is not None:
-            end.register_forward_hook(leave)
+            end.register_forward_hook(partial(leave, path=path))
 
 
 def _getattr_path(obj, path: str):

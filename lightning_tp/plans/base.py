@@ -40,8 +40,9 @@ STYLE_OPTIONS = {
     "full_input": "the input is whole along the sequence even under SP (the module runs after sp_end)",
     "inputs": "for 'region': names of further arguments (by keyword or position) that enter the region too, "
               "e.g. cross-attention's key_value_states, read by its k and v",
-    "whole_inputs": "for 'region' with 'inputs': true where those are whole along the sequence even under SP (an "
-                    "encoder's output, gathered at its sp_end): they enter by copy, as without SP",
+    "whole_inputs": "for 'region' with 'inputs' (or 'mha': a cross-attention's key and value): true where those are "
+                    "whole along the sequence even under SP (an encoder's output, gathered at its sp_end): they "
+                    "enter by copy, as without SP",
     "return_shards": "for 'lm_head' with 'vocab_ce': in training the model returns this rank's vocabulary "
                      "columns, not whole logits (no all-gather of tokens x vocab: for a step that reads the loss only)",
 }
@@ -85,7 +86,8 @@ class Plan:
               tuple of globs splits several sequences, one each (an encoder-decoder's source and target
               where each stack's blocks begin).
     sp_end:   glob; the last matching module's output is gathered (SP ends), if a replicated
-              consumer follows. Unneeded when an 'lm_head' gathers its input itself.
+              consumer follows. Unneeded when an 'lm_head' gathers its input itself. A tuple of
+              globs ends several sequences (nn.Transformer's encoder and decoder).
     seq_dim:  the sequence dimension of activations (1 for batch-first).
     blocks:   the repeated block list (for pipeline parallelism); an encoder-decoder's two as a tuple.
     outputs:  a module returning Hugging Face's outputs: its ``hidden_states`` (sequence shards under
@@ -100,7 +102,7 @@ class Plan:
     styles: dict = field(default_factory=dict)
     attrs: dict = field(default_factory=dict)
     sp_start: Optional[Union[str, tuple]] = None
-    sp_end: Optional[str] = None
+    sp_end: Optional[Union[str, tuple]] = None
     seq_dim: int = 1
     blocks: Optional[Union[str, tuple]] = None
     outputs: Optional[Union[str, tuple]] = None
@@ -119,9 +121,9 @@ class Plan:
                                        or not all(isinstance(n, str) for n in inputs)):
                 raise ValueError(f"plan {self.name!r}: option 'inputs' of {glob!r} must be a list of argument names "
                                  f"on a 'region' style, got {inputs!r} on {style!r}.")
-            if options.get("whole_inputs") and not inputs:
+            if options.get("whole_inputs") and not inputs and style != "mha":
                 raise ValueError(f"plan {self.name!r}: option 'whole_inputs' of {glob!r} needs 'inputs' (the arguments "
-                                 f"that are whole).")
+                                 f"that are whole), or the style 'mha' (its key and value).")
             unknown = set(options) - set(STYLE_OPTIONS)
             if unknown:
                 raise ValueError(f"plan {self.name!r}: unknown option(s) {sorted(unknown)} for {glob!r}; choose from "
@@ -136,7 +138,7 @@ class Plan:
     def from_dict(cls, d: dict) -> "Plan":
         d = dict(d)
         d.setdefault("name", "user")
-        for key in ("blocks", "sp_start", "outputs"):
+        for key in ("blocks", "sp_start", "sp_end", "outputs"):
             if isinstance(d.get(key), list):
                 d[key] = tuple(d[key])
         for key in ("targets", "requires"):
@@ -147,6 +149,9 @@ class Plan:
     def sp_starts(self) -> tuple:
         """The sp_start globs, one per sequence SP splits (none without SP)."""
         return (self.sp_start,) if isinstance(self.sp_start, str) else tuple(self.sp_start or ())
+
+    def sp_ends(self) -> tuple:
+        return (self.sp_end,) if isinstance(self.sp_end, str) else tuple(self.sp_end or ())
 
     def style_of(self, path: str):
         """(style, options) of the first glob matching ``path``, or (None, {})."""

@@ -29,13 +29,19 @@ TRANSFORMER_ENCODER_LAYER = Plan(
 
 # nn.Transformer (encoder-decoder; so also Lightning's demo Transformer). The decoder's cross-attention
 # enters the TP region for its memory input on its own. Under pp its two lists form one chain of stages.
+# Under SP each stack's sequence is split where its layers begin and gathered where the stack ends
+# (after its final norm): the encoder's output reaches the cross-attention whole (by copy), the
+# decoder's the user's head (outside the plan) whole.
 TRANSFORMER = Plan(
     name="torch_transformer",
     targets=("Transformer",),
     requires=("encoder.layers", "decoder.layers"),
-    styles={f"encoder.layers.*.{k}": v for k, v in _LAYER.items() if v != "sp_norm"}
-    | {f"decoder.layers.*.{k}": v for k, v in _LAYER.items() if v != "sp_norm"}
-    | {"decoder.layers.*.multihead_attn": "mha"},
+    styles={f"encoder.layers.*.{k}": v for k, v in _LAYER.items()}
+    | {f"decoder.layers.*.{k}": v for k, v in _LAYER.items()}
+    | {"decoder.layers.*.norm3": "sp_norm", "encoder.norm": "sp_norm", "decoder.norm": "sp_norm",
+       "decoder.layers.*.multihead_attn": {"style": "mha", "whole_inputs": True}},
+    sp_start=("encoder.layers.*", "decoder.layers.*"),
+    sp_end=("encoder", "decoder"),
     blocks=("encoder.layers", "decoder.layers"),
 )
 
