@@ -4,6 +4,7 @@ processes, on the byte-level Tiny Shakespeare of examples/gpt.
     python examples/hf_t5/train.py                # pp=2 (1F1B, 4 microbatches) on 2 processes
     python examples/hf_t5/train.py --tp 2         # tp=2 x pp=2 on 4
     python examples/hf_t5/train.py --tp 2 --pp 1  # tp=2 on 2
+    python examples/hf_t5/train.py --tp 2 --sp    # tp=2 + sequence parallel x pp=2 on 4
 
 The LightningModule is what a single-device project would write; the only parallel line is the
 Trainer's ``strategy=MegaStrategy(pp=2, microbatches=4)``. The model's two block lists (encoder,
@@ -55,10 +56,12 @@ if __name__ == "__main__":
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=2)
     parser.add_argument("--microbatches", type=int, default=4, help="under pp")
+    parser.add_argument("--sp", action="store_true", help="sequence parallelism (with tp > 1)")
     args = parser.parse_args()
     L.seed_everything(0)
     pipeline = dict(pp=args.pp, microbatches=args.microbatches) if args.pp > 1 else {}
-    trainer = L.Trainer(accelerator="cpu", devices=args.tp * args.pp, strategy=MegaStrategy(tp=args.tp, **pipeline),
+    strategy = MegaStrategy(tp=args.tp, sp=args.sp, **pipeline)
+    trainer = L.Trainer(accelerator="cpu", devices=args.tp * args.pp, strategy=strategy,
                         max_steps=40, callbacks=[PrintLoss()], logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(T5LM(), ShakespeareData(block_size=64, batch_size=16))

@@ -4,12 +4,14 @@ pipeline parallelism on CPU processes, on the byte-level Tiny Shakespeare of exa
     python examples/torch_transformer/train.py               # tp=2 on 2 processes
     python examples/torch_transformer/train.py --pp 2 --tp 1  # pp=2 (1F1B, 4 microbatches) on 2
     python examples/torch_transformer/train.py --pp 2         # tp=2 x pp=2 on 4
+    python examples/torch_transformer/train.py --sp           # tp=2 + sequence parallel on 2
 
 The LightningModule wraps ``lightning.pytorch.demos.Transformer`` as Lightning's own demo does; the
 only parallel line is the Trainer's ``strategy=MegaStrategy(tp=2)``. plan="auto" finds the built-in
 nn.Transformer plan: every self- and cross-attention becomes head-parallel, linear1 column- and
 linear2 row-parallel. The embedding and the output layer sit outside nn.Transformer and stay
-replicated. No sequence parallelism for this family. Under pp the encoder's and the decoder's
+replicated. With --sp each stack's sequence is split across the tp ranks where its layers begin
+and gathered after its final norm. Under pp the encoder's and the decoder's
 blocks form one chain of stages: a decoder stage receives the encoder's output with its hidden
 states, and the decoder's first stage holds a copy of the embedding for the decoder's own input
 (its gradients summed with the first stage's, as Megatron's T5 does).
@@ -55,10 +57,12 @@ if __name__ == "__main__":
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--microbatches", type=int, default=4, help="under pp")
+    parser.add_argument("--sp", action="store_true", help="sequence parallelism (with tp > 1)")
     args = parser.parse_args()
     L.seed_everything(0)
     pipeline = dict(pp=args.pp, microbatches=args.microbatches) if args.pp > 1 else {}
-    trainer = L.Trainer(accelerator="cpu", devices=args.tp * args.pp, strategy=MegaStrategy(tp=args.tp, **pipeline),
+    strategy = MegaStrategy(tp=args.tp, sp=args.sp, **pipeline)
+    trainer = L.Trainer(accelerator="cpu", devices=args.tp * args.pp, strategy=strategy,
                         max_steps=40,
                         callbacks=[PrintLoss()], logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False)
