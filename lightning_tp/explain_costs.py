@@ -1,0 +1,140 @@
+"""What each planned module costs, for :func:`lightning_tp.explain.explain`: the TP collectives it runs per
+token (entering and leaving the TP region, SP's splits and gathers, the vocab-parallel ops), the
+activations it saves for backward per token on one tp rank, and what T5's stacks add to a pipeline
+message (their masks and position biases, given to every block positionally)."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+from torch import nn
+
+from .layers.shard import padded_size
+from .plans.hf_seq2seq import layout_of as seq2seq_layout
+
+_ACTIVATIONS = ("torch.nn.modules.activation", "transformers.activations")
+
+
+def _io(m: nn.Module):
+    """(in, out) features of a Linear, or of a Hugging Face Conv1D (weight stored in x out); else None."""
+    if isinstance(m, nn.Linear):
+        return m.in_features, m.out_features
+    if type(m).__name__ == "Conv1D" and hasattr(m, "nf"):
+        return tuple(m.weight.shape)
+    return None
+
+
+def _t5_heads(model) -> int | None:
+    """The attention heads of a Hugging Face encoder-decoder of T5's layout, else None."""
+    found = seq2seq_layout(model)
+    if found is None or found[2] != "t5":
+        return None
+    return model.get_submodule(found[0])[0].layer[0].SelfAttention.n_heads
+
+
+def _t5_side(nxt: int, decoder_start: int, heads: int, T: int, grad: bool = False) -> int:
+    """Elements per token a message to T5's block ``nxt`` holds besides the hidden states and the encoder's
+    output: its stack gives every block the masks and position biases positionally, and a stage hands
+    on each floating-point positional argument (see pipeline.stage._carried). Inside the encoder the
+    attention mask (B, 1, 1, T) and the position bias (B, heads, T, T: this tp rank's heads); at the
+    decoder's first block the causal mask (B, 1, T, T) and the encoder's mask (B, 1, 1, T); later in the
+    decoder both masks and both position biases (its own, the encoder-decoder one). ``grad``: what
+    comes back, the gradient of the biases made from weights only (the masks and the encoder-decoder
+    bias, which T5 makes of zeros and the mask, need none: see pipeline.messages.pack)."""
+    if grad:
+        return 0 if nxt == decoder_start else heads * T
+    if nxt < decoder_start:
+        return 1 + heads * T
+    return T + 1 + (0 if nxt == decoder_start else 2 * heads * T)
+
+
+def _width_in(module: nn.Module) -> int:
+    for m in module.modules():
+        if isinstance(m, nn.MultiheadAttention):
+            return m.embed_dim
+        if _io(m):
+            return _io(m)[0]
+    return 0
+
+
+def _entries(match):
+    """(path, style, options): plan entries are (path, style) or (path, style, options)."""
+    return [(e[0], e[1], e[2] if len(e) > 2 else {}) for e in match.entries]
+
+
+def _enter(w, sp, tp):
+    """(op, elements per token, pass) entering the TP region; _leave: leaving it."""
+    return [("all_gather", w / tp, "fwd"), ("reduce_scatter", w, "bwd")] if sp else [("all_reduce", w, "bwd")]
+
+
+def _leave(w, sp, tp):
+    return [("reduce_scatter", w, "fwd"), ("all_gather", w / tp, "bwd")] if sp else [("all_reduce", w, "fwd")]
+
+
+def _cross_attention(base, path: str) -> bool:
+    """nn.TransformerDecoderLayer's attention over the encoder's output (query and memory enter apart)."""
+    parent, _, leaf = path.rpartition(".")
+    return leaf == "multihead_attn" and isinstance(base.get_submodule(parent), nn.TransformerDecoderLayer)
+
+
+def _tp_ops(base, matches, sp, tp, hidden, locate, locate_end=None):
+    """TP collectives per location ("block", i) / ("first",) / ("last",), as (op, elements per
+    token, pass), from the plan entries; and {path: (style, sp on, options)}. ``locate_end``: where a
+    module's output is made (an encoder stack's: at its last block), for an sp_end."""
+    ops, style_of = defaultdict(list), {}
+    for mt in matches:
+        msp = sp and mt.sp_start is not None
+        styles = {s for _, s, _ in _entries(mt)}
+        for path, style, options in _entries(mt):
+            esp = msp and not options.get("full_input")
+            style_of[path] = (style, esp, options)
+            mod, loc = base.get_submodule(path), locate(path)
+            if style in ("region", "colwise", "lm_head", "mha"):  # inputs whole under SP enter by copy
+                ops[loc] += _enter(_width_in(mod), esp, tp)
+                ops[loc] += _enter(_width_in(mod), esp and not options.get("whole_inputs"), tp) * \
+                    len(options.get("inputs", ()))
+            if style == "mha" and _cross_attention(base, path):  # the encoder's output enters too (whole: a copy)
+                ops[loc] += _enter(_width_in(mod), esp and not options.get("whole_inputs"), tp)
+            if style in ("rowwise", "mha"):
+                ops[loc] += _leave(_io(mod)[1] if _io(mod) else getattr(mod, "embed_dim", None) or mod.embedding_dim,
+                                   esp, tp)
+            if style == "vocab":
+                ops[loc].append(("all_reduce", mod.embedding_dim, "fwd"))
+            if style == "lm_head" and not options.get("return_shards"):  # the logits the model returns
+                ops[loc].append(("all_gather", padded_size(_io(mod)[1], tp) / tp, "fwd"))
+            if style == "vocab_ce" and "lm_head" in styles:
+                ops[loc] += [("all_reduce", 1, "fwd"), ("all_reduce", 2, "fwd")]
+        for start in mt.sp_starts() if msp else ():  # the split's backward, at each sequence's start
+            ops[locate(start)].append(("all_gather", hidden / tp, "bwd"))
+        for end in mt.sp_ends() if msp else ():
+            ops[(locate_end or locate)(end)].append(("all_gather", hidden / tp, "fwd"))
+    return ops, style_of
+
+
+def _saved_widths(base, style_of, tp, locate):
+    """Elements per token saved for backward on one tp rank, per location (see the module doc)."""
+    width, skip, last_out = defaultdict(float), None, 0
+    for name, mod in base.named_modules():
+        if skip and name.startswith(skip):
+            continue
+        (st, msp, _), loc, io = style_of.get(name, (None, False, {})), locate(name) if name else ("first",), _io(mod)
+        if st in ("region", "mha"):
+            inner = [n for n, c in mod.named_modules(prefix=name) if _io(c)]
+            rows = [_io(base.get_submodule(n))[0] for n in inner if style_of.get(n, ("",))[0] == "rowwise"]
+            qkv = sum(style_of[n][2].get("chunks", 1) for n in inner if style_of.get(n, ("",))[0] == "colwise_local")
+            a = rows[0] if rows else _width_in(mod)
+            attention = st == "mha" or qkv >= 3  # q, k, v: attention (not a gated MLP)
+            width[loc] += _width_in(mod) + (4 * a / tp if attention else 0) + (a / tp if st == "mha" else 0)
+            if st == "mha":
+                skip, last_out = name + ".", mod.embed_dim
+        elif io:
+            width[loc] += {"colwise_local": 0, "rowwise": io[0] / tp}.get(st, io[0])
+            out = padded_size(io[1], tp) if st == "lm_head" else io[1]
+            last_out = out / tp if st in ("colwise", "colwise_local", "lm_head") or (st == "rowwise" and msp) else out
+        elif "Norm" in type(mod).__name__:
+            shape = getattr(mod, "normalized_shape", None) or getattr(getattr(mod, "weight", None), "shape", ())
+            width[loc] += math.prod(shape) / (tp if st == "sp_norm" and msp else 1) if shape else 0
+        elif type(mod).__module__ in _ACTIVATIONS or isinstance(mod, nn.modules.loss._Loss):
+            width[loc] += last_out
+    return width
