@@ -64,6 +64,7 @@ from .grads import replica_buffer_numel
 from .pipeline.block_lists import block_at, block_key
 from .pipeline.schedules import build_schedule
 from .pipeline.simulate import simulate
+from .pipeline.sp_stages import chain_index
 from .pipeline.split import _outer_groups, apply_split, plan_stages
 from .plans import apply as planner
 from . import recompute
@@ -186,9 +187,8 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
     def locate_end(path):
         """Where ``path``'s output is made: a stack holding a block list (an encoder) makes it at the
         list's last block, whatever stage that is; anything else where it sits."""
-        held = [(first, n) for (lpath, n), first in zip(lists, offset.values())
-                if path and lpath.startswith(path + ".")]
-        return ("block", held[0][0] + held[0][1] - 1) if held and held[0][1] else locate(path)
+        i = chain_index(layout, path) if layout is not None else None
+        return ("block", i) if i is not None else locate(path)
 
     def times(loc, r):
         """How often rank r runs ``loc`` per microbatch (an encoder-decoder's embedding copy may run twice)."""

@@ -78,7 +78,7 @@ def _cross_attention(base, path: str) -> bool:
     return leaf == "multihead_attn" and isinstance(base.get_submodule(parent), nn.TransformerDecoderLayer)
 
 
-def _tp_ops(base, matches, sp, tp, hidden, locate, locate_end=None):
+def _tp_ops(base, matches, sp, tp, hidden, locate, locate_end):
     """TP collectives per location ("block", i) / ("first",) / ("last",), as (op, elements per
     token, pass), from the plan entries; and {path: (style, sp on, options)}. ``locate_end``: where a
     module's output is made (an encoder stack's: at its last block), for an sp_end."""
@@ -108,7 +108,7 @@ def _tp_ops(base, matches, sp, tp, hidden, locate, locate_end=None):
         for start in mt.sp_starts() if msp else ():  # the split's backward, at each sequence's start
             ops[locate(start)].append(("all_gather", hidden / tp, "bwd"))
         for end in mt.sp_ends() if msp else ():
-            ops[(locate_end or locate)(end)].append(("all_gather", hidden / tp, "fwd"))
+            ops[locate_end(end)].append(("all_gather", hidden / tp, "fwd"))
     return ops, style_of
 
 

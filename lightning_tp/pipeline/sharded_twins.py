@@ -40,8 +40,9 @@ def shard_twins(module: nn.Module, layout, split: dict, matches: list, tp: int, 
 def _sharded(path: str, twin: nn.Module, matches: list, tp: int, rank: int) -> nn.Module:
     """``twin`` (or what replaced it) after the plan's entries under ``path`` are applied to it, placed at
     ``path`` in a tree of empty modules so that the plan's paths find it. Without sequence parallelism:
-    under sp a stand-in's sequence length comes from its arguments (see placeholders.passthrough), and
-    encoder-decoders, whose blocks hand on more than their input's shape, have no sp."""
+    a stand-in's sequence length comes from its arguments (see placeholders.passthrough), which stay
+    whole on the runs that pass stand-ins through; where an encoder-decoder's stage receives shards,
+    it unpacks them by the shard's shape (see .sp_stages)."""
     root = node = nn.Module()
     *parents, leaf = path.split(".")
     for part in parents:

@@ -40,7 +40,7 @@ def runs_here(state, indices: dict, path: str) -> bool:
     return lo <= i <= hi
 
 
-def install(layout, state, matches, contexts, tp: int, seq_dim: int = 1) -> None:
+def install(layout, state, matches, contexts, tp: int) -> None:
     """Gate each SP context's split and gather by the running stage, and tell the stages the hidden
     states they receive are sequence shards (see stage._wrap_chained)."""
     sp = [ctx for ctx in contexts if ctx.sp]
@@ -50,7 +50,7 @@ def install(layout, state, matches, contexts, tp: int, seq_dim: int = 1) -> None
     indices = {p: chain_index(layout, p) for p in paths}
     for ctx in sp:
         ctx.here = partial(runs_here, state, indices)
-    state.sp_shards, state.seq_dim = tp, seq_dim
+    state.sp_shards, state.seq_dim = tp, sp[0].seq_dim
 
 
 def shard_like(t: torch.Tensor, shards: int, seq_dim: int) -> torch.Tensor:

@@ -32,9 +32,9 @@ import torch
 
 from .block_lists import PIECEWISE, called_parts
 from .messages import pack, unpack
-from .sp_stages import shard_like
 from .placeholders import (ShapeOnly, SkippedBlock, handed_on, hidden_name, hidden_place, passthrough,
                            stand_in_output)
+from .sp_stages import shard_like
 
 
 class StageDone(Exception):

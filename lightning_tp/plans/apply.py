@@ -24,7 +24,7 @@ from ..layers import (ColumnParallelLinear, RowParallelLinear, TPContext, TPMult
 from ..layers.linear import _shard_param, is_conv1d
 from ..layers.shard import ShardSpec, mark
 from ..pipeline.placeholders import PipelinePlaceholder
-from .base import Plan, path_matches
+from .base import Plan, as_tuple, path_matches
 from .registry import registered_plans
 from .sizes import _check_attr, _check_sizes, _getattr_path, _set_attrs, head_replicas
 
@@ -42,14 +42,14 @@ class Match:
     prefix: str
     plan: Plan
     entries: list = field(default_factory=list)  # (full path, style)
-    sp_start: str | tuple | None = None  # a path, or one per sequence (see Plan.sp_start)
+    sp_start: str | tuple | None = None  # paths, one per sequence (see Plan.sp_start); None without SP
     sp_end: str | tuple | None = None  # the same (see Plan.sp_end)
 
     def sp_starts(self) -> tuple:
-        return (self.sp_start,) if isinstance(self.sp_start, str) else tuple(self.sp_start or ())
+        return as_tuple(self.sp_start)
 
     def sp_ends(self) -> tuple:
-        return (self.sp_end,) if isinstance(self.sp_end, str) else tuple(self.sp_end or ())
+        return as_tuple(self.sp_end)
 
 
 def _join(prefix: str, path: str) -> str:
@@ -120,10 +120,8 @@ def resolve(model: nn.Module, tp: int, sp: bool, plan="auto") -> list:
         if p.sp_start is not None:
             starts = [next((n for n in names if path_matches(glob, n)), None) for glob in p.sp_starts()]
             ends = [next((n for n in reversed(names) if path_matches(glob, n)), None) for glob in p.sp_ends()]
-            starts = tuple(_join(prefix, n) for n in starts if n is not None)
-            ends = tuple(_join(prefix, n) for n in ends if n is not None)
-            m.sp_start = (starts[0] if len(starts) == 1 else starts) if starts else None
-            m.sp_end = (ends[0] if len(ends) == 1 else ends) if ends else None
+            m.sp_start = tuple(_join(prefix, n) for n in starts if n is not None) or None
+            m.sp_end = tuple(_join(prefix, n) for n in ends if n is not None) or None
         if not m.entries:
             warnings.warn(f"lightning_tp: plan {p.name!r} matched no module under {prefix or 'the model'}.")
         _report(p, root, prefix, names)
@@ -239,8 +237,7 @@ def apply(model: nn.Module, matches: list, group, tp: int, rank: int, sp: bool) 
                     _set_attrs(module, rules, tp)
         if ctx.sp:
             _install_sp_boundaries(model, m, ctx)
-        outputs = (m.plan.outputs,) if isinstance(m.plan.outputs, str) else m.plan.outputs or ()
-        for held in (_held(model, _join(m.prefix, path)) for path in outputs):
+        for held in (_held(model, _join(m.prefix, path)) for path in as_tuple(m.plan.outputs)):
             if held is not None:  # (after the sp_end's hook on the same module: see _whole_outputs)
                 held.register_forward_hook(_whole_outputs(ctx))
         head_path, head_options = next(((p, o) for p, style, o in m.entries if style == "lm_head"), (None, {}))

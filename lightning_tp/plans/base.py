@@ -48,6 +48,11 @@ STYLE_OPTIONS = {
 }
 
 
+def as_tuple(value) -> tuple:
+    """A plan field that takes one glob or path, or a tuple of them (sp_start, sp_end, outputs)."""
+    return (value,) if isinstance(value, str) else tuple(value or ())
+
+
 def path_matches(pattern: str, path: str) -> bool:
     if pattern == "":
         return path == ""
@@ -148,10 +153,10 @@ class Plan:
 
     def sp_starts(self) -> tuple:
         """The sp_start globs, one per sequence SP splits (none without SP)."""
-        return (self.sp_start,) if isinstance(self.sp_start, str) else tuple(self.sp_start or ())
+        return as_tuple(self.sp_start)
 
     def sp_ends(self) -> tuple:
-        return (self.sp_end,) if isinstance(self.sp_end, str) else tuple(self.sp_end or ())
+        return as_tuple(self.sp_end)
 
     def style_of(self, path: str):
         """(style, options) of the first glob matching ``path``, or (None, {})."""

@@ -153,9 +153,9 @@ class HFSeq2SeqPlan:
             styles[name] = "vocab"
         if head is not None:  # the path resolve() visits: the first one a module is found under
             styles[_path_of(module, head)] = "lm_head"
+        stacks = tuple(path.rpartition(".")[0] for path in (enc, dec))  # each list's parent
         return Plan(name=f"hf_seq2seq_{kind}", styles=styles, attrs=attrs, blocks=(enc, dec),
-                    sp_start=(f"{enc}.*", f"{dec}.*"), sp_end=enc.rpartition(".")[0],
-                    outputs=(enc.rpartition(".")[0], dec.rpartition(".")[0]))
+                    sp_start=(f"{enc}.*", f"{dec}.*"), sp_end=stacks[0], outputs=stacks)
 
 
 def _token_embeddings(module: nn.Module, head) -> list:
