@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 _LOST_PEER = ("connection closed by peer", "connection reset by peer", "broken pipe", "timed out waiting",
@@ -82,3 +83,28 @@ class FailureNotes:
             exc.add_note(note)
         else:  # Python 3.10: no notes; the message itself carries it
             exc.args = (f"{exc.args[0] if exc.args else ''}\n{note}",) + tuple(exc.args[1:])
+
+
+def raise_on_every_rank(what: str, fn, rank: int, device, stage: int | None = None) -> None:
+    """Run ``fn``; where it raises on one rank, raise on all (the others would wait in their first
+    collective). ``stage``: this rank's pipeline stage under pp, where a stage whose modules are all
+    frozen gets no trainable parameter."""
+    error = None
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - re-raised below, on every rank
+        error = e
+    failed = -1
+    if dist.is_available() and dist.is_initialized():
+        flag = torch.tensor([-1 if error is None else rank], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        failed = int(flag.item())
+    if error is not None:
+        if stage is not None and "empty parameter list" in str(error):
+            raise ValueError(f"{what} on pipeline stage {stage} gave the optimizer no parameter: every parameter "
+                             f"this stage holds is frozen (each stage's self.parameters() holds only its own). "
+                             f"Give it self.parameters() unfiltered: frozen ones get no gradient and are not "
+                             f"stepped.") from error
+        raise error
+    if failed >= 0:
+        raise RuntimeError(f"{what} failed on rank {failed} (its error is raised there); stopping every rank.")

@@ -3,7 +3,6 @@ parallel lives in mesh/comm/layers/plans/grads/pipeline."""
 
 from __future__ import annotations
 
-import copy
 import os
 from contextlib import contextmanager
 from datetime import timedelta
@@ -28,7 +27,8 @@ from . import checkpoint as ckpt
 from . import comm
 from . import grads
 from . import recompute
-from .failures import FailureNotes
+from .averaged_models import copy_averaged_models_again
+from .failures import FailureNotes, raise_on_every_rank
 from .kernels.inject import kernel_names
 from .quant import bits_of
 from .quant.fake_quant import RANGE_MODES
@@ -38,29 +38,6 @@ from .pipeline.executor import PipelineRunner
 from .pipeline.schedules import build_schedule
 from .parallelize import parallelize
 from .same_batch import BatchBroadcast
-
-
-def _copy_averaged_models_again(trainer, module) -> None:
-    """Lightning's weight-averaging callbacks (EMAWeightAveraging and the other WeightAveraging ones,
-    StochasticWeightAveraging) copy the module in their ``setup``, which runs before the strategy
-    shards it: their copies would hold whole weights against this rank's shards. They copy the
-    sharded module again here, as their setup does (each rank averages its own shards)."""
-    from lightning.pytorch.callbacks import StochasticWeightAveraging
-
-    try:
-        from lightning.pytorch.callbacks import WeightAveraging
-    except ImportError:  # older Lightning
-        WeightAveraging = ()
-    for cb in trainer.callbacks:
-        if getattr(cb, "_average_model", None) is None:
-            continue
-        if WeightAveraging and isinstance(cb, WeightAveraging):
-            from torch.optim.swa_utils import AveragedModel
-
-            cb._average_model = AveragedModel(model=module, device=cb._device or module.device,
-                                              use_buffers=cb._use_buffers, **cb._kwargs)
-        elif isinstance(cb, StochasticWeightAveraging):
-            cb._average_model = copy.deepcopy(module)
 
 
 def _step_args(args, kwargs, loop_batch_idx) -> tuple:
@@ -244,14 +221,15 @@ class MegaStrategy(ParallelStrategy):
         self._runner, self._dp_overlap = parallelize(self, self.lightning_module)
         if self._runner is not None:
             install_epoch_end_sync(trainer, self._runner)
-        _copy_averaged_models_again(trainer, self.lightning_module)
+        copy_averaged_models_again(trainer, self.lightning_module)
         self.model = self.precision_plugin.convert_module(self.model)
         for twin in self.lightning_module._lightning_tp["twins"]:  # placeholders' zeros in the model's dtype
             self.precision_plugin.convert_module(twin)
         self.model_to_device()
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
-            self._on_every_rank("configure_optimizers", lambda: self.setup_optimizers(trainer))
+            raise_on_every_rank("configure_optimizers", lambda: self.setup_optimizers(trainer), self.global_rank,
+                                self.root_device, self.mesh.pp_rank if self.pp > 1 else None)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -259,29 +237,6 @@ class MegaStrategy(ParallelStrategy):
         scaler = getattr(self.precision_plugin, "scaler", None)
         if scaler is not None and self.tp * self.pp > 1:  # fp16 AMP: one skip-or-step decision for all
             grads.agree_on_overflow(scaler)
-
-    def _on_every_rank(self, what: str, fn) -> None:
-        """Run ``fn``; where it raises on one rank, raise on all (the others would wait in their first
-        collective). A pipeline stage whose modules are all frozen gets no trainable parameter."""
-        error = None
-        try:
-            fn()
-        except Exception as e:  # noqa: BLE001 - re-raised below, on every rank
-            error = e
-        failed = -1
-        if _distributed_is_initialized():
-            flag = torch.tensor([-1 if error is None else self.global_rank], device=self.root_device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            failed = int(flag.item())
-        if error is not None:
-            if self.pp > 1 and "empty parameter list" in str(error):
-                raise ValueError(f"{what} on pipeline stage {self.mesh.pp_rank} gave the optimizer no parameter: "
-                                 f"every parameter this stage holds is frozen (each stage's self.parameters() "
-                                 f"holds only its own). Give it self.parameters() unfiltered: frozen ones get no "
-                                 f"gradient and are not stepped.") from error
-            raise error
-        if failed >= 0:
-            raise RuntimeError(f"{what} failed on rank {failed} (its error is raised there); stopping every rank.")
 
     def model_to_device(self) -> None:
         assert self.model is not None
