@@ -79,7 +79,7 @@ def parallelize(s, module):
         apply_qat(module, s.quant, tp_group=s.mesh.tp_group, dp_group=s.mesh.dp_group, act_range=s.quant_range)
     if s.load_full is not None:
         load_full(module, s.load_full, full_keys, s.mesh.tp_rank)
-    recompute.apply(module, recomputed)  # inside the stage wrappers below
+    recompute.apply(module, recomputed, split=s._pipelined and s.zb_keep_recomputed)  # inside the stage wrappers below
     runner = None
     if s._pipelined:
         silence = [(module.get_submodule(name), twin, runs) for name, (twin, runs) in split["silence"].items()]
@@ -120,7 +120,7 @@ def _reuse(s, module, done):
                          f"build a fresh module for this layout.")
     batched = _batched(s)
     if runner is not None and (runner.schedule, runner.m, runner.batched) != (s.schedule, s.microbatches, batched):
-        recompute.check_option(s.activation_checkpointing, s.quant, s.schedule)
+        recompute.check_option(s.activation_checkpointing, s.quant, s.schedule, s.zb_keep_recomputed)
         # another schedule or microbatch count on the same stages (a second Trainer's options)
         runner = done["runner"] = PipelineRunner(module, s.mesh, runner.layout, runner.state, s.schedule,
                                                  s.microbatches, batched=batched, device=s.root_device)
@@ -144,7 +144,7 @@ def _take_over_hf_checkpointing(module, s, layout) -> bool:
           is True and callable(getattr(m, "_gradient_checkpointing_func", None))]
     if not on:
         return False
-    recompute.check_option(True, s.quant, s.schedule)
+    recompute.check_option(True, s.quant, s.schedule, s.zb_keep_recomputed)
     for m in on:
         m.gradient_checkpointing = False
     from lightning.pytorch.utilities import rank_zero_warn

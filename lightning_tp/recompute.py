@@ -29,15 +29,17 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .pipeline import zb_checkpoint
 from .pipeline.placeholders import no_cache, positional_names
 from .pipeline.block_lists import block_at, block_key, called_parts, find_blocks, is_block_list
 
 
 
-def check_option(value, quant, schedule: str | None = None) -> None:
+def check_option(value, quant, schedule: str | None = None, keep_recomputed: bool = False) -> None:
     """``activation_checkpointing``: False (or 0), True, or a positive int; not with quantization-aware
-    layers, whose activation ranges would be updated again by the recomputed forward; with ZB-H1 only
-    where torch can share one recomputation among the weight half's backward calls."""
+    layers, whose activation ranges would be updated again by the recomputed forward. Under ZB-H1
+    (``schedule``) its weight half recomputes again, once for all its backward calls (torch's
+    GraphExecGroup), unless ``keep_recomputed`` (``zb_keep_recomputed``: see zb_checkpoint)."""
     if isinstance(value, bool) or value is None:
         ok = True
     else:
@@ -49,10 +51,18 @@ def check_option(value, quant, schedule: str | None = None) -> None:
         raise ValueError(f"MegaStrategy(activation_checkpointing=..., quant={quant!r}) is not supported: the "
                          f"recomputed forward would update the quantizers' activation ranges a second time. "
                          f"Use one of the two.")
-    if value and schedule == "zb_h1" and getattr(torch.utils.checkpoint, "GraphExecGroup", None) is None:
+    if keep_recomputed not in (True, False):
+        raise ValueError(f"MegaStrategy(zb_keep_recomputed={keep_recomputed!r}): use True or False.")
+    if keep_recomputed and not (value and schedule == "zb_h1"):
+        raise ValueError(f"MegaStrategy(zb_keep_recomputed=True) applies to schedule='zb_h1' with "
+                         f"activation_checkpointing (here schedule={schedule!r}, activation_checkpointing={value!r}): "
+                         f"set both, or leave it False.")
+    if value and schedule == "zb_h1" and not keep_recomputed and \
+            getattr(torch.utils.checkpoint, "GraphExecGroup", None) is None:
         raise ValueError(f"MegaStrategy(activation_checkpointing=..., schedule='zb_h1') needs torch >= 2.10 "
                          f"(torch.utils.checkpoint.GraphExecGroup; this is {torch.__version__}): without it the "
-                         f"weight half would recompute each block once per backward call. Use schedule='1f1b'.")
+                         f"weight half would recompute each block once per backward call. Use schedule='1f1b', "
+                         f"or zb_keep_recomputed=True (one recomputation, kept from B to W).")
 
 
 def block_lists(model: nn.Module, name: str | None = None) -> list[str]:
@@ -113,16 +123,19 @@ def targets(model: nn.Module, n, layout=None, pp_rank: int = 0, name: str | None
     return out
 
 
-def apply(model: nn.Module, blocks: list[tuple[str, int]]) -> None:
+def apply(model: nn.Module, blocks: list[tuple[str, int]], split: bool = False) -> None:
     """Wrap each listed block's forward in a non-reentrant checkpoint (plain forward without grad); a
-    block called piece by piece (``for attn, ff in self.layers``) has each piece checkpointed."""
+    block called piece by piece (``for attn, ff in self.layers``) has each piece checkpointed.
+    ``split``: the checkpoint of :mod:`.pipeline.zb_checkpoint` instead (``zb_keep_recomputed``),
+    whose recomputation in zero bubble's B serves its W too."""
     for path, i in blocks:
         for _, block in called_parts(block_at(model.get_submodule(path), i)):
-            _checkpoint(block)
+            _checkpoint(block, split)
 
 
-def _checkpoint(block: nn.Module) -> None:
+def _checkpoint(block: nn.Module, split: bool) -> None:
     block._lightning_tp_inner_forward = block.forward
+    block._lightning_tp_split_checkpoint = split
     block._lightning_tp_positional = positional_names(block)
     block.forward = types.MethodType(_checkpointed_forward, block)
     block._lightning_tp_recompute = True
@@ -146,4 +159,6 @@ def _checkpointed_forward(self, *args, **kwargs):
         with streams.recomputing("") if replay else contextlib.nullcontext():
             return inner(*flat[:n], **dict(zip(keys, flat[n:])))
 
+    if self._lightning_tp_split_checkpoint:
+        return zb_checkpoint.checkpoint(run, self, (*args, *kwargs.values()))
     return checkpoint(run, *args, *kwargs.values(), use_reentrant=False)

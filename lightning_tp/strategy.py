@@ -70,6 +70,10 @@ class MegaStrategy(ParallelStrategy):
             activations (``torch.utils.checkpoint``, non-reentrant): ``True`` for every block of the
             model's block list (of each such list without a pipeline), an int ``n`` for the first n
             blocks of each (virtual) stage (Megatron's ``recompute_method="block"``).
+        zb_keep_recomputed: under ``schedule="zb_h1"`` with activation checkpointing, recompute each block
+            once, in B, and keep that recomputation for its W (one forward less per block and
+            microbatch; between B and W a stage then holds the blocks' activations, as without
+            checkpointing), instead of recomputing again in W (only the blocks' inputs held).
         p2p: how pipeline transfers go out: ``"eager"`` (isend at once, receives posted ahead; gloo),
             ``"batched"`` (one ``batch_isend_irecv`` per time slot of the schedule, the same slot on
             both sides of every transfer: what NCCL needs, where a send waits for its receive and a
@@ -96,7 +100,7 @@ class MegaStrategy(ParallelStrategy):
     def __init__(self, tp: int = 1, pp: int = 1, sp: bool = False, plan: Any = "auto",
                  microbatches: Optional[int] = None, schedule: str = "1f1b", virtual_stages: int = 1,
                  pipeline_blocks: Optional[Union[str, list[str]]] = None, stage_layers: Optional[list] = None,
-                 activation_checkpointing: Union[bool, int] = False,
+                 activation_checkpointing: Union[bool, int] = False, zb_keep_recomputed: bool = False,
                  p2p: Literal["auto", "eager", "batched"] = "auto",
                  kernels: Union[bool, list, None] = False, quant: Optional[str] = None, quant_range: str = "ema",
                  load_full: Optional[str] = None, sync_init: bool = True, broadcast_batch: bool = True,
@@ -133,8 +137,9 @@ class MegaStrategy(ParallelStrategy):
         if quant is None and quant_range != "ema":
             raise ValueError(f"MegaStrategy(quant_range={quant_range!r}) needs quant='int8' or 'w4a8' as well.")
         self.quant, self.quant_range = quant, quant_range
-        recompute.check_option(activation_checkpointing, quant, schedule if self._pipelined else None)
-        self.activation_checkpointing = activation_checkpointing
+        recompute.check_option(activation_checkpointing, quant, schedule if self._pipelined else None,
+                               zb_keep_recomputed)
+        self.activation_checkpointing, self.zb_keep_recomputed = activation_checkpointing, zb_keep_recomputed
         self._process_group_backend = process_group_backend
         self._timeout = timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout
         self._start_method = start_method

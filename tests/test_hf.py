@@ -56,6 +56,12 @@ WORLD2["litgpt_pp2_recompute"] = ("litgpt", {}, dict(PP, activation_checkpointin
 # split backward)
 WORLD2["hf_bart_pp2_padded_split_encoder"] = ("hf_bart", dict(padded=True), dict(PP, stage_layers=[1, 3]), TEN)
 WORLD2["hf_t5_pp2_zb_split_encoder"] = ("hf_t5", {}, dict(PP, schedule="zb_h1", stage_layers=[1, 3]), TEN)
+# ZB-H1 recomputing once for both halves, on a stage of T5's decoder blocks: their several inputs and
+# tuple outputs (the position bias the first block makes from its weights goes on to the second); the
+# first block's hidden states, the decoder's embedding made on this stage, are a weight-only branch,
+# whose gradient goes on in W
+WORLD2["hf_t5_pp2_zb_keep_recomputed_decoder_stage"] = ("hf_t5", {}, dict(
+    PP, schedule="zb_h1", stage_layers=[2, 2], activation_checkpointing=True, zb_keep_recomputed=True), TEN)
 WORLD2["hf_t5_pp2_batched_p2p_split_decoder"] = ("hf_t5", {}, dict(PP, stage_layers=[3, 1], p2p="batched"), TEN)
 # interleaved: a rank's blocks of its other chunk pass through (in the tuple GPT-2's blocks return)
 WORLD2["hf_gpt2_pp2_interleaved"] = ("hf_gpt2", dict(layers=4), dict(PP, schedule="interleaved_1f1b",

@@ -42,6 +42,8 @@ WORLD2.update({
     # under ZB-H1's split backward too; an int recomputes the first n blocks of each virtual stage
     "pp2_1f1b_recompute": ("gpt", dict(n_layer=4), _pp(2, "1f1b", activation_checkpointing=True), {}),
     "pp2_zb_h1_recompute": ("gpt", dict(n_layer=4), _pp(2, "zb_h1", activation_checkpointing=True), {}),
+    "pp2_zb_h1_keep_recomputed": ("gpt", dict(n_layer=4), _pp(2, "zb_h1", activation_checkpointing=True,
+                                                               zb_keep_recomputed=True), {}),
     "pp2_interleaved_recompute_first1": ("gpt", dict(n_layer=8), _pp(2, "interleaved_1f1b", activation_checkpointing=1),
                                          dict(max_steps=10)),
 })
@@ -107,6 +109,8 @@ WORLD4.update({
     # the recomputed forward runs the tp/sp collectives again, inside the backward
     "tp2_sp_pp2_recompute": ("gpt", dict(n_layer=4), dict(tp=2, sp=True, **_pp(2, "1f1b", activation_checkpointing=True)),
                              {}),
+    "tp2_sp_pp2_zb_keep_recomputed": ("gpt", dict(n_layer=4), dict(tp=2, sp=True, **_pp(
+        2, "zb_h1", activation_checkpointing=True, zb_keep_recomputed=True)), {}),
     "tp2_pp2_zb_h1": ("gpt", dict(n_layer=4), dict(tp=2, **_pp(2, "zb_h1")), {}),
     "tp2_pp2_interleaved_batched_p2p": ("gpt", dict(n_layer=4), dict(tp=2, **_pp(2, "interleaved_1f1b", p2p="batched")),
                                         {}),
@@ -400,6 +404,26 @@ def _recompute_marks(world):
     return staged, marked
 
 
+def _recompute_counts(world):
+    """Per schedule (and zb_keep_recomputed): runs of each block in one step of pp=2 with 2
+    microbatches and activation_checkpointing=True, counted at the block's first submodule (which the
+    recomputation runs again)."""
+    counts = {}
+    for schedule, keep in (("1f1b", False), ("zb_h1", False), ("zb_h1", True)):
+        model = make_model("gpt", n_layer=4)
+        calls = []
+        for i, block in enumerate(model.model.transformer.h):  # the meta stand-ins for other stages' blocks: not counted
+            next(iter(block.children())).register_forward_hook(
+                lambda _, __, out, i=i: calls.append(i) if out.device.type != "meta" else None)
+        trainer = L.Trainer(devices=world, strategy=MegaStrategy(pp=2, microbatches=2, schedule=schedule,
+                                                                 activation_checkpointing=True,
+                                                                 zb_keep_recomputed=keep, timeout=60),
+                            max_steps=1, **trainer_kwargs())
+        trainer.fit(model, TokenData(4, 64, 4))
+        counts[schedule + "_keep" * keep] = {i: calls.count(i) for i in sorted(set(calls))}
+    return counts
+
+
 def _dropped_outputs(world):
     """Per P2P mode: (elements, bytes held, whether its old values are freed) of each stage output when
     its backward starts (1F1B, pp=2)."""
@@ -479,6 +503,7 @@ def _bad_inputs(rank, world):
         "recompute_no_blocks": _expect_error(world, NoBlocks(), MegaStrategy(activation_checkpointing=True,
                                                                              timeout=30), data),
         "recompute_marks": _recompute_marks(world),
+        "recompute_counts": _recompute_counts(world),
         "unsplittable": _expect_error(world, DictGPT(), MegaStrategy(pp=2, timeout=30), dicts),
         "returns_none": _expect_error(world, SkipsBatch(), MegaStrategy(microbatches=2, timeout=30)),
         "frozen_filtered": _expect_error(world, make_model("loop", frozen_first=True, filtered=True),
@@ -501,6 +526,17 @@ def test_activation_checkpointing_recomputes_the_first_n_blocks_of_each_stage(ba
     assert [r["recompute_marks"][0] for r in bad] == [[0], [2]]
     layers = [f"model.transformer.{part}.layers.{i}" for part in ("decoder", "encoder") for i in range(2)]
     assert all(r["recompute_marks"][1] == layers for r in bad)
+
+
+def test_zero_bubble_recomputes_in_both_halves_or_once_with_zb_keep_recomputed(bad):
+    """Runs of each block per microbatch: a forward and a recomputation under 1F1B; under ZB-H1 one
+    more in W where the stage has an input (B and W are two backward calls), but the first stage,
+    whose W is its whole backward; with zb_keep_recomputed W reuses B's recomputation."""
+    for rank, r in enumerate(bad):
+        counts = r["recompute_counts"]
+        assert all(sorted(c) == [2 * rank, 2 * rank + 1] for c in counts.values()), counts
+        assert set(counts["1f1b"].values()) == set(counts["zb_h1_keep"].values()) == {2 * 2}, counts  # 2 microbatches
+        assert set(counts["zb_h1"].values()) == {2 * (2 if rank == 0 else 3)}, counts
 
 
 def test_a_sent_stage_output_keeps_its_graph_not_its_values(bad):

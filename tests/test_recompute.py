@@ -125,8 +125,12 @@ def test_what_a_recomputed_forward_would_change_twice_is_refused(monkeypatch):
         recompute.targets(model, True)
     # ZB-H1's weight half needs one recomputation shared among its backward calls (torch >= 2.10)
     monkeypatch.delattr(torch.utils.checkpoint, "GraphExecGroup", raising=False)
-    with pytest.raises(ValueError, match="torch >= 2.10"):
+    with pytest.raises(ValueError, match="torch >= 2.10.*zb_keep_recomputed=True"):
         MegaStrategy(pp=2, schedule="zb_h1", activation_checkpointing=True)
+    MegaStrategy(pp=2, schedule="zb_h1", activation_checkpointing=True, zb_keep_recomputed=True)  # its own: fine
+    for kw in (dict(pp=2, activation_checkpointing=True), dict(pp=2, schedule="zb_h1")):
+        with pytest.raises(ValueError, match="zb_keep_recomputed=True. applies to schedule='zb_h1' with activation"):
+            MegaStrategy(zb_keep_recomputed=True, **kw)
 
 
 class KwargsOnly(nn.Module):

@@ -116,6 +116,72 @@ def test_split_backward_through_non_reentrant_activation_checkpointing():
         SplitBackward(y, g, x, params).input_grad()
 
 
+class Recomputed(nn.Module):
+    """A block with dropout, a second input (a memory on the input path, or a bias made from an
+    earlier weight: a weight-only branch), a None argument and a tuple output with a None in it."""
+
+    calls = 0
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.a, self.b, self.drop = nn.LayerNorm(8), nn.Linear(8, 16), nn.Linear(16, 8), nn.Dropout(0.3)
+        self.mem = nn.Linear(8, 8)
+
+    def forward(self, x, mask, other):
+        Recomputed.calls += 1
+        assert mask is None
+        return self.b(self.drop(torch.nn.functional.gelu(self.a(self.norm(x))))) + self.mem(other).tanh(), None
+
+
+@pytest.mark.parametrize("other", ["memory", "weight_bias"])
+def test_zero_bubble_checkpoint_recomputes_each_block_once_for_both_halves(other):
+    """pipeline/zb_checkpoint.py: blocks recomputed in B, whose graph W reuses: a plain backward's
+    gradients bit for bit (dropout's masks replayed), each block's forward run once more in all
+    (torch's checkpoint: once in B, once more in W), none of it in W; a plain backward through the
+    same blocks (the first stage's W) gives the same numbers."""
+    from lightning_tp.pipeline import zb_checkpoint
+
+    torch.manual_seed(0)
+    emb = nn.Parameter(torch.randn(4, 8))
+    blocks = nn.ModuleList(Recomputed() for _ in range(3))
+    params = [emb] * (other == "weight_bias") + list(blocks.parameters())
+    x0, g = torch.randn(4, 8), torch.randn(4, 8)
+
+    def run(recomputed):
+        torch.manual_seed(1)
+        x = x0.clone().requires_grad_()
+        y, side = x, (x * 1.5 if other == "memory" else emb * 2)
+        for b in blocks:
+            out = zb_checkpoint.checkpoint(b.forward, b, (y, None, side)) if recomputed else b(y, None, side)
+            y = y + out[0]
+        return x, y
+
+    x, y = run(False)
+    torch.autograd.backward(y, g)
+    ref, ref_x = [p.grad.clone() for p in params], x.grad.clone()
+    for p in params:
+        p.grad = None
+    Recomputed.calls = 0
+    x, y = run(True)
+    split = SplitBackward(y, g, x, params)
+    assert torch.equal(split.input_grad(), ref_x)
+    assert Recomputed.calls == 2 * len(blocks) and all(p.grad is None for p in params)
+    split.weight_grad()
+    assert Recomputed.calls == 2 * len(blocks)
+    for p, r in zip(params, ref):
+        assert torch.equal(p.grad, r)
+    for whole in (SplitBackward(run(True)[1], g, None, params), None):  # the first stage's W; a plain backward
+        for p in params:
+            p.grad = None
+        if whole is not None:
+            assert whole.input_grad() is None
+            whole.weight_grad()
+        else:
+            torch.autograd.backward(run(True)[1], g)
+        for p, r in zip(params, ref):
+            assert torch.equal(p.grad, r)
+
+
 class Mixed(nn.Module):
     """Linear with and without bias on 2-d and 3-d inputs, LayerNorm with and without bias."""
 

@@ -50,10 +50,12 @@ class SplitBackward:
     """One microbatch's backward on one stage, cut into :meth:`input_grad` (B) and :meth:`weight_grad` (W).
 
     ``inp``: the activation received from the previous stage (a leaf with requires_grad), or None on
-    the first stage, where B has nothing to do and W is the whole backward."""
+    the first stage, where B has nothing to do and W is the whole backward; or a list of leaves (a
+    recomputed block's inputs, see :mod:`.zb_checkpoint`), for which B returns a list."""
 
     def __init__(self, out: torch.Tensor, grad, inp, params):
         self.out, self.grad, self.inp = out, grad, inp
+        self.inputs = [inp] if isinstance(inp, torch.Tensor) else list(inp or ())
         self.params = [p for p in params if p.requires_grad]
         self.captured: dict = {}
         self.groups: list = []
@@ -61,7 +63,7 @@ class SplitBackward:
         self.split = self._split_nodes() if inp is not None and out.grad_fn is not None else None
 
     def _split_nodes(self) -> list | None:
-        target = get_gradient_edge(self.inp).node
+        targets = {get_gradient_edge(i).node for i in self.inputs}
         params = {id(p): p for p in self.params}
         weights = {}  # AccumulateGrad node -> its parameter, found on the walk (one lookup per node)
         reach_in, below = {}, {}  # below: weight nodes under a weight-only node
@@ -71,7 +73,7 @@ class SplitBackward:
             return None
         for node in order:
             children = kids[node]
-            reach_in[node] = node is target or any(reach_in[c] for c in children)
+            reach_in[node] = node in targets or any(reach_in[c] for c in children)
             if not reach_in[node]:
                 leaf = _leaf(node)
                 found = set()
@@ -101,25 +103,35 @@ class SplitBackward:
         gradients with its input's, and a second call would compute both again (and refuses to: its
         buffers are donated to the first); a stage holding one runs its whole backward here, W
         then has nothing left to do."""
+        one = isinstance(self.inp, torch.Tensor)
         if self.whole:
-            torch.autograd.backward(self.out, self.grad, inputs=[self.inp] + self.params)
-            g, self.inp.grad = self.inp.grad, None
-            self.out = self.grad = self.inp = None
-            return g
+            torch.autograd.backward(self.out, self.grad, inputs=self.inputs + self.params)
+            grads = [i.grad for i in self.inputs]
+            for i in self.inputs:
+                i.grad = None
+            self.out = self.grad = self.inp = self.inputs = None
+            return grads[0] if one else grads
         if self.split is None:
-            return None
+            return None if one or not self.inputs else [None] * len(self.inputs)
         hooks = [n.register_prehook(lambda grads, n=n: self.captured.__setitem__(n, grads)) for n in self.split]
         try:
-            (g,) = torch.autograd.grad(self.out, self.inp, self.grad, retain_graph=True)
+            with _in_phase("B", self.inputs):
+                grads = torch.autograd.grad(self.out, self.inputs, self.grad, retain_graph=True, allow_unused=not one)
         finally:
             for h in hooks:
                 h.remove()
-        return g
+        return grads[0] if one else list(grads)
 
     def weight_grad(self) -> None:
         """W: accumulate the parameters' gradients into ``.grad``; frees the graph."""
         if self.whole:
             return
+        with _in_phase("W"):
+            self._weight_grad()
+        self.out = self.grad = self.inp = self.inputs = self.groups = self.direct = None
+        self.captured.clear()
+
+    def _weight_grad(self) -> None:
         if self.split is None:  # first stage (or an input-free output): the plain backward
             torch.autograd.backward(self.out, self.grad, inputs=self.params or None)
         else:
@@ -134,8 +146,6 @@ class SplitBackward:
                     elif self.captured[nodes[0]][0] is not None:  # None: no gradient reached it
                         with torch.no_grad():
                             _accumulate(self.captured[nodes[0]][0], *rule)
-        self.out = self.grad = self.inp = self.groups = self.direct = None
-        self.captured.clear()
 
     def _weight_group(self, nodes, params) -> None:
         """One backward per group of split nodes that share parameters, restricted to those: the
@@ -156,6 +166,29 @@ class SplitBackward:
         finally:
             for h in pins:
                 h.remove()
+
+
+_PHASE = [None, ()]  # "B" inside an input_grad's backward call (with its inputs), "W" inside a weight_grad
+
+
+def phase():
+    """Which half of a split backward the engine is running now (None: a plain backward). Read by a
+    recomputed block's own backward (:mod:`.zb_checkpoint`), which does its part of each half."""
+    return _PHASE[0]
+
+
+def input_leaves() -> tuple:
+    """In B: the leaves whose gradient it computes (the engine captures them, it runs no node there)."""
+    return _PHASE[1]
+
+
+@contextlib.contextmanager
+def _in_phase(name: str, inputs=()):
+    before, _PHASE[:] = list(_PHASE), [name, tuple(inputs)]
+    try:
+        yield
+    finally:
+        _PHASE[:] = before
 
 
 def _one_recompute():
