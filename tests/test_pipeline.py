@@ -125,6 +125,9 @@ WORLD4.update({
     "tp2_sp_pp2_demo_transformer_interleaved": ("demo_transformer", {},
                                                 dict(tp=2, sp=True, **_pp(2, "interleaved_1f1b")), {}),
     "pp2_dp2_demo_transformer_zb_h1": ("demo_transformer", dict(nlayers=3), _pp(2, "zb_h1"), {}),
+    # recomputed once for both halves: the dp sync still starts in each chunk's final W
+    "pp2_dp2_demo_transformer_zb_keep_recomputed": ("demo_transformer", dict(nlayers=3), _pp(
+        2, "zb_h1", activation_checkpointing=True, zb_keep_recomputed=True), {}),
     # interleaved: rank 0 runs the embedding for the encoder (stage 0) and the decoder (stage 2), so no
     # one backward pass finalizes its gradient: dp syncs it after the backward, not during
     "pp2_dp2_hf_bart_interleaved": ("hf_bart", {}, _pp(2, "interleaved_1f1b"), {}),

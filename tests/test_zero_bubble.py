@@ -69,6 +69,17 @@ def test_first_stage_has_no_input_and_w_is_the_whole_backward():
     assert emb.weight.grad[1:4].eq(1).all() and emb.weight.grad[0].eq(0).all()
 
 
+def _plain_grads(run, g, params):
+    """(parameter gradients, input gradient) of a plain backward of ``run()``'s (input, output);
+    the parameters' ``.grad`` cleared again."""
+    x, y = run()
+    torch.autograd.backward(y, g)
+    ref = [p.grad.clone() for p in params]
+    for p in params:
+        p.grad = None
+    return ref, x.grad.clone()
+
+
 class Counted(nn.Sequential):
     """Counts its forward runs (checkpoint's recomputations included)."""
 
@@ -96,11 +107,7 @@ def test_split_backward_through_non_reentrant_activation_checkpointing():
             y = y + checkpoint(b, y, use_reentrant=reentrant)
         return x, y
 
-    x, y = run(False)
-    torch.autograd.backward(y, g)
-    ref, ref_x = [p.grad.clone() for p in params], x.grad.clone()
-    for p in params:
-        p.grad = None
+    ref, ref_x = _plain_grads(lambda: run(False), g, params)
     x, y = run(False)
     split = SplitBackward(y, g, x, params)
     assert torch.equal(split.input_grad(), ref_x)
@@ -156,11 +163,7 @@ def test_zero_bubble_checkpoint_recomputes_each_block_once_for_both_halves(other
             y = y + out[0]
         return x, y
 
-    x, y = run(False)
-    torch.autograd.backward(y, g)
-    ref, ref_x = [p.grad.clone() for p in params], x.grad.clone()
-    for p in params:
-        p.grad = None
+    ref, ref_x = _plain_grads(lambda: run(False), g, params)
     Recomputed.calls = 0
     x, y = run(True)
     split = SplitBackward(y, g, x, params)
