@@ -41,7 +41,11 @@ input (the preceding Linear's local output), a loss's input, and for attention (
 width / tp. Dropout masks and per-row statistics are left out. A stage's estimate is the heaviest
 chunk's blocks (plus the first stage's pre-block and the last stage's post-block modules) times
 (B/m)*T times the schedule's peak in-flight microbatches from :func:`pipeline.simulate.simulate`
-(ZB-H1 keeps part of each microbatch until its W, which this does not count). With activation
+(ZB-H1: the heaviest moment of its action list, each microbatch holding that from its forward to
+its B, then until its W what W needs: the gradient reaching each weight op (a Linear's output, a
+norm's width) and what was saved, of a recomputed block its input only where W recomputes it, i.e.
+with checkpointing but not ``zb_keep_recomputed``; the first stage, whose B is empty, holds what
+its forward saved until W). With activation
 checkpointing a recomputed block keeps only its input (h per token, h/tp under SP), and during the
 backward one recomputed block at a time holds all of its activations again, for one microbatch
 (``recompute_bytes``, included in the total; under ZB-H1 the weight half's recomputation of a chunk
@@ -68,7 +72,7 @@ from .pipeline.sp_stages import chain_index
 from .pipeline.split import _outer_groups, apply_split, plan_stages
 from .plans import apply as planner
 from . import recompute
-from .explain_costs import _entries, _saved_widths, _t5_heads, _t5_side, _tp_ops, _width_in
+from .explain_costs import _entries, _saved_widths, _t5_heads, _t5_side, _tp_ops, _weight_grad_widths, _width_in
 
 
 @dataclass
@@ -87,6 +91,7 @@ class RankEstimate:
     peak_microbatches: int = 1
     recompute_bytes: int = 0  # of act_bytes: one recomputed block's activations, during its backward
     tp_recompute_bytes: int = 0  # of tp_bytes: at most, recomputed blocks' forward collectives run again
+    zb_w_bytes: int = 0  # ZB-H1: what one microbatch keeps from its B until its W (0: not ZB-H1)
 
 
 @dataclass
@@ -120,12 +125,33 @@ def _meta_copy(module: nn.Module) -> nn.Module:
     return copy.deepcopy(module, memo)
 
 
+def _zb_held(actions, first: bool, to_b: float, to_w: float) -> float:
+    """ZB-H1 on one rank: the most activation held at once, each microbatch holding ``to_b`` from its
+    F to its B (the first stage: to its W, its B does nothing) and ``to_w`` from its B to its W."""
+    n_b = n_w = 0
+    most = 0.0
+    for a in actions:
+        if a.kind == "F":
+            n_b += 1
+        elif a.kind == "B" and not first:
+            n_b, n_w = n_b - 1, n_w + 1
+        elif a.kind == "W":
+            if first:
+                n_b -= 1
+            else:
+                n_w -= 1
+        most = max(most, n_b * to_b + n_w * to_w)
+    return most
+
+
 def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, microbatches=None,
             batch_shape=(8, 128), schedule: str = "1f1b", virtual_stages: int = 1, plan="auto", dp: int = 1,
             dtype_bytes: int = 4, *, grad_bytes=None, accumulate_grad_batches: int = 1, pipeline_blocks=None,
-            stage_layers=None, activation_checkpointing=False, print_report: bool = True) -> Explanation:
+            stage_layers=None, activation_checkpointing=False, zb_keep_recomputed: bool = False,
+            print_report: bool = True) -> Explanation:
     """Parameters, stages, communication and activation memory of ``MegaStrategy(tp, pp, sp, ...)``
-    with ``dp`` replicas on ``module``. ``batch_shape`` = (per-process batch, sequence length);
+    with ``dp`` replicas on ``module`` (``zb_keep_recomputed`` as MegaStrategy's, for what ZB-H1 keeps
+    until W). ``batch_shape`` = (per-process batch, sequence length);
     ``dtype_bytes`` sizes activations, ``grad_bytes`` (default: the same) gradients. Prints the
     report unless ``print_report=False``; returns it (``str()`` gives the text)."""
     if getattr(module, "_lightning_tp", None) is not None:
@@ -133,7 +159,7 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
     sp, m = bool(sp) and tp > 1, microbatches if microbatches is not None else pp
     v = virtual_stages if pp > 1 else 1
     (B, T), grad_bytes, acc = batch_shape, grad_bytes or dtype_bytes, accumulate_grad_batches
-    recompute.check_option(activation_checkpointing, None, schedule if pp > 1 or m > 1 else None)
+    recompute.check_option(activation_checkpointing, None, schedule if pp > 1 or m > 1 else None, zb_keep_recomputed)
     if B % m:
         raise ValueError(f"microbatches={m} must divide the per-process batch size {B}.")
     base = _meta_copy(module)
@@ -160,7 +186,8 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
     # one replay of the schedule: peak in-flight microbatches (set by each rank's action order alone) and
     # the idle share of a step with equal blocks, backward = 2 forwards (ZB: its halves alike), free transfers
     unit = {"F": Fraction(1, v), "B": Fraction(2, v), "W": Fraction(1, v)}
-    replayed = simulate(build_schedule(schedule, pp, m, v), pp, v, unit) if pipelined else None
+    actions = build_schedule(schedule, pp, m, v) if pipelined else None
+    replayed = simulate(actions, pp, v, unit) if pipelined else None
     peaks = replayed.peak_inflight if replayed else [1]
     bubble = float(replayed.bubble_fraction) if pp > 1 else 0.0
 
@@ -212,6 +239,7 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
     t5_heads = _t5_heads(base) if layout is not None and layout.lists else None
     ops, style_of = _tp_ops(base, matches, sp, tp, hidden, locate, locate_end)
     width = _saved_widths(base, style_of, tp, locate)
+    w_grads = _weight_grad_widths(base, style_of, tp, locate) if schedule == "zb_h1" else {}
     sp_on = any(sp and mt.sp_start is not None for mt in matches)
 
     rep = Explanation(dict(tp=tp, pp=pp, dp=dp, world=tp * pp * dp, sp=sp, microbatches=m, schedule=schedule,
@@ -245,11 +273,26 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
         chunks = [sum(kept[("block", i)] for i in range(lo, hi + 1))
                   for k, (lo, hi) in enumerate(layout.ranges) if k % pp == r] if layout else []
         # recomputing: one block at a time; ZB-H1's W keeps what it recomputes for the chunk until it ends
-        transient = max((sum(width[("block", i)] for i in again if lo <= i <= hi) if schedule == "zb_h1"
+        # (not the first stage's, a plain backward; with zb_keep_recomputed B's is kept, counted in held)
+        zb_w = schedule == "zb_h1" and r > 0
+        transient = max((sum(width[("block", i)] for i in again if lo <= i <= hi) if zb_w
                          else max((width[("block", i)] for i in again if lo <= i <= hi), default=0)
                          for k, (lo, hi) in enumerate(layout.ranges) if k % pp == r), default=0) if layout else 0
-        act = max(chunks, default=0) + sum(width[(kind,)] for kind in ("first", "between", "decoder_in", "last")
-                                           if times((kind,), r) and (kind, ) in width)
+        outer = sum(width[(kind,)] for kind in ("first", "between", "decoder_in", "last")
+                    if times((kind,), r) and (kind, ) in width)
+        act = max(chunks, default=0) + outer
+        held, to_w = peaks[r] * act, 0
+        if schedule == "zb_h1" and layout and pp > 1:  # what each microbatch keeps from its B until its W
+            whole = max((sum(width[("block", i)] for i in range(lo, hi + 1)) for k, (lo, hi) in
+                         enumerate(layout.ranges) if k % pp == r), default=0) + outer
+            grads_for_w = max((sum(w_grads.get(("block", i), 0) for i in range(lo, hi + 1)) for k, (lo, hi) in
+                               enumerate(layout.ranges) if k % pp == r), default=0) + \
+                sum(w_grads.get((kind,), 0) for kind in ("first", "between", "decoder_in", "last") if times((kind,), r))
+            recomputed_in_w = activation_checkpointing and not zb_keep_recomputed
+            to_w = act if r == 0 else (act if recomputed_in_w else whole) + grads_for_w
+            held = _zb_held(actions[r], r == 0, act, to_w)
+            if zb_keep_recomputed and r > 0:
+                transient = 0
         ks = layout.vstages_of(r) if layout else []
         sends = sum(message(k) for k in ks if k < layout.last_vstage) + \
             sum(message(k - 1, grad=True) for k in ks if k > 0)
@@ -274,8 +317,9 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
                 sp_bytes=partial * grad_bytes if tp > 1 else 0,
                 tied_bytes=tied * grad_bytes if pp > 1 and r in tied_ranks else 0,
                 dp_bytes=trained * grad_bytes if dp > 1 else 0,
-                act_bytes=round((peaks[r] * act + transient) * (B // m) * T * dtype_bytes), peak_microbatches=peaks[r],
-                recompute_bytes=round(transient * (B // m) * T * dtype_bytes)))
+                act_bytes=round((held + transient) * (B // m) * T * dtype_bytes), peak_microbatches=peaks[r],
+                recompute_bytes=round(transient * (B // m) * T * dtype_bytes),
+                zb_w_bytes=round(to_w * (B // m) * T * dtype_bytes)))
     if print_report:
         print(rep)
     return rep

@@ -13,6 +13,23 @@ from torch import nn
 from .layers.shard import padded_size
 from .plans.hf_seq2seq import layout_of as seq2seq_layout
 
+def _weight_grad_widths(base, style_of, tp, locate):
+    """Elements per token, per location, of the gradients ZB-H1's B keeps for W to start from: each
+    weight op's output gradient (a Linear's output on this tp rank, a norm's width)."""
+    width = defaultdict(float)
+    for name, mod in base.named_modules():
+        if not name:
+            continue
+        (st, msp, _), io = style_of.get(name, (None, False, {})), _io(mod)
+        if io and any(p.requires_grad for p in mod.parameters(recurse=False)):
+            out = padded_size(io[1], tp) if st == "lm_head" else io[1]
+            width[locate(name)] += out / tp if st in ("colwise", "colwise_local", "lm_head") or \
+                (st == "rowwise" and msp) else out
+        elif "Norm" in type(mod).__name__ and getattr(mod, "weight", None) is not None:
+            width[locate(name)] += mod.weight.numel() / (tp if st == "sp_norm" and msp else 1)
+    return width
+
+
 _ACTIVATIONS = ("torch.nn.modules.activation", "transformers.activations")
 
 

@@ -280,3 +280,39 @@ def test_logits_returned_whole_cost_one_all_gather_unless_the_head_returns_shard
                      for p in ("auto", plan))
     assert whole.tp_bytes - shards.tp_bytes == B * SEQ * 64 // 2 * 4  # fp32 logits, 64 tokens of vocabulary
 
+
+
+def test_zero_bubble_hold_until_w_against_a_real_split_backward():
+    """ZB-H1's B keeps, per microbatch until its W, what its forward saved and the gradient reaching
+    each weight op (zb_w_bytes): measured on the last of two stages (a block, the final norm, the head
+    and the loss), as bytes saved in the forward plus those of the gradients B captured."""
+    from lightning_tp.pipeline.zb import SplitBackward
+
+    model = make_model("gpt", n_layer=2, n_embd=64, vocab_size=63)
+    kw = dict(pp=2, microbatches=2, schedule="zb_h1", batch_shape=(B, SEQ), print_report=False)
+    est = explain(model, **kw)
+    gpt, n = model.model, B // 2
+    x = torch.randn(n, SEQ, 64, requires_grad=True)
+    y = torch.stack([Tokens(n, 63)[i][1] for i in range(n)])
+    params = {p.untyped_storage().data_ptr() for p in gpt.parameters()}
+    saved = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logits = gpt.lm_head(gpt.transformer.ln_f(gpt.transformer.h[1](x)))
+        loss = gpt.loss_fn(logits.view(-1, logits.size(-1)), y.view(-1))
+    split = SplitBackward(loss, None, x, list(gpt.parameters()))
+    split.input_grad()
+    captured = {g.untyped_storage().data_ptr(): g.untyped_storage().nbytes()
+                for grads in split.captured.values() for g in grads if g is not None}
+    assert est.rank(1).zb_w_bytes == pytest.approx(sum(saved.values()) + sum(captured.values()), rel=0.1)
+    assert est.rank(1).act_bytes > explain(model, **dict(kw, schedule="1f1b")).rank(1).act_bytes
+    # with checkpointing W recomputes what it needs, unless zb_keep_recomputed keeps B's recomputation
+    ac = explain(model, activation_checkpointing=True, **kw)
+    keep = explain(model, activation_checkpointing=True, zb_keep_recomputed=True, **kw)
+    assert ac.rank(1).zb_w_bytes < keep.rank(1).zb_w_bytes == est.rank(1).zb_w_bytes
+    assert ac.rank(0).act_bytes == keep.rank(0).act_bytes  # the first stage's B is empty: no recomputation kept
