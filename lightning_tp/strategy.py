@@ -266,7 +266,11 @@ class MegaStrategy(ParallelStrategy):
         if scaler is not None:  # fp16 AMP: the backward runs in the step, so the loss scaling goes there too
             scale = scaler.scale(torch.ones((), device=self.root_device)) * scale  # device ops only, no host sync
         with self.precision_plugin.train_step_context():
-            loss = self._runner.train_step(batch, batch_idx, scale, rest)
+            try:
+                loss = self._runner.train_step(batch, batch_idx, scale, rest)
+            except StopIteration as e:  # Lightning's loop would take it for this rank's end of epoch, alone
+                raise RuntimeError(f"StopIteration raised inside the pipelined training step (stage "
+                                   f"{self.mesh.pp_rank}): {e!r}") from e
         loss = torch.tensor(loss, device=self.root_device)
         extras = self._runner.step_extras  # a dict step's other keys (last stage), merged over microbatches
         return {"loss": loss, **extras} if extras else loss

@@ -8,6 +8,7 @@ import time
 from datetime import timedelta
 
 import lightning as L
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -50,16 +51,19 @@ def test_nothing_is_added_where_nothing_was_noted():
 
 
 class LossBug(Net):
+    error = ValueError
+
     def training_step(self, batch, batch_idx):
         x, y = batch
         logits = self(x)  # under pp=2 the first stage stops in here; the last one goes on
         if batch_idx == 1:
-            raise ValueError("a bug in the user's loss code")
+            raise self.error("a bug in the user's loss code")
         return F.cross_entropy(logits.flatten(0, 1), y.flatten())
 
 
-def _fit_failing(rank, world):
+def _fit_failing(rank, world, error=ValueError):
     t0 = time.monotonic()
+    LossBug.error = error
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=MegaStrategy(pp=2, microbatches=2, timeout=60),
                         max_steps=4, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0, use_distributed_sampler=False)
@@ -70,10 +74,16 @@ def _fit_failing(rank, world):
     return None
 
 
-def test_a_loss_bug_on_the_last_stage_is_named_on_the_first():
-    first, last = dist.run(2, _fit_failing)
-    assert last[:2] == ("ValueError", "a bug in the user's loss code") and last[2] == []
+@pytest.mark.parametrize("error", [ValueError, StopIteration])
+def test_a_loss_bug_on_the_last_stage_is_named_on_the_first(error):
+    """A StopIteration would reach Lightning's loop as this rank's end of epoch (the others waiting
+    for it): it is raised as a RuntimeError."""
+    first, last = dist.run(2, _fit_failing, error)
+    words = "a bug in the user's loss code" if error is ValueError else \
+        "StopIteration raised inside the pipelined training step (stage 1): StopIteration(\"a bug in the user's loss code\")"
+    kind = "ValueError" if error is ValueError else "RuntimeError"
+    assert last[:2] == (kind, words) and last[2] == [], last
     assert lost_peer(RuntimeError(first[1])), first  # gloo's own words stay the error
-    assert len(first[2]) == 1 and "global rank 1 (pipeline rank 1 of 2) raised ValueError: a bug in the user's loss " \
-        "code" in first[2][0] and "global rank 0 (pipeline rank 0 of 2)" in first[2][0], first
+    assert len(first[2]) == 1 and f"global rank 1 (pipeline rank 1 of 2) raised {kind}: {words}" in first[2][0] \
+        and "global rank 0 (pipeline rank 0 of 2)" in first[2][0], first
     assert first[3] < 30, f"the first stage waited {first[3]:.0f} s (the process group's timeout is 60 s)"
