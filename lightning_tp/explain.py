@@ -270,26 +270,23 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
             if activation_checkpointing else set()
         kept = {("block", i): hidden / (tp if sp_on else 1) if i in again else width[("block", i)]
                 for i in range(n_blocks)}
-        chunks = [sum(kept[("block", i)] for i in range(lo, hi + 1))
-                  for k, (lo, hi) in enumerate(layout.ranges) if k % pp == r] if layout else []
+        ranges = [(lo, hi) for k, (lo, hi) in enumerate(layout.ranges) if k % pp == r] if layout else []
+
+        def heaviest(per_loc, r=r, ranges=ranges):  # this rank's heaviest chunk's blocks, and its outer modules
+            return max((sum(per_loc.get(("block", i), 0) for i in range(lo, hi + 1)) for lo, hi in ranges),
+                       default=0) + sum(per_loc.get((kind,), 0) for kind in ("first", "between", "decoder_in", "last")
+                                        if times((kind,), r))
         # recomputing: one block at a time; ZB-H1's W keeps what it recomputes for the chunk until it ends
         # (not the first stage's, a plain backward; with zb_keep_recomputed B's is kept, counted in held)
         zb_w = schedule == "zb_h1" and r > 0
         transient = max((sum(width[("block", i)] for i in again if lo <= i <= hi) if zb_w
                          else max((width[("block", i)] for i in again if lo <= i <= hi), default=0)
-                         for k, (lo, hi) in enumerate(layout.ranges) if k % pp == r), default=0) if layout else 0
-        outer = sum(width[(kind,)] for kind in ("first", "between", "decoder_in", "last")
-                    if times((kind,), r) and (kind, ) in width)
-        act = max(chunks, default=0) + outer
+                         for lo, hi in ranges), default=0)
+        act = heaviest({**width, **kept})
         held, to_w = peaks[r] * act, 0
         if schedule == "zb_h1" and layout and pp > 1:  # what each microbatch keeps from its B until its W
-            whole = max((sum(width[("block", i)] for i in range(lo, hi + 1)) for k, (lo, hi) in
-                         enumerate(layout.ranges) if k % pp == r), default=0) + outer
-            grads_for_w = max((sum(w_grads.get(("block", i), 0) for i in range(lo, hi + 1)) for k, (lo, hi) in
-                               enumerate(layout.ranges) if k % pp == r), default=0) + \
-                sum(w_grads.get((kind,), 0) for kind in ("first", "between", "decoder_in", "last") if times((kind,), r))
             recomputed_in_w = activation_checkpointing and not zb_keep_recomputed
-            to_w = act if r == 0 else (act if recomputed_in_w else whole) + grads_for_w
+            to_w = act if r == 0 else (act if recomputed_in_w else heaviest(width)) + heaviest(w_grads)
             held = _zb_held(actions[r], r == 0, act, to_w)
             if zb_keep_recomputed and r > 0:
                 transient = 0

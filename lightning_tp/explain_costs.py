@@ -13,23 +13,6 @@ from torch import nn
 from .layers.shard import padded_size
 from .plans.hf_seq2seq import layout_of as seq2seq_layout
 
-def _weight_grad_widths(base, style_of, tp, locate):
-    """Elements per token, per location, of the gradients ZB-H1's B keeps for W to start from: each
-    weight op's output gradient (a Linear's output on this tp rank, a norm's width)."""
-    width = defaultdict(float)
-    for name, mod in base.named_modules():
-        if not name:
-            continue
-        (st, msp, _), io = style_of.get(name, (None, False, {})), _io(mod)
-        if io and any(p.requires_grad for p in mod.parameters(recurse=False)):
-            out = padded_size(io[1], tp) if st == "lm_head" else io[1]
-            width[locate(name)] += out / tp if st in ("colwise", "colwise_local", "lm_head") or \
-                (st == "rowwise" and msp) else out
-        elif "Norm" in type(mod).__name__ and getattr(mod, "weight", None) is not None:
-            width[locate(name)] += mod.weight.numel() / (tp if st == "sp_norm" and msp else 1)
-    return width
-
-
 _ACTIVATIONS = ("torch.nn.modules.activation", "transformers.activations")
 
 
@@ -147,11 +130,36 @@ def _saved_widths(base, style_of, tp, locate):
                 skip, last_out = name + ".", mod.embed_dim
         elif io:
             width[loc] += {"colwise_local": 0, "rowwise": io[0] / tp}.get(st, io[0])
-            out = padded_size(io[1], tp) if st == "lm_head" else io[1]
-            last_out = out / tp if st in ("colwise", "colwise_local", "lm_head") or (st == "rowwise" and msp) else out
+            last_out = _out_per_rank(st, msp, io, tp)
         elif "Norm" in type(mod).__name__:
-            shape = getattr(mod, "normalized_shape", None) or getattr(getattr(mod, "weight", None), "shape", ())
-            width[loc] += math.prod(shape) / (tp if st == "sp_norm" and msp else 1) if shape else 0
+            width[loc] += _norm_width(mod, st, msp, tp)
         elif type(mod).__module__ in _ACTIVATIONS or isinstance(mod, nn.modules.loss._Loss):
             width[loc] += last_out
     return width
+
+
+def _weight_grad_widths(base, style_of, tp, locate):
+    """Elements per token, per location, of the gradients ZB-H1's B keeps for W to start from: each
+    weight op's output gradient (a Linear's output on this tp rank, a norm's width)."""
+    width = defaultdict(float)
+    for name, mod in base.named_modules():
+        if not name:
+            continue
+        (st, msp, _), io = style_of.get(name, (None, False, {})), _io(mod)
+        if io and any(p.requires_grad for p in mod.parameters(recurse=False)):
+            width[locate(name)] += _out_per_rank(st, msp, io, tp)
+        elif "Norm" in type(mod).__name__ and getattr(mod, "weight", None) is not None:
+            width[locate(name)] += _norm_width(mod, st, msp, tp)
+    return width
+
+
+def _out_per_rank(st, msp, io, tp):
+    """A Linear's output features on one tp rank, by its style (the head's vocabulary padded)."""
+    out = padded_size(io[1], tp) if st == "lm_head" else io[1]
+    return out / tp if st in ("colwise", "colwise_local", "lm_head") or (st == "rowwise" and msp) else out
+
+
+def _norm_width(mod, st, msp, tp):
+    """A norm's width on one tp rank (split under SP)."""
+    shape = getattr(mod, "normalized_shape", None) or getattr(getattr(mod, "weight", None), "shape", ())
+    return math.prod(shape) / (tp if st == "sp_norm" and msp else 1) if shape else 0

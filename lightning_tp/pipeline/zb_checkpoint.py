@@ -55,7 +55,7 @@ class _Recomputed(torch.autograd.Function):
     @staticmethod
     def forward(ctx, run, box, n_params, *flat):
         args = flat[:len(flat) - n_params]
-        ctx.run, ctx.n_params, ctx.n_args = run, n_params, len(args)
+        ctx.run, ctx.n_params = run, n_params
         ctx.device_type = next((a.device.type for a in args if torch.is_tensor(a) and a.device.type != "cpu"), "cpu")
         ctx.cpu_rng = torch.get_rng_state()
         ctx.devices, ctx.device_rng = get_device_states(*args) if ctx.device_type != "cpu" else ([], [])
@@ -65,7 +65,6 @@ class _Recomputed(torch.autograd.Function):
         ctx.others = [None if t else a for a, t in zip(args, ctx.is_tensor)]
         ctx.params = flat[len(args):]  # leaves: kept as they are, as the module keeps them
         ctx.save_for_backward(*(a for a in args if torch.is_tensor(a)))
-        ctx.arg_grads = [torch.is_tensor(a) and a.requires_grad for a in args]
         ctx.inner = ctx.kept = None
         with torch.no_grad():
             out = run(*args)
@@ -87,7 +86,7 @@ class _Recomputed(torch.autograd.Function):
         wanted = [i for i, a in enumerate(args) if torch.is_tensor(a) and a.requires_grad]
         inputs = [args[i] for i in wanted]
         params = list(ctx.params)
-        arg_grads = [None] * ctx.n_args
+        arg_grads = [None] * len(args)
         if not pairs:  # nothing of the block's output reached: nothing to compute
             return skip + tuple(arg_grads) + none_params
         root, root_grad = _one_root(pairs)
@@ -121,8 +120,7 @@ def _recompute(ctx):
     """The block's arguments as fresh leaves (requiring grad where the originals did) and its tensor
     outputs, recomputed with grad under the forward's random and autocast state."""
     tensors = iter(ctx.saved_tensors)
-    args = [next(tensors).detach().requires_grad_(t_grad) if is_tensor else other
-            for is_tensor, other, t_grad in zip(ctx.is_tensor, ctx.others, ctx.arg_grads)]
+    args = [_fresh_leaf(next(tensors)) if is_tensor else other for is_tensor, other in zip(ctx.is_tensor, ctx.others)]
     with torch.random.fork_rng(devices=ctx.devices, device_type=ctx.device_type):
         torch.set_rng_state(ctx.cpu_rng)
         if ctx.devices:
@@ -130,6 +128,10 @@ def _recompute(ctx):
         with torch.enable_grad(), _autocast(ctx.autocast):
             out = ctx.run(*args)
     return args, [x for x in tree_flatten(out)[0] if torch.is_tensor(x)]
+
+
+def _fresh_leaf(t):
+    return t.detach().requires_grad_(t.requires_grad)
 
 
 def _autocast(states: dict):
