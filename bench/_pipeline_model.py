@@ -203,14 +203,25 @@ class StepTimer(L.Callback):
         self.rec.finish()
 
 
-_PATCHED = False
+_PATCHES = []  # (owner, attribute, original, timed wrapper) of our executor's functions, made once
 
 
-def _instrument_executor():
-    """Time our executor's sends, receives and per-step log broadcast (wrapping, not editing)."""
-    global _PATCHED
-    if _PATCHED:
-        return
+def _instrument_executor(on: bool = True):
+    """Time our executor's sends, receives and per-step log broadcast (wrapping, not editing), or with
+    ``on=False`` put the originals back: the wrappers cost our executor ~0.1 ms of cold Python per
+    action that torch's does not pay, so the throughput comparisons run without them."""
+    if not _PATCHES:
+        _make_patches()
+    for owner, name, original, wrapper in _PATCHES:
+        setattr(owner, name, wrapper if on else original)
+
+
+def _patch(owner, name, wrap) -> None:
+    original = getattr(owner, name)
+    _PATCHES.append((owner, name, original, wrap(original)))
+
+
+def _make_patches():
     from lightning_tp.pipeline import executor, p2p
 
     def timing(fn, record):
@@ -241,8 +252,8 @@ def _instrument_executor():
             return out
         return wrapper
 
-    p2p.Mailbox.send = timed(counting(p2p.Mailbox.send), "send")
-    p2p.Mailbox.recv = timed(p2p.Mailbox.recv, "recv")  # a channel's first message: its header's wait
+    _patch(p2p.Mailbox, "send", lambda f: timed(counting(f), "send"))
+    _patch(p2p.Mailbox, "recv", lambda f: timed(f, "recv"))  # a channel's first message: its header's wait
 
     def arriving(fn):
         """A receive's wait, left by the executor to the stage's first block (an activation: inside an F,
@@ -257,10 +268,10 @@ def _instrument_executor():
                 STATS.arrival_waits += dt
         return wrapper
 
-    executor._arrive = arriving(executor._arrive)
-    p2p.Mailbox.wait = timed(p2p.Mailbox.wait, "wait")
-    executor.PipelineRunner.train_step = timed(executor.PipelineRunner.train_step, "train_step")
-    executor.PipelineRunner._publish = timed(executor.PipelineRunner._publish, "publish")
+    _patch(executor, "_arrive", arriving)
+    _patch(p2p.Mailbox, "wait", lambda f: timed(f, "wait"))
+    _patch(executor.PipelineRunner, "train_step", lambda f: timed(f, "train_step"))
+    _patch(executor.PipelineRunner, "_publish", lambda f: timed(f, "publish"))
     from lightning_tp.pipeline import zb
 
     def action(fn, kind):
@@ -273,16 +284,17 @@ def _instrument_executor():
                 STATS.acts[kind] += 1
         return wrapper
 
-    executor.PipelineRunner._run = action(executor.PipelineRunner._run, "F")  # training: one F each
-    executor.PipelineRunner._backward = action(executor.PipelineRunner._backward, "B")
-    zb.SplitBackward.weight_grad = action(zb.SplitBackward.weight_grad, "W")
-    _PATCHED = True
+    _patch(executor.PipelineRunner, "_run", lambda f: action(f, "F"))  # training: one F each
+    _patch(executor.PipelineRunner, "_backward", lambda f: action(f, "B"))
+    _patch(zb.SplitBackward, "weight_grad", lambda f: action(f, "W"))
 
 
-def run_ours(world, schedule, m, v, n_blocks, tf, tb, steps):
+def run_ours(world, schedule, m, v, n_blocks, tf, tb, steps, timed=True):
+    """Our executor inside a Lightning Trainer; ``timed``: with the executor's timing wrappers (the
+    breakdown and Mailbox counts of bench/pipeline.py), else as shipped (its throughput)."""
     from lightning_tp import MegaStrategy
 
-    _instrument_executor()
+    _instrument_executor(timed)
     L.seed_everything(0, verbose=False)
     timer = StepTimer()
     trainer = L.Trainer(accelerator="cpu", devices=world,
@@ -496,8 +508,8 @@ def worker(rank, world, plan, tf, tb, n_blocks, warmup, measured):
         if impl == "calibrate":  # per blocks-per-chunk count: this rank's model cost per action
             out.setdefault("calibration", []).append({k: calibrate(k, tf, tb) for k in schedule})
             continue
-        if impl == "ours":
-            res = run_ours(world, schedule, m, v, n_blocks, tf, tb, warmup + measured)
+        if impl in ("ours", "ours_timed"):
+            res = run_ours(world, schedule, m, v, n_blocks, tf, tb, warmup + measured, timed=impl == "ours_timed")
         else:
             if not dist.is_initialized():
                 dist.init_process_group("gloo")

@@ -4,16 +4,17 @@ The first message of a step on a channel (direction, receiving virtual stage) ca
 header (shape and dtype); the microbatches after it have the same shape, so they travel alone.
 Both sides walk a channel's microbatches in increasing order (every schedule does), so they agree
 on which message is first. Given ``remembered`` (channel -> shape, kept by the caller across steps),
-the receiver also posts the first payload at step start with last step's shape, so it flows as soon
-as it is sent instead of a round trip after the header; should the shape have changed, the sender
-(who remembers the same) fills that receive with a dummy of the old shape and sends the payload
-on the next tag. Tags name each message (direction, microbatch, receiving virtual
-stage): a rank that runs several chunks gets each tensor where it belongs. Sends are
-non-blocking; a receive blocks until its tensor is there, which is what the schedules' deadlock
-check assumes. Given the step's expected receives per channel (the action list knows them), the
-next ``depth`` receives of a channel are posted as soon as its shape is known, so a tensor sent
-early is already in place when the schedule asks for it (gloo moves data only once the receive is
-posted: a late post costs a round trip on every transfer).
+the receiver posts the channel's first ``1 + depth`` payloads at step start with last step's shape,
+so they flow as soon as they are sent, and hands out the first before its header (sent after it)
+is read: the stage's code up to its first block then runs while the step's first message travels,
+as it does for every later one. Should the shape have changed, the sender (who remembers the same)
+fills each of those receives with a dummy of the old shape and sends the payload on the next tag.
+Tags name each message (direction, microbatch, receiving virtual stage): a rank that runs several
+chunks gets each tensor where it belongs. Sends are non-blocking; a receive blocks until its tensor
+is there, which is what the schedules' deadlock check assumes. Given the step's expected receives
+per channel (the action list knows them), the next ``depth`` receives of a channel stay posted, so
+a tensor sent early is already in place when the schedule asks for it (gloo moves data only once
+the receive is posted: a late post costs a round trip on every transfer).
 """
 
 from __future__ import annotations
@@ -69,22 +70,22 @@ def checked_split(sent: dict, channel, split: tuple) -> None:
                          f"must run the same code.")
 
 
-def first_message(tensor: torch.Tensor, channel, remembered: dict | None, split: tuple = (0, 0)) -> tuple[list, list]:
-    """A channel's first message of a step, as ``(now, after)`` lists of (tensor, tag offset): the
-    header, and the payload in ``now`` when the receiver posted it with the remembered shape, else
-    in ``after`` (the receiver reads the header first); when the remembered shape is stale, ``now``
-    also fills the receiver's posted payload with a dummy of that shape, and the payload moves to
-    offset 2."""
+def first_message(tensor: torch.Tensor, channel, remembered: dict | None, split: tuple = (0, 0)) -> tuple:
+    """A channel's first message of a step, as ``(now, after, old)``: lists of (tensor, tag offset),
+    the header, and the payload in ``now`` when the receiver posted it with the remembered shape,
+    else in ``after`` (the receiver reads the header first); when the remembered shape (``old``)
+    is stale, ``now`` also fills the receiver's posted payload with a dummy of that shape, and the
+    payload moves to offset 2."""
     new = (tuple(tensor.shape), tensor.dtype)
     old = None
     if remembered is not None:
         old, remembered["out"][channel] = remembered["out"].get(channel), new
     now = [(header_of(tensor, split), 0)]
     if old == new:
-        return now + [(tensor, 1)], []
+        return now + [(tensor, 1)], [], old
     if old is None:
-        return now, [(tensor, 1)]
-    return now + [(torch.zeros(old[0], dtype=old[1], device=tensor.device), 1)], [(tensor, 2)]
+        return now, [(tensor, 1)], old
+    return now + [(torch.zeros(old[0], dtype=old[1], device=tensor.device), 1)], [(tensor, 2)], old
 
 
 def release_landed(pending: deque) -> None:
@@ -139,25 +140,33 @@ class Mailbox:
 
     ``expected``: channel -> ordered ``[(tag, src), ...]`` of this step's receives on it (optional);
     with ``device`` given, each channel's header receive is posted at the step's first receive
-    (:meth:`open`), and with ``remembered``
-    ({"in": {}, "out": {}}, the caller's across steps; not in batched mode) its first payload too."""
+    (:meth:`open`), and with ``remembered`` ({"in": {}, "out": {}}, the caller's across steps; not
+    in batched mode) its first ``1 + depth`` payloads too, with last step's shape (guessed): they
+    flow as soon as they are sent, and the first is handed out before its header is read (see
+    :class:`FirstArrival`). Should the shape have changed, the sender (who remembers the same) fills
+    each guessed receive with a dummy of the old shape and sends the message on the next tag."""
 
     def __init__(self, expected: dict | None = None, depth: int = 2, batched: bool = False, device=None,
                  remembered: dict | None = None):
         self.pending = deque()  # [work, tensor] of sends in flight, oldest first ([None, None]: released)
         self.by_tag = {}  # a message's tag -> its entries in pending, until released
-        self.sent_header, self.shapes = set(), {}  # per channel, for this step
+        self.sent, self.shapes = {}, {}  # per channel, for this step: messages sent, shape received
         self.splits_out, self.splits_in = {}, {}  # per channel, this step's grad split (see grad_split)
         self.batched = batched  # NCCL: no receive posted ahead (it would hold up the sends behind it)
         self.expected = {} if batched else {c: list(v) for c, v in (expected or {}).items()}
         self.posted, self.depth = {}, depth  # channel -> [(tag, work, buffer)] in order
         self.headers = {}  # channel -> (tag, work, buffer) of a header receive posted in advance
         self.remembered = None if batched or device is None else remembered
-        self.guessed = {}  # channel -> (tag, work, buffer) of a first payload posted with last step's shape
+        if self.remembered is not None:
+            self.remembered.setdefault("split_in", {})  # channel -> last step's grad split received
+        self.guessed = {}  # channel -> ((shape, dtype), tags) of the payloads posted at open() as last step's
+        self.stale_in = set()  # channels whose header said the shape changed: their guesses hold dummies
+        self.stale_out = {}  # channel -> last step's (shape, dtype) where this step's differs (the sender's side)
+        self.unconfirmed = {}  # channel -> FirstArrival of its first message, until waited on
         self.device, self.opened = device, False
 
     def open(self) -> None:
-        """Post each channel's header (and guessed first payload) receive. Done at the step's first
+        """Post each channel's header (and guessed payloads) receives. Done at the step's first
         receive (:meth:`recv` calls it), not at step start: the first stage's opening forwards need
         nothing received and lie on every stage's critical path (posting cost ~1 ms there on gloo),
         and a later stage starts with a receive anyway. Posting late is never wrong (gloo holds a
@@ -167,15 +176,20 @@ class Mailbox:
             return
         self.opened = True
         device = self.device
-        if device is not None:
-            for channel, ahead in self.expected.items():
-                t, src = ahead[0]
-                header = torch.empty(_HEADER, dtype=torch.int64, device=device)
-                self.headers[channel] = (t, dist.irecv(header, src, tag=t), header)
-                if self.remembered is not None and channel in self.remembered["in"]:
-                    shape, dtype = self.remembered["in"][channel]
-                    out = torch.empty(shape, dtype=dtype, device=device)
-                    self.guessed[channel] = (t, dist.irecv(out, src, tag=t + 1), out)
+        if device is None:
+            return
+        for channel, ahead in self.expected.items():
+            t, src = ahead[0]
+            header = torch.empty(_HEADER, dtype=torch.int64, device=device)
+            self.headers[channel] = (t, dist.irecv(header, src, tag=t), header)
+            guess = self.remembered["in"].get(channel) if self.remembered is not None else None
+            if guess is not None:
+                queue = self.posted.setdefault(channel, [])
+                while ahead and len(queue) <= self.depth:
+                    tg, src = ahead.pop(0)
+                    out = torch.empty(guess[0], dtype=guess[1], device=device)
+                    queue.append((tg, dist.irecv(out, src, tag=tg + 1), out))
+                self.guessed[channel] = (guess, {tg for tg, _, _ in queue})
 
     def _isend(self, tensor, dst: int, t: int):
         return self._op(dist.isend, tensor, dst, t)
@@ -196,14 +210,25 @@ class Mailbox:
         tensor = tensor.detach().contiguous()
         comm._record("send", tensor, None)  # the payload only (not the header): counted like collectives
         release_landed(self.pending)
+        j = self.sent[channel] = self.sent.get(channel, -1) + 1
         parts = [(tensor, 1)]
-        if channel not in self.sent_header:
-            self.sent_header.add(channel)
-            now, after = first_message(tensor, channel, self.remembered, split)
-            parts = now + after  # no grouping here: all of it leaves at once
-        entries = [[self._isend(x, dst, t + offset), x] for x, offset in parts]
+        if j == 0:
+            parts = self._first_parts(tensor, channel, split)
+        elif channel in self.stale_out and j <= self.depth:  # the receiver guessed last step's shape
+            old = self.stale_out[channel]
+            parts = [(torch.zeros(old[0], dtype=old[1], device=tensor.device), 1), (tensor, 2)]
+        entries = [[self._isend(x, dst, t + offset), x] for x, offset in parts]  # no grouping: all leaves at once
         self.pending.extend(entries)
         self.by_tag[t] = entries
+
+    def _first_parts(self, tensor, channel, split) -> list:
+        """A channel's first message of a step (see first_message); its payload before its header
+        where the receiver guessed its shape right (it reads the header last, see FirstArrival).
+        Where it guessed wrong, the guesses of the ``depth`` messages after it get a dummy too (send)."""
+        now, after, old = first_message(tensor, channel, self.remembered, split)
+        if old is not None and after:
+            self.stale_out[channel] = old
+        return now + after if after else now[1:] + now[:1]
 
     def release(self, t: int) -> None:
         """Wait on the message sent with tag ``t``, known to have landed, and drop its tensors."""
@@ -215,15 +240,30 @@ class Mailbox:
     def _learn_shape(self, channel, header) -> None:
         self.shapes[channel] = shape_of(header)
         self.splits_in[channel] = split_of(header)
+        if channel in self.guessed and self.guessed[channel][0] != self.shapes[channel]:
+            self.stale_in.add(channel)
         if self.remembered is not None:
             self.remembered["in"][channel] = self.shapes[channel]
+            self.remembered["split_in"][channel] = self.splits_in[channel]
 
     def recv(self, src: int, t: int, device, channel, wait: bool = True):
         """The tensor received with tag ``t``; with ``wait=False``, (the tensor, its work) before its values
         are in: the caller waits before reading it. A channel's first message of a step is waited on
-        here either way, for its shape."""
+        here either way, for its shape, unless its payload was guessed (see FirstArrival)."""
         self.open()
+        if channel in self.unconfirmed and self.unconfirmed[channel].t != t:
+            self.unconfirmed[channel].wait()  # a later message: its channel's shape first
         if channel not in self.shapes:
+            if self._hand_out_first(channel, t):
+                _, header_work, header = self.headers.pop(channel)
+                _, work, out = self.posted[channel].pop(0)
+                self.splits_in[channel] = (0, 0)  # as last step's (FirstArrival checks it)
+                work = self.unconfirmed[channel] = FirstArrival(self, channel, src, t, device, header_work, header,
+                                                                work, out)
+                if not wait:
+                    return out, work
+                work.wait()
+                return out
             if channel in self.headers and self.headers[channel][0] == t:
                 _, work, header = self.headers.pop(channel)
             else:
@@ -231,14 +271,15 @@ class Mailbox:
                 work = self._irecv(header, src, t)
             work.wait()
             self._learn_shape(channel, header)
-            if channel in self.guessed:
-                self._settle_guess(channel, src, device)
         queue = self.posted.setdefault(channel, [])
         if not queue or queue[0][0] != t:  # not foreseen: post it now
             queue.insert(0, self._post(channel, t, src, device))
         _, work, out = queue.pop(0)
+        if channel in self.stale_in and t in self.guessed[channel][1]:  # the sender's dummy of last step's shape
+            work.wait()
+            _, work, out = self._post(channel, t, src, device, offset=2)
         ahead = self.expected.get(channel)
-        if ahead and ahead[0][0] == t:  # posted unforeseen, or as the guessed first payload
+        if ahead and ahead[0][0] == t:  # posted unforeseen
             ahead.pop(0)
         self._post_ahead(channel, device)
         if not wait:
@@ -246,31 +287,27 @@ class Mailbox:
         work.wait()
         return out
 
-    def _settle_guess(self, channel, src, device) -> None:
-        """The first payload, posted at step start with last step's shape: right, it is this step's
-        first receive; wrong, it holds the sender's dummy and the payload comes on the next tag."""
-        t, work, out = self.guessed.pop(channel)
-        shape, dtype = self.shapes[channel]
-        if (tuple(out.shape), out.dtype) == (shape, dtype):
-            self.posted.setdefault(channel, []).insert(0, (t, work, out))
-            return
-        work.wait()
-        out = torch.empty(shape, dtype=dtype, device=device)
-        self.posted.setdefault(channel, []).insert(0, (t, dist.irecv(out, src, tag=t + 2), out))
+    def _hand_out_first(self, channel, t) -> bool:
+        """Whether a channel's first message, tag ``t``, is handed out as guessed (its header read on
+        arrival): its payload and header were posted at step start, and last step's message took its
+        gradient whole (a message that needs only part of it gets a different tensor, see messages)."""
+        return channel in self.guessed and t in self.guessed[channel][1] and channel in self.headers \
+            and self.headers[channel][0] == t and self.remembered["split_in"].get(channel) == (0, 0)
 
-    def _post(self, channel, t, src, device):
+    def _post(self, channel, t, src, device, offset: int = 1):
         shape, dtype = self.shapes[channel]
         out = torch.empty(shape, dtype=dtype, device=device)
-        return t, self._irecv(out, src, t + 1), out
+        return t, self._irecv(out, src, t + offset), out
 
     def _post_ahead(self, channel, device) -> None:
-        ahead, queue = self.expected.get(channel, []), self.posted[channel]
+        ahead, queue = self.expected.get(channel, []), self.posted.setdefault(channel, [])
         while ahead and len(queue) < self.depth:
             queue.append(self._post(channel, *ahead.pop(0), device))
 
     def wait(self) -> None:
-        leftover = [t for q in self.posted.values() for t, _, _ in q] + [t for t, _, _ in self.headers.values()] + \
-            [t for t, _, _ in self.guessed.values()]
+        for arrival in list(self.unconfirmed.values()):
+            arrival.wait()
+        leftover = [t for q in self.posted.values() for t, _, _ in q] + [t for t, _, _ in self.headers.values()]
         if leftover:
             raise RuntimeError(f"pipeline receives posted but never used (tags {leftover}): schedule mismatch.")
         for work, _ in self.pending:
@@ -278,3 +315,39 @@ class Mailbox:
                 work.wait()
         self.pending.clear()
         self.by_tag.clear()
+
+
+class FirstArrival:
+    """The wait for a channel's first message of a step, handed out as guessed (last step's shape,
+    its whole gradient taken) before its header is read, so that the stage's code up to its first
+    block runs while the message travels instead of after the header's wait: the header (sent last),
+    then the values. Where the header says otherwise, the tensor already handed out (a leaf without
+    a graph yet) takes what it says: the message sent on the next tag after the sender's dummy (a
+    new shape, ``.data``), and a leading part that takes the gradient (see messages.with_grad_split)."""
+
+    def __init__(self, box, channel, src, t, device, header_work, header, work, out):
+        self.box, self.channel, self.src, self.t, self.device = box, channel, src, t, device
+        self.header_work, self.header, self.work, self.out = header_work, header, work, out
+        self.done = False
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        box, channel = self.box, self.channel
+        box.unconfirmed.pop(channel, None)
+        self.header_work.wait()
+        box._learn_shape(channel, self.header)
+        self.work.wait()
+        whole = self.out
+        if channel in box.stale_in:
+            _, work, whole = box._post(channel, self.t, self.src, self.device, offset=2)
+            work.wait()
+        parts, numel = box.splits_in[channel]
+        if parts:
+            whole = whole.detach()
+            self.out.data = whole[:numel]
+            self.out._lightning_tp_whole = (whole, parts)
+        elif whole is not self.out:
+            self.out.data = whole
+        box._post_ahead(channel, self.device)

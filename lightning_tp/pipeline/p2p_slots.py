@@ -49,7 +49,7 @@ class SlotMailbox:
                 ops.append((dist.isend, tensor, dst, t + 1))
                 continue
             self.sent_first.add(channel)
-            now, after = first_message(tensor, channel, self.remembered, split)
+            now, after, _ = first_message(tensor, channel, self.remembered, split)
             ops += [(dist.isend, x, dst, t + offset) for x, offset in now]
             later += [(dist.isend, x, dst, t + offset) for x, offset in after]
         for src, t, channel in recvs:
