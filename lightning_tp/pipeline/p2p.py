@@ -157,8 +157,6 @@ class Mailbox:
         self.posted, self.depth = {}, depth  # channel -> [(tag, work, buffer)] in order
         self.headers = {}  # channel -> (tag, work, buffer) of a header receive posted in advance
         self.remembered = None if batched or device is None else remembered
-        if self.remembered is not None:
-            self.remembered.setdefault("split_in", {})  # channel -> last step's grad split received
         self.guessed = {}  # channel -> ((shape, dtype), tags) of the payloads posted at open() as last step's
         self.stale_in = set()  # channels whose header said the shape changed: their guesses hold dummies
         self.stale_out = {}  # channel -> last step's (shape, dtype) where this step's differs (the sender's side)
@@ -244,7 +242,6 @@ class Mailbox:
             self.stale_in.add(channel)
         if self.remembered is not None:
             self.remembered["in"][channel] = self.shapes[channel]
-            self.remembered["split_in"][channel] = self.splits_in[channel]
 
     def recv(self, src: int, t: int, device, channel, wait: bool = True):
         """The tensor received with tag ``t``; with ``wait=False``, (the tensor, its work) before its values
@@ -257,7 +254,7 @@ class Mailbox:
             if self._hand_out_first(channel, t):
                 _, header_work, header = self.headers.pop(channel)
                 _, work, out = self.posted[channel].pop(0)
-                self.splits_in[channel] = (0, 0)  # as last step's (FirstArrival checks it)
+                self.splits_in[channel] = (0, 0)  # the whole message takes the gradient, until FirstArrival reads the header
                 work = self.unconfirmed[channel] = FirstArrival(self, channel, src, t, device, header_work, header,
                                                                 work, out)
                 if not wait:
@@ -289,10 +286,9 @@ class Mailbox:
 
     def _hand_out_first(self, channel, t) -> bool:
         """Whether a channel's first message, tag ``t``, is handed out as guessed (its header read on
-        arrival): its payload and header were posted at step start, and last step's message took its
-        gradient whole (a message that needs only part of it gets a different tensor, see messages)."""
+        arrival): its payload and its header were posted at step start."""
         return channel in self.guessed and t in self.guessed[channel][1] and channel in self.headers \
-            and self.headers[channel][0] == t and self.remembered["split_in"].get(channel) == (0, 0)
+            and self.headers[channel][0] == t
 
     def _post(self, channel, t, src, device, offset: int = 1):
         shape, dtype = self.shapes[channel]
@@ -319,11 +315,12 @@ class Mailbox:
 
 class FirstArrival:
     """The wait for a channel's first message of a step, handed out as guessed (last step's shape,
-    its whole gradient taken) before its header is read, so that the stage's code up to its first
-    block runs while the message travels instead of after the header's wait: the header (sent last),
-    then the values. Where the header says otherwise, the tensor already handed out (a leaf without
-    a graph yet) takes what it says: the message sent on the next tag after the sender's dummy (a
-    new shape, ``.data``), and a leading part that takes the gradient (see messages.with_grad_split)."""
+    the whole message taking the gradient) before its header is read, so that the stage's code up to
+    its first block runs while the message travels instead of after the header's wait: the header
+    (sent last), then the values. Where the header says otherwise, the tensor already handed out (a
+    leaf without a graph yet) takes what it says: the message sent on the next tag after the sender's
+    dummy (a new shape, ``.data``), and only its leading part taking the gradient, as
+    messages.with_grad_split makes it (an encoder-decoder's message with masks: every step)."""
 
     def __init__(self, box, channel, src, t, device, header_work, header, work, out):
         self.box, self.channel, self.src, self.t, self.device = box, channel, src, t, device
