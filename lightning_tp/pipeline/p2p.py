@@ -248,8 +248,8 @@ class Mailbox:
         are in: the caller waits before reading it. A channel's first message of a step is waited on
         here either way, for its shape, unless its payload was guessed (see FirstArrival)."""
         self.open()
-        if channel in self.unconfirmed and self.unconfirmed[channel].t != t:
-            self.unconfirmed[channel].wait()  # a later message: its channel's shape first
+        if channel in self.unconfirmed:  # a later message: its channel's first one's header first
+            self.unconfirmed[channel].wait()
         if channel not in self.shapes:
             if self._hand_out_first(channel, t):
                 _, header_work, header = self.headers.pop(channel)
