@@ -51,14 +51,20 @@ def _each_schedule(rank, world):
     return {s: _fit(CompiledBlocks(), world, s) for s in SCHEDULES}
 
 
-def test_compiled_blocks_train_as_one_process_under_each_schedule():
+def _as_one_process(per_rank: list, names) -> None:
+    """Each rank's runs (name -> (losses, weights)) against one process's run of the uncompiled module."""
     ref_losses, ref_weights = _fit(Net(), 1)
-    for rank, got in enumerate(dist.run(2, _each_schedule, timeout=600)):
-        for schedule, (losses, weights) in got.items():
-            torch.testing.assert_close(losses, ref_losses, atol=1e-5, rtol=0, msg=schedule)
-            assert weights, (schedule, rank)
+    for rank, got in enumerate(per_rank):
+        assert set(got) == set(names)
+        for name, (losses, weights) in got.items():
+            torch.testing.assert_close(losses, ref_losses, atol=1e-5, rtol=0, msg=name)
+            assert weights, (name, rank)
             for key, value in weights.items():  # this rank's blocks (the others are placeholders here)
-                torch.testing.assert_close(value, ref_weights[key], atol=1e-5, rtol=0, msg=f"{schedule} {key}")
+                torch.testing.assert_close(value, ref_weights[key], atol=1e-5, rtol=0, msg=f"{name} {key}")
+
+
+def test_compiled_blocks_train_as_one_process_under_each_schedule():
+    _as_one_process(dist.run(2, _each_schedule, timeout=600), SCHEDULES)
 
 
 # activation checkpointing around compiled blocks: torch's checkpoint (1F1B; ZB-H1, whose split leaves a
@@ -74,14 +80,7 @@ def _checkpointed(rank, world):
 def test_compiled_blocks_with_activation_checkpointing_train_as_one_process():
     """The checkpoint wrapper sits on each block's forward, inside its compiled call (it still saves
     less there: a block of these saves 2368 bytes a microbatch checkpointed, 4384 without)."""
-    ref_losses, ref_weights = _fit(Net(), 1)
-    for rank, got in enumerate(dist.run(2, _checkpointed, timeout=600)):
-        assert set(got) == set(CHECKPOINTED)
-        for name, (losses, weights) in got.items():
-            torch.testing.assert_close(losses, ref_losses, atol=1e-5, rtol=0, msg=name)
-            assert weights, (name, rank)
-            for key, value in weights.items():
-                torch.testing.assert_close(value, ref_weights[key], atol=1e-5, rtol=0, msg=f"{name} {key}")
+    _as_one_process(dist.run(2, _checkpointed, timeout=600), CHECKPOINTED)
 
 
 def _zb_with_dp(rank, world):
