@@ -7,8 +7,10 @@ timestamps and counters, and bench/pipeline.py turns them into the tables.
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
+import warnings
 
 import lightning as L
 import torch
@@ -496,10 +498,19 @@ def probes(rank, world, reps=200):
 # ------------------------------------------------------------------------------ the launch
 
 
+def _quiet() -> None:
+    """Keep the bench's tables readable: each of the dozens of Trainers here would print Lightning's
+    set-up lines (devices, tips, "fit stopped") on every rank. Set-up only, outside any timed step."""
+    for name in ("lightning.pytorch", "lightning.fabric"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", message=".*LeafSpec.*")
+
+
 def worker(rank, world, plan, tf, tb, n_blocks, warmup, measured):
     """plan: list of (impl, schedule, m, v), where a key may repeat (rounds, so that machine noise hits
     every run alike) and impl "probe" runs the overhead probes. Per key, the rounds are concatenated:
     start/end/stats per step and ``measured`` flags (warm-up steps of every round are False)."""
+    _quiet()
     out = {}
     for impl, schedule, m, v in plan:
         if impl == "probe":
