@@ -300,7 +300,8 @@ def run_ours(world, schedule, m, v, n_blocks, tf, tb, steps, timed=True):
     L.seed_everything(0, verbose=False)
     timer = StepTimer()
     trainer = L.Trainer(accelerator="cpu", devices=world,
-                        strategy=MegaStrategy(pp=world, microbatches=m, schedule=schedule, virtual_stages=v,
+                        strategy=MegaStrategy(pp=world, microbatches=m, schedule=schedule.partition("+")[0],
+                                              split_backward=schedule.endswith("+split"), virtual_stages=v,
                                               timeout=120),
                         max_steps=steps, callbacks=[timer], logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,

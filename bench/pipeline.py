@@ -47,9 +47,27 @@ MS = (8, 16)  # microbatches (--microbatches)
 TF, TB = 0.010, 0.020  # seconds per block: forward sleep, backward sleep (tb = 2 tf)
 N_BLOCKS = 8  # 2 blocks per stage; interleaved v=2: 1 block per virtual stage
 WARMUP, MEASURED, ROUNDS = 2, 6, 3  # per run: steps skipped, steps timed; every run is repeated ROUNDS times
-SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1)]
+# "+split": the schedule with MegaStrategy(split_backward=True) (each B split as ZB-H1's, its W at once)
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("1f1b+split", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b+split", 2),
+             ("zb_h1", 1)]
 TORCH = {"1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B"}
 ACT_BYTES = ROWS * WIDTH * 4  # saved activation of one block for one microbatch
+
+
+def parts(name: str) -> tuple:
+    """(MegaStrategy schedule, split_backward) of a bench schedule name."""
+    base, _, flag = name.partition("+")
+    return base, flag == "split"
+
+
+def splits(name: str) -> bool:
+    """Whether the schedule splits each backward into B (input half) and W (weight half)."""
+    return name == "zb_h1" or parts(name)[1]
+
+
+def build(name: str, m: int, v: int):
+    base, split = parts(name)
+    return build_schedule(base, P, m, v, split_backward=split)
 
 
 def torch_runs(name: str, m: int) -> bool:
@@ -92,11 +110,11 @@ def replay(schedule, p, v, duration, latency: float = 0.0, rendezvous: bool = Fa
 
 def calibrated_ideal(name, sched, v, cal) -> tuple:
     """(ideal step time, per-action cost) of a schedule with each rank's per-action cost as measured by
-    calibrate() (the model alone, no executor); ZB-H1 as our executor splits it (rank 0: B free, W the
-    whole backward)."""
+    calibrate() (the model alone, no executor); a split backward as our executor splits it (the first
+    virtual stage: B free, W the whole backward)."""
     per = N_BLOCKS // (P * v)
-    if name == "zb_h1":
-        dur = lambda r, a: ({"B": 0.0, "W": cal[r][per]["B"]} if r == 0 else  # noqa: E731
+    if splits(name):
+        dur = lambda r, a: ({"B": 0.0, "W": cal[r][per]["B"]} if r == 0 and a.chunk == 0 else  # noqa: E731
                             {"B": cal[r][per]["Bi"], "W": cal[r][per]["W"]}).get(a.kind, cal[r][per][a.kind])
     else:
         dur = lambda r, a: cal[r][per][a.kind]  # noqa: E731
@@ -106,12 +124,11 @@ def calibrated_ideal(name, sched, v, cal) -> tuple:
 def ideals(m: int) -> dict:
     """Per schedule: the schedule, its per-action cost (s) with F = tf and B = tb per block per chunk,
     and its ideal step time (no communication cost)."""
-    nb = N_BLOCKS // P  # blocks per rank (v=1)
     out = {}
     for name, v in SCHEDULES:
-        sched = build_schedule(name, P, m, v)
+        sched = build(name, m, v)
         per = N_BLOCKS // (P * v)  # blocks per virtual stage
-        if name != "zb_h1":
+        if not splits(name):
             cost = {"F": per * TF, "B": per * TB}
             res = simulate(sched, P, v, cost)
             dur = lambda r, a, cost=cost: cost[a.kind]  # noqa: E731
@@ -121,17 +138,17 @@ def ideals(m: int) -> dict:
                              model=f"simulate F={per * TF * 1e3:.0f} B={per * TB * 1e3:.0f}")
             continue
         # (a) the paper's split, simulate()'s convention: B (input grad) + W (weight grad) = one backward
-        split = simulate(sched, P, 1, {"F": nb * TF, "B": nb * TB, "W": nb * TB / 2})
+        split = simulate(sched, P, v, {"F": per * TF, "B": per * TB, "W": per * TB / 2})
         # (b) what our executor does (pipeline/zb.py): B = the input-gradient half of the stage's
-        # backward, W = the weight half; rank 0 has no input gradient, so its B is free and its W is
-        # the whole backward. simulate() takes one cost per kind for all ranks, hence the replay.
-        cost = {"F": nb * TF, "B": nb * TB / 2, "W": nb * TB / 2}
-        dur = lambda r, a, cost=cost: {"B": 0.0, "W": nb * TB}.get(a.kind, cost[a.kind]) if r == 0 \
-            else cost[a.kind]  # noqa: E731
-        out[name] = dict(sched=sched, v=1, dur=dur, ideal=replay(sched, P, 1, dur), peak=split.peak_inflight,
-                         busy=[m * (cost["F"] + nb * TB) for _ in range(P)], split=split.makespan,
-                         model=f"replay F={nb * TF * 1e3:.0f} B={nb * TB / 2 * 1e3:.0f} W={nb * TB / 2 * 1e3:.0f}, "
-                               f"rank 0 B=0 W={nb * TB * 1e3:.0f}")
+        # backward, W = the weight half; the first virtual stage has no input gradient, so its B is free
+        # and its W the whole backward. simulate() takes one cost per kind for all ranks, hence the replay.
+        cost = {"F": per * TF, "B": per * TB / 2, "W": per * TB / 2}
+        dur = lambda r, a, cost=cost, per=per: {"B": 0.0, "W": per * TB}.get(a.kind, cost[a.kind]) \
+            if r == 0 and a.chunk == 0 else cost[a.kind]  # noqa: E731
+        out[name] = dict(sched=sched, v=v, dur=dur, ideal=replay(sched, P, v, dur), peak=split.peak_inflight,
+                         busy=[m * v * (cost["F"] + per * TB) for _ in range(P)], split=split.makespan,
+                         model=f"replay F={per * TF * 1e3:.0f} B={per * TB / 2 * 1e3:.0f} W={per * TB / 2 * 1e3:.0f}, "
+                               f"rank 0 chunk 0 B=0 W={per * TB * 1e3:.0f}")
     return out
 
 
@@ -287,7 +304,7 @@ def report(results):
           f"({link * 1e3:.2f} ms,\n   plain isend/irecv; paid once sender and receiver are both there, as gloo "
           f"does).\n"
           "   'as timed': the replay with each rank's F/B/W as timed inside our executor (model + our per-action code)")
-    hdr = (f"{'schedule':<18}{'m':>3}  {'measured ms':>11}  {'nominal':>8}  {'ratio':>6}  {'model':>7}  {'ratio':>6}  "
+    hdr = (f"{'schedule':<24}{'m':>3}  {'measured ms':>11}  {'nominal':>8}  {'ratio':>6}  {'model':>7}  {'ratio':>6}  "
            f"{'target':>6}  {'model+link':>10}  {'ratio':>6}  {'as timed':>8}  {'ratio':>6}")
     print(hdr)
     print("-" * len(hdr))
@@ -303,11 +320,11 @@ def report(results):
             timed = replay(idl["sched"], P, v, lambda r, a, c=costs: c[r][a.kind])
             ratio = span / model
             models[(name, m)] = model
-            print(f"{name:<18}{m:>3}  {ms(span):>11}  {ms(idl['ideal']):>8}  {span / idl['ideal']:>6.3f}  "
+            print(f"{name:<24}{m:>3}  {ms(span):>11}  {ms(idl['ideal']):>8}  {span / idl['ideal']:>6.3f}  "
                   f"{ms(model):>7}  {ratio:>6.3f}  {'ok' if ratio <= 1.05 else 'MISSED':>6}  {ms(with_link):>10}  "
                   f"{span / with_link:>6.3f}  {ms(timed):>8}  {span / timed:>6.3f}")
             if name == "zb_h1":
-                print(f"{'  vs split-W ideal':<18}{m:>3}  {ms(span):>11}  {ms(idl['split']):>8}  "
+                print(f"{'  vs split-W ideal':<24}{m:>3}  {ms(span):>11}  {ms(idl['split']):>8}  "
                       f"{span / idl['split']:>6.3f}  (the paper's nominal ideal: rank 0 splits too)")
     print("   nominal cost model: " + "; ".join(f"{n} {ideal_by_m[MS[0]][n]['model']}" for n, _ in SCHEDULES))
     print("   model cost per action, ms, per rank s0/s1/s2/s3 (F forward, B backward, Bi its input half):")
@@ -325,7 +342,7 @@ def report(results):
             sl, nb = stat(pr, "sleep"), stat(pr, "n_b")
             busy = ideal_by_m[m][name]["busy"]
             cells = "  ".join(f"s{r} {sl[r] * 1e3:5.0f}/{busy[r] * 1e3:4.0f} {int(nb[r]):>2} bwd" for r in range(P))
-            print(f"   {name:<17}{m:>3}  {cells}")
+            print(f"   {name:<23}{m:>3}  {cells}")
 
     print("\n   where a step's time goes on each rank s0/s1/s2/s3 (median over steps, ms):")
     print("     lightning = on_train_batch_start..end minus our train_step (hooks, optimizer, merge_grads);")
@@ -345,7 +362,7 @@ def report(results):
                 rows["send"].append(med(lambda x, dt: x["send"]))
                 rows["blocked"].append(med(lambda x, dt: x["recv"] + x["wait"] + x["publish"]))
             cells = "  ".join(f"{k} {'/'.join(f'{v:.1f}' for v in vals)}" for k, vals in rows.items())
-            print(f"   {name:<17}{m:>3}  {cells}")
+            print(f"   {name:<23}{m:>3}  {cells}")
 
     # ---- 2. ours vs torch
     print("\n2) Throughput: ours (Lightning Trainer + MegaStrategy) vs torch.distributed.pipelining on the same blocks and m,\n"
@@ -359,27 +376,29 @@ def report(results):
           "   of a period is the step boundary (optimizer step, hooks, self.log, data fetch; in Lightning also its\n"
           "   per-step SIGTERM broadcast from rank 0); period/model ideal: each executor's period over the model ideal\n"
           "   of 1), i.e. what the same link and Lightning cost torch's schedules on this box too")
-    hdr = (f"{'schedule':<18}{'m':>3}  {'torch class':<24}{'loop':<10}{'ours ms/step':>12}  {'torch ms/step':>13}  "
+    hdr = (f"{'schedule':<24}{'m':>3}  {'torch class':<24}{'loop':<10}{'ours ms/step':>12}  {'torch ms/step':>13}  "
            f"{'ours/torch thr':>14}  {'target':>6}  {'work span ours/torch ms':>23}  {'ratio':>6}  "
            f"{'boundary ours/torch ms':>22}  {'period/model ideal ours/torch':>29}  {'per round':>17}")
     print(hdr)
     print("-" * len(hdr))
+    compared = [(name, parts(name)[0]) for name, _ in SCHEDULES if parts(name)[0] in TORCH]
     for m in MS:
-        for name, cls in TORCH.items():
-            if not torch_runs(name, m):
-                print(f"{name:<18}{m:>3}  {cls:<24}(torch refuses this m: it needs m divisible by max(1, m // {P}))")
+        for name, base in compared:  # ours "+split" against the same torch runs as its schedule's
+            cls = TORCH[base]
+            if not torch_runs(base, m):
+                print(f"{name:<24}{m:>3}  {cls:<24}(torch refuses this m: it needs m divisible by max(1, m // {P}))")
                 continue
             o_period = measured[(name, m)][1]
             o_span = work_spans(get(("ours", name, m)))
             for impl, loop in (("torch", "plain"), ("torch_lightning", "Lightning")):
-                t_period = steps_of(get((impl, name, m)))[1]
+                t_period = steps_of(get((impl, base, m)))[1]
                 ratio = t_period / o_period
-                t_span = work_spans(get((impl, name, m)))
-                rounds = round_ratios(get(("ours", name, m)), get((impl, name, m)))
-                print(f"{name:<18}{m:>3}  {cls:<24}{loop:<10}{ms(o_period):>12}  {ms(t_period):>13}  {ratio:>14.3f}  "
+                t_span = work_spans(get((impl, base, m)))
+                rounds = round_ratios(get(("ours", name, m)), get((impl, base, m)))
+                print(f"{name:<24}{m:>3}  {cls:<24}{loop:<10}{ms(o_period):>12}  {ms(t_period):>13}  {ratio:>14.3f}  "
                       f"{'ok' if ratio >= 1.0 else 'MISSED':>6}  {ms(o_span) + ' / ' + ms(t_span):>23}  "
                       f"{t_span / o_span:>6.3f}  {ms(o_period - o_span) + ' / ' + ms(t_period - t_span):>22}  "
-                      f"{o_period / models[(name, m)]:>14.3f} / {t_period / models[(name, m)]:.3f}  "
+                      f"{o_period / models[(name, m)]:>14.3f} / {t_period / models[(base, m)]:.3f}  "
                       f"{min(rounds):>8.3f}-{max(rounds):.3f}")
 
     print(f"   per transfer on 1F1B's critical path, m={MS[0]} (a receiver waiting for it): from the sender's last "
@@ -396,13 +415,13 @@ def report(results):
           f"{ACT_BYTES // 1024} KiB for a v=2 chunk). live = forward done, first backward not yet\n   run (counted "
           f"by the block's autograd Function); resident = still held by autograd (saved-tensor hooks);\n   "
           f"exp = simulate()'s peak_inflight for the schedule")
-    hdr = f"{'run':<34}" + "".join(f"{'stage ' + str(s):>15}" for s in range(P))
+    hdr = f"{'run':<46}" + "".join(f"{'stage ' + str(s):>15}" for s in range(P))
     print(hdr)
     print("-" * len(hdr))
 
     def mem_row(label, per_rank, field, unit, expected):
         peaks = stat(per_rank, field, max)
-        print(f"{label:<34}" + "".join(f"{p / unit:>6.1f} (exp {e:>2})" for p, e in zip(peaks, expected)))
+        print(f"{label:<46}" + "".join(f"{p / unit:>6.1f} (exp {e:>2})" for p, e in zip(peaks, expected)))
         left = stat(per_rank, "leftover", max)
         if field == "inflight_peak" and any(left):
             print(f"   !! {label}: {left} bytes still counted live at step end")
@@ -411,8 +430,9 @@ def report(results):
         unit = ACT_BYTES * N_BLOCKS // (P * v)
         exp = ideal_by_m[m][name]["peak"]
         mem_row(f"ours {name} live", get(("ours", name, m)), "inflight_peak", unit, exp)
-        if name == "zb_h1":
-            mem_row("ours zb_h1 resident (until W)", get(("ours", name, m)), "resident_peak", unit, [P] * P)
+        if splits(name):  # ZB-H1 defers W (p graphs everywhere); "+split" runs it at once (as live)
+            mem_row(f"ours {name} resident (until W)", get(("ours", name, m)), "resident_peak", unit,
+                    [P] * P if name == "zb_h1" else exp)
     for name, cls in TORCH.items():
         if not torch_runs(name, m):
             continue
@@ -426,7 +446,7 @@ def report(results):
     for name, v in SCHEDULES:
         peaks = stat(get(("ours_timed", name, m)), "mailbox_peak", max)
         exp = held_by_rule(ideal_by_m[m][name]["sched"])
-        print(f"{'ours ' + name + ' Mailbox':<34}" + "".join(f"{p / ACT_BYTES:>6.1f} (exp {e:>2})"
+        print(f"{'ours ' + name + ' Mailbox':<46}" + "".join(f"{p / ACT_BYTES:>6.1f} (exp {e:>2})"
                                                              for p, e in zip(peaks, exp)))
     gp = stat(get(("ours", "gpipe", m)), "inflight_peak", max)
     ob = stat(get(("ours", "1f1b", m)), "inflight_peak", max)

@@ -87,7 +87,7 @@ def parallelize(s, module):
         state = install_stages(layout.blocks(module), layout, s.mesh.pp_rank, silence, split["twins"], side,
                                split.get("companion_twins"))
         runner = PipelineRunner(module, s.mesh, layout, state, s.schedule, s.microbatches, batched=_batched(s),
-                                device=s.root_device)
+                                device=s.root_device, split_backward=s.split_backward)
     streams = _block_streams(s, module, layout)
     overlap = _dp_overlap(s, module, runner)
     contexts = {id(m.ctx): m.ctx for m in replaced.values() if hasattr(m, "ctx")}
@@ -119,11 +119,13 @@ def _reuse(s, module, done):
                          f"{'without a pipeline' if runner is None else f'with virtual_stages={runner.layout.v}'}; "
                          f"build a fresh module for this layout.")
     batched = _batched(s)
-    if runner is not None and (runner.schedule, runner.m, runner.batched) != (s.schedule, s.microbatches, batched):
-        recompute.check_option(s.activation_checkpointing, s.quant, s.schedule, s.zb_keep_recomputed)
+    if runner is not None and (runner.schedule, runner.m, runner.batched, runner.split_backward) != \
+            (s.schedule, s.microbatches, batched, s.split_backward):
+        recompute.check_option(s.activation_checkpointing, s.quant, s.schedule, s.zb_keep_recomputed, s.split_backward)
         # another schedule or microbatch count on the same stages (a second Trainer's options)
         runner = done["runner"] = PipelineRunner(module, s.mesh, runner.layout, runner.state, s.schedule,
-                                                 s.microbatches, batched=batched, device=s.root_device)
+                                                 s.microbatches, batched=batched, device=s.root_device,
+                                                 split_backward=s.split_backward)
     if runner is not None:
         runner.mesh = s.mesh
         runner.dp_overlap = None  # the last strategy's; this one syncs after the step
@@ -144,7 +146,7 @@ def _take_over_hf_checkpointing(module, s, layout) -> bool:
           is True and callable(getattr(m, "_gradient_checkpointing_func", None))]
     if not on:
         return False
-    recompute.check_option(True, s.quant, s.schedule, s.zb_keep_recomputed)
+    recompute.check_option(True, s.quant, s.schedule, s.zb_keep_recomputed, s.split_backward)
     for m in on:
         m.gradient_checkpointing = False
     from lightning.pytorch.utilities import rank_zero_warn

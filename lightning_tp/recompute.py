@@ -35,11 +35,14 @@ from .pipeline.block_lists import block_at, block_key, called_parts, find_blocks
 
 
 
-def check_option(value, quant, schedule: str | None = None, keep_recomputed: bool = False) -> None:
+def check_option(value, quant, schedule: str | None = None, keep_recomputed: bool = False,
+                 split_backward: bool = False) -> None:
     """``activation_checkpointing``: False (or 0), True, or a positive int; not with quantization-aware
-    layers, whose activation ranges would be updated again by the recomputed forward. Under ZB-H1
-    (``schedule``) its weight half recomputes again, once for all its backward calls (torch's
-    GraphExecGroup), unless ``keep_recomputed`` (``zb_keep_recomputed``: see zb_checkpoint)."""
+    layers, whose activation ranges would be updated again by the recomputed forward. Under a split
+    backward (ZB-H1, or ``split_backward`` with a pipelined ``schedule``) its weight half recomputes
+    again, once for all its backward calls (torch's GraphExecGroup), unless ``keep_recomputed``
+    (``zb_keep_recomputed``: see zb_checkpoint)."""
+    split = schedule == "zb_h1" or (schedule is not None and split_backward is True)
     if isinstance(value, bool) or value is None:
         ok = True
     else:
@@ -53,11 +56,12 @@ def check_option(value, quant, schedule: str | None = None, keep_recomputed: boo
                          f"Use one of the two.")
     if keep_recomputed not in (True, False):
         raise ValueError(f"MegaStrategy(zb_keep_recomputed={keep_recomputed!r}): use True or False.")
-    if keep_recomputed and not (value and schedule == "zb_h1"):
-        raise ValueError(f"MegaStrategy(zb_keep_recomputed=True) applies to schedule='zb_h1' with "
-                         f"activation_checkpointing (here schedule={schedule!r}, activation_checkpointing={value!r}): "
-                         f"set both, or leave it False.")
-    if value and schedule == "zb_h1" and not keep_recomputed and \
+    if keep_recomputed and not (value and split):
+        raise ValueError(f"MegaStrategy(zb_keep_recomputed=True) applies to a split backward (schedule='zb_h1' or "
+                         f"split_backward=True) with activation_checkpointing (here schedule={schedule!r}, "
+                         f"split_backward={split_backward!r}, activation_checkpointing={value!r}): set them, or "
+                         f"leave it False.")
+    if value and split and not keep_recomputed and \
             getattr(torch.utils.checkpoint, "GraphExecGroup", None) is None:
         raise ValueError(f"MegaStrategy(activation_checkpointing=..., schedule='zb_h1') needs torch >= 2.10 "
                          f"(torch.utils.checkpoint.GraphExecGroup; this is {torch.__version__}): without it the "

@@ -63,6 +63,13 @@ class MegaStrategy(ParallelStrategy):
             row, that divide it: see ``step_microbatches``).
         schedule: ``"1f1b"``, ``"gpipe"``, ``"interleaved_1f1b"`` or ``"zb_h1"``.
         virtual_stages: model chunks per rank for the interleaved schedule.
+        split_backward: split each backward of ``"1f1b"``, ``"gpipe"`` or ``"interleaved_1f1b"`` as
+            ZB-H1 does and run its weight half at once: the stage input's gradient is computed and
+            sent first, then the weights'. Same order, same in-flight activations and the same
+            gradients; the gradient's path down the pipeline waits on input halves only, which
+            shortens the drain by about (pp - 1) weight halves. Costs a graph walk and a second
+            backward call per microbatch and stage (see ``pipeline/zb.py``), so tiny stages may not
+            gain. ``"zb_h1"`` always splits.
         pipeline_blocks: path of the repeated block list, when the plan or the search cannot find it; an
             encoder-decoder's two as a list (encoder, then decoder; nn.Transformer's plan names them).
         stage_layers: blocks per (virtual) stage, instead of the parameter-balanced split.
@@ -70,7 +77,8 @@ class MegaStrategy(ParallelStrategy):
             activations (``torch.utils.checkpoint``, non-reentrant): ``True`` for every block of the
             model's block list (of each such list without a pipeline), an int ``n`` for the first n
             blocks of each (virtual) stage (Megatron's ``recompute_method="block"``).
-        zb_keep_recomputed: under ``schedule="zb_h1"`` with activation checkpointing, recompute each block
+        zb_keep_recomputed: under a split backward (``schedule="zb_h1"`` or ``split_backward=True``)
+            with activation checkpointing, recompute each block
             once, in B, and keep that recomputation for its W (one forward less per block and
             microbatch; between B and W a stage then holds the blocks' activations, as without
             checkpointing), instead of recomputing again in W (only the blocks' inputs held).
@@ -101,7 +109,7 @@ class MegaStrategy(ParallelStrategy):
                  microbatches: Optional[int] = None, schedule: str = "1f1b", virtual_stages: int = 1,
                  pipeline_blocks: Optional[Union[str, list[str]]] = None, stage_layers: Optional[list] = None,
                  activation_checkpointing: Union[bool, int] = False, zb_keep_recomputed: bool = False,
-                 p2p: Literal["auto", "eager", "batched"] = "auto",
+                 split_backward: bool = False, p2p: Literal["auto", "eager", "batched"] = "auto",
                  kernels: Union[bool, list, None] = False, quant: Optional[str] = None, quant_range: str = "ema",
                  load_full: Optional[str] = None, sync_init: bool = True, broadcast_batch: bool = True,
                  process_group_backend: Optional[str] = None,
@@ -118,14 +126,16 @@ class MegaStrategy(ParallelStrategy):
             sp = False
         self.tp, self.pp, self.sp, self.plan, self.sync_init = tp, pp, bool(sp), plan, sync_init
         self.microbatches = microbatches if microbatches is not None else pp
-        self.schedule, self.virtual_stages = schedule, virtual_stages
+        self.schedule, self.virtual_stages, self.split_backward = schedule, virtual_stages, split_backward
         self.pipeline_blocks, self.stage_layers = pipeline_blocks, stage_layers
         self._pipelined = pp > 1 or self.microbatches > 1
         if p2p not in ("auto", "eager", "batched"):
             raise ValueError(f"MegaStrategy(p2p={p2p!r}): choose 'auto', 'eager' or 'batched'.")
         self.p2p = p2p
         if self._pipelined:  # names and counts checked now, on every rank, before any process starts
-            build_schedule(schedule, pp, self.microbatches, virtual_stages)
+            build_schedule(schedule, pp, self.microbatches, virtual_stages, split_backward)
+        elif split_backward not in (True, False):
+            raise ValueError(f"MegaStrategy(split_backward={split_backward!r}): use True or False.")
         self._runner = None
         self._dp_overlap = None
         self.kernels = kernel_names(kernels)
@@ -138,7 +148,7 @@ class MegaStrategy(ParallelStrategy):
             raise ValueError(f"MegaStrategy(quant_range={quant_range!r}) needs quant='int8' or 'w4a8' as well.")
         self.quant, self.quant_range = quant, quant_range
         recompute.check_option(activation_checkpointing, quant, schedule if self._pipelined else None,
-                               zb_keep_recomputed)
+                               zb_keep_recomputed, split_backward)
         self.activation_checkpointing, self.zb_keep_recomputed = activation_checkpointing, zb_keep_recomputed
         self._process_group_backend = process_group_backend
         self._timeout = timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout

@@ -128,9 +128,17 @@ def test_what_a_recomputed_forward_would_change_twice_is_refused(monkeypatch):
     with pytest.raises(ValueError, match="torch >= 2.10.*zb_keep_recomputed=True"):
         MegaStrategy(pp=2, schedule="zb_h1", activation_checkpointing=True)
     MegaStrategy(pp=2, schedule="zb_h1", activation_checkpointing=True, zb_keep_recomputed=True)  # its own: fine
-    for kw in (dict(pp=2, activation_checkpointing=True), dict(pp=2, schedule="zb_h1")):
-        with pytest.raises(ValueError, match="zb_keep_recomputed=True. applies to schedule='zb_h1' with activation"):
+    with pytest.raises(ValueError, match="torch >= 2.10.*zb_keep_recomputed=True"):  # the same split backward
+        MegaStrategy(pp=2, split_backward=True, activation_checkpointing=True)
+    MegaStrategy(pp=2, split_backward=True, activation_checkpointing=True, zb_keep_recomputed=True)
+    for kw in (dict(pp=2, activation_checkpointing=True), dict(pp=2, schedule="zb_h1"), dict(pp=2, split_backward=True),
+               dict(activation_checkpointing=True, split_backward=True)):  # the last: no pipeline, no split
+        with pytest.raises(ValueError, match="zb_keep_recomputed=True. applies to a split backward .schedule='zb_h1' "
+                                             "or split_backward=True. with activation"):
             MegaStrategy(zb_keep_recomputed=True, **kw)
+    for kw in (dict(pp=2), dict()):
+        with pytest.raises(ValueError, match="split_backward"):
+            MegaStrategy(split_backward="yes", **kw)
 
 
 class KwargsOnly(nn.Module):

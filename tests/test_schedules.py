@@ -7,6 +7,9 @@ Expected bubbles come from closed forms, never from recorded simulator output:
 * ZB-H1 with T_F = T_B = T_W: bubble time (p-1)(T_F+T_B-T_W), i.e. one third
   of 1F1B's (p-1)(T_F+T_B+T_W) (Qi et al. 2024, sec. 2.1); as a fraction
   (p-1)/(3m+p-1) when m >= p.
+* A split backward with W right after its B (``split_backward``): the gradient
+  waits on input halves only, so the bubble time is (p-1)(T_F+T_B) in the
+  paper's notation (T_B the input half), per chunk for interleaved.
 """
 
 from collections import Counter
@@ -24,6 +27,7 @@ from lightning_tp.pipeline.schedules import (
     message,
     microbatch_groups,
     one_f_one_b,
+    with_split_backward,
     zb_h1,
 )
 from lightning_tp.pipeline.simulate import DeadlockError, ScheduleError, simulate
@@ -434,3 +438,32 @@ def test_early_publish_never_hangs_even_as_a_barrier(name):
     sched = build_schedule("gpipe", 2, 1)
     assert early_publish(sched, 2) == [None, None]
     assert not _replay_with_publish(sched, 2, 1, [len(sched[0]) - 2, None])
+
+
+SPLIT = [c for c in CASES if c[0] != "zb_h1"]
+
+
+@pytest.mark.parametrize("name,p,m,v", SPLIT, ids=[f"{n}-p{p}-m{m}-v{v}" for n, p, m, v in SPLIT])
+def test_split_backward_keeps_the_order_and_memory_and_runs_each_w_right_after_its_b(name, p, m, v):
+    plain, split = build_schedule(name, p, m, v), build_schedule(name, p, m, v, split_backward=True)
+    for ops, new in zip(plain, split):
+        assert [a for a in new if a.kind != "W"] == ops  # the schedule's own actions, in its order
+        for i, a in enumerate(new):
+            if a.kind == "W":  # right after its B, or after the B's send where the B sends
+                before = new[i - 1] if new[i - 1].kind == "B" else new[i - 2]
+                assert (before.kind, before.microbatch, before.chunk) == ("B", a.microbatch, a.chunk)
+                assert new[i - 1].kind in ("B", "SEND_B")
+    cost = unit_cost(v)
+    res = simulate(split, p, v, cost)  # deadlock-free, every W after its B (checked by the replay)
+    assert res.peak_inflight == simulate(plain, p, v, cost).peak_inflight
+    assert all(i == (p - 1) * (cost["F"] + cost["B"] - cost["W"]) for i in res.idle)
+
+
+@pytest.mark.parametrize("p,m", [(2, 5), (4, 8), (8, 8)])
+def test_split_backward_shortens_1f1b_by_p_minus_1_weight_halves_and_leaves_zb_h1_alone(p, m):
+    cost = {"F": 3, "B": 5, "W": 2}
+    plain = simulate(one_f_one_b(p, m), p, cost=cost).makespan
+    assert simulate(with_split_backward(one_f_one_b(p, m)), p, cost=cost).makespan == plain - (p - 1) * cost["W"]
+    assert build_schedule("zb_h1", p, m, split_backward=True) == zb_h1(p, m)
+    with pytest.raises(ValueError, match="split_backward must be True or False"):
+        build_schedule("1f1b", p, m, split_backward="yes")

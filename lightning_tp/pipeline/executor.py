@@ -71,11 +71,11 @@ class _Step:
 
 class PipelineRunner(StageLogs, ForwardOnlyStep, BackwardStep):
     def __init__(self, module, mesh, layout, state, schedule: str, microbatches: int, batched: bool = False,
-                 device=None):
+                 device=None, split_backward: bool = False):
         self.module, self.mesh, self.layout, self.state = module, mesh, layout, state
         self.device = device  # where step-level tensors go (the module may still be on the CPU now)
         self.batched = batched  # NCCL: transfers grouped per time slot (see .slots)
-        self.schedule, self.m = schedule, microbatches
+        self.schedule, self.m, self.split_backward = schedule, microbatches, split_backward
         self.n_vstages = layout.pp * layout.v
         self.dp_overlap = None  # dp > 1: the strategy's DPOverlap, hooked around self._final (see _syncing)
         self._plans, self._eval_plans, self._warned = {}, {}, set()
@@ -141,7 +141,7 @@ class PipelineRunner(StageLogs, ForwardOnlyStep, BackwardStep):
         built once per m (an epoch's smaller last batch may run with fewer, see .microbatch)."""
         if m not in self._plans:
             pp, v, rank = self.layout.pp, self.layout.v, self.mesh.pp_rank
-            full = build_schedule(self.schedule, pp, m, v)
+            full = build_schedule(self.schedule, pp, m, v, self.split_backward)
             actions = full[rank]
             zero_bubble = any(a.kind == "W" for a in actions)
             self._plans[m] = dict(

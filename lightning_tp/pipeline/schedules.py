@@ -253,16 +253,49 @@ def forward_only(p: int, m: int, v: int = 1) -> Schedule:
     return schedule
 
 
-def build_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
-    """Dispatch by name; v (chunks per rank) only applies to interleaved_1f1b."""
+def with_split_backward(schedule: Schedule) -> Schedule:
+    """The same schedule with each backward split as ZB-H1 splits it and its weight half run at once:
+    B computes the stage input's gradient, which leaves (SEND_B), then W the weights'. The order of
+    F and B and the in-flight activations stay the schedule's (a graph lives until its W, right
+    after its B); what changes is the gradient's path down the pipeline, which now waits on input
+    halves only: 1F1B's drain, (p - 1) full backwards long, becomes (p - 1) input halves, the
+    weight halves running beside it on every rank. A schedule that already splits is returned as is."""
+    if any(a.kind == "W" for ops in schedule for a in ops):
+        return schedule
+    out = []
+    for ops in schedule:
+        new, pending = [], None
+        for a in ops:
+            if pending is not None and not (a.kind == "SEND_B" and (a.microbatch, a.chunk) == pending):
+                new.append(Action("W", *pending))
+                pending = None
+            new.append(a)
+            if a.kind == "B":
+                pending = (a.microbatch, a.chunk)
+            elif a.kind == "SEND_B" and pending is not None:
+                new.append(Action("W", *pending))
+                pending = None
+        if pending is not None:
+            new.append(Action("W", *pending))
+        out.append(new)
+    return out
+
+
+def build_schedule(name: str, p: int, m: int, v: int = 1, split_backward: bool = False) -> Schedule:
+    """Dispatch by name; v (chunks per rank) only applies to interleaved_1f1b; ``split_backward``:
+    see :func:`with_split_backward` (ZB-H1 always splits)."""
     if name in SCHEDULE_NAMES and name != "interleaved_1f1b" and v != 1:
         raise ValueError(f"schedule {name!r} has one chunk per rank; got v={v}")
+    if split_backward not in (True, False):
+        raise ValueError(f"split_backward must be True or False, got {split_backward!r}")
     if name == "gpipe":
-        return gpipe(p, m)
-    if name == "1f1b":
-        return one_f_one_b(p, m)
-    if name == "interleaved_1f1b":
-        return interleaved_1f1b(p, m, v)
-    if name == "zb_h1":
+        schedule = gpipe(p, m)
+    elif name == "1f1b":
+        schedule = one_f_one_b(p, m)
+    elif name == "interleaved_1f1b":
+        schedule = interleaved_1f1b(p, m, v)
+    elif name == "zb_h1":
         return zb_h1(p, m)
-    raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULE_NAMES)}")
+    else:
+        raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULE_NAMES)}")
+    return with_split_backward(schedule) if split_backward else schedule
