@@ -68,7 +68,8 @@ def _layout(trainer) -> dict:
                 schedule=strategy.schedule, virtual_stages=strategy.virtual_stages, plan=strategy.plan,
                 pipeline_blocks=strategy.pipeline_blocks, stage_layers=strategy.stage_layers,
                 activation_checkpointing=strategy.activation_checkpointing,
-                zb_keep_recomputed=strategy.zb_keep_recomputed, dp=world // (strategy.tp * strategy.pp))
+                zb_keep_recomputed=strategy.zb_keep_recomputed, split_backward=strategy.split_backward,
+                dp=world // (strategy.tp * strategy.pp))
 
 
 def _batch_shape(cli, flag: str | None) -> tuple:

@@ -148,10 +148,11 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
             batch_shape=(8, 128), schedule: str = "1f1b", virtual_stages: int = 1, plan="auto", dp: int = 1,
             dtype_bytes: int = 4, *, grad_bytes=None, accumulate_grad_batches: int = 1, pipeline_blocks=None,
             stage_layers=None, activation_checkpointing=False, zb_keep_recomputed: bool = False,
-            print_report: bool = True) -> Explanation:
+            split_backward: bool = False, print_report: bool = True) -> Explanation:
     """Parameters, stages, communication and activation memory of ``MegaStrategy(tp, pp, sp, ...)``
     with ``dp`` replicas on ``module`` (``zb_keep_recomputed`` as MegaStrategy's, for what ZB-H1 keeps
-    until W). ``batch_shape`` = (per-process batch, sequence length);
+    until W; ``split_backward`` as MegaStrategy's, for the bubble: its W runs at once, so memory is the
+    schedule's). ``batch_shape`` = (per-process batch, sequence length);
     ``dtype_bytes`` sizes activations, ``grad_bytes`` (default: the same) gradients. Prints the
     report unless ``print_report=False``; returns it (``str()`` gives the text)."""
     if getattr(module, "_lightning_tp", None) is not None:
@@ -159,7 +160,8 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
     sp, m = bool(sp) and tp > 1, microbatches if microbatches is not None else pp
     v = virtual_stages if pp > 1 else 1
     (B, T), grad_bytes, acc = batch_shape, grad_bytes or dtype_bytes, accumulate_grad_batches
-    recompute.check_option(activation_checkpointing, None, schedule if pp > 1 or m > 1 else None, zb_keep_recomputed)
+    recompute.check_option(activation_checkpointing, None, schedule if pp > 1 or m > 1 else None, zb_keep_recomputed,
+                           split_backward)
     if B % m:
         raise ValueError(f"microbatches={m} must divide the per-process batch size {B}.")
     base = _meta_copy(module)
@@ -186,7 +188,7 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
     # one replay of the schedule: peak in-flight microbatches (set by each rank's action order alone) and
     # the idle share of a step with equal blocks, backward = 2 forwards (ZB: its halves alike), free transfers
     unit = {"F": Fraction(1, v), "B": Fraction(2, v), "W": Fraction(1, v)}
-    actions = build_schedule(schedule, pp, m, v) if pipelined else None
+    actions = build_schedule(schedule, pp, m, v, split_backward) if pipelined else None
     replayed = simulate(actions, pp, v, unit) if pipelined else None
     peaks = replayed.peak_inflight if replayed else [1]
     bubble = float(replayed.bubble_fraction) if pp > 1 else 0.0

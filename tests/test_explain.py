@@ -177,12 +177,13 @@ def test_megatron_count_per_layer():
 
 @pytest.mark.parametrize("schedule, v, m, expected", [
     ("1f1b", 1, 4, 3 / 7), ("gpipe", 1, 8, 3 / 11), ("interleaved_1f1b", 2, 8, 3 / 19), ("interleaved_1f1b", 2, 6, 3 / 15),
-    ("zb_h1", 1, 8, 3 / 27)])
+    ("zb_h1", 1, 8, 3 / 27), ("1f1b+split", 1, 4, 6 / 18)])
 def test_explain_gives_the_pipeline_bubble_of_the_schedule(schedule, v, m, expected):
-    # (p-1)/(m+p-1) for GPipe/1F1B, (p-1)/(v*m+p-1) interleaved, (p-1)/(3m+p-1) ZB-H1 with F = B = W
+    # (p-1)/(m+p-1) for GPipe/1F1B, (p-1)/(v*m+p-1) interleaved, (p-1)/(3m+p-1) ZB-H1 with F = B = W;
+    # split_backward: idle (p-1)(T_F + T_B input half) = 2(p-1) of 3m + 2(p-1)
     model = make_model("gpt", n_layer=8)
-    report = explain(model, pp=4, microbatches=m, schedule=schedule, virtual_stages=v, batch_shape=(24, SEQ),
-                     print_report=False)
+    report = explain(model, pp=4, microbatches=m, schedule=schedule.partition("+")[0], virtual_stages=v,
+                     batch_shape=(24, SEQ), split_backward=schedule.endswith("+split"), print_report=False)
     assert report.config["bubble"] == pytest.approx(expected, abs=1e-12)
     assert f"pipeline bubble: {expected:.1%}" in str(report)
 
