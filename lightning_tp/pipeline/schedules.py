@@ -263,20 +263,16 @@ def with_split_backward(schedule: Schedule) -> Schedule:
     if any(a.kind == "W" for ops in schedule for a in ops):
         return schedule
     out = []
-    for ops in schedule:
-        new, pending = [], None
+    for ops in schedule:  # a stage's SEND_B comes right after its B (see the conventions above)
+        new = []
         for a in ops:
-            if pending is not None and not (a.kind == "SEND_B" and (a.microbatch, a.chunk) == pending):
-                new.append(Action("W", *pending))
-                pending = None
+            if new and new[-1].kind == "B" and a.kind != "SEND_B":  # a B that sends nothing (first stage)
+                new.append(Action("W", new[-1].microbatch, new[-1].chunk))
             new.append(a)
-            if a.kind == "B":
-                pending = (a.microbatch, a.chunk)
-            elif a.kind == "SEND_B" and pending is not None:
-                new.append(Action("W", *pending))
-                pending = None
-        if pending is not None:
-            new.append(Action("W", *pending))
+            if a.kind == "SEND_B":
+                new.append(Action("W", a.microbatch, a.chunk))
+        if new and new[-1].kind == "B":
+            new.append(Action("W", new[-1].microbatch, new[-1].chunk))
         out.append(new)
     return out
 
