@@ -279,7 +279,8 @@ def measure():
                     plan.append(("torch_lightning", name, m, v))
             plan.append(("probe", None, m, None))
         plan.append(("calibrate", (N_BLOCKS // P, N_BLOCKS // (2 * P)), None, None))
-    return dist.run(P, worker, plan, TF, TB, N_BLOCKS, WARMUP, MEASURED, timeout=900)
+    # generous: 6 schedules x 3 rounds at 20 ms blocks take ~20 min; a stuck rank fails sooner (timeout=120)
+    return dist.run(P, worker, plan, TF, TB, N_BLOCKS, WARMUP, MEASURED, timeout=3600)
 
 
 def report(results):
