@@ -291,6 +291,12 @@ def _make_patches():
     _patch(zb.SplitBackward, "weight_grad", lambda f: action(f, "W"))
 
 
+def parts(name: str) -> tuple:
+    """(MegaStrategy schedule, split_backward) of a bench schedule name ("1f1b+split": split_backward=True)."""
+    base, _, flag = name.partition("+")
+    return base, flag == "split"
+
+
 def run_ours(world, schedule, m, v, n_blocks, tf, tb, steps, timed=True):
     """Our executor inside a Lightning Trainer; ``timed``: with the executor's timing wrappers (the
     breakdown and Mailbox counts of bench/pipeline.py), else as shipped (its throughput)."""
@@ -300,9 +306,8 @@ def run_ours(world, schedule, m, v, n_blocks, tf, tb, steps, timed=True):
     L.seed_everything(0, verbose=False)
     timer = StepTimer()
     trainer = L.Trainer(accelerator="cpu", devices=world,
-                        strategy=MegaStrategy(pp=world, microbatches=m, schedule=schedule.partition("+")[0],
-                                              split_backward=schedule.endswith("+split"), virtual_stages=v,
-                                              timeout=120),
+                        strategy=MegaStrategy(pp=world, microbatches=m, schedule=parts(schedule)[0],
+                                              split_backward=parts(schedule)[1], virtual_stages=v, timeout=120),
                         max_steps=steps, callbacks=[timer], logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                         limit_val_batches=0, use_distributed_sampler=False)

@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import dist  # noqa: E402  (tests/dist.py: torchrun-like local processes)
-from _pipeline_model import ROWS, WIDTH, worker  # noqa: E402
+from _pipeline_model import ROWS, WIDTH, parts, worker  # noqa: E402
 
 from lightning_tp.pipeline.landed import landed_after  # noqa: E402
 from lightning_tp.pipeline.schedules import build_schedule, message  # noqa: E402
@@ -52,12 +52,6 @@ SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("1f1b+split", 1), ("interleaved_1f1b", 
              ("zb_h1", 1)]
 TORCH = {"1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B"}
 ACT_BYTES = ROWS * WIDTH * 4  # saved activation of one block for one microbatch
-
-
-def parts(name: str) -> tuple:
-    """(MegaStrategy schedule, split_backward) of a bench schedule name."""
-    base, _, flag = name.partition("+")
-    return base, flag == "split"
 
 
 def splits(name: str) -> bool:

@@ -63,9 +63,10 @@ def check_option(value, quant, schedule: str | None = None, keep_recomputed: boo
                          f"leave it False.")
     if value and split and not keep_recomputed and \
             getattr(torch.utils.checkpoint, "GraphExecGroup", None) is None:
-        raise ValueError(f"MegaStrategy(activation_checkpointing=..., schedule='zb_h1') needs torch >= 2.10 "
-                         f"(torch.utils.checkpoint.GraphExecGroup; this is {torch.__version__}): without it the "
-                         f"weight half would recompute each block once per backward call. Use schedule='1f1b', "
+        raise ValueError(f"MegaStrategy(activation_checkpointing=...) with a split backward (schedule={schedule!r}, "
+                         f"split_backward={split_backward!r}) needs torch >= 2.10 (torch.utils.checkpoint."
+                         f"GraphExecGroup; this is {torch.__version__}): without it the weight half would recompute "
+                         f"each block once per backward call. Use schedule='1f1b' with split_backward=False, "
                          f"or zb_keep_recomputed=True (one recomputation, kept from B to W).")
 
 

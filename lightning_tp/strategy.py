@@ -132,10 +132,10 @@ class MegaStrategy(ParallelStrategy):
         if p2p not in ("auto", "eager", "batched"):
             raise ValueError(f"MegaStrategy(p2p={p2p!r}): choose 'auto', 'eager' or 'batched'.")
         self.p2p = p2p
+        if split_backward not in (True, False):
+            raise ValueError(f"MegaStrategy(split_backward={split_backward!r}): use True or False.")
         if self._pipelined:  # names and counts checked now, on every rank, before any process starts
             build_schedule(schedule, pp, self.microbatches, virtual_stages, split_backward)
-        elif split_backward not in (True, False):
-            raise ValueError(f"MegaStrategy(split_backward={split_backward!r}): use True or False.")
         self._runner = None
         self._dp_overlap = None
         self.kernels = kernel_names(kernels)
