@@ -39,10 +39,10 @@ class Stats:
         self.train_step = self.send = self.recv = self.wait = self.publish = 0.0
         self.arrival_waits = 0.0  # of recv: the receives' waits (an activation's made inside an F, at its first block)
         self.mailbox_peak = 0  # bytes of sent tensors our Mailbox still holds (it releases them at step end)
-        self.act = {"F": 0.0, "B": 0.0, "W": 0.0}  # seconds inside our F / B / W actions (compute, no P2P)
+        self.act = {"F": 0.0, "B": 0.0, "Bs": 0.0, "W": 0.0}  # seconds in our F / B / split B / W (no P2P)
         self.first_work, self.last_work = None, 0.0  # start of the step's first block cost, end of its last
         self.holds = []  # (start, end, "F" or "B") of each simulated cost: a block's forward from its entry, a backward half
-        self.acts = {"F": 0, "B": 0, "W": 0}
+        self.acts = {"F": 0, "B": 0, "Bs": 0, "W": 0}
 
     def add(self, n):
         self.inflight += n
@@ -287,14 +287,19 @@ def _make_patches():
         return wrapper
 
     _patch(executor.PipelineRunner, "_run", lambda f: action(f, "F"))  # training: one F each
-    _patch(executor.PipelineRunner, "_backward", lambda f: action(f, "B"))
+    def backward(fn):  # "Bs": a split backward's input half (its W follows), "B": a whole backward
+        timed = {kind: action(fn, kind) for kind in ("B", "Bs")}
+        return lambda runner, key, *args: timed["Bs" if key in runner._split else "B"](runner, key, *args)
+
+    _patch(executor.PipelineRunner, "_backward", backward)
     _patch(zb.SplitBackward, "weight_grad", lambda f: action(f, "W"))
 
 
 def parts(name: str) -> tuple:
-    """(MegaStrategy schedule, split_backward) of a bench schedule name ("1f1b+split": split_backward=True)."""
+    """(MegaStrategy schedule, split_backward) of a bench schedule name: "1f1b+split" runs
+    split_backward=True, "1f1b+drain" split_backward="drain"."""
     base, _, flag = name.partition("+")
-    return base, flag == "split"
+    return base, {"": False, "split": True, "drain": "drain"}[flag]
 
 
 def run_ours(world, schedule, m, v, n_blocks, tf, tb, steps, timed=True):

@@ -7,7 +7,8 @@ not matter (sleeping processes do not compete). Each block also multiplies a 64x
 by a learnable vector, so gradients flow and every saved activation has a known size (64 KiB).
 
 One launch of 4 local processes (as in tests/dist.py) runs, for m in (8, 16): our MegaStrategy(pp=4)
-inside a real Lightning Trainer for each schedule, torch's Schedule1F1B and ScheduleInterleaved1F1B
+inside a real Lightning Trainer for each schedule (a plain name: split_backward=False, the textbook
+schedule; "+drain": what the default picks, see SCHEDULES), torch's Schedule1F1B and ScheduleInterleaved1F1B
 on the same blocks in a plain loop and inside the same Trainer, a calibration of the model's own
 per-action cost (no executor) and isolated overhead probes. All of it ROUNDS times, interleaved,
 so that load from other processes on the box hits every run alike.
@@ -18,7 +19,7 @@ them in the worker processes, nothing in lightning_tp is changed. Those wrappers
 cold Python that torch's does not pay, so they are on in one extra run per schedule and m (the
 breakdown and the Mailbox counts) and off in the runs whose throughput and spans are compared.
 
-    .venv/bin/python bench/pipeline.py [--block-ms 10] [--microbatches 8,16]
+    .venv/bin/python bench/pipeline.py [--block-ms 10] [--microbatches 8,16] [--also 1f1b+split]
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import dist  # noqa: E402  (tests/dist.py: torchrun-like local processes)
 from _pipeline_model import ROWS, WIDTH, parts, worker  # noqa: E402
 
 from lightning_tp.pipeline.landed import landed_after  # noqa: E402
-from lightning_tp.pipeline.schedules import build_schedule, message  # noqa: E402
+from lightning_tp.pipeline.schedules import build_schedule, message, split_keys  # noqa: E402
 from lightning_tp.pipeline.simulate import simulate  # noqa: E402
 
 P = 4  # pipeline stages = world size
@@ -47,16 +48,23 @@ MS = (8, 16)  # microbatches (--microbatches)
 TF, TB = 0.010, 0.020  # seconds per block: forward sleep, backward sleep (tb = 2 tf)
 N_BLOCKS = 8  # 2 blocks per stage; interleaved v=2: 1 block per virtual stage
 WARMUP, MEASURED, ROUNDS = 2, 6, 3  # per run: steps skipped, steps timed; every run is repeated ROUNDS times
-# "+split": the schedule with MegaStrategy(split_backward=True) (each B split as ZB-H1's, its W at once)
-SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("1f1b+split", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b+split", 2),
+# a plain name runs MegaStrategy(split_backward=False), the textbook schedule; "+drain" runs
+# split_backward="drain", what the default ("auto") picks here: the backwards after each rank's last
+# forward split as ZB-H1's, each W at once; "+split" (--schedules) split_backward=True, every backward
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("1f1b+drain", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b+drain", 2),
              ("zb_h1", 1)]
+DEFAULT = {"1f1b+drain", "interleaved_1f1b+drain"}  # MegaStrategy's default (split_backward="auto") at pp=4
 TORCH = {"1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B"}
 ACT_BYTES = ROWS * WIDTH * 4  # saved activation of one block for one microbatch
 
 
 def splits(name: str) -> bool:
-    """Whether the schedule splits each backward into B (input half) and W (weight half)."""
-    return name == "zb_h1" or parts(name)[1]
+    """Whether the schedule splits backwards into B (input half) and W (weight half)."""
+    return name == "zb_h1" or bool(parts(name)[1])
+
+
+def label(name: str) -> str:
+    return name + " (default)" if name in DEFAULT else name
 
 
 def build(name: str, m: int, v: int):
@@ -102,14 +110,35 @@ def replay(schedule, p, v, duration, latency: float = 0.0, rendezvous: bool = Fa
     return max(clock)
 
 
+def split_cost(sched, first_b, b, bi, w):
+    """Per-action cost of a schedule whose backwards may be split (see with_split_backward): a split
+    B is the input half (``bi``; free on the first virtual stage, which has no input gradient, where
+    W is the whole backward), any other B the whole backward ``b``; ``first_b(r, a)``: the first
+    virtual stage's. ``b``, ``bi``, ``w``: functions of (rank, action) or numbers."""
+    keys = [split_keys(ops) for ops in sched]
+    val = lambda f, r, a: f(r, a) if callable(f) else f  # noqa: E731
+
+    def dur(r, a, other):
+        first = r == 0 and a.chunk == 0
+        if a.kind == "W":
+            return val(first_b, r, a) if first else val(w, r, a)
+        if a.kind == "B":
+            if (a.microbatch, a.chunk) not in keys[r]:
+                return val(b, r, a)
+            return 0.0 if first else val(bi, r, a)
+        return other(r, a)
+    return dur
+
+
 def calibrated_ideal(name, sched, v, cal) -> tuple:
     """(ideal step time, per-action cost) of a schedule with each rank's per-action cost as measured by
     calibrate() (the model alone, no executor); a split backward as our executor splits it (the first
     virtual stage: B free, W the whole backward)."""
     per = N_BLOCKS // (P * v)
     if splits(name):
-        dur = lambda r, a: ({"B": 0.0, "W": cal[r][per]["B"]} if r == 0 and a.chunk == 0 else  # noqa: E731
-                            {"B": cal[r][per]["Bi"], "W": cal[r][per]["W"]}).get(a.kind, cal[r][per][a.kind])
+        c = lambda kind: (lambda r, a: cal[r][per][kind])  # noqa: E731
+        cost = split_cost(sched, c("B"), c("B"), c("Bi"), c("W"), )
+        dur = lambda r, a: cost(r, a, lambda r, a: cal[r][per][a.kind])  # noqa: E731
     else:
         dur = lambda r, a: cal[r][per][a.kind]  # noqa: E731
     return replay(sched, P, v, dur), dur
@@ -136,13 +165,12 @@ def ideals(m: int) -> dict:
         # (b) what our executor does (pipeline/zb.py): B = the input-gradient half of the stage's
         # backward, W = the weight half; the first virtual stage has no input gradient, so its B is free
         # and its W the whole backward. simulate() takes one cost per kind for all ranks, hence the replay.
-        cost = {"F": per * TF, "B": per * TB / 2, "W": per * TB / 2}
-        dur = lambda r, a, cost=cost, per=per: {"B": 0.0, "W": per * TB}.get(a.kind, cost[a.kind]) \
-            if r == 0 and a.chunk == 0 else cost[a.kind]  # noqa: E731
+        cost = split_cost(sched, per * TB, per * TB, per * TB / 2, per * TB / 2)
+        dur = lambda r, a, cost=cost, f=per * TF: cost(r, a, lambda r, a: f)  # noqa: E731
         out[name] = dict(sched=sched, v=v, dur=dur, ideal=replay(sched, P, v, dur), peak=split.peak_inflight,
-                         busy=[m * v * (cost["F"] + per * TB) for _ in range(P)], split=split.makespan,
-                         model=f"replay F={per * TF * 1e3:.0f} B={per * TB / 2 * 1e3:.0f} W={per * TB / 2 * 1e3:.0f}, "
-                               f"rank 0 chunk 0 B=0 W={per * TB * 1e3:.0f}")
+                         busy=[m * v * per * (TF + TB) for _ in range(P)], split=split.makespan,
+                         model=f"replay F={per * TF * 1e3:.0f} B={per * TB * 1e3:.0f}, split: B={per * TB / 2 * 1e3:.0f} "
+                               f"W={per * TB / 2 * 1e3:.0f}, rank 0 chunk 0 B=0 W={per * TB * 1e3:.0f}")
     return out
 
 
@@ -237,7 +265,7 @@ def action_costs(per_rank) -> list:
     inside our executor (the block's sleeps plus its real compute and the executor's own code)."""
     idx = _measured(per_rank)
     return [{k: statistics.median(r["stats"][i]["act"][k] / max(r["stats"][i]["acts"][k], 1) for i in idx)
-             for k in ("F", "B", "W")} for r in per_rank]
+             for k in ("F", "B", "Bs", "W")} for r in per_rank]
 
 
 def stat(per_rank, field, reduce=statistics.median):
@@ -299,7 +327,7 @@ def report(results):
           f"({link * 1e3:.2f} ms,\n   plain isend/irecv; paid once sender and receiver are both there, as gloo "
           f"does).\n"
           "   'as timed': the replay with each rank's F/B/W as timed inside our executor (model + our per-action code)")
-    hdr = (f"{'schedule':<24}{'m':>3}  {'measured ms':>11}  {'nominal':>8}  {'ratio':>6}  {'model':>7}  {'ratio':>6}  "
+    hdr = (f"{'schedule':<34}{'m':>3}  {'measured ms':>11}  {'nominal':>8}  {'ratio':>6}  {'model':>7}  {'ratio':>6}  "
            f"{'target':>6}  {'model+link':>10}  {'ratio':>6}  {'as timed':>8}  {'ratio':>6}")
     print(hdr)
     print("-" * len(hdr))
@@ -312,14 +340,16 @@ def report(results):
             model, model_dur = calibrated_ideal(name, idl["sched"], v, cal)
             with_link = replay(idl["sched"], P, v, model_dur, link, rendezvous=True)
             costs = action_costs(get(("ours_timed", name, m)))
-            timed = replay(idl["sched"], P, v, lambda r, a, c=costs: c[r][a.kind])
+            keys = [split_keys(ops) for ops in idl["sched"]]
+            timed = replay(idl["sched"], P, v, lambda r, a, c=costs, keys=keys:
+                           c[r]["Bs" if a.kind == "B" and (a.microbatch, a.chunk) in keys[r] else a.kind])
             ratio = span / model
             models[(name, m)] = model
-            print(f"{name:<24}{m:>3}  {ms(span):>11}  {ms(idl['ideal']):>8}  {span / idl['ideal']:>6.3f}  "
+            print(f"{label(name):<34}{m:>3}  {ms(span):>11}  {ms(idl['ideal']):>8}  {span / idl['ideal']:>6.3f}  "
                   f"{ms(model):>7}  {ratio:>6.3f}  {'ok' if ratio <= 1.05 else 'MISSED':>6}  {ms(with_link):>10}  "
                   f"{span / with_link:>6.3f}  {ms(timed):>8}  {span / timed:>6.3f}")
             if name == "zb_h1":
-                print(f"{'  vs split-W ideal':<24}{m:>3}  {ms(span):>11}  {ms(idl['split']):>8}  "
+                print(f"{'  vs split-W ideal':<34}{m:>3}  {ms(span):>11}  {ms(idl['split']):>8}  "
                       f"{span / idl['split']:>6.3f}  (the paper's nominal ideal: rank 0 splits too)")
     print("   nominal cost model: " + "; ".join(f"{n} {ideal_by_m[MS[0]][n]['model']}" for n, _ in SCHEDULES))
     print("   model cost per action, ms, per rank s0/s1/s2/s3 (F forward, B backward, Bi its input half):")
@@ -371,7 +401,7 @@ def report(results):
           "   of a period is the step boundary (optimizer step, hooks, self.log, data fetch; in Lightning also its\n"
           "   per-step SIGTERM broadcast from rank 0); period/model ideal: each executor's period over the model ideal\n"
           "   of 1), i.e. what the same link and Lightning cost torch's schedules on this box too")
-    hdr = (f"{'schedule':<24}{'m':>3}  {'torch class':<24}{'loop':<10}{'ours ms/step':>12}  {'torch ms/step':>13}  "
+    hdr = (f"{'schedule':<34}{'m':>3}  {'torch class':<24}{'loop':<10}{'ours ms/step':>12}  {'torch ms/step':>13}  "
            f"{'ours/torch thr':>14}  {'target':>6}  {'work span ours/torch ms':>23}  {'ratio':>6}  "
            f"{'boundary ours/torch ms':>22}  {'period/model ideal ours/torch':>29}  {'per round':>17}")
     print(hdr)
@@ -381,7 +411,7 @@ def report(results):
         for name, base in compared:  # ours "+split" against the same torch runs as its schedule's
             cls = TORCH[base]
             if not torch_runs(base, m):
-                print(f"{name:<24}{m:>3}  {cls:<24}(torch refuses this m: it needs m divisible by max(1, m // {P}))")
+                print(f"{label(name):<34}{m:>3}  {cls:<24}(torch refuses this m: it needs m divisible by max(1, m // {P}))")
                 continue
             o_period = measured[(name, m)][1]
             o_span = work_spans(get(("ours", name, m)))
@@ -390,7 +420,7 @@ def report(results):
                 ratio = t_period / o_period
                 t_span = work_spans(get((impl, base, m)))
                 rounds = round_ratios(get(("ours", name, m)), get((impl, base, m)))
-                print(f"{name:<24}{m:>3}  {cls:<24}{loop:<10}{ms(o_period):>12}  {ms(t_period):>13}  {ratio:>14.3f}  "
+                print(f"{label(name):<34}{m:>3}  {cls:<24}{loop:<10}{ms(o_period):>12}  {ms(t_period):>13}  {ratio:>14.3f}  "
                       f"{'ok' if ratio >= 1.0 else 'MISSED':>6}  {ms(o_span) + ' / ' + ms(t_span):>23}  "
                       f"{t_span / o_span:>6.3f}  {ms(o_period - o_span) + ' / ' + ms(t_period - t_span):>22}  "
                       f"{o_period / models[(name, m)]:>14.3f} / {t_period / models[(base, m)]:.3f}  "
@@ -467,8 +497,15 @@ def main():
     parser.add_argument("--microbatches", default=",".join(map(str, MS)),
                         help="comma-separated microbatch counts to run, e.g. 6,8 (any m: ours groups interleaved "
                              "1F1B's microbatches by at least p; the first one is used for the memory table)")
+    parser.add_argument("--also", default="",
+                        help="comma-separated schedules to run besides the default set, e.g. 1f1b+split,"
+                             "interleaved_1f1b+split (split_backward=True: every backward split)")
     args = parser.parse_args()
     MS = tuple(int(x) for x in args.microbatches.split(","))
+    for name in filter(None, args.also.split(",")):
+        if parts(name)[0] not in ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1"):
+            parser.error(f"--also: unknown schedule {name!r}")
+        SCHEDULES.append((name, 2 if name.startswith("interleaved") else 1))
     TF = args.block_ms / 1e3
     TB = 2 * TF
     t0 = time.perf_counter()

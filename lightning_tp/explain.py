@@ -66,7 +66,7 @@ from torch import nn
 
 from .grads import replica_buffer_numel
 from .pipeline.block_lists import block_at, block_key
-from .pipeline.schedules import build_schedule
+from .pipeline.schedules import build_schedule, resolve_split_backward
 from .pipeline.simulate import simulate
 from .pipeline.sp_stages import chain_index
 from .pipeline.split import _outer_groups, apply_split, plan_stages
@@ -148,7 +148,7 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
             batch_shape=(8, 128), schedule: str = "1f1b", virtual_stages: int = 1, plan="auto", dp: int = 1,
             dtype_bytes: int = 4, *, grad_bytes=None, accumulate_grad_batches: int = 1, pipeline_blocks=None,
             stage_layers=None, activation_checkpointing=False, zb_keep_recomputed: bool = False,
-            split_backward: bool = False, print_report: bool = True) -> Explanation:
+            split_backward="auto", print_report: bool = True) -> Explanation:
     """Parameters, stages, communication and activation memory of ``MegaStrategy(tp, pp, sp, ...)``
     with ``dp`` replicas on ``module`` (``zb_keep_recomputed`` as MegaStrategy's, for what ZB-H1 keeps
     until W; ``split_backward`` as MegaStrategy's, for the bubble: its W runs at once, so memory is the
@@ -160,6 +160,7 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
     sp, m = bool(sp) and tp > 1, microbatches if microbatches is not None else pp
     v = virtual_stages if pp > 1 else 1
     (B, T), grad_bytes, acc = batch_shape, grad_bytes or dtype_bytes, accumulate_grad_batches
+    resolve_split_backward(split_backward, schedule, pp)  # a wrong value refused before any work
     recompute.check_option(activation_checkpointing, None, schedule if pp > 1 or m > 1 else None, zb_keep_recomputed,
                            split_backward)
     if B % m:
@@ -188,6 +189,8 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
     # one replay of the schedule: peak in-flight microbatches (set by each rank's action order alone) and
     # the idle share of a step with equal blocks, backward = 2 forwards (ZB: its halves alike), free transfers
     unit = {"F": Fraction(1, v), "B": Fraction(2, v), "W": Fraction(1, v)}
+    split_backward = resolve_split_backward(split_backward, schedule, pp, activation_checkpointing,
+                                            bool(layout is not None and layout.lists))
     actions = build_schedule(schedule, pp, m, v, split_backward) if pipelined else None
     replayed = simulate(actions, pp, v, unit) if pipelined else None
     peaks = replayed.peak_inflight if replayed else [1]

@@ -25,6 +25,7 @@ from .pipeline.sharded_twins import shard_twins
 from .pipeline.side_inputs import SideInputCheck
 from .pipeline import sp_stages
 from .pipeline.split import apply_split, plan_stages
+from .pipeline.schedules import resolve_split_backward
 from .pipeline.stage import install as install_stages
 from .plain import load_full
 from .plans import apply as planner
@@ -87,7 +88,7 @@ def parallelize(s, module):
         state = install_stages(layout.blocks(module), layout, s.mesh.pp_rank, silence, split["twins"], side,
                                split.get("companion_twins"))
         runner = PipelineRunner(module, s.mesh, layout, state, s.schedule, s.microbatches, batched=_batched(s),
-                                device=s.root_device, split_backward=s.split_backward)
+                                device=s.root_device, split_backward=_split_backward(s, layout))
     streams = _block_streams(s, module, layout)
     overlap = _dp_overlap(s, module, runner)
     contexts = {id(m.ctx): m.ctx for m in replaced.values() if hasattr(m, "ctx")}
@@ -101,6 +102,11 @@ def parallelize(s, module):
                             "streams": streams}
     _set_metric_groups(module, s.mesh.dp_group)
     return runner, overlap
+
+
+def _split_backward(s, layout):
+    """The strategy's ``split_backward`` for this layout (``"auto"`` made concrete)."""
+    return resolve_split_backward(s.split_backward, s.schedule, s.pp, s.activation_checkpointing, bool(layout.lists))
 
 
 def _reuse(s, module, done):
@@ -120,12 +126,12 @@ def _reuse(s, module, done):
                          f"build a fresh module for this layout.")
     batched = _batched(s)
     if runner is not None and (runner.schedule, runner.m, runner.batched, runner.split_backward) != \
-            (s.schedule, s.microbatches, batched, s.split_backward):
+            (s.schedule, s.microbatches, batched, _split_backward(s, runner.layout)):
         recompute.check_option(s.activation_checkpointing, s.quant, s.schedule, s.zb_keep_recomputed, s.split_backward)
         # another schedule or microbatch count on the same stages (a second Trainer's options)
         runner = done["runner"] = PipelineRunner(module, s.mesh, runner.layout, runner.state, s.schedule,
                                                  s.microbatches, batched=batched, device=s.root_device,
-                                                 split_backward=s.split_backward)
+                                                 split_backward=_split_backward(s, runner.layout))
     if runner is not None:
         runner.mesh = s.mesh
         runner.dp_overlap = None  # the last strategy's; this one syncs after the step

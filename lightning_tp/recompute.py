@@ -42,7 +42,7 @@ def check_option(value, quant, schedule: str | None = None, keep_recomputed: boo
     backward (ZB-H1, or ``split_backward`` with a pipelined ``schedule``) its weight half recomputes
     again, once for all its backward calls (torch's GraphExecGroup), unless ``keep_recomputed``
     (``zb_keep_recomputed``: see zb_checkpoint)."""
-    split = schedule == "zb_h1" or (schedule is not None and split_backward is True)
+    split = schedule == "zb_h1" or (schedule is not None and (split_backward is True or split_backward == "drain"))
     if isinstance(value, bool) or value is None:
         ok = True
     else:

@@ -35,7 +35,7 @@ from .quant.fake_quant import RANGE_MODES
 from .mesh import ParallelMesh, build_mesh, data_parallel_size, gloo_twin_of_mp_group
 from .pipeline.epoch_end import install as install_epoch_end_sync
 from .pipeline.executor import PipelineRunner
-from .pipeline.schedules import build_schedule
+from .pipeline.schedules import build_schedule, resolve_split_backward
 from .parallelize import parallelize
 from .same_batch import BatchBroadcast
 
@@ -63,13 +63,16 @@ class MegaStrategy(ParallelStrategy):
             row, that divide it: see ``step_microbatches``).
         schedule: ``"1f1b"``, ``"gpipe"``, ``"interleaved_1f1b"`` or ``"zb_h1"``.
         virtual_stages: model chunks per rank for the interleaved schedule.
-        split_backward: split each backward of ``"1f1b"``, ``"gpipe"`` or ``"interleaved_1f1b"`` as
-            ZB-H1 does and run its weight half at once: the stage input's gradient is computed and
-            sent first, then the weights'. Same order, same in-flight activations and the same
-            gradients; the gradient's path down the pipeline waits on input halves only, which
-            shortens the drain by about (pp - 1) weight halves. Costs a graph walk and a second
-            backward call per microbatch and stage (see ``pipeline/zb.py``), so tiny stages may not
-            gain. ``"zb_h1"`` always splits.
+        split_backward: split backwards of ``"1f1b"``, ``"gpipe"`` or ``"interleaved_1f1b"`` as ZB-H1
+            does and run each weight half at once: the stage input's gradient is computed and sent
+            first, then the weights'. Same order, same in-flight activations and the same gradients;
+            the gradient's path down the pipeline waits on input halves only, which shortens the
+            drain by about (pp - 1) weight halves. ``"drain"`` splits only the backwards after each
+            rank's last forward, where that pays (at most pp per rank and step under 1F1B); True
+            every backward; ``"auto"`` (default): ``"drain"`` under pp > 1, except with
+            ``activation_checkpointing`` (a split block's W recomputes its forward again) and in an
+            encoder-decoder pipeline (see ``resolve_split_backward``), else False. Each split costs a graph walk and, for ops other than Linear and LayerNorm, a
+            second backward call (see ``pipeline/zb.py``). ``"zb_h1"`` always splits.
         pipeline_blocks: path of the repeated block list, when the plan or the search cannot find it; an
             encoder-decoder's two as a list (encoder, then decoder; nn.Transformer's plan names them).
         stage_layers: blocks per (virtual) stage, instead of the parameter-balanced split.
@@ -109,7 +112,7 @@ class MegaStrategy(ParallelStrategy):
                  microbatches: Optional[int] = None, schedule: str = "1f1b", virtual_stages: int = 1,
                  pipeline_blocks: Optional[Union[str, list[str]]] = None, stage_layers: Optional[list] = None,
                  activation_checkpointing: Union[bool, int] = False, zb_keep_recomputed: bool = False,
-                 split_backward: bool = False, p2p: Literal["auto", "eager", "batched"] = "auto",
+                 split_backward: Union[bool, Literal["auto", "drain"]] = "auto", p2p: Literal["auto", "eager", "batched"] = "auto",
                  kernels: Union[bool, list, None] = False, quant: Optional[str] = None, quant_range: str = "ema",
                  load_full: Optional[str] = None, sync_init: bool = True, broadcast_batch: bool = True,
                  process_group_backend: Optional[str] = None,
@@ -132,10 +135,11 @@ class MegaStrategy(ParallelStrategy):
         if p2p not in ("auto", "eager", "batched"):
             raise ValueError(f"MegaStrategy(p2p={p2p!r}): choose 'auto', 'eager' or 'batched'.")
         self.p2p = p2p
-        if split_backward not in (True, False):
-            raise ValueError(f"MegaStrategy(split_backward={split_backward!r}): use True or False.")
         if self._pipelined:  # names and counts checked now, on every rank, before any process starts
-            build_schedule(schedule, pp, self.microbatches, virtual_stages, split_backward)
+            build_schedule(schedule, pp, self.microbatches, virtual_stages,
+                           resolve_split_backward(split_backward, schedule, pp, activation_checkpointing))
+        else:
+            resolve_split_backward(split_backward, schedule, pp)  # refuses a wrong value all the same
         self._runner = None
         self._dp_overlap = None
         self.kernels = kernel_names(kernels)

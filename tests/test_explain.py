@@ -177,13 +177,17 @@ def test_megatron_count_per_layer():
 
 @pytest.mark.parametrize("schedule, v, m, expected", [
     ("1f1b", 1, 4, 3 / 7), ("gpipe", 1, 8, 3 / 11), ("interleaved_1f1b", 2, 8, 3 / 19), ("interleaved_1f1b", 2, 6, 3 / 15),
-    ("zb_h1", 1, 8, 3 / 27), ("1f1b+split", 1, 4, 6 / 18)])
+    ("zb_h1", 1, 8, 3 / 27), ("1f1b+split", 1, 4, 6 / 18), ("1f1b+drain", 1, 4, 6 / 18), ("1f1b+auto", 1, 4, 6 / 18),
+    ("interleaved_1f1b+auto", 2, 8, 6 / 54)])
 def test_explain_gives_the_pipeline_bubble_of_the_schedule(schedule, v, m, expected):
     # (p-1)/(m+p-1) for GPipe/1F1B, (p-1)/(v*m+p-1) interleaved, (p-1)/(3m+p-1) ZB-H1 with F = B = W;
-    # split_backward: idle (p-1)(T_F + T_B input half) = 2(p-1) of 3m + 2(p-1)
+    # a split backward (every one, or the drain's, which the default "auto" picks here): idle
+    # (p-1)(T_F + T_B input half) = 2(p-1) of 3m + 2(p-1) (interleaved: of 3vm + 2(p-1), per chunk)
     model = make_model("gpt", n_layer=8)
-    report = explain(model, pp=4, microbatches=m, schedule=schedule.partition("+")[0], virtual_stages=v,
-                     batch_shape=(24, SEQ), split_backward=schedule.endswith("+split"), print_report=False)
+    base, _, flag = schedule.partition("+")
+    split = {} if flag == "auto" else dict(split_backward={"": False, "split": True, "drain": "drain"}[flag])
+    report = explain(model, pp=4, microbatches=m, schedule=base, virtual_stages=v, batch_shape=(24, SEQ),
+                     print_report=False, **split)
     assert report.config["bubble"] == pytest.approx(expected, abs=1e-12)
     assert f"pipeline bubble: {expected:.1%}" in str(report)
 

@@ -91,7 +91,16 @@ WORLD2.update({
                                                  dict(precision="bf16-true", max_steps=10)),
     "pp2_hf_t5_zb_h1_inside_the_decoder": ("hf_t5", dict(layers=3), _pp(2, "zb_h1", stage_layers=[4, 2]), {}),
 })
-WORLD2.update({  # each backward split as ZB-H1 splits it, its W at once (MegaStrategy(split_backward=True))
+# split_backward: the default ("auto") splits the backwards after each rank's last forward ("drain") for
+# the GPT configs above, none for the encoder-decoders and under activation checkpointing; True splits
+# every backward as ZB-H1 does, its W at once; False none (the textbook schedule)
+WORLD2.update({
+    "pp2_1f1b_plain_backward": ("gpt", dict(n_layer=4), _pp(2, "1f1b", split_backward=False), {}),
+    "pp2_interleaved_plain_backward": ("gpt", dict(n_layer=4), _pp(2, "interleaved_1f1b", split_backward=False), {}),
+    "pp2_gpipe_plain_backward_batched_p2p": ("gpt", dict(n_layer=4), _pp(2, "gpipe", split_backward=False,
+                                                                         p2p="batched"), {}),
+    "pp2_1f1b_drain_recompute": ("gpt", dict(n_layer=4), _pp(2, "1f1b", split_backward="drain",
+                                                             activation_checkpointing=True), {}),
     "pp2_1f1b_split_backward": ("gpt", dict(n_layer=4), _pp(2, "1f1b", split_backward=True), {}),
     "pp2_interleaved_split_backward": ("gpt", dict(n_layer=4), _pp(2, "interleaved_1f1b", split_backward=True), {}),
     "pp2_gpipe_split_backward_batched_p2p": ("gpt", dict(n_layer=4), _pp(2, "gpipe", split_backward=True,
@@ -103,6 +112,8 @@ WORLD4 = {f"pp4_uneven_{s}": ("gpt", dict(n_layer=6), _pp(4, s), {}) for s in ("
 WORLD4.update({
     "pp4_uneven_1f1b_split_backward": ("gpt", dict(n_layer=6), _pp(4, "1f1b", split_backward=True), {}),
     "pp2_dp2_1f1b_split_backward": ("gpt", dict(n_layer=4), _pp(2, "1f1b", split_backward=True), {}),
+    "pp4_uneven_1f1b_plain_backward": ("gpt", dict(n_layer=6), _pp(4, "1f1b", split_backward=False), {}),
+    "pp2_dp2_1f1b_plain_backward": ("gpt", dict(n_layer=4), _pp(2, "1f1b", split_backward=False), {}),
     "pp4_interleaved_1f1b": ("gpt", dict(n_layer=8), _pp(4, "interleaved_1f1b"), {}),
     "pp4_interleaved_batched_p2p": ("gpt", dict(n_layer=8), _pp(4, "interleaved_1f1b", p2p="batched"), {}),
     # microbatches not a multiple of pp: one group of 6 (>= pp) walks both chunks; fewer than pp (2)

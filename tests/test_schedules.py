@@ -465,5 +465,61 @@ def test_split_backward_shortens_1f1b_by_p_minus_1_weight_halves_and_leaves_zb_h
     plain = simulate(one_f_one_b(p, m), p, cost=cost).makespan
     assert simulate(with_split_backward(one_f_one_b(p, m)), p, cost=cost).makespan == plain - (p - 1) * cost["W"]
     assert build_schedule("zb_h1", p, m, split_backward=True) == zb_h1(p, m)
-    with pytest.raises(ValueError, match="split_backward must be True or False"):
+    with pytest.raises(ValueError, match="split_backward must be True, False or 'drain'"):
         build_schedule("1f1b", p, m, split_backward="yes")
+
+
+DRAIN = [(n, p, m, v) for n in ("gpipe", "1f1b", "interleaved_1f1b") for p in (1, 2, 3, 4, 6)
+         for v in ((1, 2, 3) if n == "interleaved_1f1b" else (1,)) for m in range(1, 3 * p + 2)]
+
+
+def test_drain_split_keeps_the_whole_gain_at_a_bounded_count_of_splits():
+    """split_backward="drain" splits only the backwards after each rank's last forward: every replay
+    where W is at most the input half takes exactly as long as splitting every backward, with the
+    plain schedule's actions, order and peak memory, at most p splits per rank and step under 1F1B
+    and (2p - 1)·v under interleaved, whatever m (GPipe: its whole backward phase is a drain)."""
+    for name, p, m, v in DRAIN:
+        plain, full = build_schedule(name, p, m, v), build_schedule(name, p, m, v, split_backward=True)
+        drain = build_schedule(name, p, m, v, split_backward="drain")
+        for ops, new, every in zip(plain, drain, full):
+            assert [a for a in new if a.kind != "W"] == ops
+            last_f = max(i for i, a in enumerate(ops) if a.kind == "F")
+            after = [(a.microbatch, a.chunk) for a in ops[last_f:] if a.kind == "B"]
+            assert [(a.microbatch, a.chunk) for a in new if a.kind == "W"] == after
+            pairs = [a for a in new if a.kind in ("B", "W") and (a.microbatch, a.chunk) in after]
+            assert pairs == [a for a in every if a.kind in ("B", "W") and (a.microbatch, a.chunk) in after]
+            bound = {"gpipe": m, "1f1b": p, "interleaved_1f1b": (2 * p - 1) * v}[name]
+            assert len(after) <= bound, (name, p, m, v)
+        for cost in (unit_cost(v), {"F": 3, "B": 5, "W": 2}, {"F": 3, "B": 6, "W": 3}):
+            res = simulate(drain, p, v, cost)
+            assert res.makespan == simulate(full, p, v, cost).makespan, (name, p, m, v, cost)
+            assert res.peak_inflight == simulate(plain, p, v, cost).peak_inflight
+    # a W longer than the input half: splitting every backward also shortens the steady state
+    cost = {"F": 10, "B": 20, "W": 14}
+    plain, full = build_schedule("1f1b", 4, 8), build_schedule("1f1b", 4, 8, split_backward=True)
+    drain = build_schedule("1f1b", 4, 8, split_backward="drain")
+    times = [simulate(s, 4, 1, cost).makespan for s in (plain, drain, full)]
+    assert times[0] > times[1] > times[2], times
+
+
+def test_simulate_costs_a_b_without_its_w_as_a_whole_backward():
+    sched = build_schedule("1f1b", 2, 2, split_backward="drain")  # rank 1: F0 B0 F1 B1 W1
+    cost = {"F": 3, "B": 5, "W": 2}
+    ends = [(a.kind, a.microbatch, end - start) for start, end, a in simulate(sched, 2, 1, cost).timelines[1]]
+    assert ends == [("F", 0, 3), ("B", 0, 5), ("F", 1, 3), ("B", 1, 3), ("W", 1, 2)]
+
+
+def test_auto_split_backward_is_the_drain_split_where_it_pays():
+    from lightning_tp.pipeline.schedules import resolve_split_backward as resolve
+
+    for schedule in ("gpipe", "1f1b", "interleaved_1f1b"):
+        assert resolve("auto", schedule, 2) == "drain"
+        assert resolve("auto", schedule, 1) is False  # no pipeline: no gradient goes anywhere
+        assert resolve("auto", schedule, 4, activation_checkpointing=2) is False  # W would recompute again
+        assert resolve("auto", schedule, 4, encoder_decoder=True) is False
+    assert resolve("auto", "zb_h1", 4) is False  # splits on its own
+    for value in (True, False, "drain"):
+        assert resolve(value, "1f1b", 4, activation_checkpointing=True, encoder_decoder=True) is value
+    for bad in ("yes", 1, None):
+        with pytest.raises(ValueError, match="use 'auto', 'drain', True or False"):
+            resolve(bad, "1f1b", 4)

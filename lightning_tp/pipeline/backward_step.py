@@ -39,10 +39,10 @@ class BackwardStep:
                                  f"hold trainable weights: a detach() or torch.no_grad() before the next stage, or "
                                  f"a reentrant checkpoint around a block whose input needs no grad (use "
                                  f"use_reentrant=False, or MegaStrategy(activation_checkpointing=True)).")
-            if self.zero_bubble:  # a frozen first stage: no backward, as one process computes none there
+            if key in self._split:  # a frozen first stage: no backward, as one process computes none there
                 deferred[key] = _NoWeightGrad()
             return
-        if not self.zero_bubble:
+        if key not in self._split:
             torch.autograd.backward(out, grad)
             return
         # ZB: B computes only the input gradient now; W (the weight half, see .zb) runs later.

@@ -30,7 +30,7 @@ from .microbatch import batches_per_epoch, merge_outputs, microbatches_for, must
 from .p2p import Mailbox, drop_sent_values, made_early, tag
 from .p2p_slots import SlotMailbox
 from .placeholders import agree_on_stand_ins, holds_nan
-from .schedules import Action, build_schedule
+from .schedules import Action, build_schedule, split_keys
 from .slots import slot_plan
 from .stage import StageDone
 
@@ -143,24 +143,24 @@ class PipelineRunner(StageLogs, ForwardOnlyStep, BackwardStep):
             pp, v, rank = self.layout.pp, self.layout.v, self.mesh.pp_rank
             full = build_schedule(self.schedule, pp, m, v, self.split_backward)
             actions = full[rank]
-            zero_bubble = any(a.kind == "W" for a in actions)
+            split = split_keys(actions)  # the backwards split into B and W (zero bubble, split_backward)
             self._plans[m] = dict(
-                actions=actions, zero_bubble=zero_bubble, receives=self._expected_receives(actions),
+                actions=actions, split=split, receives=self._expected_receives(actions),
                 slots=slot_plan(full, pp, v)[rank] if self.batched else None,
                 # gloo: publish the logs before the last receive where that fills a wait (see early_publish)
                 publish_at=None if self.batched else early_publish(full, pp, v)[rank],
                 # gloo: per receive, the tags of the sends it proves landed, to drop them there (see .landed)
                 landed={} if self.batched else {i: [self._send_tag(actions[j]) for j in js]
                                                 for i, js in landed_after(full, pp)[rank].items()},
-                # each chunk's final weight-gradient pass of the step (B, or ZB's W): its gradients are then
-                # final, so the dp overlap starts their sync there. Chunks finish last-first, as buckets go.
-                final=_last_per_chunk(actions, "W" if zero_bubble else "B", v),
-                # zero bubble: each chunk's last B, final instead where the chunk's backward is not split (see
+                # each chunk's final weight-gradient pass of the step (a W, or a B not split): its gradients are
+                # then final, so the dp overlap starts their sync there. Chunks finish last-first, as buckets go.
+                final=_last_weight_pass(actions, split, v),
+                # split: each chunk's last B, final instead where the chunk's backward is not split (see
                 # BackwardStep._syncing)
-                final_b=_last_per_chunk(actions, "B", v) if zero_bubble else set())
+                final_b=_last_per_chunk(actions, "B", v) if split else set())
         plan = self._plans[m]
         self.step_m = m  # this step's microbatch count (MegaStrategy.step_microbatches)
-        self.actions, self.zero_bubble, self._receives = plan["actions"], plan["zero_bubble"], plan["receives"]
+        self.actions, self._split, self._receives = plan["actions"], plan["split"], plan["receives"]
         self.slots, self._publish_at, self._landed = plan["slots"], plan["publish_at"], plan["landed"]
         self._final, self._final_b = plan["final"], plan["final_b"]
 
@@ -376,6 +376,12 @@ class PipelineRunner(StageLogs, ForwardOnlyStep, BackwardStep):
 def _last_per_chunk(actions, kind: str, v: int) -> set:
     """Each of the ``v`` chunks' last action of ``kind`` in a rank's action list."""
     return {next(a for a in reversed(actions) if a.kind == kind and a.chunk == c) for c in range(v)}
+
+
+def _last_weight_pass(actions, split: set, v: int) -> set:
+    """Each chunk's last action that computes weight gradients: a W, or a B that is not split."""
+    return {next(a for a in reversed(actions) if a.chunk == c and
+                 (a.kind == "W" or (a.kind == "B" and (a.microbatch, a.chunk) not in split))) for c in range(v)}
 
 
 def _arrive(work, box, landed) -> None:

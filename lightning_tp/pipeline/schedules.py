@@ -27,7 +27,9 @@ Conventions:
   non-last one does SEND_F right after it. Backward mirrors this:
   RECV_B before B unless last, SEND_B after B unless first.
 * "B" is the full backward in GPipe/1F1B/interleaved; in ZB-H1 it is the
-  input-gradient half only and "W" is the weight-gradient half.
+  input-gradient half only and "W" is the weight-gradient half. In general a B
+  followed by a W of the same microbatch and chunk is the input half, any other
+  B the full backward (``with_split_backward(drain_only=True)`` mixes both).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ COMPUTE_KINDS = ("F", "B", "W")
 P2P_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
 KINDS = COMPUTE_KINDS + P2P_KINDS
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
+SPLIT_BACKWARD = (False, True, "drain")  # build_schedule's split_backward values
 
 
 @dataclass(frozen=True)
@@ -253,37 +256,68 @@ def forward_only(p: int, m: int, v: int = 1) -> Schedule:
     return schedule
 
 
-def with_split_backward(schedule: Schedule) -> Schedule:
+def with_split_backward(schedule: Schedule, drain_only: bool = False) -> Schedule:
     """The same schedule with each backward split as ZB-H1 splits it and its weight half run at once:
     B computes the stage input's gradient, which leaves (SEND_B), then W the weights'. The order of
     F and B and the in-flight activations stay the schedule's (a graph lives until its W, right
     after its B); what changes is the gradient's path down the pipeline, which now waits on input
     halves only: 1F1B's drain, (p - 1) full backwards long, becomes (p - 1) input halves, the
-    weight halves running beside it on every rank. A schedule that already splits is returned as is."""
+    weight halves running beside it on every rank. A schedule that already splits is returned as is.
+
+    ``drain_only``: split only the backwards a rank runs after its last forward. In the steady
+    state every rank is busy and an earlier gradient changes nothing; the drain is where a rank
+    waits for the one below it. With W about as long as the input half (a matmul's two halves),
+    that keeps the whole gain of splitting every backward (the replay tests check 1F1B and
+    interleaved) at p·v splits per rank and step at most, whatever the microbatch count, instead of
+    m·v. A B without a W after it is a full backward, as in the unsplit schedule."""
     if any(a.kind == "W" for ops in schedule for a in ops):
         return schedule
     out = []
     for ops in schedule:  # a stage's SEND_B comes right after its B (see the conventions above)
+        last_f = max((i for i, a in enumerate(ops) if a.kind == "F"), default=-1) if drain_only else -1
         new = []
-        for a in ops:
-            if new and new[-1].kind == "B" and a.kind != "SEND_B":  # a B that sends nothing (first stage)
+        for i, a in enumerate(ops):
+            if new and new[-1].kind == "B" and a.kind != "SEND_B" and i - 1 > last_f:  # a B that sends nothing
                 new.append(Action("W", new[-1].microbatch, new[-1].chunk))
             new.append(a)
-            if a.kind == "SEND_B":
+            if a.kind == "SEND_B" and i - 1 > last_f:
                 new.append(Action("W", a.microbatch, a.chunk))
-        if new and new[-1].kind == "B":
+        if new and new[-1].kind == "B" and len(ops) - 1 > last_f:
             new.append(Action("W", new[-1].microbatch, new[-1].chunk))
         out.append(new)
     return out
 
 
-def build_schedule(name: str, p: int, m: int, v: int = 1, split_backward: bool = False) -> Schedule:
-    """Dispatch by name; v (chunks per rank) only applies to interleaved_1f1b; ``split_backward``:
-    see :func:`with_split_backward` (ZB-H1 always splits)."""
+def split_keys(actions: list[Action]) -> set:
+    """(microbatch, chunk) of each split backward in a rank's action list: its B is the input half
+    and a W follows; any other B is a full backward."""
+    return {(a.microbatch, a.chunk) for a in actions if a.kind == "W"}
+
+
+def resolve_split_backward(value, schedule: str, pp: int, activation_checkpointing=False,
+                           encoder_decoder: bool = False) -> bool | str:
+    """MegaStrategy's ``split_backward``, with ``"auto"`` (its default) made concrete: ``"drain"``
+    where a gradient goes down a pipeline (pp > 1) under GPipe, 1F1B or interleaved, else False. Not
+    where blocks are recomputed (a split block's W would recompute its forward a second time), nor
+    in an encoder-decoder pipeline, where the decoder's own stream does not come from the stage's
+    input: its weights are reached through many input-half nodes, which W would run again
+    (collectives included under tp). Anything but True, False, "drain" or "auto" is refused."""
+    if value is True or value is False or value == "drain":
+        return value
+    if value != "auto":
+        raise ValueError(f"MegaStrategy(split_backward={value!r}): use 'auto', 'drain', True or False.")
+    plain = pp == 1 or schedule == "zb_h1" or bool(activation_checkpointing) or encoder_decoder
+    return False if plain else "drain"
+
+
+def build_schedule(name: str, p: int, m: int, v: int = 1, split_backward: bool | str = False) -> Schedule:
+    """Dispatch by name; v (chunks per rank) only applies to interleaved_1f1b; ``split_backward``
+    (True, or ``"drain"`` for the backwards after each rank's last forward only): see
+    :func:`with_split_backward` (ZB-H1 always splits)."""
     if name in SCHEDULE_NAMES and name != "interleaved_1f1b" and v != 1:
         raise ValueError(f"schedule {name!r} has one chunk per rank; got v={v}")
-    if split_backward not in (True, False):
-        raise ValueError(f"split_backward must be True or False, got {split_backward!r}")
+    if not any(split_backward is x for x in SPLIT_BACKWARD[:2]) and split_backward != "drain":
+        raise ValueError(f"split_backward must be True, False or 'drain', got {split_backward!r}")
     if name == "gpipe":
         schedule = gpipe(p, m)
     elif name == "1f1b":
@@ -294,4 +328,4 @@ def build_schedule(name: str, p: int, m: int, v: int = 1, split_backward: bool =
         return zb_h1(p, m)
     else:
         raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULE_NAMES)}")
-    return with_split_backward(schedule) if split_backward else schedule
+    return with_split_backward(schedule, split_backward == "drain") if split_backward else schedule

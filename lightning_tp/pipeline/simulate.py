@@ -9,9 +9,9 @@ through RECVs, the resulting times do not depend on the order in which the
 simulator advances ranks. If no rank can advance and some lists are not
 finished, that is a deadlock.
 
-Cost convention: ``cost["B"]`` is always the *full* backward. In a schedule
-with W actions (zero bubble), B is only the input-gradient half and costs
-``cost["B"] - cost["W"]``; W costs ``cost["W"]``. With the default
+Cost convention: ``cost["B"]`` is always the *full* backward. A B followed
+by a W of its microbatch and chunk (zero bubble, a split backward) is only the
+input-gradient half and costs ``cost["B"] - cost["W"]``; W costs ``cost["W"]``. With the default
 ``{"F": 1, "B": 2, "W": 1}`` a ZB schedule runs B = W = 1, so every schedule
 does the same total work and bubbles compare fairly. Costs are per action,
 i.e. per chunk: for interleaved schedules pass F/v and B/v (e.g. Fractions).
@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from numbers import Real
 
-from .schedules import Action, Schedule, message
+from .schedules import Action, Schedule, message, split_keys
 
 DEFAULT_COST = {"F": 1, "B": 2, "W": 1}
 
@@ -78,12 +78,14 @@ def simulate(schedule: Schedule, p: int, v: int = 1, cost: dict | None = None) -
         raise ScheduleError(f"schedule has {len(schedule)} rank lists, expected p={p}")
     cost = {**DEFAULT_COST, **(cost or {})}
     has_w = any(a.kind == "W" for ops in schedule for a in ops)
+    split = [split_keys(ops) for ops in schedule]  # per rank: the B's that are input halves
     duration = {
         "F": cost["F"],
-        "B": cost["B"] - cost["W"] if has_w else cost["B"],
+        "B": cost["B"],
+        "B_input": cost["B"] - cost["W"],
         "W": cost["W"],
     }
-    if any(d < 0 for d in duration.values()):
+    if has_w and any(d < 0 for d in duration.values()):
         raise ValueError(f"negative action cost from {cost} (B must cover W in ZB)")
     last = p * v - 1
     sent: dict[tuple[str, int, int], Real] = {}  # (direction, mb, dest vstage) -> time
@@ -126,8 +128,9 @@ def simulate(schedule: Schedule, p: int, v: int = 1, cost: dict | None = None) -
             for dep, applies in need:
                 if applies and (dep, a.microbatch, a.chunk) not in r.done:
                     fail(r, a, f"runs before its {dep}")
-            start, r.clock = r.clock, r.clock + duration[a.kind]
-            r.busy += duration[a.kind]
+            d = duration["B_input" if a.kind == "B" and (a.microbatch, a.chunk) in split[r.rank] else a.kind]
+            start, r.clock = r.clock, r.clock + d
+            r.busy += d
             r.timeline.append((start, r.clock, a))
             if a.kind == "F":
                 r.inflight += 1
