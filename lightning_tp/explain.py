@@ -250,7 +250,7 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
     rep = Explanation(dict(tp=tp, pp=pp, dp=dp, world=tp * pp * dp, sp=sp, microbatches=m, schedule=schedule,
                            virtual_stages=v, batch_shape=(B, T), dtype_bytes=dtype_bytes, grad_bytes=grad_bytes,
                            accumulate_grad_batches=acc, blocks=bpath, hidden=hidden, bubble=bubble,
-                           activation_checkpointing=activation_checkpointing,
+                           split_backward=split_backward, activation_checkpointing=activation_checkpointing,
                            plans=[(mt.prefix, mt.plan.name) for mt in matches]))
     counts = {}
     for mt in matches:
@@ -364,8 +364,10 @@ def _format(rep: Explanation) -> str:
                          f"encoder's on its last block's, the decoder's on its first's); a decoder stage sends "
                          f"the encoder's output with its hidden states")
     if c["pp"] > 1:
+        split = {True: "; every backward split, input half first", "drain": "; the drain's backwards split, input "
+                 "half first (split_backward)"}.get(c.get("split_backward"), "")
         lines.append(f"  pipeline bubble: {c['bubble']:.1%} of a step idle on each stage (equal blocks, backward = 2 "
-                     f"forwards, free transfers; more microbatches or virtual stages shrink it)")
+                     f"forwards, free transfers{split}; more microbatches or virtual stages shrink it)")
     lines += ["", "Per rank, per optimizer step (bytes = recorded elements x element size: the payload each rank "
               "passes to a collective or send, not ring wire bytes):",
               f"  {'stage':>5} {'tp':>3} {'params':>12} {'TP act':>11} {'PP send':>11} {'SP grads':>10} "
