@@ -169,7 +169,8 @@ def ideals(m: int) -> dict:
         dur = lambda r, a, cost=cost, f=per * TF: cost(r, a, lambda r, a: f)  # noqa: E731
         out[name] = dict(sched=sched, v=v, dur=dur, ideal=replay(sched, P, v, dur), peak=split.peak_inflight,
                          busy=[m * v * per * (TF + TB) for _ in range(P)], split=split.makespan,
-                         model=f"replay F={per * TF * 1e3:.0f} B={per * TB * 1e3:.0f}, split: B={per * TB / 2 * 1e3:.0f} "
+                         model=f"replay F={per * TF * 1e3:.0f} B={per * TB * 1e3:.0f}, "
+                               f"split: B={per * TB / 2 * 1e3:.0f} "
                                f"W={per * TB / 2 * 1e3:.0f}, rank 0 chunk 0 B=0 W={per * TB * 1e3:.0f}")
     return out
 

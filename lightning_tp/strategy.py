@@ -71,8 +71,9 @@ class MegaStrategy(ParallelStrategy):
             rank's last forward, where that pays (at most pp per rank and step under 1F1B); True
             every backward; ``"auto"`` (default): ``"drain"`` under pp > 1, except with
             ``activation_checkpointing`` (a split block's W recomputes its forward again) and in an
-            encoder-decoder pipeline (see ``resolve_split_backward``), else False. Each split costs a graph walk and, for ops other than Linear and LayerNorm, a
-            second backward call (see ``pipeline/zb.py``). ``"zb_h1"`` always splits.
+            encoder-decoder pipeline (see ``resolve_split_backward``), else False. Each split costs a
+            graph walk and, for ops other than Linear and LayerNorm, a second backward call (see
+            ``pipeline/zb.py``). ``"zb_h1"`` always splits.
         pipeline_blocks: path of the repeated block list, when the plan or the search cannot find it; an
             encoder-decoder's two as a list (encoder, then decoder; nn.Transformer's plan names them).
         stage_layers: blocks per (virtual) stage, instead of the parameter-balanced split.
@@ -112,7 +113,8 @@ class MegaStrategy(ParallelStrategy):
                  microbatches: Optional[int] = None, schedule: str = "1f1b", virtual_stages: int = 1,
                  pipeline_blocks: Optional[Union[str, list[str]]] = None, stage_layers: Optional[list] = None,
                  activation_checkpointing: Union[bool, int] = False, zb_keep_recomputed: bool = False,
-                 split_backward: Union[bool, Literal["auto", "drain"]] = "auto", p2p: Literal["auto", "eager", "batched"] = "auto",
+                 split_backward: Union[bool, Literal["auto", "drain"]] = "auto",
+                 p2p: Literal["auto", "eager", "batched"] = "auto",
                  kernels: Union[bool, list, None] = False, quant: Optional[str] = None, quant_range: str = "ema",
                  load_full: Optional[str] = None, sync_init: bool = True, broadcast_batch: bool = True,
                  process_group_backend: Optional[str] = None,

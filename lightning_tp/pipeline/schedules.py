@@ -41,7 +41,6 @@ COMPUTE_KINDS = ("F", "B", "W")
 P2P_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
 KINDS = COMPUTE_KINDS + P2P_KINDS
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
-SPLIT_BACKWARD = (False, True, "drain")  # build_schedule's split_backward values
 
 
 @dataclass(frozen=True)
@@ -266,10 +265,11 @@ def with_split_backward(schedule: Schedule, drain_only: bool = False) -> Schedul
 
     ``drain_only``: split only the backwards a rank runs after its last forward. In the steady
     state every rank is busy and an earlier gradient changes nothing; the drain is where a rank
-    waits for the one below it. With W about as long as the input half (a matmul's two halves),
-    that keeps the whole gain of splitting every backward (the replay tests check 1F1B and
-    interleaved) at p·v splits per rank and step at most, whatever the microbatch count, instead of
-    m·v. A B without a W after it is a full backward, as in the unsplit schedule."""
+    waits for the one below it. With W no longer than the input half (a matmul's two halves are
+    alike), that keeps the whole gain of splitting every backward (the replay tests check GPipe,
+    1F1B and interleaved) at p splits per rank and step at most under 1F1B, (2p - 1)·v under
+    interleaved, whatever the microbatch count. A B without a W after it is a full backward, as in
+    the unsplit schedule."""
     if any(a.kind == "W" for ops in schedule for a in ops):
         return schedule
     out = []
@@ -316,7 +316,7 @@ def build_schedule(name: str, p: int, m: int, v: int = 1, split_backward: bool |
     :func:`with_split_backward` (ZB-H1 always splits)."""
     if name in SCHEDULE_NAMES and name != "interleaved_1f1b" and v != 1:
         raise ValueError(f"schedule {name!r} has one chunk per rank; got v={v}")
-    if not any(split_backward is x for x in SPLIT_BACKWARD[:2]) and split_backward != "drain":
+    if split_backward is not True and split_backward is not False and split_backward != "drain":
         raise ValueError(f"split_backward must be True, False or 'drain', got {split_backward!r}")
     if name == "gpipe":
         schedule = gpipe(p, m)
