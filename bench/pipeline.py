@@ -110,23 +110,20 @@ def replay(schedule, p, v, duration, latency: float = 0.0, rendezvous: bool = Fa
     return max(clock)
 
 
-def split_cost(sched, first_b, b, bi, w):
-    """Per-action cost of a schedule whose backwards may be split (see with_split_backward): a split
-    B is the input half (``bi``; free on the first virtual stage, which has no input gradient, where
-    W is the whole backward), any other B the whole backward ``b``; ``first_b(r, a)``: the first
-    virtual stage's. ``b``, ``bi``, ``w``: functions of (rank, action) or numbers."""
+def split_cost(sched, cost):
+    """Per-action duration, ``dur(rank, action)``, of a schedule whose backwards may be split (see
+    with_split_backward), from ``cost(rank, kind)`` for F, B (a whole backward), Bi (its input half)
+    and W: a split B is the input half, free on the first virtual stage (no input gradient), whose
+    W is then the whole backward; any other B is whole."""
     keys = [split_keys(ops) for ops in sched]
-    val = lambda f, r, a: f(r, a) if callable(f) else f  # noqa: E731
 
-    def dur(r, a, other):
+    def dur(r, a):
         first = r == 0 and a.chunk == 0
         if a.kind == "W":
-            return val(first_b, r, a) if first else val(w, r, a)
-        if a.kind == "B":
-            if (a.microbatch, a.chunk) not in keys[r]:
-                return val(b, r, a)
-            return 0.0 if first else val(bi, r, a)
-        return other(r, a)
+            return cost(r, "B" if first else "W")
+        if a.kind == "B" and (a.microbatch, a.chunk) in keys[r]:
+            return 0.0 if first else cost(r, "Bi")
+        return cost(r, a.kind)
     return dur
 
 
@@ -135,12 +132,7 @@ def calibrated_ideal(name, sched, v, cal) -> tuple:
     calibrate() (the model alone, no executor); a split backward as our executor splits it (the first
     virtual stage: B free, W the whole backward)."""
     per = N_BLOCKS // (P * v)
-    if splits(name):
-        c = lambda kind: (lambda r, a: cal[r][per][kind])  # noqa: E731
-        cost = split_cost(sched, c("B"), c("B"), c("Bi"), c("W"), )
-        dur = lambda r, a: cost(r, a, lambda r, a: cal[r][per][a.kind])  # noqa: E731
-    else:
-        dur = lambda r, a: cal[r][per][a.kind]  # noqa: E731
+    dur = split_cost(sched, lambda r, kind: cal[r][per][kind])
     return replay(sched, P, v, dur), dur
 
 
@@ -165,8 +157,8 @@ def ideals(m: int) -> dict:
         # (b) what our executor does (pipeline/zb.py): B = the input-gradient half of the stage's
         # backward, W = the weight half; the first virtual stage has no input gradient, so its B is free
         # and its W the whole backward. simulate() takes one cost per kind for all ranks, hence the replay.
-        cost = split_cost(sched, per * TB, per * TB, per * TB / 2, per * TB / 2)
-        dur = lambda r, a, cost=cost, f=per * TF: cost(r, a, lambda r, a: f)  # noqa: E731
+        nominal = {"F": per * TF, "B": per * TB, "Bi": per * TB / 2, "W": per * TB / 2}
+        dur = split_cost(sched, lambda r, kind, c=nominal: c[kind])
         out[name] = dict(sched=sched, v=v, dur=dur, ideal=replay(sched, P, v, dur), peak=split.peak_inflight,
                          busy=[m * v * per * (TF + TB) for _ in range(P)], split=split.makespan,
                          model=f"replay F={per * TF * 1e3:.0f} B={per * TB * 1e3:.0f}, "
