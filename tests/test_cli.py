@@ -46,6 +46,13 @@ def test_yaml_pipeline_blocks_takes_a_path_or_an_encoder_decoders_two(tmp_path, 
     assert _strategy_from_yaml(tmp_path, {"pp": 2, "pipeline_blocks": value}).pipeline_blocks == value
 
 
+@pytest.mark.parametrize("value", ["drain", "auto", True, False])
+def test_yaml_split_backward_keeps_its_type(tmp_path, value):
+    """"drain" / "auto" stay strings and true / false booleans (jsonargparse must not turn "auto" into True)."""
+    got = _strategy_from_yaml(tmp_path, {"pp": 2, "split_backward": value}).split_backward
+    assert got == value and type(got) is type(value)
+
+
 def test_example_config_parses():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cli = main(["--config", os.path.join(root, "examples", "gpt", "config.yaml")], run=False)
