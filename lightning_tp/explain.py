@@ -160,9 +160,8 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
     sp, m = bool(sp) and tp > 1, microbatches if microbatches is not None else pp
     v = virtual_stages if pp > 1 else 1
     (B, T), grad_bytes, acc = batch_shape, grad_bytes or dtype_bytes, accumulate_grad_batches
-    resolve_split_backward(split_backward, schedule, pp)  # a wrong value refused before any work
     recompute.check_option(activation_checkpointing, None, schedule if pp > 1 or m > 1 else None, zb_keep_recomputed,
-                           split_backward)
+                           resolve_split_backward(split_backward, schedule, pp, activation_checkpointing))
     if B % m:
         raise ValueError(f"microbatches={m} must divide the per-process batch size {B}.")
     base = _meta_copy(module)
@@ -364,8 +363,8 @@ def _format(rep: Explanation) -> str:
                          f"encoder's on its last block's, the decoder's on its first's); a decoder stage sends "
                          f"the encoder's output with its hidden states")
     if c["pp"] > 1:
-        split = {True: "; every backward split, input half first", "drain": "; the drain's backwards split, input "
-                 "half first (split_backward)"}.get(c.get("split_backward"), "")
+        split = {True: "; every backward split, input half first", "drain": "; the backwards after each stage's "
+                 "last forward split, input half first (split_backward)"}.get(c.get("split_backward"), "")
         lines.append(f"  pipeline bubble: {c['bubble']:.1%} of a step idle on each stage (equal blocks, backward = 2 "
                      f"forwards, free transfers{split}; more microbatches or virtual stages shrink it)")
     lines += ["", "Per rank, per optimizer step (bytes = recorded elements x element size: the payload each rank "

@@ -88,7 +88,7 @@ def parallelize(s, module):
         state = install_stages(layout.blocks(module), layout, s.mesh.pp_rank, silence, split["twins"], side,
                                split.get("companion_twins"))
         runner = PipelineRunner(module, s.mesh, layout, state, s.schedule, s.microbatches, batched=_batched(s),
-                                device=s.root_device, split_backward=_split_backward(s, layout))
+                                device=s.root_device, split_backward=_split_backward(s, layout, recompute_n))
     streams = _block_streams(s, module, layout)
     overlap = _dp_overlap(s, module, runner)
     contexts = {id(m.ctx): m.ctx for m in replaced.values() if hasattr(m, "ctx")}
@@ -97,16 +97,17 @@ def parallelize(s, module):
     if s.pp > 1:
         sp_stages.install(layout, runner.state, matches, contexts.values(), s.tp)
     module._lightning_tp = {"tp": s.tp, "sp": s.sp, "pp": s.pp, "contexts": list(contexts.values()),
-                            "runner": runner, "recompute": s.activation_checkpointing,
+                            "runner": runner, "recompute": s.activation_checkpointing, "hf_recompute": hf_taken,
                             "tied_ranks": tied_ranks, "twins": meta_twins(module, split) if s.pp > 1 else [],
                             "streams": streams}
     _set_metric_groups(module, s.mesh.dp_group)
     return runner, overlap
 
 
-def _split_backward(s, layout):
-    """The strategy's ``split_backward`` for this layout (``"auto"`` made concrete)."""
-    return resolve_split_backward(s.split_backward, s.schedule, s.pp, s.activation_checkpointing, bool(layout.lists))
+def _split_backward(s, layout, recomputes):
+    """The strategy's ``split_backward`` for this layout (``"auto"`` made concrete); ``recomputes``:
+    blocks are recomputed (``activation_checkpointing``, or Hugging Face's taken over)."""
+    return resolve_split_backward(s.split_backward, s.schedule, s.pp, recomputes, bool(layout.lists))
 
 
 def _reuse(s, module, done):
@@ -125,13 +126,15 @@ def _reuse(s, module, done):
                          f"{'without a pipeline' if runner is None else f'with virtual_stages={runner.layout.v}'}; "
                          f"build a fresh module for this layout.")
     batched = _batched(s)
+    recomputes = s.activation_checkpointing or done.get("hf_recompute", False)
     if runner is not None and (runner.schedule, runner.m, runner.batched, runner.split_backward) != \
-            (s.schedule, s.microbatches, batched, _split_backward(s, runner.layout)):
-        recompute.check_option(s.activation_checkpointing, s.quant, s.schedule, s.zb_keep_recomputed, s.split_backward)
+            (s.schedule, s.microbatches, batched, _split_backward(s, runner.layout, recomputes)):
+        recompute.check_option(recomputes, s.quant, s.schedule, s.zb_keep_recomputed,
+                               _split_backward(s, runner.layout, recomputes))
         # another schedule or microbatch count on the same stages (a second Trainer's options)
         runner = done["runner"] = PipelineRunner(module, s.mesh, runner.layout, runner.state, s.schedule,
                                                  s.microbatches, batched=batched, device=s.root_device,
-                                                 split_backward=_split_backward(s, runner.layout))
+                                                 split_backward=_split_backward(s, runner.layout, recomputes))
     if runner is not None:
         runner.mesh = s.mesh
         runner.dp_overlap = None  # the last strategy's; this one syncs after the step
@@ -152,7 +155,7 @@ def _take_over_hf_checkpointing(module, s, layout) -> bool:
           is True and callable(getattr(m, "_gradient_checkpointing_func", None))]
     if not on:
         return False
-    recompute.check_option(True, s.quant, s.schedule, s.zb_keep_recomputed, s.split_backward)
+    recompute.check_option(True, s.quant, s.schedule, s.zb_keep_recomputed, _split_backward(s, layout, True))
     for m in on:
         m.gradient_checkpointing = False
     from lightning.pytorch.utilities import rank_zero_warn

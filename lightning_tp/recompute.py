@@ -57,8 +57,9 @@ def check_option(value, quant, schedule: str | None = None, keep_recomputed: boo
     if keep_recomputed not in (True, False):
         raise ValueError(f"MegaStrategy(zb_keep_recomputed={keep_recomputed!r}): use True or False.")
     if keep_recomputed and not (value and split):
-        raise ValueError(f"MegaStrategy(zb_keep_recomputed=True) applies to a split backward (schedule='zb_h1' or "
-                         f"split_backward=True) with activation_checkpointing (here schedule={schedule!r}, "
+        raise ValueError(f"MegaStrategy(zb_keep_recomputed=True) applies to a split backward (schedule='zb_h1', or "
+                         f"split_backward=True or 'drain'; the default 'auto' splits none where blocks are "
+                         f"recomputed) with activation_checkpointing (here schedule={schedule!r}, "
                          f"split_backward={split_backward!r}, activation_checkpointing={value!r}): set them, or "
                          f"leave it False.")
     if value and split and not keep_recomputed and \

@@ -81,7 +81,7 @@ class MegaStrategy(ParallelStrategy):
             activations (``torch.utils.checkpoint``, non-reentrant): ``True`` for every block of the
             model's block list (of each such list without a pipeline), an int ``n`` for the first n
             blocks of each (virtual) stage (Megatron's ``recompute_method="block"``).
-        zb_keep_recomputed: under a split backward (``schedule="zb_h1"`` or ``split_backward=True``)
+        zb_keep_recomputed: under a split backward (``schedule="zb_h1"``, ``split_backward=True`` or ``"drain"``)
             with activation checkpointing, recompute each block
             once, in B, and keep that recomputation for its W (one forward less per block and
             microbatch; between B and W a stage then holds the blocks' activations, as without
@@ -140,8 +140,6 @@ class MegaStrategy(ParallelStrategy):
         if self._pipelined:  # names and counts checked now, on every rank, before any process starts
             build_schedule(schedule, pp, self.microbatches, virtual_stages,
                            resolve_split_backward(split_backward, schedule, pp, activation_checkpointing))
-        else:
-            resolve_split_backward(split_backward, schedule, pp)  # refuses a wrong value all the same
         self._runner = None
         self._dp_overlap = None
         self.kernels = kernel_names(kernels)
@@ -154,7 +152,8 @@ class MegaStrategy(ParallelStrategy):
             raise ValueError(f"MegaStrategy(quant_range={quant_range!r}) needs quant='int8' or 'w4a8' as well.")
         self.quant, self.quant_range = quant, quant_range
         recompute.check_option(activation_checkpointing, quant, schedule if self._pipelined else None,
-                               zb_keep_recomputed, split_backward)
+                               zb_keep_recomputed,
+                               resolve_split_backward(split_backward, schedule, pp, activation_checkpointing))
         self.activation_checkpointing, self.zb_keep_recomputed = activation_checkpointing, zb_keep_recomputed
         self._process_group_backend = process_group_backend
         self._timeout = timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout

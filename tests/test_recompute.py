@@ -133,8 +133,9 @@ def test_what_a_recomputed_forward_would_change_twice_is_refused(monkeypatch):
     MegaStrategy(pp=2, split_backward=True, activation_checkpointing=True, zb_keep_recomputed=True)
     for kw in (dict(pp=2, activation_checkpointing=True), dict(pp=2, schedule="zb_h1"), dict(pp=2, split_backward=True),
                dict(activation_checkpointing=True, split_backward=True)):  # the last: no pipeline, no split
-        with pytest.raises(ValueError, match="zb_keep_recomputed=True. applies to a split backward .schedule='zb_h1' "
-                                             "or split_backward=True. with activation"):
+        with pytest.raises(ValueError, match="zb_keep_recomputed=True. applies to a split backward .schedule='zb_h1', "
+                                             "or split_backward=True or 'drain'; the default 'auto' splits none where "
+                                             "blocks are recomputed. with activation"):
             MegaStrategy(zb_keep_recomputed=True, **kw)
     for kw in (dict(pp=2), dict()):
         with pytest.raises(ValueError, match="split_backward"):

@@ -15,10 +15,11 @@ from .zb import SplitBackward
 class BackwardStep:
     def _syncing(self, a):
         """Around a chunk's final weight-gradient pass of the step: every gradient it accumulates is
-        final, so the dp overlap's hooks start each bucket's all-reduce as it completes. Under zero
-        bubble that is the chunk's last W, or its last B where B runs the whole backward (a stage of
-        compiled blocks, known from the chunk's first B). Elsewhere nothing (a plain context: this
-        lies on every gradient transfer's path)."""
+        final, so the dp overlap's hooks start each bucket's all-reduce as it completes. That is the
+        chunk's last W, or its last B where that B is not split or runs the whole backward (a stage
+        of compiled blocks, known from the chunk's first split B: where that is its last, as under
+        a drain-only split on the last stage, the first step's buckets sync after the step instead).
+        Elsewhere nothing (a plain context: this lies on every gradient transfer's path)."""
         overlap = self.dp_overlap
         final = a in self._final or (a.chunk in self._whole_chunks and a in self._final_b)
         if not final or overlap is None or not overlap.armed():

@@ -71,7 +71,7 @@ class _Step:
 
 class PipelineRunner(StageLogs, ForwardOnlyStep, BackwardStep):
     def __init__(self, module, mesh, layout, state, schedule: str, microbatches: int, batched: bool = False,
-                 device=None, split_backward: bool = False):
+                 device=None, split_backward: bool | str = False):
         self.module, self.mesh, self.layout, self.state = module, mesh, layout, state
         self.device = device  # where step-level tensors go (the module may still be on the CPU now)
         self.batched = batched  # NCCL: transfers grouped per time slot (see .slots)

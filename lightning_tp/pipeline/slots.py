@@ -43,7 +43,9 @@ def producer(a: Action, rank: int, p: int) -> tuple[int, Action]:
 def slot_plan(schedule: Schedule, p: int, v: int = 1) -> list[list[Slot]]:
     """Per rank, its non-empty slots in order (see the module docstring)."""
     zero_bubble = any(a.kind == "W" for ops in schedule for a in ops)
-    # unit times: F = B = 1 (and W = 1: simulate() takes B as the full backward, B - W for zero bubble)
+    # unit times: F = B = 1 (and W = 1: simulate() takes B as the full backward, B - W where it is split; a
+    # schedule splitting some backwards only, split_backward="drain", gives its whole ones 2 units: one
+    # empty slot more, the same matching on both sides)
     result = simulate(schedule, p, v, {"F": 1, "B": 2, "W": 1} if zero_bubble else {"F": 1, "B": 1})
     start = {(r, a): int(s) for r, line in enumerate(result.timelines) for s, _, a in line}
     slots = [[Slot(t) for t in range(int(result.makespan))] for _ in range(p)]
