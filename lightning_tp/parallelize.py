@@ -127,14 +127,14 @@ def _reuse(s, module, done):
                          f"build a fresh module for this layout.")
     batched = _batched(s)
     recomputes = s.activation_checkpointing or done.get("hf_recompute", False)
+    split = _split_backward(s, runner.layout, recomputes) if runner is not None else False
     if runner is not None and (runner.schedule, runner.m, runner.batched, runner.split_backward) != \
-            (s.schedule, s.microbatches, batched, _split_backward(s, runner.layout, recomputes)):
-        recompute.check_option(recomputes, s.quant, s.schedule, s.zb_keep_recomputed,
-                               _split_backward(s, runner.layout, recomputes))
+            (s.schedule, s.microbatches, batched, split):
+        recompute.check_option(recomputes, s.quant, s.schedule, s.zb_keep_recomputed, split)
         # another schedule or microbatch count on the same stages (a second Trainer's options)
         runner = done["runner"] = PipelineRunner(module, s.mesh, runner.layout, runner.state, s.schedule,
                                                  s.microbatches, batched=batched, device=s.root_device,
-                                                 split_backward=_split_backward(s, runner.layout, recomputes))
+                                                 split_backward=split)
     if runner is not None:
         runner.mesh = s.mesh
         runner.dp_overlap = None  # the last strategy's; this one syncs after the step
