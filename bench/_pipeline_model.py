@@ -224,7 +224,8 @@ def _patch(owner, name, wrap) -> None:
 
 
 def _make_patches():
-    from lightning_tp.pipeline import executor, p2p
+    from lightning_tp.pipeline.run import executor
+    from lightning_tp.pipeline.transport import p2p
 
     def timing(fn, record):
         """fn, calling record(seconds, args) after each call."""
@@ -274,7 +275,7 @@ def _make_patches():
     _patch(p2p.Mailbox, "wait", lambda f: timed(f, "wait"))
     _patch(executor.PipelineRunner, "train_step", lambda f: timed(f, "train_step"))
     _patch(executor.PipelineRunner, "_publish", lambda f: timed(f, "publish"))
-    from lightning_tp.pipeline import zb
+    from lightning_tp.pipeline.run import zb
 
     def action(fn, kind):
         def wrapper(*args, **kwargs):
@@ -463,7 +464,7 @@ def calibrate(n_blocks_per_chunk, tf, tb, reps=12, warmup=3):
 def probes(rank, world, reps=200):
     """Isolated costs: our Mailbox (header + payload) vs one plain isend/irecv, ping-pong between
     ranks 0 and 1; and the one float64 broadcast _publish sends each training step."""
-    from lightning_tp.pipeline.p2p import Mailbox
+    from lightning_tp.pipeline.transport.p2p import Mailbox
 
     out = {}
     t = torch.randn(ROWS, WIDTH)

@@ -39,9 +39,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 import dist  # noqa: E402  (tests/dist.py: torchrun-like local processes)
 from _pipeline_model import ROWS, WIDTH, parts, worker  # noqa: E402
 
-from lightning_tp.pipeline.landed import landed_after  # noqa: E402
-from lightning_tp.pipeline.schedules import build_schedule, message, split_keys  # noqa: E402
-from lightning_tp.pipeline.simulate import simulate  # noqa: E402
+from lightning_tp.pipeline.schedule.landed import landed_after  # noqa: E402
+from lightning_tp.pipeline.schedule.schedules import build_schedule, message, split_keys  # noqa: E402
+from lightning_tp.pipeline.schedule.simulate import simulate  # noqa: E402
 
 P = 4  # pipeline stages = world size
 MS = (8, 16)  # microbatches (--microbatches)

@@ -32,7 +32,7 @@ from torch import nn  # noqa: E402
 
 from examples.gpt.model import Block, GPTConfig  # noqa: E402
 from lightning_tp import recompute  # noqa: E402
-from lightning_tp.pipeline.zb import SplitBackward  # noqa: E402
+from lightning_tp.pipeline.run.zb import SplitBackward  # noqa: E402
 
 ROUNDS, REPS, WARMUP = 5, 6, 2
 MODES = ("no recompute", "torch checkpoint", "zb checkpoint")

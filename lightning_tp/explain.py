@@ -26,7 +26,7 @@ Per optimizer step, with n = B*T tokens per replica (B: the batch one process lo
     and m gradients back unless it is the first; inside an encoder-decoder's decoder a message also
     holds the encoder's output (2h, source and target of one length assumed); T5's stacks give each
     block their masks and position biases positionally, so its messages hold those too, and their
-    gradients the biases' only (_t5_side).
+    gradients the biases' only (t5_side).
   * SP grads (replicated params with partial grads, plus the all-heads buffer of key/value heads
     copied to several tp ranks), tied embeddings (first and last stage; an encoder-decoder's embedding
     and its copy on the decoder's first stage), DP
@@ -65,14 +65,15 @@ import torch
 from torch import nn
 
 from .grads import replica_buffer_numel
-from .pipeline.block_lists import block_at, block_key
-from .pipeline.schedules import build_schedule, resolve_split_backward
-from .pipeline.simulate import simulate
-from .pipeline.sp_stages import chain_index
-from .pipeline.split import _outer_groups, apply_split, plan_stages
+from .pipeline.cut.block_lists import block_at, block_key
+from .pipeline.schedule.schedules import build_schedule, resolve_split_backward
+from .pipeline.schedule.simulate import simulate
+from .tp_in_pp.sp_stages import chain_index
+from .pipeline.cut.outer_modules import outer_groups
+from .pipeline.cut.split import apply_split, plan_stages
 from .plans import apply as planner
 from . import recompute
-from .explain_costs import _entries, _saved_widths, _t5_heads, _t5_side, _tp_ops, _weight_grad_widths, _width_in
+from .explain_costs import cost_entries, saved_widths, t5_head_counts, t5_side, tp_ops, weight_grad_widths, width_in
 
 
 @dataclass
@@ -231,19 +232,19 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
     def message(k, grad=False):
         """Elements per token virtual stage k sends on (``grad``: its gradient, coming back): the hidden
         states, and inside an encoder-decoder's decoder the encoder's output too (same sequence length
-        assumed); T5's blocks are also given its masks and position biases (see _t5_side)."""
+        assumed); T5's blocks are also given its masks and position biases (see t5_side)."""
         shard = hidden / (tp if sp_on else 1)  # under SP a stack's hidden states travel as shards
         if not layout.lists:
             return shard
         nxt = layout.ranges[k + 1][0]  # the encoder's output (whole) once the decoder has begun
         out = hidden if nxt == layout.decoder_start else shard + (hidden if nxt > layout.decoder_start else 0)
-        return out + (_t5_side(nxt, layout.decoder_start, t5_heads // tp, T, grad) if t5_heads else 0)
+        return out + (t5_side(nxt, layout.decoder_start, t5_heads // tp, T, grad) if t5_heads else 0)
 
-    hidden = _width_in(block_at(base.get_submodule(lists[0][0]), 0) if bpath else base)
-    t5_heads = _t5_heads(base) if layout is not None and layout.lists else None
-    ops, style_of = _tp_ops(base, matches, sp, tp, hidden, locate, locate_end)
-    width = _saved_widths(base, style_of, tp, locate)
-    w_grads = _weight_grad_widths(base, style_of, tp, locate) if schedule == "zb_h1" else {}
+    hidden = width_in(block_at(base.get_submodule(lists[0][0]), 0) if bpath else base)
+    t5_heads = t5_head_counts(base) if layout is not None and layout.lists else None
+    ops, style_of = tp_ops(base, matches, sp, tp, hidden, locate, locate_end)
+    width = saved_widths(base, style_of, tp, locate)
+    w_grads = weight_grad_widths(base, style_of, tp, locate) if schedule == "zb_h1" else {}
     sp_on = any(sp and mt.sp_start is not None for mt in matches)
 
     rep = Explanation(dict(tp=tp, pp=pp, dp=dp, world=tp * pp * dp, sp=sp, microbatches=m, schedule=schedule,
@@ -253,14 +254,14 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
                            plans=[(mt.prefix, mt.plan.name) for mt in matches]))
     counts = {}
     for mt in matches:
-        for path, style, _ in _entries(mt):
+        for path, style, _ in cost_entries(mt):
             lpath = next((lp for lp in offset if path.startswith(lp + ".")), None)
             key = (f"{lpath}.*.{path[len(lpath) + 1:].partition('.')[2]}".rstrip(".") if lpath else path, style)
             counts[key] = counts.get(key, 0) + 1
     rep.styles = [(p, s, c) for (p, s), c in counts.items()]
     if layout:
         rep.stages = [(k, k % pp, lo, hi) for k, (lo, hi) in enumerate(layout.ranges)]
-        groups = _outer_groups(base, list(offset), layout.companions)
+        groups = outer_groups(base, list(offset), layout.companions)
         rep.outer = {"first": [n for n, _ in groups["before"]], "last": [n for n, _ in groups["after"]],
                      "between": [n for n, _ in groups["between"] + groups["decoder_in"]]}
         rep.layer_ops = list(ops[("block", 0)])

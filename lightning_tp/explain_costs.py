@@ -25,7 +25,7 @@ def _io(m: nn.Module):
     return None
 
 
-def _t5_heads(model) -> int | None:
+def t5_head_counts(model) -> int | None:
     """The attention heads of a Hugging Face encoder-decoder of T5's layout, else None."""
     found = seq2seq_layout(model)
     if found is None or found[2] != "t5":
@@ -33,7 +33,7 @@ def _t5_heads(model) -> int | None:
     return model.get_submodule(found[0])[0].layer[0].SelfAttention.n_heads
 
 
-def _t5_side(nxt: int, decoder_start: int, heads: int, T: int, grad: bool = False) -> int:
+def t5_side(nxt: int, decoder_start: int, heads: int, T: int, grad: bool = False) -> int:
     """Elements per token a message to T5's block ``nxt`` holds besides the hidden states and the encoder's
     output: its stack gives every block the masks and position biases positionally, and a stage hands
     on each floating-point positional argument (see pipeline.stage._carried). Inside the encoder the
@@ -49,7 +49,7 @@ def _t5_side(nxt: int, decoder_start: int, heads: int, T: int, grad: bool = Fals
     return T + 1 + (0 if nxt == decoder_start else 2 * heads * T)
 
 
-def _width_in(module: nn.Module) -> int:
+def width_in(module: nn.Module) -> int:
     for m in module.modules():
         if isinstance(m, nn.MultiheadAttention):
             return m.embed_dim
@@ -58,7 +58,7 @@ def _width_in(module: nn.Module) -> int:
     return 0
 
 
-def _entries(match):
+def cost_entries(match):
     """(path, style, options): plan entries are (path, style) or (path, style, options)."""
     return [(e[0], e[1], e[2] if len(e) > 2 else {}) for e in match.entries]
 
@@ -78,24 +78,24 @@ def _cross_attention(base, path: str) -> bool:
     return leaf == "multihead_attn" and isinstance(base.get_submodule(parent), nn.TransformerDecoderLayer)
 
 
-def _tp_ops(base, matches, sp, tp, hidden, locate, locate_end):
+def tp_ops(base, matches, sp, tp, hidden, locate, locate_end):
     """TP collectives per location ("block", i) / ("first",) / ("last",), as (op, elements per
     token, pass), from the plan entries; and {path: (style, sp on, options)}. ``locate_end``: where a
     module's output is made (an encoder stack's: at its last block), for an sp_end."""
     ops, style_of = defaultdict(list), {}
     for mt in matches:
         msp = sp and mt.sp_start is not None
-        styles = {s for _, s, _ in _entries(mt)}
-        for path, style, options in _entries(mt):
+        styles = {s for _, s, _ in cost_entries(mt)}
+        for path, style, options in cost_entries(mt):
             esp = msp and not options.get("full_input")
             style_of[path] = (style, esp, options)
             mod, loc = base.get_submodule(path), locate(path)
             if style in ("region", "colwise", "lm_head", "mha"):  # inputs whole under SP enter by copy
-                ops[loc] += _enter(_width_in(mod), esp, tp)
-                ops[loc] += _enter(_width_in(mod), esp and not options.get("whole_inputs"), tp) * \
+                ops[loc] += _enter(width_in(mod), esp, tp)
+                ops[loc] += _enter(width_in(mod), esp and not options.get("whole_inputs"), tp) * \
                     len(options.get("inputs", ()))
             if style == "mha" and _cross_attention(base, path):  # the encoder's output enters too (whole: a copy)
-                ops[loc] += _enter(_width_in(mod), esp and not options.get("whole_inputs"), tp)
+                ops[loc] += _enter(width_in(mod), esp and not options.get("whole_inputs"), tp)
             if style in ("rowwise", "mha"):
                 ops[loc] += _leave(_io(mod)[1] if _io(mod) else getattr(mod, "embed_dim", None) or mod.embedding_dim,
                                    esp, tp)
@@ -112,7 +112,7 @@ def _tp_ops(base, matches, sp, tp, hidden, locate, locate_end):
     return ops, style_of
 
 
-def _saved_widths(base, style_of, tp, locate):
+def saved_widths(base, style_of, tp, locate):
     """Elements per token saved for backward on one tp rank, per location (see the module doc)."""
     width, skip, last_out = defaultdict(float), None, 0
     for name, mod in base.named_modules():
@@ -123,9 +123,9 @@ def _saved_widths(base, style_of, tp, locate):
             inner = [n for n, c in mod.named_modules(prefix=name) if _io(c)]
             rows = [_io(base.get_submodule(n))[0] for n in inner if style_of.get(n, ("",))[0] == "rowwise"]
             qkv = sum(style_of[n][2].get("chunks", 1) for n in inner if style_of.get(n, ("",))[0] == "colwise_local")
-            a = rows[0] if rows else _width_in(mod)
+            a = rows[0] if rows else width_in(mod)
             attention = st == "mha" or qkv >= 3  # q, k, v: attention (not a gated MLP)
-            width[loc] += _width_in(mod) + (4 * a / tp if attention else 0) + (a / tp if st == "mha" else 0)
+            width[loc] += width_in(mod) + (4 * a / tp if attention else 0) + (a / tp if st == "mha" else 0)
             if st == "mha":
                 skip, last_out = name + ".", mod.embed_dim
         elif io:
@@ -138,7 +138,7 @@ def _saved_widths(base, style_of, tp, locate):
     return width
 
 
-def _weight_grad_widths(base, style_of, tp, locate):
+def weight_grad_widths(base, style_of, tp, locate):
     """Elements per token, per location, of the gradients ZB-H1's B keeps for W to start from: each
     weight op's output gradient (a Linear's output on this tp rank, a norm's width)."""
     width = defaultdict(float)

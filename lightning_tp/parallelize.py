@@ -18,15 +18,15 @@ from .kernels.inject import apply_kernels
 from .layers.attention import TPMultiheadAttention
 from .layers.linear import ColumnParallelLinear, RowParallelLinear
 from .mesh import use_tied_ranks
-from .pipeline.block_lists import block_at, block_key, called_parts
-from .pipeline.executor import PipelineRunner
-from .pipeline.placeholders import meta_twins
-from .pipeline.sharded_twins import shard_twins
-from .pipeline.side_inputs import SideInputCheck
-from .pipeline import sp_stages
-from .pipeline.split import apply_split, plan_stages
-from .pipeline.schedules import resolve_split_backward
-from .pipeline.stage import install as install_stages
+from .pipeline.cut.block_lists import block_at, block_key, called_parts
+from .pipeline.run.executor import PipelineRunner
+from .pipeline.cut.placeholders import meta_twins
+from .tp_in_pp.sharded_twins import shard_twins
+from .pipeline.run.side_inputs import SideInputCheck
+from .tp_in_pp import sp_stages
+from .pipeline.cut.split import apply_split, plan_stages
+from .pipeline.schedule.schedules import resolve_split_backward
+from .pipeline.run.stage import install as install_stages
 from .plain import load_full
 from .plans import apply as planner
 from .quant import apply_qat

@@ -29,9 +29,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .pipeline import zb_checkpoint
-from .pipeline.placeholders import no_cache, positional_names
-from .pipeline.block_lists import block_at, block_key, called_parts, find_blocks, is_block_list
+from .pipeline.run import zb_checkpoint
+from .pipeline.cut.placeholders import no_cache, positional_names
+from .pipeline.cut.block_lists import block_at, block_key, called_parts, find_blocks, is_block_list
 
 
 

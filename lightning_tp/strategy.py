@@ -33,9 +33,9 @@ from .kernels.inject import kernel_names
 from .quant import bits_of
 from .quant.fake_quant import RANGE_MODES
 from .mesh import ParallelMesh, build_mesh, data_parallel_size, gloo_twin_of_mp_group
-from .pipeline.epoch_end import install as install_epoch_end_sync
-from .pipeline.executor import PipelineRunner
-from .pipeline.schedules import build_schedule, resolve_split_backward
+from .pipeline.run.epoch_end import install as install_epoch_end_sync
+from .pipeline.run.executor import PipelineRunner
+from .pipeline.schedule.schedules import build_schedule, resolve_split_backward
 from .parallelize import parallelize
 from .same_batch import BatchBroadcast
 

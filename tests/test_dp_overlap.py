@@ -108,7 +108,7 @@ def test_pipeline_merge_adds_a_kept_gradient_after_a_started_all_reduce(monkeypa
     from torch import nn
 
     from lightning_tp.dp_overlap import DPOverlap
-    from lightning_tp.pipeline.executor import PipelineRunner
+    from lightning_tp.pipeline.run.executor import PipelineRunner
 
     _fake_launches(monkeypatch)
     module = nn.Linear(2, 1, bias=False)

@@ -8,11 +8,11 @@ import torch
 from torch import nn
 
 from lightning_tp.explain import explain
-from lightning_tp.pipeline.p2p import grad_split
-from lightning_tp.pipeline.placeholders import ShapeOnly, SkippedBlock
-from lightning_tp.pipeline.split import apply_split, plan_stages
-from lightning_tp.pipeline.messages import pack, unpack, with_grad_split
-from lightning_tp.pipeline.stage import StageDone, StageState, _carried, _stop_at, install
+from lightning_tp.pipeline.transport.p2p import grad_split
+from lightning_tp.pipeline.cut.placeholders import ShapeOnly, SkippedBlock
+from lightning_tp.pipeline.cut.split import apply_split, plan_stages
+from lightning_tp.pipeline.transport.messages import pack, unpack, with_grad_split
+from lightning_tp.pipeline.run.stage import StageDone, StageState, _carried, _stop_at, install
 from lightning_tp.plans import apply as planner
 from models import make_model
 
@@ -250,7 +250,7 @@ def test_a_later_block_given_what_its_stage_neither_received_nor_computed_is_ref
 def test_a_bf16_model_staged_matches_it_unstaged():
     import transformers as tf
 
-    from lightning_tp.pipeline.placeholders import meta_twins
+    from lightning_tp.pipeline.cut.placeholders import meta_twins
 
     config = tf.BartConfig(vocab_size=50, d_model=16, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
                            decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=32,
@@ -360,7 +360,7 @@ class _SharedParent(nn.Module):  # both lists under one parent: where things run
 
 
 def test_a_block_takes_the_encoders_output_by_position_or_by_name():
-    from lightning_tp.pipeline.encoder_decoder import takes_encoder_output
+    from lightning_tp.pipeline.cut.encoder_decoder import takes_encoder_output
 
     class Keyword(nn.Module):
         def forward(self, x, *, encoder_hidden_states=None, **kwargs):
@@ -376,7 +376,7 @@ def test_a_block_takes_the_encoders_output_by_position_or_by_name():
 
 
 def test_found_on_its_own_only_where_the_model_says_it_is_an_encoder_decoder():
-    from lightning_tp.pipeline.encoder_decoder import find_encoder_decoder
+    from lightning_tp.pipeline.cut.encoder_decoder import find_encoder_decoder
 
     assert find_encoder_decoder(make_model("demo_transformer")) == (ENC, DEC)  # nn.TransformerDecoderLayer
     assert find_encoder_decoder(make_model("hf_t5").model) == ("encoder.block", "decoder.block")  # its config
@@ -389,14 +389,14 @@ def test_found_on_its_own_only_where_the_model_says_it_is_an_encoder_decoder():
     layout = plan_stages(model, 2, 1)
     assert layout.lists == (("net.enc", 2), ("net.dec", 2))
     assert layout.runs()["after"] == {1}
-    from lightning_tp.pipeline.split import _outer_groups
+    from lightning_tp.pipeline.cut.outer_modules import outer_groups
 
-    groups = {k: [n for n, _ in v] for k, v in _outer_groups(model, ["net.enc", "net.dec"]).items()}
+    groups = {k: [n for n, _ in v] for k, v in outer_groups(model, ["net.enc", "net.dec"]).items()}
     assert groups == {"before": ["emb"], "between": ["net.enc_norm"], "decoder_in": [], "after": ["net.dec_norm", "head"]}
 
 
 def test_tensor_parallel_shards_keep_the_tied_marks():
-    from lightning_tp.layers.linear import _shard_param
+    from lightning_tp.layers.linear import shard_param
     from lightning_tp.layers.shard import ShardSpec
 
     p = nn.Parameter(torch.randn(4, 2))
@@ -405,7 +405,7 @@ def test_tensor_parallel_shards_keep_the_tied_marks():
     class Ctx:
         rank, world = 0, 2
 
-    new = _shard_param(p, ShardSpec(dim=0, world=2, full=4), Ctx(), {})
+    new = shard_param(p, ShardSpec(dim=0, world=2, full=4), Ctx(), {})
     assert (new._pp_tied, new._pp_tied_index, new._pp_copy) == (True, 3, True) and new.shape == (2, 2)
 
 

@@ -292,7 +292,7 @@ def test_zero_bubble_hold_until_w_against_a_real_split_backward():
     """ZB-H1's B keeps, per microbatch until its W, what its forward saved and the gradient reaching
     each weight op (zb_w_bytes): measured on the last of two stages (a block, the final norm, the head
     and the loss), as bytes saved in the forward plus those of the gradients B captured."""
-    from lightning_tp.pipeline.zb import SplitBackward
+    from lightning_tp.pipeline.run.zb import SplitBackward
 
     model = make_model("gpt", n_layer=2, n_embd=64, vocab_size=63)
     kw = dict(pp=2, microbatches=2, schedule="zb_h1", batch_shape=(B, SEQ), print_report=False)

@@ -191,7 +191,7 @@ def test_encoder_decoder_plans_come_from_their_layers():
     with pytest.raises(ValueError, match=r"encoder_attn is a 'region' entered by \['memory'\], which its forward"):
         planner.resolve(make_model("hf_bart"), 2, False, bad)
     with pytest.raises(ValueError, match="bias: embedding_dim"):  # one column per head: whole heads per rank
-        planner._check_sizes("bias", torch.nn.Embedding(32, 3), "embedding_cols", 2, {})
+        planner.check_sizes("bias", torch.nn.Embedding(32, 3), "embedding_cols", 2, {})
 
 
 def test_every_embedding_tied_to_the_head_is_sharded_with_it():

@@ -5,8 +5,8 @@ from collections import deque
 
 import pytest
 
-from lightning_tp.pipeline.landed import landed_after
-from lightning_tp.pipeline.schedules import build_schedule, message
+from lightning_tp.pipeline.schedule.landed import landed_after
+from lightning_tp.pipeline.schedule.schedules import build_schedule, message
 
 CASES = [(name, p, m, v) for p in (2, 3, 4) for m in (3, 4, 8, 10, 12)
          for name, v in (("gpipe", 1), ("1f1b", 1), ("zb_h1", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 3))]

@@ -308,7 +308,7 @@ def _sent(step, mb):
 def _received(box, t, channel, step):
     """What the executor does with a received activation: takes it with its grad split before its
     values are in (see executor._store), then waits; returns the whole message, now in."""
-    from lightning_tp.pipeline.messages import with_grad_split
+    from lightning_tp.pipeline.transport.messages import with_grad_split
 
     out, work = box.recv(0, t, torch.device("cpu"), channel, wait=False)
     leaf = with_grad_split(out, box.splits_in[channel])
@@ -325,8 +325,8 @@ def _mailbox_across_steps(rank, slotted=False):
     changing between some steps: the receiver posts each step's first payloads with last step's shape
     (right, wrong, right, ...) and hands out the first before its header is read.
     ``slotted``: the per-slot groups of p2p="batched" (one slot per microbatch)."""
-    from lightning_tp.pipeline.p2p import Mailbox, tag
-    from lightning_tp.pipeline.p2p_slots import SlotMailbox
+    from lightning_tp.pipeline.transport.p2p import Mailbox, tag
+    from lightning_tp.pipeline.transport.p2p_slots import SlotMailbox
 
     remembered, got, channel, cpu = {"in": {}, "out": {}}, [], (0, 1), torch.device("cpu")
     tags, ack = [tag(0, mb, 1, 2) for mb in range(N_MICRO)], tag(1, 0, 0, 2)
@@ -395,13 +395,13 @@ def _overflow_agreement(rank):
 def _held_sends(world, m=8):
     """Peak number of sent payloads a rank's Mailbox keeps alive during a 1F1B step (gloo reports a
     send complete only once waited on: without the schedule's release points it is m)."""
-    from lightning_tp.pipeline import p2p
+    from lightning_tp.pipeline.transport import p2p
 
     peak, send = [0], p2p.Mailbox.send
 
     def counting(box, *args):
         send(box, *args)
-        peak[0] = max(peak[0], sum(1 for _, t in box.pending if t is not None and t.numel() > p2p._HEADER))
+        peak[0] = max(peak[0], sum(1 for _, t in box.pending if t is not None and t.numel() > p2p.HEADER))
 
     p2p.Mailbox.send = counting
     try:
@@ -472,7 +472,7 @@ def _recompute_counts(world):
 def _dropped_outputs(world):
     """Per P2P mode: (elements, bytes held, whether its old values are freed) of each stage output when
     its backward starts (1F1B, pp=2)."""
-    from lightning_tp.pipeline import executor
+    from lightning_tp.pipeline.run import executor
 
     seen, refs, backward, drop = {}, {}, executor.PipelineRunner._backward, executor.drop_sent_values
 
@@ -688,7 +688,7 @@ def test_captured_logs_do_not_hold_the_graph():
     """A logged loss is kept detached: zero bubble keeps each microbatch's graph until its W, and a
     captured loss holding it would keep every microbatch's activations alive until the step ends
     (the last stage's resident peak was m graphs instead of p in bench/pipeline.py)."""
-    from lightning_tp.pipeline.logs import captured_logs
+    from lightning_tp.pipeline.run.logs import captured_logs
 
     module, sink = torch.nn.Linear(2, 1), []
     x = torch.randn(3, 2)
@@ -733,7 +733,7 @@ def test_an_encoder_decoder_validates_and_predicts_through_the_pipeline(bad):
 
 
 def test_a_smaller_last_batch_gets_the_fewest_microbatches_that_divide_it_none_larger_than_usual():
-    from lightning_tp.pipeline.microbatch import microbatches_for
+    from lightning_tp.pipeline.run.microbatch import microbatches_for
 
     def rows(n):
         return torch.zeros(n, 3)
@@ -753,7 +753,7 @@ def test_a_smaller_last_batch_gets_the_fewest_microbatches_that_divide_it_none_l
 
 
 def test_sent_values_are_dropped_unless_something_else_holds_them():
-    from lightning_tp.pipeline.p2p import drop_sent_values
+    from lightning_tp.pipeline.transport.p2p import drop_sent_values
 
     x = torch.randn(4, 8, requires_grad=True)
     outputs = {0: x * 2 + 1, 1: x * 3 + 1, 2: (x * 2).view(32), 3: x * 4 + 1}
@@ -778,7 +778,7 @@ def test_sent_values_are_dropped_unless_something_else_holds_them():
 def test_a_loader_that_saves_its_place_is_resumed_unchecked():
     from types import SimpleNamespace
 
-    from lightning_tp.pipeline.microbatch import resumable_loader
+    from lightning_tp.pipeline.run.microbatch import resumable_loader
 
     class Saving(torch.utils.data.DataLoader):
         def state_dict(self):
@@ -797,7 +797,7 @@ def test_a_loader_that_saves_its_place_is_resumed_unchecked():
 
 
 def test_which_batches_must_divide():
-    from lightning_tp.pipeline.microbatch import must_divide
+    from lightning_tp.pipeline.run.microbatch import must_divide
 
     inf = float("inf")
     assert must_divide("training_step", 0, True, 10) and must_divide("training_step", 0, False, inf)
@@ -836,7 +836,7 @@ def test_placeholders_remember_output_shapes_per_argument_signature():
     """A module on another stage answers with fresh stand-ins of its true output shape (NaN, zeros where
     not floating-point); the meta run that finds the shape happens once per signature (shapes, dtypes,
     plain values), or every time when an argument has none (a list)."""
-    from lightning_tp.pipeline.placeholders import ShapeOnly
+    from lightning_tp.pipeline.cut.placeholders import ShapeOnly
 
     class Scaled(torch.nn.Module):
         def __init__(self):

@@ -17,11 +17,12 @@ from torch import nn
 
 import dist
 from lightning_tp import MegaStrategy
-from lightning_tp.pipeline.microbatch import merge_outputs
-from lightning_tp.pipeline.placeholders import OnAnotherStage
-from lightning_tp.pipeline.side_inputs import SideInputCheck
-from lightning_tp.pipeline.split import _outer_groups, apply_split, plan_stages
-from lightning_tp.pipeline.stage import StageDone, install
+from lightning_tp.pipeline.run.microbatch import merge_outputs
+from lightning_tp.pipeline.cut.placeholders import OnAnotherStage
+from lightning_tp.pipeline.run.side_inputs import SideInputCheck
+from lightning_tp.pipeline.cut.outer_modules import outer_groups
+from lightning_tp.pipeline.cut.split import apply_split, plan_stages
+from lightning_tp.pipeline.run.stage import StageDone, install
 
 V, H, T = 16, 8, 4
 
@@ -362,7 +363,7 @@ def test_modules_go_where_the_parents_code_calls_them():
                                  (Net(layout="norm_first"), ["emb"], ["norm", "head"]),
                                  (SequentialNet(), ["emb"], ["norm", "head"]),  # norm(blocks(h)): after them
                                  (AttributeReadNet(), ["emb", "project_in"], ["norm", "head"])):
-        groups = _outer_groups(model, ["blocks"])
+        groups = outer_groups(model, ["blocks"])
         assert [n for n, _ in groups["before"]] == before and [n for n, _ in groups["after"]] == after, model
 
 
@@ -370,7 +371,7 @@ def test_opt_final_norm_and_projections_go_where_they_run():
     transformers = pytest.importorskip("transformers")
     config = transformers.OPTConfig(vocab_size=V, hidden_size=H, ffn_dim=16, num_hidden_layers=2,
                                     num_attention_heads=2, max_position_embeddings=16, word_embed_proj_dim=4)
-    groups = _outer_groups(transformers.OPTForCausalLM(config), ["model.decoder.layers"])
+    groups = outer_groups(transformers.OPTForCausalLM(config), ["model.decoder.layers"])
     assert [n for n, _ in groups["before"]] == ["model.decoder.embed_tokens", "model.decoder.embed_positions",
                                                 "model.decoder.project_in"]
     assert sorted(n for n, _ in groups["after"]) == ["lm_head", "model.decoder.final_layer_norm",
@@ -683,7 +684,7 @@ def test_user_steps_run_as_lightning_calls_them(pipelined, tmp_path):
 def test_a_metrics_batch_value_is_local_as_its_forwards():
     from torchmetrics import SumMetric
 
-    from lightning_tp.pipeline.logs import BatchValues
+    from lightning_tp.pipeline.run.logs import BatchValues
 
     values, metric = BatchValues(), SumMetric()
     with values.recording([metric]):
@@ -698,7 +699,7 @@ def test_a_muted_metric_gets_its_own_update_back():
     chunk's run must put that wrapper back, not the class's bare update."""
     from torchmetrics import SumMetric
 
-    from lightning_tp.pipeline.logs import muted_metrics
+    from lightning_tp.pipeline.run.logs import muted_metrics
 
     metric = SumMetric()
     with muted_metrics([metric], True):

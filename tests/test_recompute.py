@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from lightning_tp import MegaStrategy, recompute
-from lightning_tp.pipeline.split import plan_stages
+from lightning_tp.pipeline.cut.split import plan_stages
 from models import Tokens, make_model
 
 

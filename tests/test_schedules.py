@@ -17,7 +17,7 @@ from fractions import Fraction
 
 import pytest
 
-from lightning_tp.pipeline.schedules import (
+from lightning_tp.pipeline.schedule.schedules import (
     SCHEDULE_NAMES,
     Action,
     build_schedule,
@@ -30,7 +30,7 @@ from lightning_tp.pipeline.schedules import (
     with_split_backward,
     zb_h1,
 )
-from lightning_tp.pipeline.simulate import DeadlockError, ScheduleError, simulate
+from lightning_tp.pipeline.schedule.simulate import DeadlockError, ScheduleError, simulate
 
 PM = [(1, 1), (1, 3), (2, 1), (2, 2), (2, 5), (3, 7), (4, 3), (4, 4), (4, 8), (4, 16), (8, 8)]
 PMV = [(1, 3, 2), (2, 4, 2), (3, 6, 2), (4, 4, 2), (4, 8, 1), (4, 8, 2), (4, 16, 3), (8, 16, 2),
@@ -340,7 +340,7 @@ def test_action_rejects_unknown_kind_and_negative_indices():
 def test_early_publish_fills_the_last_wait_where_the_last_stage_is_done():
     """A stage publishes the step's logs before its last receive only where the unit replay has the
     last stage finished by then (so the numbers are there) and no forward comes after it."""
-    from lightning_tp.pipeline.logs import early_publish
+    from lightning_tp.pipeline.run.logs import early_publish
 
     p, m = 4, 8
     sched = build_schedule("1f1b", p, m)
@@ -421,7 +421,7 @@ def _replay_with_publish(sched, p, v, points) -> bool:
 
 @pytest.mark.parametrize("name", SCHEDULE_NAMES)
 def test_early_publish_never_hangs_even_as_a_barrier(name):
-    from lightning_tp.pipeline.logs import early_publish
+    from lightning_tp.pipeline.run.logs import early_publish
 
     for p in (2, 3, 4, 6):
         for v in ((1, 2, 3) if name == "interleaved_1f1b" else (1,)):
@@ -510,7 +510,7 @@ def test_simulate_costs_a_b_without_its_w_as_a_whole_backward():
 
 
 def test_auto_split_backward_is_the_drain_split_where_it_pays():
-    from lightning_tp.pipeline.schedules import resolve_split_backward as resolve
+    from lightning_tp.pipeline.schedule.schedules import resolve_split_backward as resolve
 
     for schedule in ("gpipe", "1f1b", "interleaved_1f1b"):
         assert resolve("auto", schedule, 2) == "drain"

@@ -6,8 +6,8 @@ transfers issued one by one in action-list order, so it can fail."""
 
 import pytest
 
-from lightning_tp.pipeline.schedules import Action, build_schedule, forward_only
-from lightning_tp.pipeline.slots import producer, slot_plan
+from lightning_tp.pipeline.schedule.schedules import Action, build_schedule, forward_only
+from lightning_tp.pipeline.schedule.slots import producer, slot_plan
 
 CASES = [(name, p, m, 2 if name == "interleaved_1f1b" else 1)
          for name in ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1") for p in (2, 3, 4) for m in (3, 4, 8, 10, 12)]

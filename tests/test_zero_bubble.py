@@ -1,11 +1,11 @@
-"""ZB split (lightning_tp.pipeline.zb): B gives the input gradient, W the weight gradients, together
+"""ZB split (lightning_tp.pipeline.run.zb): B gives the input gradient, W the weight gradients, together
 equal to one plain backward, and W does not run the input path again."""
 
 import pytest
 import torch
 from torch import nn
 
-from lightning_tp.pipeline.zb import SplitBackward
+from lightning_tp.pipeline.run.zb import SplitBackward
 
 
 class CountBackward(torch.autograd.Function):
@@ -146,7 +146,7 @@ def test_zero_bubble_checkpoint_recomputes_each_block_once_for_both_halves(other
     gradients bit for bit (dropout's masks replayed), each block's forward run once more in all
     (torch's checkpoint: once in B, once more in W), none of it in W; a plain backward through the
     same blocks (the first stage's W) gives the same numbers."""
-    from lightning_tp.pipeline import zb_checkpoint
+    from lightning_tp.pipeline.run import zb_checkpoint
 
     torch.manual_seed(0)
     emb = nn.Parameter(torch.randn(4, 8))
@@ -307,7 +307,7 @@ def test_w_does_not_run_a_hook_on_a_split_nodes_output_twice():
 
 
 def test_split_nodes_sharing_parameters_are_grouped_transitively():
-    from lightning_tp.pipeline.zb import _group
+    from lightning_tp.pipeline.run.zb import _group
 
     a, b, c, d, e = (object() for _ in range(5))  # weight nodes
     split = {"n1": {a}, "n2": {b}, "n3": {a, c}, "n4": {c, b}, "n5": {d}, "n6": {e, d}}

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .linear import RowParallelLinear, TPContext, _shard_param
+from .linear import RowParallelLinear, TPContext, shard_param
 from .shard import ShardSpec, check_divisible
 
 
@@ -50,8 +50,8 @@ class TPMultiheadAttention(nn.Module):
         check_divisible("num_heads", name, mha.num_heads, ctx.world,
                         f"Use a number of heads divisible by tp, or tp dividing {mha.num_heads}.")
         spec = ShardSpec(dim=0, world=ctx.world, full=3 * mha.embed_dim, chunks=3)
-        weight = _shard_param(mha.in_proj_weight, spec, ctx, memo)
-        bias = _shard_param(mha.in_proj_bias, spec, ctx, memo) if mha.in_proj_bias is not None else None
+        weight = shard_param(mha.in_proj_weight, spec, ctx, memo)
+        bias = shard_param(mha.in_proj_bias, spec, ctx, memo) if mha.in_proj_bias is not None else None
         out_proj = RowParallelLinear.from_linear(mha.out_proj, ctx, f"{name}.out_proj", memo)
         return cls(weight, bias, out_proj, ctx, mha.num_heads, mha.embed_dim, mha.dropout, mha.batch_first)
 

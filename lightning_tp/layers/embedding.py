@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import comm
-from .linear import TPContext, _shard_param
+from .linear import TPContext, shard_param
 from .shard import ShardSpec, padded_size
 
 
@@ -43,7 +43,7 @@ class VocabParallelEmbedding(nn.Module):
         vocab = emb.weight.shape[0]
         padded = padded_size(vocab, ctx.world)
         spec = ShardSpec(dim=0, world=ctx.world, full=vocab, padded=padded if padded != vocab else 0)
-        weight = _shard_param(emb.weight, spec, ctx, memo)
+        weight = shard_param(emb.weight, spec, ctx, memo)
         return cls(weight, ctx, vocab, emb.padding_idx, scale)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

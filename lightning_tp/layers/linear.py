@@ -65,7 +65,7 @@ def is_conv1d(module: nn.Module) -> bool:
     return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
 
 
-def _shard_param(p: Optional[nn.Parameter], spec: ShardSpec, ctx: TPContext, memo: dict) -> Optional[nn.Parameter]:
+def shard_param(p: Optional[nn.Parameter], spec: ShardSpec, ctx: TPContext, memo: dict) -> Optional[nn.Parameter]:
     """Cut ``p``; a parameter seen before (tied weights) returns the same sharded Parameter."""
     if p is None:
         return None
@@ -115,11 +115,11 @@ class ColumnParallelLinear(nn.Module):
         padded = padded if padded != out else 0
         split = dict(full=out, chunks=chunks, padded=padded, sections=sections, replicas=replicas)
         spec = ShardSpec(dim=1 if transposed else 0, world=ctx.world, **split)
-        weight = _shard_param(linear.weight, spec, ctx, memo)
+        weight = shard_param(linear.weight, spec, ctx, memo)
         bias = None
         if linear.bias is not None:
             bias_spec = ShardSpec(dim=0, world=ctx.world, **split)
-            bias = _shard_param(linear.bias, bias_spec, ctx, memo)
+            bias = shard_param(linear.bias, bias_spec, ctx, memo)
         return cls(weight, bias, ctx, out, input_comm=input_comm, gather_output=gather_output,
                    transposed=transposed)
 
@@ -167,7 +167,7 @@ class RowParallelLinear(nn.Module):
         check_divisible("in_features", name, full_in, ctx.world,
                         "Choose sizes divisible by tp, or leave this layer out of the plan.")
         spec = ShardSpec(dim=0 if transposed else 1, world=ctx.world, full=full_in)
-        weight = _shard_param(linear.weight, spec, ctx, memo)
+        weight = shard_param(linear.weight, spec, ctx, memo)
         bias = None
         if linear.bias is not None:
             bias = memo.get(id(linear.bias)) or nn.Parameter(linear.bias.detach().clone())

@@ -21,12 +21,12 @@ from torch.utils._pytree import tree_map
 from .. import comm
 from ..layers import (ColumnParallelLinear, RowParallelLinear, TPContext, TPMultiheadAttention,
                       VocabParallelCrossEntropy, VocabParallelEmbedding)
-from ..layers.linear import _shard_param, is_conv1d
+from ..layers.linear import shard_param, is_conv1d
 from ..layers.shard import ShardSpec, mark
-from ..pipeline.placeholders import PipelinePlaceholder
+from ..pipeline.cut.placeholders import PipelinePlaceholder
 from .base import Plan, as_tuple, path_matches
 from .registry import registered_plans
-from .sizes import _check_attr, _check_sizes, _getattr_path, _set_attrs, head_replicas
+from .sizes import check_attr, check_sizes, getattr_path, set_attrs, head_replicas
 
 _EXPECTED = {
     "colwise": nn.Linear, "colwise_local": nn.Linear, "rowwise": nn.Linear, "lm_head": nn.Linear,
@@ -105,7 +105,7 @@ def resolve(model: nn.Module, tp: int, sp: bool, plan="auto") -> list:
                                              (expected is nn.Linear and is_conv1d(module))):
                 raise ValueError(f"plan {p.name!r} gives {full} the style {style!r}, which needs a "
                                  f"{expected.__name__}, but it is a {type(module).__name__}.")
-            _check_sizes(full, module, style, tp, options)
+            check_sizes(full, module, style, tp, options)
             missing = [n for n in options.get("inputs", ()) if n not in inspect.signature(module.forward).parameters]
             if missing:
                 raise ValueError(f"plan {p.name!r}: {full} is a 'region' entered by {missing}, which its forward "
@@ -115,7 +115,7 @@ def resolve(model: nn.Module, tp: int, sp: bool, plan="auto") -> list:
             for name, module in root.named_modules():
                 if path_matches(glob, name):
                     for attr, rule in rules.items():
-                        _check_attr(_join(prefix, name), attr, _getattr_path(module, attr), rule, tp)
+                        check_attr(_join(prefix, name), attr, getattr_path(module, attr), rule, tp)
         names = [n for n, _ in root.named_modules()]
         if p.sp_start is not None:
             starts = [next((n for n in names if path_matches(glob, n)), None) for glob in p.sp_starts()]
@@ -234,7 +234,7 @@ def apply(model: nn.Module, matches: list, group, tp: int, rank: int, sp: bool) 
         for glob, rules in m.plan.attrs.items():
             for name, module in root.named_modules():
                 if path_matches(glob, name) and not isinstance(module, PipelinePlaceholder):
-                    _set_attrs(module, rules, tp)
+                    set_attrs(module, rules, tp)
         if ctx.sp:
             _install_sp_boundaries(model, m, ctx)
         for held in (_held(model, _join(m.prefix, path)) for path in as_tuple(m.plan.outputs)):
@@ -310,7 +310,7 @@ def _build(module, style, ctx, path, memo, has_ce, head, options):
         new.whole_memory = bool(options.get("whole_inputs"))
         return new
     if style == "embedding_cols":  # kept as it is, with this rank's columns: its lookups need no communication
-        module.weight = _shard_param(module.weight, ShardSpec(dim=1, world=ctx.world, full=module.embedding_dim),
+        module.weight = shard_param(module.weight, ShardSpec(dim=1, world=ctx.world, full=module.embedding_dim),
                                      ctx, memo)
         module.embedding_dim = module.weight.shape[1]
         return module

@@ -18,7 +18,7 @@ from __future__ import annotations
 from torch import nn
 
 from .base import Plan
-from .hf import _norm_paths
+from .hf import norm_paths
 
 
 class FalconPlan:
@@ -56,7 +56,7 @@ class FalconPlan:
             f"{attn}.dense": "rowwise",
             "transformer.h.*.mlp.dense_h_to_4h": "colwise",
             "transformer.h.*.mlp.dense_4h_to_h": "rowwise",
-            **_norm_paths(module.transformer.h[0], "transformer.h.*"),
+            **norm_paths(module.transformer.h[0], "transformer.h.*"),
             "transformer.ln_f": "sp_norm",
             "lm_head": "lm_head",
         }

@@ -18,7 +18,7 @@ from torch import nn
 from .base import Plan
 
 
-def _norm_paths(layer: nn.Module, glob_prefix: str) -> dict:
+def norm_paths(layer: nn.Module, glob_prefix: str) -> dict:
     return {f"{glob_prefix}.{name}": "sp_norm" for name, m in layer.named_children()
             if type(m).__name__.endswith(("RMSNorm", "LayerNorm"))}
 
@@ -33,7 +33,7 @@ class HFConfigPlan:
         config = getattr(module, "config", None)
         plan = getattr(config, "base_model_tp_plan", None)
         base = _base(module)
-        return (bool(plan) and base is not None and _path_of(module, _get(module, "get_output_embeddings")) is not None
+        return (bool(plan) and base is not None and path_of(module, call_getter(module, "get_output_embeddings")) is not None
                 and hasattr(getattr(module, base), "layers") and hasattr(config, "num_attention_heads")
                 and hasattr(config, "hidden_size"))  # the layout build() reads (not T5Gemma's, say)
 
@@ -71,10 +71,10 @@ class HFConfigPlan:
             for name, child in (inner.named_children() if inner is not None else ()):
                 if type(child).__name__.endswith(("Norm", "RMSNorm", "LayerNorm")):
                     styles[f"{parent}.{name}"] = "partial"
-        styles.update(_norm_paths(layers[0], f"{base}.layers.*"))
-        styles.update(_norm_paths(getattr(module, base), base))  # the final norm, whatever its name
-        styles.update({_path_of(module, module.get_input_embeddings()): "vocab",
-                       _path_of(module, module.get_output_embeddings()): "lm_head"})
+        styles.update(norm_paths(layers[0], f"{base}.layers.*"))
+        styles.update(norm_paths(getattr(module, base), base))  # the final norm, whatever its name
+        styles.update({path_of(module, module.get_input_embeddings()): "vocab",
+                       path_of(module, module.get_output_embeddings()): "lm_head"})
         return Plan(name=f"hf_{type(module).__name__}", styles=styles, attrs=attrs, sp_start=f"{base}.layers.*",
                     blocks=f"{base}.layers", outputs=base)
 
@@ -86,7 +86,7 @@ def _base(module: nn.Module):
     return next((b for b in (prefix, "model") if b and isinstance(getattr(module, b, None), nn.Module)), None)
 
 
-def _get(owner, method: str):
+def call_getter(owner, method: str):
     """``owner.method()`` (get_input_embeddings and the like), or None where it has none."""
     try:
         return getattr(owner, method)() if owner is not None and hasattr(owner, method) else None
@@ -94,7 +94,7 @@ def _get(owner, method: str):
         return None
 
 
-def _path_of(module: nn.Module, target):
+def path_of(module: nn.Module, target):
     """Where ``target`` sits in ``module`` (the first path), or None (GPT-NeoX's head is ``embed_out``)."""
     return next((n for n, m in module.named_modules() if m is target), None) if target is not None else None
 

@@ -30,9 +30,9 @@ import inspect
 
 from torch import nn
 
-from ..pipeline.encoder_decoder import find_encoder_decoder
+from ..pipeline.cut.encoder_decoder import find_encoder_decoder
 from .base import Plan
-from .hf import _get, _path_of
+from .hf import call_getter, path_of
 
 
 def _has(module: nn.Module, *paths: str) -> bool:
@@ -152,7 +152,7 @@ class HFSeq2SeqPlan:
         for name in _token_embeddings(module, head):
             styles[name] = "vocab"
         if head is not None:  # the path resolve() visits: the first one a module is found under
-            styles[_path_of(module, head)] = "lm_head"
+            styles[path_of(module, head)] = "lm_head"
         stacks = tuple(path.rpartition(".")[0] for path in (enc, dec))  # each list's parent
         return Plan(name=f"hf_seq2seq_{kind}", styles=styles, attrs=attrs, blocks=(enc, dec),
                     sp_start=(f"{enc}.*", f"{dec}.*"), sp_end=stacks[0], outputs=stacks)
@@ -163,8 +163,8 @@ def _token_embeddings(module: nn.Module, head) -> list:
     its decoder, and any Embedding sharing the head's weight (BART's ``shared`` and both stacks'
     ``embed_tokens``; a decoder's resized embedding tied to the head). Never positions."""
     found = set()
-    for owner in (module, _get(module, "get_encoder"), _get(module, "get_decoder")):
-        emb = _get(owner, "get_input_embeddings")
+    for owner in (module, call_getter(module, "get_encoder"), call_getter(module, "get_decoder")):
+        emb = call_getter(owner, "get_input_embeddings")
         if isinstance(emb, nn.Embedding):
             found.add(id(emb))
     tied = getattr(head, "weight", None)

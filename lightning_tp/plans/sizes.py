@@ -27,14 +27,14 @@ def _replicable(options: dict, n: int) -> set:
 
 def head_replicas(module: nn.Module, options: dict, tp: int) -> tuple:
     """Per piece, how many ranks share each slice: tp // heads for key/value heads that tp exceeds,
-    else 1. () when nothing is replicated. Sizes were checked by :func:`_check_sizes`."""
+    else 1. () when nothing is replicated. Sizes were checked by :func:`check_sizes`."""
     sizes, unit = _pieces(module, options), options.get("unit", 1)
     kv = _replicable(options, len(sizes))
     reps = tuple(tp // (s // unit) if i in kv and s // unit < tp else 1 for i, s in enumerate(sizes))
     return reps if any(r > 1 for r in reps) else ()
 
 
-def _check_sizes(name: str, module: nn.Module, style: str, tp: int, options: dict) -> None:
+def check_sizes(name: str, module: nn.Module, style: str, tp: int, options: dict) -> None:
     hint = "Use sizes divisible by tp, or a tp that divides them."
     conv = is_conv1d(module)
     if style in ("colwise", "colwise_local"):
@@ -62,13 +62,13 @@ def _check_sizes(name: str, module: nn.Module, style: str, tp: int, options: dic
         check_divisible("embedding_dim", name, module.embedding_dim, tp, hint)
 
 
-def _getattr_path(obj, path: str):
+def getattr_path(obj, path: str):
     for part in path.split("."):
         obj = getattr(obj, part)
     return obj
 
 
-def _check_attr(name: str, attr: str, value: int, rule: str, tp: int) -> None:
+def check_attr(name: str, attr: str, value: int, rule: str, tp: int) -> None:
     kind, n_kv = parse_rule(rule)
     if kind == "divide":
         check_divisible(attr, name, value, tp, f"Set {attr} to a multiple of {tp}, or use a tp that divides it.")
@@ -90,7 +90,7 @@ def _rule_value(value: int, rule: str, tp: int) -> int:
     return value // (tp // n_kv) if tp > n_kv else value  # kv_groups: this rank's q heads share one kv head
 
 
-def _set_attrs(module: nn.Module, rules: dict, tp: int) -> None:
+def set_attrs(module: nn.Module, rules: dict, tp: int) -> None:
     """Apply each attr rule; a dotted path first gives the module its own copy of each shared holder."""
     copied = {}
     for attr, rule in rules.items():

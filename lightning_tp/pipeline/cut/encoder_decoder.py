@@ -15,7 +15,7 @@ import inspect
 from torch import nn
 
 from .block_lists import block_at, find_blocks, is_block_list
-from .split import _outer_groups, holds_linear
+from .outer_modules import holds_linear, outer_groups
 
 
 def takes_encoder_output(block: nn.Module) -> bool:
@@ -65,7 +65,7 @@ def encoder_decoder(model: nn.Module, names, pp: int) -> tuple:
                          f"nn.TransformerDecoderLayer does), but the blocks of {decoder} take one tensor. Name "
                          f"one block list, or use tp/dp for this model.")
     lists = tuple((path, len(b)) for path, b in found)
-    groups = _outer_groups(model, [p for p, _ in lists])
+    groups = outer_groups(model, [p for p, _ in lists])
     first = {id(p) for _, m in groups["before"] for p in m.parameters()}
     if pp > 1 and any(id(p) in first for kind in ("between", "decoder_in") for _, m in groups[kind]
                       for p in m.parameters()):

@@ -9,12 +9,12 @@ from functools import partial
 import torch
 from torch.utils._pytree import tree_map
 
-from .messages import with_grad_split
+from ..transport.messages import with_grad_split
 from .microbatch import merge_outputs, split_marked
-from .p2p import Mailbox, made_early
-from .p2p_slots import SlotMailbox
-from .schedules import forward_only
-from .slots import slot_plan
+from ..transport.p2p import Mailbox, made_early
+from ..transport.p2p_slots import SlotMailbox
+from ..schedule.schedules import forward_only
+from ..schedule.slots import slot_plan
 
 
 class ForwardOnlyStep:

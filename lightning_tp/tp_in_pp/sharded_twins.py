@@ -17,8 +17,8 @@ from __future__ import annotations
 from torch import nn
 
 from ..plans import apply as planner
-from .block_lists import block_key
-from .placeholders import PipelinePlaceholder
+from ..pipeline.cut.block_lists import block_key
+from ..pipeline.cut.placeholders import PipelinePlaceholder
 
 
 def shard_twins(module: nn.Module, layout, split: dict, matches: list, tp: int, rank: int) -> None:

@@ -17,8 +17,8 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
-from .. import comm
-from .p2p import _HEADER, checked_split, first_message, grad_split, release_landed, shape_of, split_of
+from ... import comm
+from .p2p import HEADER, checked_split, first_message, grad_split, release_landed, shape_of, split_of
 
 
 class SlotMailbox:
@@ -56,7 +56,7 @@ class SlotMailbox:
             if channel in self.shapes:
                 ops.append(self._payload(channel, src, t, t + 1))
                 continue
-            header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
+            header = torch.empty(HEADER, dtype=torch.int64, device=self.device)
             ops.append((dist.irecv, header, src, t))
             guess = self.remembered["in"].get(channel)
             if guess is not None:

@@ -20,18 +20,18 @@ from functools import partial
 
 import torch
 
-from ..rng import backward_pass
+from ...rng import backward_pass
 from .backward_step import BackwardStep, no_input_grad
-from .landed import landed_after
+from ..schedule.landed import landed_after
 from .logs import BatchValues, StageLogs, captured_logs, early_publish, find_metrics, muted_metrics
 from .forward_only_step import ForwardOnlyStep
-from .messages import with_grad_split
+from ..transport.messages import with_grad_split
 from .microbatch import batches_per_epoch, merge_outputs, microbatches_for, must_divide, resumable_loader, split_marked
-from .p2p import Mailbox, drop_sent_values, made_early, tag
-from .p2p_slots import SlotMailbox
-from .placeholders import agree_on_stand_ins, holds_nan
-from .schedules import Action, build_schedule, split_keys
-from .slots import slot_plan
+from ..transport.p2p import Mailbox, drop_sent_values, made_early, tag
+from ..transport.p2p_slots import SlotMailbox
+from ..cut.placeholders import agree_on_stand_ins, holds_nan
+from ..schedule.schedules import Action, build_schedule, split_keys
+from ..schedule.slots import slot_plan
 from .stage import StageDone
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import lightning as L
 import torch.distributed as dist
 
-from .logs import _load_state, _state_of, find_metrics
+from .logs import load_metric_state, metric_state_of, find_metrics
 
 
 class StageMetricsSync(L.Callback):
@@ -34,11 +34,11 @@ class StageMetricsSync(L.Callback):
         metrics = [m for m in find_metrics(pl_module) if isinstance(m, Metric) and id(m) in paths]
         if not metrics:
             return
-        box = [{paths[id(m)]: _state_of(m, paths[id(m)], {}) for m in metrics} if is_last else None]
+        box = [{paths[id(m)]: metric_state_of(m, paths[id(m)], {}) for m in metrics} if is_last else None]
         dist.broadcast_object_list(box, src=last, group=runner.mesh.pp_group)
         if not is_last:
             for path, state in box[0].items():
-                _load_state(pl_module.get_submodule(path), state)
+                load_metric_state(pl_module.get_submodule(path), state)
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         self._sync(pl_module)

@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
-from .p2p import tag
-from .simulate import simulate
+from ..transport.p2p import tag
+from ..schedule.simulate import simulate
 
 
 class captured_logs:
@@ -200,7 +200,7 @@ class StageLogs:
         if is_last:
             paths = {id(m): p for p, m in self.module.named_modules()}
             logged = {n: own[n][0][-1] for n, mean, _, _ in shared if mean is None and n in own}
-            box[0] = {n: (paths[id(m)], _state_of(m, paths[id(m)], sent))
+            box[0] = {n: (paths[id(m)], metric_state_of(m, paths[id(m)], sent))
                       for n, m in logged.items() if id(m) in paths}
         dist.broadcast_object_list(box, src=last, group=self.mesh.pp_group)
         if is_last:
@@ -208,7 +208,7 @@ class StageLogs:
         out = {}
         for name, (path, state) in box[0].items():
             out[name] = self.module.get_submodule(path)
-            _load_state(out[name], state)
+            load_metric_state(out[name], state)
         return out
 
     _CAPACITY = 62  # logged numbers per step that fit the fixed broadcast (more: sent pickled)
@@ -267,7 +267,7 @@ class StageLogs:
         return shared, values[0]
 
 
-def _state_of(metric, path: str, sent: dict) -> dict:
+def metric_state_of(metric, path: str, sent: dict) -> dict:
     """What a torchmetrics Metric's values follow from, on the CPU (to travel pickled). A list state
     (one entry per update: AUROC's predictions) travels as the entries added since the last time,
     ``(start, new entries)``, so a step costs its own entries, not the epoch's so far."""
@@ -283,7 +283,7 @@ def _state_of(metric, path: str, sent: dict) -> dict:
     return {"states": states, "count": metric._update_count, "step_value": tree_map(cpu, metric._forward_cache)}
 
 
-def _load_state(metric, state: dict) -> None:
+def load_metric_state(metric, state: dict) -> None:
     """The last stage's state into this stage's metric; a list state's first ``start`` entries are the
     ones received before (what this stage's own updates added after them is dropped)."""
     device = metric.device

@@ -25,11 +25,11 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
-from .. import comm
+from ... import comm
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool]
 _DIMS = 8
-_HEADER = 2 + _DIMS + 2  # ndim, dtype code, up to 8 dims, then the grad split (see grad_split)
+HEADER = 2 + _DIMS + 2  # ndim, dtype code, up to 8 dims, then the grad split (see grad_split)
 
 
 def grad_split(tensor: torch.Tensor) -> tuple:
@@ -44,7 +44,7 @@ def header_of(tensor: torch.Tensor, split: tuple = (0, 0)) -> torch.Tensor:
     if tensor.dim() > _DIMS:
         raise ValueError(f"pipeline activations of {tensor.dim()} dims are not supported (max {_DIMS}).")
     shape = [tensor.dim(), _DTYPES.index(tensor.dtype), *tensor.shape]
-    header = torch.tensor(shape + [0] * (_HEADER - 2 - len(shape)) + list(split), dtype=torch.int64)
+    header = torch.tensor(shape + [0] * (HEADER - 2 - len(shape)) + list(split), dtype=torch.int64)
     if tensor.device.type == "cuda":  # pinned, so that the copy does not wait for the GPU to catch up
         header = header.pin_memory().to(tensor.device, non_blocking=True)
     return header
@@ -178,7 +178,7 @@ class Mailbox:
             return
         for channel, ahead in self.expected.items():
             t, src = ahead[0]
-            header = torch.empty(_HEADER, dtype=torch.int64, device=device)
+            header = torch.empty(HEADER, dtype=torch.int64, device=device)
             self.headers[channel] = (t, dist.irecv(header, src, tag=t), header)
             guess = self.remembered["in"].get(channel) if self.remembered is not None else None
             if guess is not None:
@@ -264,7 +264,7 @@ class Mailbox:
             if channel in self.headers and self.headers[channel][0] == t:
                 _, work, header = self.headers.pop(channel)
             else:
-                header = torch.empty(_HEADER, dtype=torch.int64, device=device)
+                header = torch.empty(HEADER, dtype=torch.int64, device=device)
                 work = self._irecv(header, src, t)
             work.wait()
             self._learn_shape(channel, header)

@@ -215,7 +215,7 @@ def hidden_place(args, kwargs, name=None):
 class ShapeOnly(PipelinePlaceholder):
     """Runs the meta twin of the original to return stand-ins of the true output shape."""
 
-    runs_in = None  # "before" / "after": the stage the original went to (see split._outer_groups)
+    runs_in = None  # "before" / "after": the stage the original went to (see outer_modules.outer_groups)
     stage = None  # the StageState, with one block list (see stage.install): checks where it is called
 
     def forward(self, *args, **kwargs):
@@ -226,7 +226,7 @@ class ShapeOnly(PipelinePlaceholder):
 
 def _check_place(placeholder: "ShapeOnly", state) -> None:
     """A placeholder called where its original should have run: the module went to the wrong end of
-    the pipeline (where the code calls it could not be read, see split._called_around), and the run would
+    the pipeline (where the code calls it could not be read, see outer_modules._called_around), and the run would
     go on with stand-ins in its place. A module of the last stage called in the first stage's run runs
     before the blocks; one of the first stage called after the last stage's blocks began runs after."""
     wrong = {"after": state.active == 0, "before": state.active == state.last_vstage and state.entered}

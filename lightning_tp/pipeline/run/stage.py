@@ -30,11 +30,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .block_lists import PIECEWISE, called_parts
-from .messages import pack, unpack
-from .placeholders import (ShapeOnly, SkippedBlock, handed_on, hidden_name, hidden_place, passthrough,
+from ..cut.block_lists import PIECEWISE, called_parts
+from ..transport.messages import pack, unpack
+from ..cut.placeholders import (ShapeOnly, SkippedBlock, handed_on, hidden_name, hidden_place, passthrough,
                            stand_in_output)
-from .sp_stages import shard_like
+from ...tp_in_pp.sp_stages import shard_like
 
 
 class StageDone(Exception):

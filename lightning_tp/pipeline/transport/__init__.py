@@ -1,0 +1,1 @@
+"""Point-to-point transfers between stages: eager and time-slotted, one message per microbatch."""

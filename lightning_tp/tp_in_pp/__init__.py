@@ -1,0 +1,1 @@
+"""Tensor and sequence parallelism inside pipeline stages: sharded meta twins, sequence splits."""
