@@ -18,12 +18,19 @@ from lightning_tp import consolidate  # noqa: E402
 CONFIG = str(Path(__file__).parent / "config.yaml")
 
 
-def demo(extra_args=()):
-    cli = main(["--config", CONFIG, *extra_args], run=False)
+def demo(args=None):
+    """args: LightningCLI flags over the example's config (None: the command line's, as `make demo ARGS=...`
+    passes them). The config is the parser's default rather than a `--config` prepended to `args`: every
+    process the strategy starts re-runs this script with sys.argv, and LightningCLI warns when it is
+    given `args` as well as a command line."""
+    cli = main(args, run=False, parser_kwargs={"default_config_files": [CONFIG]})
     trainer = cli.trainer
     trainer.fit(cli.model, cli.datamodule)
+    # the weights to ship (consolidated below); ModelCheckpoint's checkpoint in the run's log directory
+    # keeps the optimizer and loop state for resuming. Saying so also spares the "`weights_only` was not
+    # set" line Lightning prints on every rank.
     path = str(Path(trainer.default_root_dir) / "final.ckpt")
-    trainer.save_checkpoint(path)
+    trainer.save_checkpoint(path, weights_only=True)
     if trainer.is_global_zero:
         model = LitGPT(**{k: v for k, v in cli.model.hparams.items() if not k.startswith("_")})
         model.load_state_dict(consolidate(path))
@@ -37,4 +44,4 @@ def demo(extra_args=()):
 
 
 if __name__ == "__main__":
-    demo(sys.argv[1:])
+    demo()

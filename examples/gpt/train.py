@@ -11,8 +11,8 @@ import lightning_tp  # noqa: E402,F401  (registers strategy="mega")
 from examples.gpt.lit import LitGPT, ShakespeareData  # noqa: E402
 
 
-def main(args=None, run=True):
-    return LightningCLI(LitGPT, ShakespeareData, args=args, run=run, save_config_callback=None)
+def main(args=None, run=True, **cli_kwargs):
+    return LightningCLI(LitGPT, ShakespeareData, args=args, run=run, save_config_callback=None, **cli_kwargs)
 
 
 if __name__ == "__main__":
