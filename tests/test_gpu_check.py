@@ -1,0 +1,29 @@
+"""bench/gpu_check.sh --cpu-dry-run: the GPU check's plumbing (wrapper, every check function, the
+table, the exit status) on CPU, with the kernels in the Triton interpreter and tiny sizes."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_gpu_check_cpu_dry_run_prints_one_table_and_passes():
+    env = dict(os.environ, PYTHON=sys.executable)  # the wrapper then makes no venv
+    proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh"), "--cpu-dry-run"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=240)
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr[-4000:]
+    rows = {line.split("|")[1].strip(): line.split("|")[2].strip() for line in out.splitlines()
+            if line.startswith("| ") and not line.startswith("| check ")}
+    for op in ("layer_norm", "rms_norm", "softmax causal+pad", "bias_gelu tanh", "bias_gelu exact",
+               "bias_dropout_add p=0.1", "rotary bhtd", "cross_entropy"):
+        assert rows[f"kernel {op} fp32"] == rows[f"kernel {op} fp16"] == "PASS", op
+        assert rows[f"kernel {op} bf16"] == rows[f"compiled {op} bf16"] == "SKIP", op
+    for check in ("int8 GEMM correctness", "gpt step kernels=True", "gpt step quant=int8", "gpt int8 convert",
+                  "trainer fit MegaStrategy(tp=1)", "compiled layer_norm fp32 [dry run]", "total"):
+        assert rows[check] == "PASS", check
+    assert rows["nccl init (1 process)"] == rows["grouped expert GEMM"] == "SKIP"
+    assert "skipped: no GPU" in out and "not built yet" in out
+    assert sum(line.startswith("+-") for line in out.splitlines()) == 3  # one table: top, under the header, bottom
