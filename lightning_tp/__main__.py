@@ -57,19 +57,14 @@ def build_cli(config: str, cli: str | None = None, extra=()):
         sys.argv = argv
 
 
-def _layout(trainer) -> dict:
+def _config(trainer):
+    """The trainer's resolved layout: MegaStrategy's config with the world size, else plain data parallel."""
+    from .config import ParallelConfig
     from .strategy import MegaStrategy
 
-    strategy = trainer.strategy
-    world = trainer.num_nodes * trainer.num_devices
-    if not isinstance(strategy, MegaStrategy):
-        return dict(dp=world)
-    return dict(tp=strategy.tp, pp=strategy.pp, sp=strategy.sp, microbatches=strategy.microbatches,
-                schedule=strategy.schedule, virtual_stages=strategy.virtual_stages, plan=strategy.plan,
-                pipeline_blocks=strategy.pipeline_blocks, stage_layers=strategy.stage_layers,
-                activation_checkpointing=strategy.activation_checkpointing,
-                zb_keep_recomputed=strategy.zb_keep_recomputed, split_backward=strategy.split_backward,
-                dp=world // (strategy.tp * strategy.pp))
+    strategy, world = trainer.strategy, trainer.num_nodes * trainer.num_devices
+    config = strategy.config if isinstance(strategy, MegaStrategy) else ParallelConfig.resolve()
+    return config.with_world(world)
 
 
 def _batch_shape(cli, flag: str | None) -> tuple:
@@ -95,17 +90,26 @@ def _bytes(precision: str) -> tuple:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lightning_tp")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("explain", help="parameters, stages, communication and activation memory per rank")
-    p.add_argument("--config", required=True, help="LightningCLI YAML (trainer.strategy: lightning_tp.MegaStrategy)")
+    p = sub.add_parser(
+        "explain", help="parameters, stages, communication and activation memory per rank",
+        description="Report what each rank of a MegaStrategy layout holds and sends, from a LightningCLI config, "
+                    "without starting any process. Flags not listed here go to the LightningCLI "
+                    "(e.g. --trainer.strategy.init_args.tp 4).")
+    p.add_argument("--config", required=True,
+                   help="a LightningCLI YAML with trainer.devices (and num_nodes), trainer.strategy "
+                        "(class_path: lightning_tp.MegaStrategy, init_args: tp, pp, ...) and a model; the batch "
+                        "shape is read from data.batch_size and data/model block_size unless --batch-shape is given")
     p.add_argument("--batch-shape", help="B,T: per-process batch and sequence length (default: from the datamodule)")
-    p.add_argument("--cli", help="path/to/train.py[:main] or package.module[:main] building the LightningCLI")
+    p.add_argument("--cli", help="path/to/train.py[:main] or package.module[:main]: a function (args, run=False) "
+                                 "returning the LightningCLI (default: a plain LightningCLI if the config's model "
+                                 "has a class_path, else the train.py beside the config)")
     args, extra = parser.parse_known_args(argv)
     cli = build_cli(args.config, args.cli, extra)
     from .explain import explain
 
     act, grad = _bytes(cli.trainer.precision)
     explain(cli.model, batch_shape=_batch_shape(cli, args.batch_shape), dtype_bytes=act, grad_bytes=grad,
-            accumulate_grad_batches=cli.trainer.accumulate_grad_batches, **_layout(cli.trainer))
+            accumulate_grad_batches=cli.trainer.accumulate_grad_batches, config=_config(cli.trainer))
     return 0
 
 

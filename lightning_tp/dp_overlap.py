@@ -22,6 +22,7 @@ critical path), and whatever was not final then starts in :meth:`finish`.
 from __future__ import annotations
 
 from .grads import BUCKET_BYTES, adopt, settle, start_all_reduce, with_flags
+from .marks import marks_of
 
 
 class DPOverlap:
@@ -30,11 +31,11 @@ class DPOverlap:
         ``hooked``: register the hooks now and keep them (else :meth:`hook` / :meth:`remove`)."""
         self.group, self.scale, self.armed = group, 1.0 / dp, armed
         params = [p for p in params if p.requires_grad]
-        # ``_pp_late_sync``: gradients no single backward pass finalizes on this rank (an encoder-decoder's
+        # ``pp_late_sync`` (see marks): gradients no single backward pass finalizes on this rank (an encoder-decoder's
         # embedding used by two of its chunks, a copy it holds without running): buckets of their own, last,
         # left to finish()
-        late = [p for p in params if getattr(p, "_pp_late_sync", False)]
-        self.buckets = _buckets([p for p in params if not getattr(p, "_pp_late_sync", False)], bucket_bytes)
+        late = [p for p in params if marks_of(p).pp_late_sync]
+        self.buckets = _buckets([p for p in params if not marks_of(p).pp_late_sync], bucket_bytes)
         self.early_buckets = len(self.buckets)  # those a backward may start (read by tests)
         self.buckets += _buckets(late, bucket_bytes) if late else []
         self.bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}

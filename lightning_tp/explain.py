@@ -57,6 +57,7 @@ back, so a block's last collective often does not run again).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import warnings
 from fractions import Fraction
 from dataclasses import asdict, dataclass, field
@@ -66,14 +67,17 @@ from torch import nn
 
 from .grads import replica_buffer_numel
 from .pipeline.cut.block_lists import block_at, block_key
-from .pipeline.schedule.schedules import build_schedule, resolve_split_backward
+from .pipeline.schedule.schedules import build_schedule
 from .pipeline.schedule.simulate import simulate
 from .tp_in_pp.sp_stages import chain_index
 from .pipeline.cut.outer_modules import outer_groups
-from .pipeline.cut.split import apply_split, plan_stages
+from .pipeline.cut.split import apply_split
 from .plans import apply as planner
 from . import recompute
+from .config import ParallelConfig
+from .parallelize import stage_layout
 from .explain_costs import cost_entries, saved_widths, t5_head_counts, t5_side, tp_ops, weight_grad_widths, width_in
+from .marks import marks_of
 
 
 @dataclass
@@ -104,6 +108,7 @@ class Explanation:
     layer_ops: list = field(default_factory=list)  # TP collectives of block 0: (op, elements per token)
     decoder_ops: list = field(default_factory=list)  # an encoder-decoder's: those of the decoder's block 0
     ranks: list = field(default_factory=list)
+    actions: list = field(default_factory=list)  # under a pipeline: each pp rank's action list, as the run's
 
     def rank(self, stage: int, tp_rank: int = 0) -> RankEstimate:
         return next(r for r in self.ranks if (r.stage, r.tp_rank) == (stage, tp_rank))
@@ -149,20 +154,24 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
             batch_shape=(8, 128), schedule: str = "1f1b", virtual_stages: int = 1, plan="auto", dp: int = 1,
             dtype_bytes: int = 4, *, grad_bytes=None, accumulate_grad_batches: int = 1, pipeline_blocks=None,
             stage_layers=None, activation_checkpointing=False, zb_keep_recomputed: bool = False,
-            split_backward="auto", print_report: bool = True) -> Explanation:
-    """Parameters, stages, communication and activation memory of ``MegaStrategy(tp, pp, sp, ...)``
-    with ``dp`` replicas on ``module`` (``zb_keep_recomputed`` as MegaStrategy's, for what ZB-H1 keeps
-    until W; ``split_backward`` as MegaStrategy's, for the bubble: its W runs at once, so memory is the
-    schedule's). ``batch_shape`` = (per-process batch, sequence length);
-    ``dtype_bytes`` sizes activations, ``grad_bytes`` (default: the same) gradients. Prints the
-    report unless ``print_report=False``; returns it (``str()`` gives the text)."""
+            split_backward="auto", config: ParallelConfig | None = None, print_report: bool = True) -> Explanation:
+    """Parameters, stages, communication and activation memory per rank of ``MegaStrategy(tp, pp, sp, ...)``
+    with ``dp`` replicas on ``module`` (or of ``config``, a resolved layout with its dp), for a per-process
+    ``batch_shape`` (B, T). Prints the report unless ``print_report=False``; ``str()`` gives its text."""
     if getattr(module, "_lightning_tp", None) is not None:
         raise ValueError("explain() needs the user's module before MegaStrategy parallelized it.")
-    sp, m = bool(sp) and tp > 1, microbatches if microbatches is not None else pp
-    v = virtual_stages if pp > 1 else 1
+    if config is None:
+        config = ParallelConfig.resolve(tp=tp, pp=pp, sp=sp, microbatches=microbatches, schedule=schedule,
+                                        virtual_stages=virtual_stages, split_backward=split_backward,
+                                        pipeline_blocks=pipeline_blocks, stage_layers=stage_layers,
+                                        activation_checkpointing=activation_checkpointing,
+                                        zb_keep_recomputed=zb_keep_recomputed, plan=plan, world_size=tp * pp * dp)
+    elif config.dp is None:
+        raise ValueError("explain(config=...) needs a config with its world size: config.with_world(n).")
+    tp, pp, sp, m, dp, schedule = config.tp, config.pp, config.sp, config.microbatches, config.dp, config.schedule
+    plan, pipeline_blocks, activation_checkpointing = config.plan, config.pipeline_blocks, config.activation_checkpointing
+    v = config.virtual_stages if pp > 1 else 1
     (B, T), grad_bytes, acc = batch_shape, grad_bytes or dtype_bytes, accumulate_grad_batches
-    recompute.check_option(activation_checkpointing, None, schedule if pp > 1 or m > 1 else None, zb_keep_recomputed,
-                           resolve_split_backward(split_backward, schedule, pp, activation_checkpointing))
     if B % m:
         raise ValueError(f"microbatches={m} must divide the per-process batch size {B}.")
     base = _meta_copy(module)
@@ -175,10 +184,9 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
             if tp > 1:
                 raise
             matches = []  # a plan usable only for its block list at tp=1 (styles not supported at tp > 1)
-    pipelined = pp > 1 or m > 1
+    pipelined = config.pipelined
     try:
-        layout = plan_stages(base, pp, v, pipeline_blocks or planner.blocks_path(base, plan), stage_layers,
-                             interleaved=schedule == "interleaved_1f1b")
+        layout = stage_layout(dataclasses.replace(config, microbatches=max(m, 2)), base)
     except ValueError:
         if pipelined:
             raise
@@ -186,11 +194,12 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
             raise ValueError("explain(activation_checkpointing=...) models the model's block list and found none; "
                              "name it with pipeline_blocks='path.to.blocks'.") from None
         layout = None  # no block list: the whole model is one stage
+    hf_recompute = pp > 1 and bool(recompute.hf_checkpointing_modules(base, layout))
+    choices = config.for_model(hf_recompute, bool(layout is not None and layout.lists))
+    activation_checkpointing, split_backward = choices.recompute, choices.split_backward
     # one replay of the schedule: peak in-flight microbatches (set by each rank's action order alone) and
     # the idle share of a step with equal blocks, backward = 2 forwards (ZB: its halves alike), free transfers
     unit = {"F": Fraction(1, v), "B": Fraction(2, v), "W": Fraction(1, v)}
-    split_backward = resolve_split_backward(split_backward, schedule, pp, activation_checkpointing,
-                                            bool(layout is not None and layout.lists))
     actions = build_schedule(schedule, pp, m, v, split_backward) if pipelined else None
     replayed = simulate(actions, pp, v, unit) if pipelined else None
     peaks = replayed.peak_inflight if replayed else [1]
@@ -252,6 +261,7 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
                            accumulate_grad_batches=acc, blocks=bpath, hidden=hidden, bubble=bubble,
                            split_backward=split_backward, activation_checkpointing=activation_checkpointing,
                            plans=[(mt.prefix, mt.plan.name) for mt in matches]))
+    rep.actions = [list(a) for a in actions] if actions is not None else []
     counts = {}
     for mt in matches:
         for path, style, _ in cost_entries(mt):
@@ -308,9 +318,9 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
                 planner.apply(local, matches, None, tp, t, sp)
             params = list(local.parameters())
             trained = sum(p.numel() for p in params if p.requires_grad)
-            partial = sum(p.numel() for p in params if p.requires_grad and getattr(p, "_tp_sp_partial", False))
+            partial = sum(p.numel() for p in params if p.requires_grad and marks_of(p).sp_partial)
             partial += sum(replica_buffer_numel(p) for p in params if p.requires_grad)
-            tied = sum(p.numel() for p in params if p.requires_grad and getattr(p, "_pp_tied", False))
+            tied = sum(p.numel() for p in params if p.requires_grad and marks_of(p).pp_tied)
             rep.ranks.append(RankEstimate(
                 stage=r, tp_rank=t, params=sum(p.numel() for p in params),
                 tp_bytes=round(tokens * (tp_elems + tp_again) * dtype_bytes) if tp > 1 else 0,
@@ -336,8 +346,12 @@ def _size(n: float) -> str:
 
 def _format(rep: Explanation) -> str:
     c = rep.config
-    lines = [f"lightning_tp explain: tp={c['tp']} pp={c['pp']} dp={c['dp']} (world {c['world']}) sp={c['sp']} "
-             f"microbatches={c['microbatches']} schedule={c['schedule']} virtual_stages={c['virtual_stages']}",
+    pipelined = c["pp"] > 1 or c["microbatches"] > 1
+    head = f"lightning_tp explain: tp={c['tp']} pp={c['pp']} dp={c['dp']} (world {c['world']}) sp={c['sp']}"
+    if pipelined:
+        head += f" microbatches={c['microbatches']} schedule={c['schedule']}"
+        head += f" virtual_stages={c['virtual_stages']}" if c["virtual_stages"] > 1 else ""
+    lines = [head,
              f"batch {c['batch_shape'][0]} x {c['batch_shape'][1]} per process, hidden {c['hidden']}, "
              f"{c['dtype_bytes']} B/activation element, {c['grad_bytes']} B/grad element, "
              f"accumulate_grad_batches={c['accumulate_grad_batches']}", "",
@@ -352,14 +366,15 @@ def _format(rep: Explanation) -> str:
                 counts[op] = counts.get(op, 0) + 1
             lines.append(f"  TP collectives of {what}, elements recorded per token: "
                          + ", ".join(f"{n} x {op} {w:g} ({phase})" for (op, w, phase), n in counts.items()))
-    if rep.stages:
+    if rep.stages and c["pp"] > 1:
         lines += ["", f"Stages (blocks of {c['blocks']}):"]
         lines += [f"  virtual stage {k} on pp rank {r}: blocks {lo}..{hi} ({hi - lo + 1})"
                   for k, r, lo, hi in rep.stages]
         lines.append(f"  first stage also holds: {', '.join(rep.outer['first']) or '-'}; "
                      f"last stage: {', '.join(rep.outer['last']) or '-'}")
         if rep.decoder_ops:  # an encoder-decoder (see StageLayout.runs)
-            lines.append(f"  the stage of the decoder's first block holds a copy of the first stage's; "
+            lines.append(f"  the stage of the decoder's first block holds a copy of the first stage's modules "
+                         f"for the decoder's input; "
                          f"two stages run what lies between the lists ({', '.join(rep.outer['between']) or '-'}: the "
                          f"encoder's on its last block's, the decoder's on its first's); a decoder stage sends "
                          f"the encoder's output with its hidden states")

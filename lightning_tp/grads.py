@@ -15,6 +15,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from . import comm
 from .layers.shard import spec_of
+from .marks import marks_of
 
 BUCKET_BYTES = 25 * 1024 * 1024
 
@@ -60,8 +61,8 @@ def _sum_tied(params, group) -> None:
     stage used it or not (an encoder-decoder's decoder stage may use its target embedding only): a
     missing gradient counts as zero, and stays missing where no copy had one (as one process leaves
     an unused parameter: no weight decay, no Adam step)."""
-    tied = sorted((p for p in params if getattr(p, "_pp_tied", False) and p.requires_grad),
-                  key=lambda p: getattr(p, "_pp_tied_index", 0))
+    tied = sorted((p for p in params if marks_of(p).pp_tied and p.requires_grad),
+                  key=lambda p: marks_of(p).pp_tied_index)
     if not tied:
         return
     had = torch.tensor([float(p.grad is not None) for p in tied], device=tied[0].device)
@@ -69,7 +70,7 @@ def _sum_tied(params, group) -> None:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     _reduce([p.grad for p in tied], group)
-    if getattr(tied[0], "_pp_copy", False):  # an encoder-decoder's copies (a tied head is always used)
+    if marks_of(tied[0]).pp_copy:  # an encoder-decoder's copies (a tied head is always used)
         dist.all_reduce(had, group=group)
         for p, n in zip(tied, had.tolist()):
             if n == 0:
@@ -92,10 +93,10 @@ def sync_gradients(params, mesh, dp_overlap=None, repeated: bool = False) -> Non
         _sum_tied(params, mesh.emb_group)
     trainable = [p for p in params if p.requires_grad]
     params = [p for p in trainable if p.grad is not None]
-    summed = [p for p in params if getattr(p, "_tp_sp_partial", False) or _replicated_pieces(p, 0)] \
+    summed = [p for p in params if marks_of(p).sp_partial or _replicated_pieces(p, 0)] \
         if repeated else []  # (found only where a step syncs more than once: manual optimization)
     before = _summed_before(summed)
-    _reduce([p.grad for p in params if getattr(p, "_tp_sp_partial", False)], mesh.tp_group)
+    _reduce([p.grad for p in params if marks_of(p).sp_partial], mesh.tp_group)
     _sum_replicas(params, mesh)
     if repeated:
         _remember_summed(summed, before)
@@ -245,7 +246,7 @@ def _agree(scaler, found: dict, group) -> None:
 def global_grad_norm(params, mesh, norm_type: float = 2.0) -> torch.Tensor:
     """Norm of the full model's gradient: each shard counted once, tp replicas counted once."""
     params = [p for p in params if p.grad is not None]
-    counted = [g.detach() for p in params if not (getattr(p, "_pp_tied", False) and mesh.pp_rank > 0)
+    counted = [g.detach() for p in params if not (marks_of(p).pp_tied and mesh.pp_rank > 0)
                for g in _counted(p, mesh.tp_rank)]  # a tied copy counts once
     device = params[0].grad.device if params else torch.device("cpu")
     if math.isinf(norm_type):

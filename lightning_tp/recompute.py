@@ -71,6 +71,16 @@ def check_option(value, quant, schedule: str | None = None, keep_recomputed: boo
                          f"or zb_keep_recomputed=True (one recomputation, kept from B to W).")
 
 
+def hf_checkpointing_modules(model: nn.Module, layout) -> list:
+    """Modules with Hugging Face's gradient checkpointing on, in or around ``layout``'s block lists
+    (a block, inside one, or a parent of a list; not a vision tower beside them)."""
+    lists = [path for path, _ in layout.lists] if layout.lists else [layout.blocks_path]
+    near = lambda name: any(name == p or p.startswith(name + ".") or name.startswith(p + ".")  # noqa: E731
+                            for p in lists)
+    return [m for name, m in model.named_modules() if near(name) and getattr(m, "gradient_checkpointing", False)
+            is True and callable(getattr(m, "_gradient_checkpointing_func", None))]
+
+
 def block_lists(model: nn.Module, name: str | None = None) -> list[str]:
     """Paths of the block lists to checkpoint without a pipeline: ``name`` (``pipeline_blocks=`` or the
     plan's ``blocks``), else every outermost ``nn.ModuleList`` of two or more same-class modules with

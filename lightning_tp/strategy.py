@@ -25,17 +25,13 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 
 from . import checkpoint as ckpt
 from . import comm
+from .config import ParallelConfig
 from . import grads
-from . import recompute
 from .averaged_models import copy_averaged_models_again
 from .failures import FailureNotes, raise_on_every_rank
-from .kernels.inject import kernel_names
-from .quant import bits_of
-from .quant.fake_quant import RANGE_MODES
-from .mesh import ParallelMesh, build_mesh, data_parallel_size, gloo_twin_of_mp_group
+from .mesh import ParallelMesh, build_mesh, gloo_twin_of_mp_group
 from .pipeline.run.epoch_end import install as install_epoch_end_sync
 from .pipeline.run.executor import PipelineRunner
-from .pipeline.schedule.schedules import build_schedule, resolve_split_backward
 from .parallelize import parallelize
 from .same_batch import BatchBroadcast
 
@@ -125,46 +121,38 @@ class MegaStrategy(ParallelStrategy):
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
-        data_parallel_size(tp * pp, tp, pp)  # validates the types now, the division once the world is known
-        if sp and tp == 1:
+        self.config = ParallelConfig.resolve(
+            tp=tp, pp=pp, sp=sp, microbatches=microbatches, schedule=schedule, virtual_stages=virtual_stages,
+            split_backward=split_backward, pipeline_blocks=pipeline_blocks, stage_layers=stage_layers,
+            activation_checkpointing=activation_checkpointing, zb_keep_recomputed=zb_keep_recomputed, p2p=p2p,
+            kernels=kernels, quant=quant, quant_range=quant_range, load_full=load_full, plan=plan,
+            sync_init=sync_init, broadcast_batch=broadcast_batch)
+        if sp and not self.config.sp:
             rank_zero_warn("MegaStrategy(sp=True) needs tp > 1; sequence parallelism is off for tp=1.")
-            sp = False
-        self.tp, self.pp, self.sp, self.plan, self.sync_init = tp, pp, bool(sp), plan, sync_init
-        self.microbatches = microbatches if microbatches is not None else pp
-        self.schedule, self.virtual_stages, self.split_backward = schedule, virtual_stages, split_backward
-        self.pipeline_blocks, self.stage_layers = pipeline_blocks, stage_layers
-        self._pipelined = pp > 1 or self.microbatches > 1
-        if p2p not in ("auto", "eager", "batched"):
-            raise ValueError(f"MegaStrategy(p2p={p2p!r}): choose 'auto', 'eager' or 'batched'.")
-        self.p2p = p2p
-        if self._pipelined:  # names and counts checked now, on every rank, before any process starts
-            build_schedule(schedule, pp, self.microbatches, virtual_stages,
-                           resolve_split_backward(split_backward, schedule, pp, activation_checkpointing))
         self._runner = None
         self._dp_overlap = None
-        self.kernels = kernel_names(kernels)
-        self.load_full = load_full
-        if quant is not None:
-            bits_of(quant)  # a clear error listing the choices, before anything starts
-        if quant_range not in RANGE_MODES:
-            raise ValueError(f"MegaStrategy(quant_range={quant_range!r}): choose one of {list(RANGE_MODES)}.")
-        if quant is None and quant_range != "ema":
-            raise ValueError(f"MegaStrategy(quant_range={quant_range!r}) needs quant='int8' or 'w4a8' as well.")
-        self.quant, self.quant_range = quant, quant_range
-        recompute.check_option(activation_checkpointing, quant, schedule if self._pipelined else None,
-                               zb_keep_recomputed,
-                               resolve_split_backward(split_backward, schedule, pp, activation_checkpointing))
-        self.activation_checkpointing, self.zb_keep_recomputed = activation_checkpointing, zb_keep_recomputed
         self._process_group_backend = process_group_backend
         self._timeout = timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout
         self._start_method = start_method
         self._num_nodes = 1
         self._sync_grads = True
-        self.broadcast_batch, self._batch_broadcast = broadcast_batch, None
+        self._batch_broadcast = None
         self._failures = None  # this run's notes of which rank failed first (see .failures)
         self.mesh: ParallelMesh = ParallelMesh()
 
     # ------------------------------------------------------------------ topology
+
+    @property
+    def tp(self) -> int:
+        return self.config.tp
+
+    @property
+    def pp(self) -> int:
+        return self.config.pp
+
+    @property
+    def sp(self) -> bool:
+        return self.config.sp
 
     @property
     def root_device(self) -> torch.device:
@@ -214,7 +202,7 @@ class MegaStrategy(ParallelStrategy):
             # like torchrun: N processes on one machine share its cores (idle pipeline stages would
             # otherwise spin their thread pools against the busy ones)
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, self.num_processes)))
-        data_parallel_size(self.num_nodes * self.num_processes, self.tp, self.pp)  # before any collective
+        self.config = self.config.with_world(self.num_nodes * self.num_processes)  # before any collective
         reset_seed()
         self.set_world_ranks()
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
@@ -222,7 +210,7 @@ class MegaStrategy(ParallelStrategy):
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
         self.mesh = build_mesh(self.tp, self.pp, device_type=self.root_device.type)
         self._failures = FailureNotes.open(self.mesh)
-        if self.broadcast_batch and comm.group_size(self.mesh.mp_group) > 1:
+        if self.config.broadcast_batch and comm.group_size(self.mesh.mp_group) > 1:
             cpu_group = self.mesh.mp_group if backend == "gloo" else gloo_twin_of_mp_group(self.mesh)
             self._batch_broadcast = BatchBroadcast(self.mesh.mp_group, self.mesh.global_rank(0, self.mesh.dp_rank, 0),
                                                    self.root_device, cpu_group)
@@ -238,12 +226,17 @@ class MegaStrategy(ParallelStrategy):
     def setup(self, trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
-        self._runner, self._dp_overlap = parallelize(self, self.lightning_module)
+        module = self.lightning_module
+        reused = getattr(module, "_lightning_tp", None) is not None
+        if not reused and self._dp_overlap is not None:
+            self._dp_overlap.remove()
+        self._runner, overlap = parallelize(self.config, self.mesh, module, self.root_device, lambda: self._sync_grads)
+        self._dp_overlap = self._dp_overlap if reused else overlap
         if self._runner is not None:
             install_epoch_end_sync(trainer, self._runner)
         copy_averaged_models_again(trainer, self.lightning_module)
         self.model = self.precision_plugin.convert_module(self.model)
-        for twin in self.lightning_module._lightning_tp["twins"]:  # placeholders' zeros in the model's dtype
+        for twin in self.lightning_module._lightning_tp.twins:  # placeholders' zeros in the model's dtype
             self.precision_plugin.convert_module(twin)
         self.model_to_device()
         self.barrier()
@@ -328,7 +321,7 @@ class MegaStrategy(ParallelStrategy):
 
     def post_backward(self, closure_loss: torch.Tensor) -> None:
         super().post_backward(closure_loss)
-        streams = getattr(self.lightning_module, "_lightning_tp", {}).get("streams")
+        streams = getattr(getattr(self.lightning_module, "_lightning_tp", None), "streams", None)
         if streams is not None:  # a refusal made while recomputing, which torch only warned about
             streams.raise_pending()
         if self._sync_grads:  # manual optimization may sync several times before its optimizer step

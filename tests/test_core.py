@@ -13,6 +13,7 @@ from torch import nn
 
 import dist
 from examples.gpt.model import GPT, GPTConfig
+from lightning_tp.marks import marks_of
 from lightning_tp import MegaStrategy, comm
 from lightning_tp.mesh import build_mesh
 from lightning_tp.same_batch import BatchBroadcast
@@ -78,7 +79,7 @@ def _checks(rank, world):
     part = _parallelize(make_model("gpt", vocab_size=63), 2, False, mesh)
     ratios = {}
     for name, p in part.named_parameters():
-        spec = getattr(p, "_tp_spec", None)
+        spec = marks_of(p).tp_spec
         if spec is not None:
             original = full.get_parameter(name)
             padded = list(original.shape)

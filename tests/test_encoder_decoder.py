@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_tp.marks import marks_of, set_marks
 from lightning_tp.explain import explain
 from lightning_tp.pipeline.transport.p2p import grad_split
 from lightning_tp.pipeline.cut.placeholders import ShapeOnly, SkippedBlock
@@ -57,7 +58,7 @@ def test_each_rank_keeps_its_blocks_its_embedding_copy_and_the_norms_it_runs():
                           head=not isinstance(model.model.decoder, ShapeOnly),
                           encoder=[not isinstance(b, SkippedBlock) for b in t.encoder.layers],
                           decoder=[not isinstance(b, SkippedBlock) for b in t.decoder.layers],
-                          tied=sorted(getattr(p, "_pp_tied", False) for p in split["tied"]))
+                          tied=sorted(marks_of(p).pp_tied for p in split["tied"]))
     assert kept[0] == dict(embedding=True, encoder_norm=True, decoder_norm=False, head=False,
                            encoder=[True, True], decoder=[False, False], tied=[True])
     assert kept[1] == dict(embedding=True, encoder_norm=False, decoder_norm=True, head=True,
@@ -102,7 +103,7 @@ def test_a_tied_head_makes_the_last_stage_hold_a_silent_copy(pp, v, holders):
     assert layout.tied_head and layout.replica_ranks() == holders
     split = apply_split(model, layout, pp - 1)
     weight = model.model.decoder.weight
-    assert model.model.embedding.weight is weight and split["tied"] == [weight] and weight._pp_tied
+    assert model.model.embedding.weight is weight and split["tied"] == [weight] and marks_of(weight).pp_tied
     runs_there = pp - 1 in {k % pp for k in layout.runs()["before"]}  # the decoder starts on the last rank
     assert ("model.embedding" in split["silence"]) == (not runs_there)
 
@@ -400,13 +401,13 @@ def test_tensor_parallel_shards_keep_the_tied_marks():
     from lightning_tp.layers.shard import ShardSpec
 
     p = nn.Parameter(torch.randn(4, 2))
-    p._pp_tied, p._pp_tied_index, p._pp_copy = True, 3, True
+    set_marks(p, pp_tied=True, pp_tied_index=3, pp_copy=True)
 
     class Ctx:
         rank, world = 0, 2
 
     new = shard_param(p, ShardSpec(dim=0, world=2, full=4), Ctx(), {})
-    assert (new._pp_tied, new._pp_tied_index, new._pp_copy) == (True, 3, True) and new.shape == (2, 2)
+    assert (marks_of(new).pp_tied, marks_of(new).pp_tied_index, marks_of(new).pp_copy) == (True, 3, True) and new.shape == (2, 2)
 
 
 def test_explain_models_both_lists():

@@ -64,6 +64,9 @@ CONFIGS = {
     # (into the decoder's stage) whole
     "tp2_sp_pp2_hf_t5_split_encoder": (dict(kind="hf_t5", copied=True),
                                        dict(tp=2, sp=True, pp=2, microbatches=2, stage_layers=[1, 3])),
+    # Hugging Face's gradient checkpointing, taken over under pp: recomputation, so "auto" splits no backward
+    "pp2_dp2_hf_llama_grad_ckpt": (dict(kind="hf_llama", grad_ckpt=True, layers=4), dict(pp=2, microbatches=2)),
+    "pp2_dp2_1f1b_auto": (dict(n_layer=4), dict(pp=2, microbatches=4)),
 }
 
 
@@ -121,8 +124,10 @@ def _worker(rank, world, configs):
         trainer = L.Trainer(devices=world, strategy=strategy, max_steps=STEPS, callbacks=[counter],
                             limit_val_batches=0, **trainer_kwargs())
         trainer.fit(model, TokenData(STEPS * B * world, vocab_of(model), B))
-        mesh = strategy.mesh
+        mesh, runner = strategy.mesh, strategy._runner
         results[name] = dict(pp_rank=mesh.pp_rank, tp_rank=mesh.tp_rank, dp_rank=mesh.dp_rank,
+                             split_backward=runner.split_backward if runner else False,
+                             actions=list(runner.actions) if runner else None,
                              params=sum(p.numel() for p in model.parameters()),
                              steps=[_by_kind(s, mesh) for s in counter.steps])
     return results
@@ -166,6 +171,18 @@ def test_estimates_match_a_real_run(measured, name):
         assert (total > 0) == used, (kind, total)  # each layout exercises what it is meant to
 
 
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_explain_runs_the_schedule_the_run_runs(measured, name):
+    report = _estimate(name)
+    for result in measured:
+        r = result[name]
+        assert r["split_backward"] == report.config["split_backward"], (r["split_backward"], report.config)
+        assert r["actions"] == (report.actions[r["pp_rank"]] if report.actions else None)
+    expected = {"pp2_dp2_hf_llama_grad_ckpt": False, "pp2_dp2_1f1b_auto": "drain"}
+    if name in expected:
+        assert report.config["split_backward"] == expected[name]
+
+
 def test_megatron_count_per_layer():
     layer = _estimate("tp2_pp2").layer_ops
     # Megatron: 2 forward + 2 backward all-reduces of b*s*h per layer (h = 32)
@@ -203,7 +220,7 @@ def test_explain_leaves_module_and_torch_distributed_alone(capsys):
     assert [(id(p), p.device, p.requires_grad) for p in model.parameters()] == params
     after = model.state_dict()
     assert after.keys() == state.keys() and all(torch.equal(after[k], v) for k, v in state.items())
-    assert not any(hasattr(p, a) for p in model.parameters() for a in ("_tp_spec", "_pp_tied", "_tp_sp_partial"))
+    assert not any(hasattr(p, "_lightning_tp") for p in model.parameters())
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
     assert model.model.transformer.h[0].attn.n_head == 4
     assert str(report) in capsys.readouterr().out
@@ -318,3 +335,23 @@ def test_zero_bubble_hold_until_w_against_a_real_split_backward():
     keep = explain(model, activation_checkpointing=True, zb_keep_recomputed=True, **kw)
     assert ac.rank(1).zb_w_bytes < keep.rank(1).zb_w_bytes == est.rank(1).zb_w_bytes
     assert ac.rank(0).act_bytes == keep.rank(0).act_bytes  # the first stage's B is empty: no recomputation kept
+
+
+def test_report_without_a_pipeline_prints_no_pipeline_notes():
+    out = str(explain(make_model("demo_transformer"), tp=1, batch_shape=(B, SEQ), print_report=False))
+    assert "microbatches" not in out.splitlines()[0] and "Stages" not in out and "decoder's first block" not in out
+    out = str(explain(make_model("demo_transformer"), pp=2, batch_shape=(B, SEQ), print_report=False))
+    assert "microbatches=2 schedule=1f1b" in out.splitlines()[0] and "Stages" in out
+    assert "holds a copy of the first stage's modules for the decoder's input" in out
+
+
+def test_command_checks_the_world_size_first_and_documents_its_config():
+    config = os.path.join(ROOT, "examples", "gpt", "config.yaml")
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    run = subprocess.run([sys.executable, "-m", "lightning_tp", "explain", "--config", config,
+                          "--trainer.strategy.init_args.tp", "3"], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode != 0 and "world size divisible by tp*pp=3" in run.stderr, run.stderr[-2000:]
+    run = subprocess.run([sys.executable, "-m", "lightning_tp", "explain", "--help"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert "trainer.strategy" in run.stdout and "trainer.devices" in run.stdout, run.stdout

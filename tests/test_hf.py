@@ -14,6 +14,7 @@ pytest.importorskip("litgpt", reason="the hf extra (pip install lightning-tp[hf]
 import torch  # noqa: E402
 
 import dist  # noqa: E402
+from lightning_tp.marks import marks_of  # noqa: E402
 from lightning_tp.explain import explain  # noqa: E402
 from lightning_tp.layers import ShardSpec, shard, unshard  # noqa: E402
 from lightning_tp.plans import Plan  # noqa: E402
@@ -308,7 +309,7 @@ def test_replicated_kv_heads_plan_and_explain():
     planner.apply(model, planner.resolve(model, 2, False), None, 2, 1, False)
     attn = model.model.model.layers[0].self_attn
     assert attn.k_proj.weight.shape == (8, 32) and attn.num_key_value_groups == 2
-    assert attn.k_proj.weight._tp_spec.replicas == (2,)
+    assert marks_of(attn.k_proj.weight).tp_spec.replicas == (2,)
     report = explain(make_model("hf_llama"), tp=4, batch_shape=(4, 16), print_report=False)
     # per rank: embedding 512, per layer q/k/v/o 4 x 256 (k, v: one whole 8-row head each), MLP 3 x 512,
     # norms 64; final norm 32, head 512

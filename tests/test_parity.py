@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import dist
+from lightning_tp.marks import marks_of
 from lightning_tp import MegaStrategy, consolidate
 from lightning_tp.kernels import torch_path
 from models import LossRecorder, TokenData, make_model, reference_run, trainer_kwargs, vocab_of
@@ -123,7 +124,7 @@ def _train_all(rank, world, configs, ckdir):
             assert {"FusedLayerNorm", "FusedBiasGeLU"} <= set(fused), fused
         path = f"{ckdir}/{name}.ckpt"
         trainer.save_checkpoint(path)
-        replicated = {n: p.detach().clone() for n, p in model.named_parameters() if not hasattr(p, "_tp_spec")}
+        replicated = {n: p.detach().clone() for n, p in model.named_parameters() if marks_of(p).tp_spec is None}
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         overlap = trainer.strategy._dp_overlap
         out[name] = dict(losses=rec.losses, dp_overlap=overlap is not None, weights=consolidate(path) if rank == 0 else None,

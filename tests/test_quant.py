@@ -12,6 +12,7 @@ from torch import nn
 
 import dist as launch
 from examples.gpt.model import GPT, GPTConfig
+from lightning_tp.marks import marks_of
 from lightning_tp.quant import (QUANT_MODES, ActQuantizer, Int8Linear, QATColumnParallelLinear, QATLinear,
                                 QATRowParallelLinear, apply_qat, calibrate, convert, fake_quant_weight, int8_matmul)
 
@@ -276,7 +277,7 @@ def _parity_case(rank, mesh, mode, act_range, sp, opt_name):
         loss = ((y - local(t)) ** 2).sum() / t.numel()
         loss.backward()
         for p in tp.parameters():  # what the strategy's sync_gradients does for SP-partial grads
-            if getattr(p, "_tp_sp_partial", False):
+            if marks_of(p).sp_partial:
                 dist.all_reduce(p.grad, group=mesh.tp_group)
         o_tp.step(), o_tp.zero_grad()
         total = comm.all_reduce(loss.detach().clone(), mesh.tp_group) if sp else loss.detach()

@@ -6,6 +6,8 @@ model; each parameter carries a :class:`ShardSpec` that says how to rebuild the 
 
 from __future__ import annotations
 
+import dataclasses
+
 import weakref
 
 from dataclasses import dataclass
@@ -17,6 +19,7 @@ from torch import nn
 
 from .. import comm
 from .shard import ShardSpec, check_divisible, mark, padded_size, shard
+from ..marks import marks_of
 
 
 @dataclass
@@ -71,14 +74,13 @@ def shard_param(p: Optional[nn.Parameter], spec: ShardSpec, ctx: TPContext, memo
         return None
     if id(p) in memo:
         new = memo[id(p)]
-        if getattr(new, "_tp_spec", None) != spec:
-            raise ValueError(f"a tied parameter is sharded two different ways ({new._tp_spec} vs {spec}); untie it.")
+        if marks_of(new).tp_spec != spec:
+            raise ValueError(f"a tied parameter is sharded two different ways ({marks_of(new).tp_spec} vs {spec}); "
+                             f"untie it.")
         return new
     new = nn.Parameter(shard(p.detach(), spec, ctx.rank), requires_grad=p.requires_grad)
-    for mark_name in ("_pp_tied", "_pp_tied_index", "_pp_copy", "_pp_late_sync"):  # marks of pipeline.split
-        if hasattr(p, mark_name):
-            setattr(new, mark_name, getattr(p, mark_name))
-    memo[id(p)] = mark(new, spec)
+    new._lightning_tp = dataclasses.replace(marks_of(p), tp_spec=spec, sp_partial=False)  # the stage split's marks kept
+    memo[id(p)] = new
     return new
 
 

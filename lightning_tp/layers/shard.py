@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 import torch
+from ..marks import marks_of, set_marks
 
 
 @dataclass(frozen=True)
@@ -87,14 +88,14 @@ def padded_size(size: int, world: int) -> int:
 def mark(param: torch.nn.Parameter, spec: ShardSpec | None = None, sp_partial: bool = False):
     """Tag a parameter: sharded (spec) or replicated; sp_partial means its grad is a per-rank partial sum."""
     if spec is not None:
-        param._tp_spec = spec
+        set_marks(param, tp_spec=spec)
     if sp_partial:
-        param._tp_sp_partial = True
+        set_marks(param, sp_partial=True)
     return param
 
 
 def spec_of(param) -> ShardSpec | None:
-    return getattr(param, "_tp_spec", None)
+    return marks_of(param).tp_spec
 
 
 def check_divisible(what: str, module_name: str, size: int, tp: int, hint: str) -> None:

@@ -21,6 +21,7 @@ from .block_lists import block_at, block_key, blocks_of, find_blocks, set_block,
 from .encoder_decoder import encoder_decoder, find_encoder_decoder
 from .outer_modules import outer_groups
 from .placeholders import ShapeOnly, SkippedBlock, meta_twin, skipped
+from ...marks import set_marks
 
 
 # ------------------------------------------------------------------------------ finding the blocks
@@ -226,10 +227,10 @@ def apply_split(model: nn.Module, layout: StageLayout, pp_rank: int) -> dict:
             # its stage may not use): no one backward pass finalizes the gradient (see dp_overlap)
             if len(runs & my_vstages) != 1 or (kind == "before" and len(layout.replica_ranks()) > 1):
                 for p in m.parameters():
-                    p._pp_late_sync = True
+                    set_marks(p, pp_late_sync=True)
     order = {id(p): i for i, p in enumerate(p for _, m in groups["before"] for p in m.parameters())}
     for p in tied:  # numbered as in the unsplit model: every copy sums in one order (see grads._sum_tied)
-        p._pp_tied, p._pp_tied_index, p._pp_copy = True, order[id(p)], bool(layout.lists)
+        set_marks(p, pp_tied=True, pp_tied_index=order[id(p)], pp_copy=bool(layout.lists))
     holds_tied = pp_rank in (layout.replica_ranks() if layout.lists else (0, layout.pp - 1))
     return {"tied": tied if holds_tied else [], "silence": silence, "twins": twins, "companion_twins": companion_twins}
 

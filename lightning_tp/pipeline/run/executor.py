@@ -89,6 +89,10 @@ class PipelineRunner(StageLogs, ForwardOnlyStep, BackwardStep):
         self._shapes = {"in": {}, "out": {}}  # per P2P channel, last step's shapes (see Mailbox)
         self._eval_shapes = {"in": {}, "out": {}}  # the same for forward-only steps in slots (NCCL)
 
+    def new_run(self) -> None:
+        """A new fit or evaluation on the same stages: its first batch is checked again (see must_divide)."""
+        self._trained = False
+
     # ---------------------------------------------------------------- helpers
 
     def _rank_of(self, vstage: int) -> int:

@@ -1,0 +1,110 @@
+"""ParallelConfig: MegaStrategy's options checked and resolved once, then handed to everything that
+builds or models a layout (parallelize, explain). What depends on the model (the split backward,
+Hugging Face's checkpointing) is resolved per model by :meth:`ParallelConfig.for_model`."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+from . import recompute
+from .kernels.inject import kernel_names
+from .mesh import data_parallel_size
+from .pipeline.schedule.schedules import build_schedule, resolve_split_backward
+from .quant import bits_of
+from .quant.fake_quant import RANGE_MODES
+
+P2P_MODES = ("auto", "eager", "batched")
+
+
+@dataclass(frozen=True)
+class ModelChoices:
+    """What a layout does on one model: blocks recomputed (the option, or Hugging Face's gradient
+    checkpointing taken over under a pipeline) and the backward split that follows."""
+
+    recompute: Union[bool, int]
+    hf_recompute: bool
+    split_backward: Union[bool, str]
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """One run's layout and options, every value checked; ``dp`` is None until the world size is known."""
+
+    tp: int = 1
+    pp: int = 1
+    sp: bool = False
+    dp: Optional[int] = None
+    microbatches: int = 1
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    split_backward: Union[bool, str] = "auto"
+    pipeline_blocks: Any = None
+    stage_layers: Optional[tuple] = None
+    activation_checkpointing: Union[bool, int] = False
+    zb_keep_recomputed: bool = False
+    p2p: str = "auto"
+    kernels: tuple = ()
+    quant: Optional[str] = None
+    quant_range: str = "ema"
+    load_full: Optional[str] = None
+    plan: Any = "auto"
+    sync_init: bool = True
+    broadcast_batch: bool = True
+
+    @classmethod
+    def resolve(cls, tp: int = 1, pp: int = 1, sp: bool = False, microbatches: Optional[int] = None,
+                schedule: str = "1f1b", virtual_stages: int = 1, split_backward="auto", pipeline_blocks=None,
+                stage_layers=None, activation_checkpointing=False, zb_keep_recomputed: bool = False,
+                p2p: str = "auto", kernels=False, quant: Optional[str] = None, quant_range: str = "ema",
+                load_full: Optional[str] = None, plan: Any = "auto", sync_init: bool = True,
+                broadcast_batch: bool = True, world_size: Optional[int] = None) -> "ParallelConfig":
+        """Check every option (the same errors on every rank, before any process group) and fill the
+        defaults; ``sp`` without tp > 1 becomes False (the caller may warn, see :attr:`sp_dropped`)."""
+        data_parallel_size(tp * pp if isinstance(tp, int) and isinstance(pp, int) else 1, tp, pp)  # types
+        microbatches = microbatches if microbatches is not None else pp
+        if p2p not in P2P_MODES:
+            raise ValueError(f"MegaStrategy(p2p={p2p!r}): choose 'auto', 'eager' or 'batched'.")
+        pipelined = pp > 1 or microbatches > 1
+        split_default = resolve_split_backward(split_backward, schedule, pp, activation_checkpointing)
+        if pipelined:  # names and counts
+            build_schedule(schedule, pp, microbatches, virtual_stages, split_default)
+        if quant is not None:
+            bits_of(quant)
+        if quant_range not in RANGE_MODES:
+            raise ValueError(f"MegaStrategy(quant_range={quant_range!r}): choose one of {list(RANGE_MODES)}.")
+        if quant is None and quant_range != "ema":
+            raise ValueError(f"MegaStrategy(quant_range={quant_range!r}) needs quant='int8' or 'w4a8' as well.")
+        recompute.check_option(activation_checkpointing, quant, schedule if pipelined else None,
+                               zb_keep_recomputed, split_default)
+        config = cls(tp=tp, pp=pp, sp=bool(sp) and tp > 1, microbatches=microbatches, schedule=schedule,
+                     virtual_stages=virtual_stages, split_backward=split_backward, pipeline_blocks=pipeline_blocks,
+                     stage_layers=tuple(stage_layers) if stage_layers is not None else None,
+                     activation_checkpointing=activation_checkpointing, zb_keep_recomputed=zb_keep_recomputed,
+                     p2p=p2p, kernels=kernel_names(kernels), quant=quant, quant_range=quant_range,
+                     load_full=load_full, plan=plan, sync_init=sync_init, broadcast_batch=broadcast_batch)
+        return config.with_world(world_size) if world_size is not None else config
+
+    def with_world(self, world_size: int) -> "ParallelConfig":
+        """The same options with dp set from the world size (an error saying what to set if tp*pp does not divide it)."""
+        return dataclasses.replace(self, dp=data_parallel_size(world_size, self.tp, self.pp))
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether steps run through the pipeline runner (pp > 1, or microbatches without stages)."""
+        return self.pp > 1 or self.microbatches > 1
+
+    @property
+    def world_size(self) -> Optional[int]:
+        return None if self.dp is None else self.tp * self.pp * self.dp
+
+    def for_model(self, hf_recompute: bool, encoder_decoder: bool) -> ModelChoices:
+        """The choices that depend on the model: ``hf_recompute`` (Hugging Face gradient checkpointing on,
+        taken over under pp > 1) counts as recomputation; ``encoder_decoder``: two block lists staged."""
+        hf = bool(hf_recompute) and self.pp > 1
+        blocks = self.activation_checkpointing or hf
+        split = resolve_split_backward(self.split_backward, self.schedule, self.pp, blocks, encoder_decoder)
+        recompute.check_option(blocks, self.quant, self.schedule if self.pipelined else None,
+                               self.zb_keep_recomputed, split)
+        return ModelChoices(recompute=blocks, hf_recompute=hf, split_backward=split)
