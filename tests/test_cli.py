@@ -37,19 +37,19 @@ def _strategy_from_yaml(tmp_path, init_args):
 @pytest.mark.parametrize("value", [True, 2, False])
 def test_yaml_activation_checkpointing_keeps_its_type(tmp_path, value):
     """true (every block), an int (the first n of each stage), false: jsonargparse must not turn 2 into True."""
-    got = _strategy_from_yaml(tmp_path, {"pp": 2, "activation_checkpointing": value}).activation_checkpointing
+    got = _strategy_from_yaml(tmp_path, {"pp": 2, "activation_checkpointing": value}).config.activation_checkpointing
     assert got == value and type(got) is type(value)
 
 
 @pytest.mark.parametrize("value", ["model.transformer.h", ["model.encoder.layers", "model.decoder.layers"]])
 def test_yaml_pipeline_blocks_takes_a_path_or_an_encoder_decoders_two(tmp_path, value):
-    assert _strategy_from_yaml(tmp_path, {"pp": 2, "pipeline_blocks": value}).pipeline_blocks == value
+    assert _strategy_from_yaml(tmp_path, {"pp": 2, "pipeline_blocks": value}).config.pipeline_blocks == value
 
 
 @pytest.mark.parametrize("value", ["drain", "auto", True, False])
 def test_yaml_split_backward_keeps_its_type(tmp_path, value):
     """"drain" / "auto" stay strings and true / false booleans (jsonargparse must not turn "auto" into True)."""
-    got = _strategy_from_yaml(tmp_path, {"pp": 2, "split_backward": value}).split_backward
+    got = _strategy_from_yaml(tmp_path, {"pp": 2, "split_backward": value}).config.split_backward
     assert got == value and type(got) is type(value)
 
 
