@@ -49,7 +49,7 @@ def group_rank(group) -> int:
     return dist.get_rank(group)
 
 
-def _record(op: str, t: torch.Tensor, group) -> None:
+def record(op: str, t: torch.Tensor, group) -> None:
     if _RECORDS is not None:
         _RECORDS.append((op, t.numel(), group))
 
@@ -62,7 +62,7 @@ def all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     if group_size(group) == 1:
         return t
     t = t.contiguous()
-    _record("all_reduce", t, group)
+    record("all_reduce", t, group)
     dist.all_reduce(t, op=op, group=group)
     return t
 
@@ -73,7 +73,7 @@ def all_gather(t: torch.Tensor, dim: int, group) -> torch.Tensor:
         return t
     x = t.movedim(dim, 0).contiguous()
     out = x.new_empty((world * x.shape[0],) + tuple(x.shape[1:]))
-    _record("all_gather", x, group)
+    record("all_gather", x, group)
     dist.all_gather_single(out, x, group=group)
     return out.movedim(0, dim).contiguous()
 
@@ -90,7 +90,7 @@ def reduce_scatter(t: torch.Tensor, dim: int, group) -> torch.Tensor:
         )
     x = t.movedim(dim, 0).contiguous()
     out = x.new_empty((x.shape[0] // world,) + tuple(x.shape[1:]))
-    _record("reduce_scatter", x, group)
+    record("reduce_scatter", x, group)
     dist.reduce_scatter_single(out, x, group=group)
     return out.movedim(0, dim).contiguous()
 
