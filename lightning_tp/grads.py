@@ -35,7 +35,7 @@ def _buckets(grads: list, limit: int = BUCKET_BYTES):
 def start_all_reduce(grads: list, group) -> tuple:
     """One flat bucket's all-reduce (sum), in the background: ``(work, flat, grads)`` for :func:`settle`."""
     flat = _flatten_dense_tensors(grads)
-    comm._record("all_reduce", flat, group)
+    comm.record("all_reduce", flat, group)
     return dist.all_reduce(flat, group=group, async_op=True), flat, grads
 
 

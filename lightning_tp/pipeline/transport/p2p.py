@@ -206,7 +206,7 @@ class Mailbox:
         split = grad_split(tensor)
         checked_split(self.splits_out, channel, split)
         tensor = tensor.detach().contiguous()
-        comm._record("send", tensor, None)  # the payload only (not the header): counted like collectives
+        comm.record("send", tensor, None)  # the payload only (not the header): counted like collectives
         release_landed(self.pending)
         j = self.sent[channel] = self.sent.get(channel, -1) + 1
         parts = [(tensor, 1)]

@@ -40,7 +40,7 @@ class SlotMailbox:
             split = grad_split(tensor)
             checked_split(self.splits_out, channel, split)
             tensor = tensor.detach().contiguous()
-            comm._record("send", tensor, None)
+            comm.record("send", tensor, None)
             if channel in self.sent_first:
                 if (tuple(tensor.shape), tensor.dtype) != self.remembered["out"][channel]:  # NCCL would corrupt
                     raise ValueError(f"pipeline stage output {tuple(tensor.shape)} {tensor.dtype} differs from an "
