@@ -64,6 +64,9 @@ class ParallelConfig:
         defaults; ``sp`` without tp > 1 becomes False (the caller may warn, see :attr:`sp_dropped`)."""
         data_parallel_size(tp * pp if isinstance(tp, int) and isinstance(pp, int) else 1, tp, pp)  # types
         microbatches = microbatches if microbatches is not None else pp
+        for name, value in (("microbatches", microbatches), ("virtual_stages", virtual_stages)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"MegaStrategy({name}={value!r}): {name} must be a positive integer.")
         if p2p not in P2P_MODES:
             raise ValueError(f"MegaStrategy(p2p={p2p!r}): choose 'auto', 'eager' or 'batched'.")
         pipelined = pp > 1 or microbatches > 1

@@ -33,6 +33,8 @@ def test_the_strategy_holds_the_resolved_config():
     (dict(activation_checkpointing=-1), "positive int n"),
     (dict(split_backward="sometimes"), "use 'auto', 'drain', True or False"),
     (dict(kernels=["nope"]), "unknown kernel"),
+    (dict(microbatches=0), "microbatches must be a positive integer"),
+    (dict(pp=2, virtual_stages=0), "virtual_stages must be a positive integer"),
 ])
 def test_bad_options_are_refused_by_config_and_strategy_alike(kw, message):
     with pytest.raises(ValueError, match=message):
