@@ -94,3 +94,65 @@ def test_two_ranks_match_one_process():
         assert got["identity"] == (True, True)
         assert max(got["experts"]) < 1e-12, got
         assert max(got["empty"]) < 1e-12, got
+
+
+def _block(family):
+    """A tiny mixture-of-experts block of each family (4 experts, top-2, hidden 8), seeded."""
+    torch.manual_seed(0)
+    if family == "example":
+        from examples.gpt.model import GPTConfig, MoE
+
+        return MoE(GPTConfig(n_embd=8, n_expert=4, n_expert_per_token=2))
+    if family == "litgpt":
+        from litgpt.config import Config
+        from litgpt.model import LLaMAMoE
+
+        return LLaMAMoE(Config(n_embd=8, n_head=2, n_expert=4, n_expert_per_token=2, moe_intermediate_size=12,
+                               mlp_class_name="LLaMAMoE", intermediate_size=12))
+    import transformers as T
+
+    common = dict(hidden_size=8, intermediate_size=12, num_experts_per_tok=2)
+    if family == "mixtral":
+        from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+        return MixtralSparseMoeBlock(T.MixtralConfig(**common, num_local_experts=4))
+    if family == "qwen2_moe":
+        from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
+
+        return Qwen2MoeSparseMoeBlock(T.Qwen2MoeConfig(**common, num_experts=4, moe_intermediate_size=12,
+                                                      shared_expert_intermediate_size=16, norm_topk_prob=False))
+    from transformers.models.olmoe.modeling_olmoe import OlmoeSparseMoeBlock
+
+    return OlmoeSparseMoeBlock(T.OlmoeConfig(**common, num_experts=4, norm_topk_prob=True))
+
+
+FAMILIES = ("mixtral", "qwen2_moe", "olmoe", "litgpt", "example")
+
+
+def _compare(block, replaced, x):
+    """Forward and input/parameter gradients of the block and its replacement on ``x``."""
+    xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    a, b = block(xa), replaced(xb)
+    a, b = (a if isinstance(a, tuple) else (a,)), (b if isinstance(b, tuple) else (b,))
+    g = torch.randn_like(a[0])
+    (a[0] * g).sum().backward()
+    (b[0] * g).sum().backward()
+    out = max((p - q).abs().max().item() for p, q in zip(a, b))
+    grads = {n: p.grad for n, p in block.named_parameters()}
+    param = max(((grads[n] if grads[n] is not None else torch.zeros_like(p)) - p.grad).abs().max().item()
+                for n, p in replaced.named_parameters())
+    return out, (xa.grad - xb.grad).abs().max().item(), param
+
+
+def test_families_one_process_match_the_blocks():
+    import copy
+
+    from lightning_tp.experts.families import family_of
+    from lightning_tp.experts.layer import ExpertParallelMoE
+
+    for family in FAMILIES:
+        block = _block(family)
+        replaced = ExpertParallelMoE(copy.deepcopy(block), family_of(block), None, 1, 0)
+        assert set(dict(replaced.named_parameters())) == set(dict(block.named_parameters())), family
+        got = _compare(block, replaced, torch.randn(3, 5, 8))
+        assert max(got) < 1e-6, (family, got)

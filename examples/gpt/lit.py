@@ -14,10 +14,11 @@ CORPUS = Path(__file__).parent / "data" / "shakespeare.txt"
 class LitGPT(L.LightningModule):
     def __init__(self, vocab_size: int = 256, block_size: int = 64, n_layer: int = 2, n_head: int = 4,
                  n_embd: int = 64, dropout: float = 0.0, tie_weights: bool = False, lr: float = 3e-3,
-                 weight_decay: float = 0.0):
+                 weight_decay: float = 0.0, n_expert: int = 0, n_expert_per_token: int = 2):
         super().__init__()
         self.save_hyperparameters()
-        self.model = GPT(GPTConfig(vocab_size, block_size, n_layer, n_head, n_embd, dropout, True, tie_weights))
+        self.model = GPT(GPTConfig(vocab_size, block_size, n_layer, n_head, n_embd, dropout, True, tie_weights,
+                                   n_expert, n_expert_per_token))
 
     def forward(self, idx):
         return self.model(idx)

@@ -17,6 +17,8 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = True
     tie_weights: bool = False
+    n_expert: int = 0  # > 0: each block's MLP is a mixture of this many expert MLPs
+    n_expert_per_token: int = 2
 
 
 class CausalSelfAttention(nn.Module):
@@ -52,11 +54,33 @@ class MLP(nn.Module):
         return self.dropout(self.c_proj(self.act(self.c_fc(x))))
 
 
+class MoE(nn.Module):
+    """Top-k mixture of MLP experts, routed as Mixtral does: softmax, top-k, weights renormalized."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.num_experts, self.top_k = cfg.n_expert, cfg.n_expert_per_token
+        self.gate = nn.Linear(cfg.n_embd, cfg.n_expert, bias=False)
+        self.experts = nn.ModuleList([MLP(cfg) for _ in range(cfg.n_expert)])
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights = F.softmax(self.gate(x), dim=-1, dtype=torch.float)
+        weights, chosen = torch.topk(weights, self.top_k, dim=-1)
+        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
+        y = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            token, slot = torch.where(chosen == e)
+            y.index_add_(0, token, expert(x[token]) * weights[token, slot, None])
+        return y.reshape(shape)
+
+
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.ln_1, self.attn = nn.LayerNorm(cfg.n_embd), CausalSelfAttention(cfg)
-        self.ln_2, self.mlp = nn.LayerNorm(cfg.n_embd), MLP(cfg)
+        self.ln_2, self.mlp = nn.LayerNorm(cfg.n_embd), MoE(cfg) if cfg.n_expert else MLP(cfg)
 
     def forward(self, x):
         x = x + self.attn(self.ln_1(x))

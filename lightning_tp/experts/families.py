@@ -1,0 +1,74 @@
+"""How each supported mixture-of-experts block routes its tokens, found by the block's class name:
+the router's rule (softmax then top-k, or top-k then softmax), and whether a gated shared expert and
+the router logits come with the output."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def softmax_then_topk(k: int, normalize: bool):
+    """Hugging Face's rule (Mixtral, Qwen2-MoE, OLMoE): softmax in fp32, top-k, optionally renormalized."""
+    def route(logits: torch.Tensor, dtype):
+        weights = F.softmax(logits, dim=1, dtype=torch.float)
+        weights, idx = torch.topk(weights, k, dim=-1)
+        if normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(dtype), idx
+    return route
+
+
+def topk_then_softmax(k: int):
+    """litgpt's rule (LLaMAMoE): top-k of the logits, softmax over those k."""
+    def route(logits: torch.Tensor, dtype):
+        top, idx = torch.topk(logits, k)
+        return top.softmax(dim=1, dtype=torch.float).to(dtype=dtype), idx
+    return route
+
+
+@dataclass(frozen=True)
+class MoEFamily:
+    """One block class: its expert count, top-k and routing rule read from an instance."""
+
+    name: str
+    num_experts: Callable[[nn.Module], int]
+    top_k: Callable[[nn.Module], int]
+    route: Callable[[nn.Module], Callable]
+    returns_logits: bool = True  # the block returns (hidden states, router logits)
+    shared_expert: bool = False  # Qwen2-MoE: + sigmoid(shared_expert_gate(x)) * shared_expert(x)
+    jitter: bool = False  # Mixtral: multiplicative router jitter while training
+
+
+FAMILIES = {
+    "MixtralSparseMoeBlock": MoEFamily(
+        "hf_mixtral", lambda m: m.num_experts, lambda m: m.top_k,
+        lambda m: softmax_then_topk(m.top_k, True), jitter=True),
+    "Qwen2MoeSparseMoeBlock": MoEFamily(
+        "hf_qwen2_moe", lambda m: m.num_experts, lambda m: m.top_k,
+        lambda m: softmax_then_topk(m.top_k, m.norm_topk_prob), shared_expert=True),
+    "OlmoeSparseMoeBlock": MoEFamily(
+        "hf_olmoe", lambda m: m.num_experts, lambda m: m.top_k,
+        lambda m: softmax_then_topk(m.top_k, m.norm_topk_prob)),
+    "examples.gpt.model.MoE": MoEFamily(
+        "example_gpt_moe", lambda m: m.num_experts, lambda m: m.top_k,
+        lambda m: softmax_then_topk(m.top_k, True), returns_logits=False),
+    "LLaMAMoE": MoEFamily(
+        "litgpt_moe", lambda m: m.config.n_expert, lambda m: m.config.n_expert_per_token,
+        lambda m: topk_then_softmax(m.config.n_expert_per_token), returns_logits=False),
+}
+
+
+def family_of(module: nn.Module):
+    """The :class:`MoEFamily` of a block, by its qualified class name or else its class name; None if unknown."""
+    kind = type(module)
+    return FAMILIES.get(f"{kind.__module__}.{kind.__qualname__}") or FAMILIES.get(kind.__name__)
+
+
+def find_moe_blocks(model: nn.Module) -> list:
+    """(path, block, family) of every mixture-of-experts block of a known family, outermost first."""
+    return [(name, m, family_of(m)) for name, m in model.named_modules() if family_of(m) is not None]

@@ -1,0 +1,57 @@
+"""An expert-parallel replacement for a mixture-of-experts block: the same router, this rank's share of
+the experts, tokens exchanged with the ranks holding the others (see :mod:`.dispatch`)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import comm
+from .dispatch import combine, dispatch
+from .families import MoEFamily
+
+
+class ExpertParallelMoE(nn.Module):
+    """``block``'s router (``gate``) and experts ``[first, first + count)`` of ``experts`` (keys kept, so
+    state-dict names stay the block's), run over the expert-parallel ``group``."""
+
+    def __init__(self, block: nn.Module, family: MoEFamily, group, ep: int, ep_rank: int):
+        super().__init__()
+        self.family, self.group = family, group
+        self.num_experts, self.top_k = family.num_experts(block), family.top_k(block)
+        if self.num_experts % ep:
+            raise ValueError(f"MegaStrategy(ep={ep}): {type(block).__name__} has {self.num_experts} experts, which "
+                             f"ep does not divide; choose an ep that divides {self.num_experts}.")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"{type(block).__name__} routes each token to top_k={self.top_k} of "
+                             f"{self.num_experts} experts; top_k must not exceed the experts.")
+        count = self.num_experts // ep
+        self.first = ep_rank * count
+        self.gate = block.gate
+        self.experts = nn.ModuleDict({str(i): block.experts[i] for i in range(self.first, self.first + count)})
+        if family.shared_expert:
+            self.shared_expert, self.shared_expert_gate = block.shared_expert, block.shared_expert_gate
+        self.jitter_noise = getattr(block, "jitter_noise", 0.0) if family.jitter else 0.0
+        self._route = family.route(block)
+        if hasattr(block, "config"):  # litgpt's blocks keep their config (read by user code)
+            self.config = block.config
+
+    def forward(self, hidden_states: torch.Tensor):
+        shape = hidden_states.shape
+        if self.training and self.jitter_noise > 0:  # as Mixtral: in place, on the caller's tensor
+            hidden_states *= torch.empty_like(hidden_states).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
+        x = hidden_states.reshape(-1, shape[-1])
+        logits = self.gate(x)
+        weights, idx = self._route(logits, x.dtype)
+        rows, per_expert, handle = dispatch(x, idx, self.num_experts, self.group)
+        outs = [expert(chunk) for expert, chunk in zip(self.experts.values(), rows.split(per_expert))]
+        y = combine(torch.cat(outs) if outs else rows, weights, handle, self.group)
+        if self.family.shared_expert:
+            y = y + F.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        y = y.reshape(shape)
+        return (y, logits) if self.family.returns_logits else y
+
+    def extra_repr(self) -> str:
+        return (f"{self.family.name}: experts {self.first}..{self.first + len(self.experts) - 1} of "
+                f"{self.num_experts} here, top_k={self.top_k}, ep={comm.group_size(self.group)}")
