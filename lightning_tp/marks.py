@@ -10,9 +10,9 @@ from typing import Any, Optional
 
 @dataclass(frozen=True)
 class ParamMarks:
-    """tp_spec: how tp shards it (None: replicated); sp_partial: its gradient is a per-rank partial sum;
-    pp_tied (with its index in the unsplit model, and pp_copy for an encoder-decoder's copy): held on
-    several stages, gradients summed; pp_late_sync: no single backward pass finalizes its gradient."""
+    """tp_spec: tp sharding (None: replicated); sp_partial: grad is a per-rank partial sum; pp_tied,
+    pp_tied_index, pp_copy: held on several stages, grads summed; pp_late_sync: no single backward
+    finalizes its grad; expert: one of this rank's experts (grads averaged over expert-dp ranks)."""
 
     tp_spec: Optional[Any] = None
     sp_partial: bool = False
@@ -20,6 +20,7 @@ class ParamMarks:
     pp_tied_index: int = 0
     pp_copy: bool = False
     pp_late_sync: bool = False
+    expert: bool = False
 
 
 UNMARKED = ParamMarks()

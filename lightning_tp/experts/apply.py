@@ -1,0 +1,44 @@
+"""Swap a model's mixture-of-experts blocks for expert-parallel ones: checks first (on every rank, before
+any collective), then each block this rank runs keeps its router and its share of the experts."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..marks import set_marks
+from .families import find_moe_blocks
+from .layer import ExpertParallelMoE
+
+
+def check_experts(model: nn.Module, ep: int) -> list:
+    """The model's mixture-of-experts blocks, checked for ``ep``; a clear error where ep cannot apply."""
+    blocks = find_moe_blocks(model)
+    if ep > 1 and not blocks:
+        raise ValueError(f"MegaStrategy(ep={ep}) splits mixture-of-experts layers, but {type(model).__name__} has "
+                         f"none this project knows (Mixtral, Qwen2-MoE, OLMoE, litgpt LLaMAMoE, the example GPT's "
+                         f"MoE). Leave ep=1.")
+    for path, block, family in blocks:
+        experts, k = family.num_experts(block), family.top_k(block)
+        if k > experts:
+            raise ValueError(f"{path} ({type(block).__name__}) routes each token to top_k={k} of {experts} experts: "
+                             f"top_k must not exceed the number of experts.")
+        if experts % ep:
+            raise ValueError(f"MegaStrategy(ep={ep}): {path} ({type(block).__name__}) has {experts} experts, which "
+                             f"ep={ep} does not divide; choose an ep that divides {experts}.")
+    return blocks
+
+
+def apply_experts(model: nn.Module, group, ep: int, ep_rank: int) -> list:
+    """Replace every block this rank holds (not a stand-in for another stage's) with an
+    :class:`ExpertParallelMoE`; its experts' parameters are marked ``expert``. Returns the new blocks."""
+    swapped = []
+    for path, block, family in find_moe_blocks(model):
+        if any(p.is_meta for p in block.parameters()):  # another pipeline stage's, seen through a twin
+            continue
+        new = ExpertParallelMoE(block, family, group, ep, ep_rank)
+        for p in new.experts.parameters():
+            set_marks(p, expert=True)
+        parent, _, leaf = path.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, leaf, new)
+        swapped.append(new)
+    return swapped
