@@ -26,8 +26,9 @@ META = "meta.pt"
 FORMAT = 1
 
 
-def shard_file(tp_rank: int, pp_rank: int) -> str:
-    return f"model_tp{tp_rank}_pp{pp_rank}.pt"
+def shard_file(tp_rank: int, pp_rank: int, ep_rank: int = 0) -> str:
+    """A shard's file name; expert-parallel ranks past the first hold other experts (``_ep{n}``)."""
+    return f"model_tp{tp_rank}_pp{pp_rank}" + (f"_ep{ep_rank}" if ep_rank else "") + ".pt"
 
 
 def shard_specs(module: torch.nn.Module) -> dict:
@@ -53,10 +54,10 @@ def save(checkpoint: dict, path, mesh, module, barrier, broadcast) -> None:
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir(parents=True, exist_ok=False)
     barrier()
-    if mesh.dp_rank == 0:
-        torch.save(shard, tmp / shard_file(mesh.tp_rank, mesh.pp_rank))
+    if mesh.edp_rank == 0:  # the first replica; under ep, the first of each expert shard
+        torch.save(shard, tmp / shard_file(mesh.tp_rank, mesh.pp_rank, mesh.ep_rank))
     if mesh.rank == 0:
-        checkpoint["lightning_tp"] = {"format": FORMAT, "tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp}
+        checkpoint["lightning_tp"] = {"format": FORMAT, "tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp, "ep": mesh.ep}
         torch.save(checkpoint, tmp / META)
     barrier()
     if mesh.rank == 0:
@@ -80,12 +81,13 @@ def load(path, mesh) -> dict:
     path = Path(path)
     meta = torch.load(path / META, map_location="cpu", weights_only=False)
     layout = meta.get("lightning_tp", {})
-    if (layout.get("tp"), layout.get("pp")) != (mesh.tp, mesh.pp):
+    if (layout.get("tp"), layout.get("pp"), layout.get("ep", 1)) != (mesh.tp, mesh.pp, mesh.ep):
         raise ValueError(
-            f"checkpoint {path} was saved with tp={layout.get('tp')}, pp={layout.get('pp')} but this run has "
-            f"tp={mesh.tp}, pp={mesh.pp}. Resume with the same layout, or turn it into a plain state_dict with "
-            f"lightning_tp.consolidate({str(path)!r}).")
-    shard = torch.load(path / shard_file(mesh.tp_rank, mesh.pp_rank), map_location="cpu", weights_only=False)
+            f"checkpoint {path} was saved with tp={layout.get('tp')}, pp={layout.get('pp')}, ep={layout.get('ep', 1)} "
+            f"but this run has tp={mesh.tp}, pp={mesh.pp}, ep={mesh.ep}. Resume with the same layout, or turn it into "
+            f"a plain state_dict with lightning_tp.consolidate({str(path)!r}).")
+    shard = torch.load(path / shard_file(mesh.tp_rank, mesh.pp_rank, mesh.ep_rank), map_location="cpu",
+                       weights_only=False)
     shard.pop("specs", None)
     meta.update(shard.pop("rest", {}))  # this rank's own (dp rank 0's, as DDP keeps rank 0's)
     meta.update(shard)
@@ -100,8 +102,8 @@ def consolidate(path) -> dict:
     meta = torch.load(path / META, map_location="cpu", weights_only=False)
     layout = meta["lightning_tp"]
     merged: dict = {}
-    for pp_rank in range(layout["pp"]):
-        files = [torch.load(path / shard_file(t, pp_rank), map_location="cpu", weights_only=False)
+    for pp_rank, ep_rank in [(p, e) for p in range(layout["pp"]) for e in range(layout.get("ep", 1))]:
+        files = [torch.load(path / shard_file(t, pp_rank, ep_rank), map_location="cpu", weights_only=False)
                  for t in range(layout["tp"])]
         specs = {k: ShardSpec(**v) for k, v in files[0]["specs"].items()}
         shards = [f["state_dict"] for f in files]

@@ -36,6 +36,7 @@ class ParallelConfig:
     pp: int = 1
     sp: bool = False
     dp: Optional[int] = None
+    ep: int = 1
     microbatches: int = 1
     schedule: str = "1f1b"
     virtual_stages: int = 1
@@ -54,7 +55,7 @@ class ParallelConfig:
     broadcast_batch: bool = True
 
     @classmethod
-    def resolve(cls, tp: int = 1, pp: int = 1, sp: bool = False, microbatches: Optional[int] = None,
+    def resolve(cls, tp: int = 1, pp: int = 1, sp: bool = False, ep: int = 1, microbatches: Optional[int] = None,
                 schedule: str = "1f1b", virtual_stages: int = 1, split_backward="auto", pipeline_blocks=None,
                 stage_layers=None, activation_checkpointing=False, zb_keep_recomputed: bool = False,
                 p2p: str = "auto", kernels=False, quant: Optional[str] = None, quant_range: str = "ema",
@@ -64,11 +65,14 @@ class ParallelConfig:
         defaults; ``sp`` without tp > 1 becomes False (the caller may warn, see :attr:`sp_dropped`)."""
         data_parallel_size(tp * pp if isinstance(tp, int) and isinstance(pp, int) else 1, tp, pp)  # types
         microbatches = microbatches if microbatches is not None else pp
-        for name, value in (("microbatches", microbatches), ("virtual_stages", virtual_stages)):
+        for name, value in (("microbatches", microbatches), ("virtual_stages", virtual_stages), ("ep", ep)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"MegaStrategy({name}={value!r}): {name} must be a positive integer.")
         if p2p not in P2P_MODES:
             raise ValueError(f"MegaStrategy(p2p={p2p!r}): choose 'auto', 'eager' or 'batched'.")
+        if ep > 1 and tp > 1:
+            raise ValueError(f"MegaStrategy(ep={ep}, tp={tp}): expert parallelism with tensor parallelism is not "
+                             f"supported yet; use ep with dp (and pp), or tp without ep.")
         pipelined = pp > 1 or microbatches > 1
         split_default = resolve_split_backward(split_backward, schedule, pp, activation_checkpointing)
         if pipelined:  # names and counts
@@ -81,7 +85,7 @@ class ParallelConfig:
             raise ValueError(f"MegaStrategy(quant_range={quant_range!r}) needs quant='int8' or 'w4a8' as well.")
         recompute.check_option(activation_checkpointing, quant, schedule if pipelined else None,
                                zb_keep_recomputed, split_default)
-        config = cls(tp=tp, pp=pp, sp=bool(sp) and tp > 1, microbatches=microbatches, schedule=schedule,
+        config = cls(tp=tp, pp=pp, sp=bool(sp) and tp > 1, ep=ep, microbatches=microbatches, schedule=schedule,
                      virtual_stages=virtual_stages, split_backward=split_backward, pipeline_blocks=pipeline_blocks,
                      stage_layers=tuple(stage_layers) if stage_layers is not None else None,
                      activation_checkpointing=activation_checkpointing, zb_keep_recomputed=zb_keep_recomputed,
@@ -90,8 +94,14 @@ class ParallelConfig:
         return config.with_world(world_size) if world_size is not None else config
 
     def with_world(self, world_size: int) -> "ParallelConfig":
-        """The same options with dp set from the world size (an error saying what to set if tp*pp does not divide it)."""
-        return dataclasses.replace(self, dp=data_parallel_size(world_size, self.tp, self.pp))
+        """The same options with dp set from the world size (an error saying what to set if tp*pp does not
+        divide it, or ep the data-parallel size)."""
+        dp = data_parallel_size(world_size, self.tp, self.pp)
+        if dp % self.ep:
+            raise ValueError(f"MegaStrategy(ep={self.ep}) splits the experts over ep of the {dp} data-parallel ranks "
+                             f"(world {world_size} / (tp={self.tp} x pp={self.pp})): ep must divide {dp}. Change ep, "
+                             f"or devices/num_nodes.")
+        return dataclasses.replace(self, dp=dp)
 
     @property
     def pipelined(self) -> bool:

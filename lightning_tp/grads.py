@@ -102,8 +102,12 @@ def sync_gradients(params, mesh, dp_overlap=None, repeated: bool = False) -> Non
         _remember_summed(summed, before)
     # without an overlap every grad; with one, those of parameters it does not know (made trainable
     # after setup, e.g. by a fine-tuning callback)
-    average_over_dp([p for p in trainable if dp_overlap is None or id(p) not in dp_overlap.bucket_of],
-                    mesh.dp_group, 1.0 / mesh.dp)
+    left = [p for p in trainable if dp_overlap is None or id(p) not in dp_overlap.bucket_of]
+    average_over_dp([p for p in left if not marks_of(p).expert], mesh.dp_group, 1.0 / mesh.dp)
+    # an expert's gradient already sums its ep group's tokens: summed over the ranks holding it, over dp
+    experts = [p for p in left if marks_of(p).expert]
+    if experts:
+        average_over_dp(experts, mesh.edp_group, 1.0 / mesh.dp, always=True)
 
 
 def _summed_before(params) -> list:
@@ -155,10 +159,15 @@ def adopt(params: list, synced: list) -> None:
             p.grad = g
 
 
-def average_over_dp(params: list, group, scale: float) -> None:
-    """Average the parameters' gradients over dp in flat buckets, missing ones as zeros (see with_flags).
-    ``params``: the trainable ones, one set on every replica."""
-    if not params or comm.group_size(group) == 1:
+def average_over_dp(params: list, group, scale: float, always: bool = False) -> None:
+    """Sum the parameters' gradients over ``group`` times ``scale`` in flat buckets, missing ones as zeros
+    (see with_flags); ``params``: the trainable ones, one set on every replica. ``always``: scale alone too."""
+    if not params or (comm.group_size(group) == 1 and not always):
+        return
+    if comm.group_size(group) == 1:
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(scale)
         return
     buckets = [(bucket, with_flags(bucket)) for bucket in _buckets(params)]
     settle([start_all_reduce(tensors, group) for _, tensors in buckets], scale)
@@ -246,15 +255,25 @@ def _agree(scaler, found: dict, group) -> None:
 def global_grad_norm(params, mesh, norm_type: float = 2.0) -> torch.Tensor:
     """Norm of the full model's gradient: each shard counted once, tp replicas counted once."""
     params = [p for p in params if p.grad is not None]
-    counted = [g.detach() for p in params if not (marks_of(p).pp_tied and mesh.pp_rank > 0)
-               for g in _counted(p, mesh.tp_rank)]  # a tied copy counts once
     device = params[0].grad.device if params else torch.device("cpu")
+    parts = []
+    for experts in (False, True):  # an ep group's ranks hold different experts: each counted once
+        counted = [g.detach() for p in params if marks_of(p).expert == experts
+                   and not (marks_of(p).pp_tied and mesh.pp_rank > 0) for g in _counted(p, mesh.tp_rank)]
+        if math.isinf(norm_type):  # one reduction on the device, no host sync per tensor
+            part = torch.stack([g.abs().max().float() for g in counted]).max().reshape(()) if counted else \
+                torch.zeros((), device=device)
+        else:
+            part = sum((g.float().norm(norm_type) ** norm_type for g in counted), torch.zeros((), device=device))
+        parts.append(part)
+    local, experts = parts
     if math.isinf(norm_type):
-        local = torch.stack([g.abs().max().float() for g in counted]).max() if counted else \
-            torch.zeros((), device=device)  # one reduction on the device, no host sync per tensor
-        return comm.all_reduce(local.clone().reshape(()), mesh.mp_group, op=dist.ReduceOp.MAX)
-    local = sum((g.float().norm(norm_type) ** norm_type for g in counted), torch.zeros((), device=device))
-    return comm.all_reduce(local, mesh.mp_group) ** (1.0 / norm_type)
+        if mesh.ep > 1:
+            experts = comm.all_reduce(experts.clone(), mesh.ep_group, op=dist.ReduceOp.MAX)
+        return comm.all_reduce(torch.maximum(local, experts).clone(), mesh.mp_group, op=dist.ReduceOp.MAX)
+    if mesh.ep > 1:
+        experts = comm.all_reduce(experts, mesh.ep_group)
+    return comm.all_reduce(local + experts, mesh.mp_group) ** (1.0 / norm_type)
 
 
 def _counted(p, tp_rank: int) -> list:

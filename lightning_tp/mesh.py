@@ -51,6 +51,9 @@ class ParallelMesh:
     mp_group: Optional[dist.ProcessGroup] = None  # tp x pp: one full copy of the model
     emb_group: Optional[dist.ProcessGroup] = None  # first + last stage: tied input/output embeddings
     emb_ranks: tuple = ()  # the pp ranks of emb_group when not (0, pp - 1) (see use_tied_ranks)
+    ep: int = 1  # expert parallel: the dp ranks ep_rank = dp_rank % ep split each layer's experts
+    ep_group: Optional[dist.ProcessGroup] = None
+    edp_group: Optional[dist.ProcessGroup] = None  # the dp ranks holding the same experts (dp / ep of them)
     device_mesh: object = field(default=None, repr=False)
 
     @property
@@ -69,11 +72,19 @@ class ParallelMesh:
     def pp_rank(self) -> int:
         return self.rank // (self.tp * self.dp)
 
+    @property
+    def ep_rank(self) -> int:
+        return self.dp_rank % self.ep
+
+    @property
+    def edp_rank(self) -> int:
+        return self.dp_rank // self.ep
+
     def global_rank(self, tp_rank: int = 0, dp_rank: int = 0, pp_rank: int = 0) -> int:
         return pp_rank * self.dp * self.tp + dp_rank * self.tp + tp_rank
 
 
-def build_mesh(tp: int = 1, pp: int = 1, device_type: str = "cpu") -> ParallelMesh:
+def build_mesh(tp: int = 1, pp: int = 1, device_type: str = "cpu", ep: int = 1) -> ParallelMesh:
     """Create the groups. Every rank must call this with the same arguments (new_group is collective)."""
     if not (dist.is_available() and dist.is_initialized()):
         data_parallel_size(1, tp, pp)
@@ -83,7 +94,7 @@ def build_mesh(tp: int = 1, pp: int = 1, device_type: str = "cpu") -> ParallelMe
     from torch.distributed.device_mesh import init_device_mesh
 
     device_mesh = init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
-    mesh = ParallelMesh(tp=tp, pp=pp, dp=dp, rank=rank, device_mesh=device_mesh)
+    mesh = ParallelMesh(tp=tp, pp=pp, dp=dp, rank=rank, device_mesh=device_mesh, ep=ep)
     mesh.tp_group = device_mesh.get_group("tp")
     mesh.dp_group = device_mesh.get_group("dp")
     mesh.pp_group = device_mesh.get_group("pp")
@@ -99,7 +110,26 @@ def build_mesh(tp: int = 1, pp: int = 1, device_type: str = "cpu") -> ParallelMe
                 group = dist.new_group([mesh.global_rank(t, d, 0), mesh.global_rank(t, d, pp - 1)])
                 if (t, d) == (mesh.tp_rank, mesh.dp_rank):
                     mesh.emb_group = group
+    if ep > 1:
+        _expert_groups(mesh)
     return mesh
+
+
+def _expert_groups(mesh: ParallelMesh) -> None:
+    """ep groups (consecutive dp ranks: dp_rank // ep alike) and expert-data-parallel groups (dp_rank % ep
+    alike), per tp and pp rank. Every rank creates every group in the same order (new_group is collective)."""
+    ep, edp = mesh.ep, mesh.dp // mesh.ep
+    for p in range(mesh.pp):
+        for t in range(mesh.tp):
+            here = (t, p) == (mesh.tp_rank, mesh.pp_rank)
+            for j in range(edp):
+                group = dist.new_group([mesh.global_rank(t, j * ep + e, p) for e in range(ep)])
+                if here and j == mesh.edp_rank:
+                    mesh.ep_group = group
+            for e in range(ep):
+                group = dist.new_group([mesh.global_rank(t, j * ep + e, p) for j in range(edp)])
+                if here and e == mesh.ep_rank:
+                    mesh.edp_group = group
 
 
 def gloo_twin_of_mp_group(mesh: ParallelMesh):

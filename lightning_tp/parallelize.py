@@ -18,9 +18,11 @@ import torch.distributed as dist
 from . import grads, recompute
 from .config import ModelChoices, ParallelConfig
 from .dp_overlap import DPOverlap
+from .experts.apply import apply_experts, check_experts
 from .kernels.inject import apply_kernels
 from .layers.attention import TPMultiheadAttention
 from .layers.linear import ColumnParallelLinear, RowParallelLinear
+from .marks import marks_of
 from .mesh import use_tied_ranks
 from .pipeline.cut.block_lists import block_at, block_key, called_parts
 from .pipeline.run.executor import PipelineRunner
@@ -70,6 +72,8 @@ def parallelize(config: ParallelConfig, mesh, module, device, grads_armed: Calla
     # 1. every check, on every rank alike, before any collective
     check_p2p_backend(config)
     matches = planner.resolve(module, config.tp, config.sp, config.plan) if config.tp > 1 else []
+    if config.ep > 1:
+        check_experts(module, config.ep)
     layout = stage_layout(config, module)
     hf_modules = recompute.hf_checkpointing_modules(module, layout) if config.pp > 1 else []
     choices = config.for_model(bool(hf_modules), bool(layout is not None and layout.lists))
@@ -86,6 +90,8 @@ def parallelize(config: ParallelConfig, mesh, module, device, grads_armed: Calla
     tied_ranks = layout.replica_ranks() if config.pp > 1 and layout.lists else ()
     if len(tied_ranks) > 1:
         use_tied_ranks(mesh, tied_ranks)
+    if config.ep > 1:
+        apply_experts(module, mesh.ep_group, config.ep, mesh.ep_rank)
     replaced = planner.apply(module, matches, mesh.tp_group, config.tp, mesh.tp_rank, config.sp)
     if config.pp > 1 and config.tp > 1:
         shard_twins(module, layout, split, matches, config.tp, mesh.tp_rank)
@@ -213,11 +219,12 @@ def _dp_overlap(config, mesh, module, runner, grads_armed):
     """dp > 1: the all-reduce of gradients overlapped with the backward (see :mod:`.dp_overlap`)."""
     if mesh.dp == 1:
         return None
+    params = [p for p in module.parameters() if not marks_of(p).expert]  # experts: synced over expert-dp after
     if runner is None:
-        return DPOverlap(module.parameters(), mesh.dp_group, mesh.dp, armed=grads_armed)
+        return DPOverlap(params, mesh.dp_group, mesh.dp, armed=grads_armed)
     # a pipeline's backward runs per microbatch: only its last one starts the sync, and only without
     # accumulation over batches (then its tensor is the step's gradient, see merge_grads)
-    overlap = DPOverlap(module.parameters(), mesh.dp_group, mesh.dp, hooked=False,
+    overlap = DPOverlap(params, mesh.dp_group, mesh.dp, hooked=False,
                         armed=lambda: grads_armed() and module.trainer.accumulate_grad_batches == 1)
     runner.dp_overlap = overlap
     return overlap

@@ -105,7 +105,7 @@ class MegaStrategy(ParallelStrategy):
 
     strategy_name = "mega"
 
-    def __init__(self, tp: int = 1, pp: int = 1, sp: bool = False, plan: Any = "auto",
+    def __init__(self, tp: int = 1, pp: int = 1, sp: bool = False, ep: int = 1, plan: Any = "auto",
                  microbatches: Optional[int] = None, schedule: str = "1f1b", virtual_stages: int = 1,
                  pipeline_blocks: Optional[Union[str, list[str]]] = None, stage_layers: Optional[list] = None,
                  activation_checkpointing: Union[bool, int] = False, zb_keep_recomputed: bool = False,
@@ -122,7 +122,7 @@ class MegaStrategy(ParallelStrategy):
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
         self.config = ParallelConfig.resolve(
-            tp=tp, pp=pp, sp=sp, microbatches=microbatches, schedule=schedule, virtual_stages=virtual_stages,
+            tp=tp, pp=pp, sp=sp, ep=ep, microbatches=microbatches, schedule=schedule, virtual_stages=virtual_stages,
             split_backward=split_backward, pipeline_blocks=pipeline_blocks, stage_layers=stage_layers,
             activation_checkpointing=activation_checkpointing, zb_keep_recomputed=zb_keep_recomputed, p2p=p2p,
             kernels=kernels, quant=quant, quant_range=quant_range, load_full=load_full, plan=plan,
@@ -208,7 +208,7 @@ class MegaStrategy(ParallelStrategy):
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         self._process_group_backend = backend
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
-        self.mesh = build_mesh(self.tp, self.pp, device_type=self.root_device.type)
+        self.mesh = build_mesh(self.tp, self.pp, device_type=self.root_device.type, ep=self.config.ep)
         self._failures = FailureNotes.open(self.mesh)
         if self.config.broadcast_batch and comm.group_size(self.mesh.mp_group) > 1:
             cpu_group = self.mesh.mp_group if backend == "gloo" else gloo_twin_of_mp_group(self.mesh)

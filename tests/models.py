@@ -253,6 +253,12 @@ class HFCausalLM(L.LightningModule):
             "llama": lambda: T.LlamaConfig(**common),
             "qwen2": lambda: T.Qwen2Config(**common),
             "mistral": lambda: T.MistralConfig(**common),
+            # mixtures of experts (4 experts, top-2): what MegaStrategy(ep=...) splits
+            "mixtral": lambda: T.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2,
+                                               router_jitter_noise=0.0),
+            "qwen2_moe": lambda: T.Qwen2MoeConfig(**common, num_experts=4, num_experts_per_tok=2,
+                                                  moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                                  decoder_sparse_step=1, mlp_only_layers=[]),
             "qwen3": lambda: T.Qwen3Config(**common, head_dim=8),  # per-head q_norm / k_norm
             # its base model under `model` though its prefix says `language_model`; scaled embedding
             "gemma3": lambda: T.Gemma3TextConfig(**common, head_dim=8, sliding_window=4),

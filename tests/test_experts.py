@@ -156,3 +156,87 @@ def test_families_one_process_match_the_blocks():
         assert set(dict(replaced.named_parameters())) == set(dict(block.named_parameters())), family
         got = _compare(block, replaced, torch.randn(3, 5, 8))
         assert max(got) < 1e-6, (family, got)
+
+
+# ---------------------------------------------------------------- MegaStrategy(ep=...) against one process
+
+import lightning as L  # noqa: E402
+
+from lightning_tp import MegaStrategy, consolidate  # noqa: E402
+from models import LossRecorder, TokenData, make_model, reference_run, trainer_kwargs, vocab_of  # noqa: E402
+
+STEPS, BATCH = 10, 4
+# name: (world, model kind, model kwargs, strategy kwargs)
+EP_RUNS = {
+    "gpt_moe_ep2": (2, "gpt", dict(n_expert=4, vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32),
+                    dict(ep=2)),
+    "hf_mixtral_ep2": (2, "hf_mixtral", {}, dict(ep=2)),
+    "hf_qwen2_moe_ep2": (2, "hf_qwen2_moe", {}, dict(ep=2)),
+    "gpt_moe_pp2_ep1": (2, "gpt", dict(n_expert=4, vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32),
+                        dict(pp=2, microbatches=2)),
+}
+
+
+def _fit_ep(rank, world, runs, ckdir):
+    torch_dist.init_process_group("gloo")
+    out = {}
+    for name, (_, kind, model_kw, strategy_kw) in runs.items():
+        model = make_model(kind, **model_kw)
+        rec = LossRecorder()
+        strategy = MegaStrategy(**strategy_kw, timeout=120)
+        trainer = L.Trainer(devices=world, strategy=strategy, max_steps=STEPS, callbacks=[rec], **trainer_kwargs())
+        dp = world // strategy.pp
+        trainer.fit(model, TokenData(STEPS * BATCH * dp, vocab_of(model), BATCH))
+        path = f"{ckdir}/{name}.ckpt"
+        trainer.save_checkpoint(path)
+        experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+        out[name] = dict(losses=rec.losses, weights=consolidate(path) if rank == 0 else None, experts=experts)
+    return out
+
+
+def test_expert_parallel_matches_one_process(tmp_path):
+    results = dist.run(2, _fit_ep, EP_RUNS, str(tmp_path), timeout=900)
+    for name, (world, kind, model_kw, strategy_kw) in EP_RUNS.items():
+        dp = world // strategy_kw.get("pp", 1)
+        ref_losses, ref_weights, _ = reference_run(kind, model_kw, STEPS, BATCH * dp)
+        full = sum(v.numel() for k, v in ref_weights.items() if ".experts." in k)
+        for r in results:
+            got = r[name]
+            assert len(got["losses"]) == STEPS
+            diff = (torch.tensor(got["losses"]) - torch.tensor(ref_losses)).abs().max().item()
+            assert diff < 1e-5, (name, diff, got["losses"], ref_losses)
+            if strategy_kw.get("ep", 1) > 1:  # each rank holds 1/ep of the experts
+                assert got["experts"] * strategy_kw["ep"] == full, (name, got["experts"], full)
+        weights = results[0][name]["weights"]
+        assert set(weights) == set(ref_weights), name
+        worst = max((weights[k] - ref_weights[k]).abs().max().item() for k in ref_weights)
+        assert worst < 1e-5, (name, worst)
+
+
+GPT_MOE = dict(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32)
+BAD = {  # name: (model kwargs, strategy kwargs, expected message)
+    "ep_not_dividing_dp": (dict(GPT_MOE, n_expert=4), dict(ep=4), "ep must divide 2"),
+    "ep_not_dividing_experts": (dict(GPT_MOE, n_expert=3), dict(ep=2), "has 3 experts, which ep=2 does not divide"),
+    "no_moe_layer": (dict(GPT_MOE), dict(ep=2), "has none this project knows"),
+    "top_k_above_experts": (dict(GPT_MOE, n_expert=2, n_expert_per_token=4), dict(ep=2),
+                            "top_k=4 of 2 experts"),
+}
+
+
+def _bad(rank, world):
+    out = {}
+    for name, (model_kw, strategy_kw, _) in BAD.items():
+        try:
+            trainer = L.Trainer(devices=world, strategy=MegaStrategy(**strategy_kw, timeout=60), max_steps=1,
+                                **trainer_kwargs())
+            trainer.fit(make_model("gpt", **model_kw), TokenData(8, 64, 2))
+            out[name] = None
+        except Exception as e:  # noqa: BLE001 - returned to the test
+            out[name] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def test_bad_expert_layouts_fail_on_every_rank_with_a_clear_error():
+    for got in dist.run(2, _bad, timeout=300):
+        for name, (_, _, message) in BAD.items():
+            assert got[name] is not None and message in got[name], (name, got[name])
