@@ -1,11 +1,5 @@
-"""Make a user's module this rank's part of the layout a MegaStrategy asks for.
-
-One fixed order, the same on every rank: every check first (a bad layout fails on all ranks before
-any collective), then one set of initial weights, then this rank's pipeline stage, its tensor-parallel
-shards, fused kernels, quantization-aware layers, its part of a full checkpoint, recomputation, the
-stage wrappers and the pipeline runner. A module parallelized before (a second ``fit``, ``validate``
-after ``fit``) keeps its layout and is pointed at the new strategy's groups.
-"""
+"""Make a user's module this rank's part of the layout a MegaStrategy asks for, in one fixed order, the
+same on every rank (every check first). See docs/design/strategy.md."""
 
 from __future__ import annotations
 
@@ -90,8 +84,7 @@ def parallelize(config: ParallelConfig, mesh, module, device, grads_armed: Calla
     tied_ranks = layout.replica_ranks() if config.pp > 1 and layout.lists else ()
     if len(tied_ranks) > 1:
         use_tied_ranks(mesh, tied_ranks)
-    if config.ep > 1:
-        apply_experts(module, mesh.ep_group, config.ep, mesh.ep_rank)
+    apply_experts(module, mesh, config.pp)
     replaced = planner.apply(module, matches, mesh.tp_group, config.tp, mesh.tp_rank, config.sp)
     if config.pp > 1 and config.tp > 1:
         shard_twins(module, layout, split, matches, config.tp, mesh.tp_rank)

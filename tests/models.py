@@ -236,7 +236,7 @@ class HFCausalLM(L.LightningModule):
     """A minimal LightningModule around a Hugging Face causal LM built from a config (no download)."""
 
     def __init__(self, family: str, layers: int = 2, padded: bool = False, heads: int = 4, kv_heads: int = 2,
-                 hidden_loss: bool = False, grad_ckpt: bool = False):
+                 hidden_loss: bool = False, grad_ckpt: bool = False, config_kw: dict | None = None):
         super().__init__()
         import transformers as T
 
@@ -285,6 +285,8 @@ class HFCausalLM(L.LightningModule):
             "falcon_alibi": lambda: T.FalconConfig(**falcon, multi_query=False, alibi=True),
         }
         config = configs[family]()
+        for k, v in (config_kw or {}).items():  # e.g. output_router_logits=True (an MoE's aux loss)
+            setattr(config, k, v)
         config._attn_implementation = "eager" if hidden_loss else "sdpa"  # eager: attention maps to return
         self.model = T.AutoModelForCausalLM.from_config(config)
         if grad_ckpt:  # Hugging Face's own gradient checkpointing (reentrant, its default)

@@ -7,7 +7,8 @@ from torch import nn
 
 from ..marks import set_marks
 from .families import find_moe_blocks
-from .layer import ExpertParallelMoE
+from . import router_statistics
+from .layer import expert_parallel
 
 
 def check_experts(model: nn.Module, ep: int) -> list:
@@ -28,14 +29,19 @@ def check_experts(model: nn.Module, ep: int) -> list:
     return blocks
 
 
-def apply_experts(model: nn.Module, group, ep: int, ep_rank: int) -> list:
-    """Replace every block this rank holds (not a stand-in for another stage's) with an
-    :class:`ExpertParallelMoE`; its experts' parameters are marked ``expert``. Returns the new blocks."""
+def apply_experts(model: nn.Module, mesh, pp: int = 1) -> list:
+    """Under ep > 1, replace every block this rank holds (not another stage's twin) with an expert-parallel
+    one, its experts marked ``expert``; under any layout, router statistics span the global batch (see
+    :mod:`.router_statistics`). Returns the new blocks."""
     swapped = []
     for path, block, family in find_moe_blocks(model):
         if any(p.is_meta for p in block.parameters()):  # another pipeline stage's, seen through a twin
             continue
-        new = ExpertParallelMoE(block, family, group, ep, ep_rank)
+        if family.returns_logits:
+            router_statistics.install(block, mesh.dp_group, pp)
+        if mesh.ep == 1:
+            continue
+        new = expert_parallel(block, family, mesh.ep_group, mesh.ep, mesh.ep_rank)
         for p in new.experts.parameters():
             set_marks(p, expert=True)
         parent, _, leaf = path.rpartition(".")

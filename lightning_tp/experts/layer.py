@@ -17,7 +17,7 @@ class ExpertParallelMoE(nn.Module):
     state-dict names stay the block's), run over the expert-parallel ``group``."""
 
     def __init__(self, block: nn.Module, family: MoEFamily, group, ep: int, ep_rank: int):
-        super().__init__()
+        nn.Module.__init__(self)  # not the block class's (see expert_parallel)
         self.family, self.group = family, group
         self.num_experts, self.top_k = family.num_experts(block), family.top_k(block)
         if self.num_experts % ep:
@@ -55,3 +55,17 @@ class ExpertParallelMoE(nn.Module):
     def extra_repr(self) -> str:
         return (f"{self.family.name}: experts {self.first}..{self.first + len(self.experts) - 1} of "
                 f"{self.num_experts} here, top_k={self.top_k}, ep={comm.group_size(self.group)}")
+
+
+_CLASSES: dict = {}
+
+
+def expert_parallel(block: nn.Module, family: MoEFamily, group, ep: int, ep_rank: int) -> ExpertParallelMoE:
+    """An :class:`ExpertParallelMoE` for ``block`` that is also an instance of the block's class, so code
+    that finds MoE blocks by class (Hugging Face's router-logit recorders) still finds it."""
+    kind = type(block)
+    if kind not in _CLASSES:
+        _CLASSES[kind] = type(f"ExpertParallel{kind.__name__}", (ExpertParallelMoE, kind), {})
+    new = _CLASSES[kind].__new__(_CLASSES[kind])
+    ExpertParallelMoE.__init__(new, block, family, group, ep, ep_rank)
+    return new

@@ -1,0 +1,49 @@
+"""A Hugging Face MoE family's load-balancing loss over the whole global batch: its router logits (and
+attention mask) gathered over the data-parallel replicas first, so the loss and its gradient are one
+process's. Installed per modeling module by :func:`install` (a Liger-style patch)."""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import torch
+
+from .. import comm
+
+_GROUPS: dict = {}  # modeling module name -> (dp group, pp) of the run that patched it
+
+
+def install(block: torch.nn.Module, dp_group, pp: int) -> bool:
+    """Patch the ``load_balancing_loss_func`` of ``block``'s modeling module (if it has one); True if patched."""
+    module = sys.modules.get(type(block).__module__)
+    original = getattr(module, "load_balancing_loss_func", None)
+    if original is None:
+        return False
+    _GROUPS[module.__name__] = (dp_group, pp)
+    if not getattr(original, "_lightning_tp_global", False):
+        module.load_balancing_loss_func = _global(original, module.__name__)
+    return True
+
+
+def _global(original, name: str):
+    @functools.wraps(original)
+    def load_balancing_loss_func(gate_logits, *args, **kwargs):
+        group, pp = _GROUPS.get(name, (None, 1))
+        if isinstance(gate_logits, tuple) and gate_logits and pp > 1:
+            raise ValueError("MegaStrategy(pp > 1): the router's load-balancing loss (output_router_logits=True) "
+                             "needs every layer's router logits on the last stage; it is not supported under a "
+                             "pipeline yet. Use dp/ep, or set output_router_logits=False.")
+        if isinstance(gate_logits, tuple) and comm.group_size(group) > 1:
+            gate_logits = tuple(comm.gather_from_sp(g, group, dim=0) for g in gate_logits)
+            mask = kwargs.get("attention_mask", args[2] if len(args) > 2 else None)
+            if mask is not None:
+                mask = comm.all_gather(mask, 0, group)
+                if "attention_mask" in kwargs:
+                    kwargs["attention_mask"] = mask
+                else:
+                    args = args[:2] + (mask,) + args[3:]
+        return original(gate_logits, *args, **kwargs)
+
+    load_balancing_loss_func._lightning_tp_global = True
+    return load_balancing_loss_func
