@@ -825,11 +825,11 @@ def test_nccl_refuses_what_its_p2p_cannot_run(monkeypatch):
 
     monkeypatch.setattr(parallelize.dist, "get_backend", lambda *a, **k: "nccl")
     check = parallelize.check_p2p_backend
-    check(MegaStrategy(pp=2, schedule="interleaved_1f1b", virtual_stages=2))  # slotted: allowed
+    check(MegaStrategy(pp=2, schedule="interleaved_1f1b", virtual_stages=2).config)  # slotted: allowed
     with pytest.raises(ValueError, match="p2p='eager'"):
-        check(MegaStrategy(pp=2, p2p="eager"))
-    check(MegaStrategy(pp=2, schedule="zb_h1"))  # batched by default: allowed
-    check(MegaStrategy(tp=2, p2p="eager"))  # no pipeline: nothing to refuse
+        check(MegaStrategy(pp=2, p2p="eager").config)
+    check(MegaStrategy(pp=2, schedule="zb_h1").config)  # batched by default: allowed
+    check(MegaStrategy(tp=2, p2p="eager").config)  # no pipeline: nothing to refuse
 
 
 def test_placeholders_remember_output_shapes_per_argument_signature():
