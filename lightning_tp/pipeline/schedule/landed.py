@@ -1,15 +1,5 @@
-"""When a sent tensor has certainly arrived, read off the schedule.
-
-Gloo reports a send complete only once it is waited on, so a sender that waits on its sends at step
-end keeps every sent tensor alive until then: m activations and m gradients per channel, which
-undoes 1F1B's bound of p - s microbatches in flight. But a send has certainly landed once the
-sender has received a message that its receiver sent *after* receiving it: the receive of that
-later message proves it. Which receive that is follows from the action lists alone, by vector
-clocks over a replay (program order on each rank, and a message from its send to its receive), so
-the executor can wait on the send there, which returns at once, and drop the tensor.
-
-Example, 1F1B: the gradient of microbatch i comes back from the next stage only after that stage
-received microbatch i's activation, so RECV_B(i) releases SEND_F(i).
+"""When a sent tensor has certainly arrived, read off the schedule (vector clocks over a replay), so a
+gloo sender can wait on it there and drop it. See docs/design/pipeline-schedules.md.
 """
 
 from __future__ import annotations

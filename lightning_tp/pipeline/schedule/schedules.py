@@ -1,35 +1,6 @@
-"""Pipeline-parallel schedules as pure data.
+"""Pipeline-parallel schedules as pure data: one ordered :class:`Action` list per pipeline rank.
 
-A schedule is ``list[list[Action]]``: one ordered action list per pipeline
-rank. Nothing here touches processes or ``torch.distributed``; an executor
-walks a rank's list and performs each action, and :mod:`.simulate` replays
-all lists to check them and measure bubbles.
-
-Why point-to-point transfers are explicit actions rather than implied by
-F/B: where a SEND/RECV sits in the list decides which transfers overlap and
-whether two ranks can wait on each other. Keeping them in the data makes that
-choice visible, testable and simulatable instead of hiding it in executor
-control flow. (The eager executor runs each one on its own: sends are
-non-blocking, receives block; for NCCL :mod:`.slots` regroups them into one
-``batch_isend_irecv`` per time slot.)
-
-Conventions:
-
-* Model chunk ``c`` on rank ``s`` is virtual stage ``k = c * p + s``
-  (Megatron's interleaved layout); with ``v == 1`` chunk is always 0 and the
-  virtual stage is the rank.
-* The forward neighbour of virtual stage ``k`` is ``k + 1`` on rank
-  ``(k + 1) % p``, chunk ``(k + 1) // p``; backward goes to ``k - 1``.
-* ``chunk`` on a SEND/RECV is the *local* chunk on the rank that executes
-  it: ``SEND_F(mb, c)`` ships the output of this rank's chunk ``c``;
-  ``RECV_F(mb, c)`` fetches the input of this rank's chunk ``c``.
-* Every non-first virtual stage does RECV_F right before its F; every
-  non-last one does SEND_F right after it. Backward mirrors this:
-  RECV_B before B unless last, SEND_B after B unless first.
-* "B" is the full backward in GPipe/1F1B/interleaved; in ZB-H1 it is the
-  input-gradient half only and "W" is the weight-gradient half. In general a B
-  followed by a W of the same microbatch and chunk is the input half, any other
-  B the full backward (``with_split_backward(drain_only=True)`` mixes both).
+Conventions (virtual stages, chunks, where SEND/RECV sit, B and W): docs/design/pipeline-schedules.md.
 """
 
 from __future__ import annotations
@@ -126,12 +97,8 @@ def gpipe(p: int, m: int) -> Schedule:
 
 
 def one_f_one_b(p: int, m: int) -> Schedule:
-    """PipeDream-flush 1F1B: same bubble as GPipe, at most p - s activations.
-
-    Rank s runs min(p - s - 1, m) warmup forwards, which is exactly how many
-    microbatches are still travelling downstream when its first gradient can
-    come back; after that each new forward is paired with the oldest backward.
-    """
+    """PipeDream-flush 1F1B: same bubble as GPipe, at most p - s activations held on rank s.
+    Rank s runs min(p - s - 1, m) warmup forwards, then pairs each forward with the oldest backward."""
     _check_positive(p=p, m=m)
     schedule = []
     for s in range(p):
@@ -151,13 +118,7 @@ def one_f_one_b(p: int, m: int) -> Schedule:
 def microbatch_groups(p: int, m: int) -> list[int]:
     """Sizes of the groups interleaved 1F1B walks through all chunks before the next: as many as
     fit with at least ``p`` each (one if ``m < p``), sizes as equal as possible, larger first.
-
-    A group of at least p microbatches keeps rank 0 busy until the group's first microbatch is
-    back from rank p - 1 for its next chunk, so the bubble stays (p-1)/(v*m+p-1) for any
-    m >= p (Megatron-LM's groups of exactly p need m % p == 0; torch's flexible interleaved
-    takes m // p rounds but needs m divisible by them). m < p runs, with rank 0 waiting at each
-    chunk change.
-    """
+    See docs/design/pipeline-schedules.md."""
     n = max(1, m // p)
     return [m // n + (i < m % n) for i in range(n)]
 
@@ -174,16 +135,9 @@ def _group_order(p: int, m: int, v: int, reverse: bool = False) -> list[tuple[in
 
 
 def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
-    """Megatron's interleaved 1F1B with v model chunks per rank, for any number of microbatches.
-
-    Work proceeds in groups of microbatches (:func:`microbatch_groups`: p each when m % p == 0,
-    as in Megatron-LM): each group runs through every chunk before the next group starts.
-    Each rank's bubble shrinks by v because every pass is 1/v as long, at the price of v times
-    more P2P traffic. Rank s warms up with ``2 * (p - s - 1) + (v - 1) * g`` forwards (g: the
-    first, largest group), Megatron-LM's count, which brings the last chunk's first backward
-    within reach; no other all-forward special case is needed (the replay shows the same bubble
-    with fewer activations held).
-    """
+    """Megatron's interleaved 1F1B with v model chunks per rank, for any m: each group of
+    :func:`microbatch_groups` runs through every chunk before the next; rank s warms up with
+    ``2 * (p - s - 1) + (v - 1) * g`` forwards (g: the first group). See docs/design/pipeline-schedules.md."""
     _check_positive(p=p, m=m, v=v)
     forward, backward = _group_order(p, m, v), _group_order(p, m, v, reverse=True)
     total, group = m * v, microbatch_groups(p, m)[0]
@@ -204,15 +158,9 @@ def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
 
 
 def zb_h1(p: int, m: int) -> Schedule:
-    """ZB-H1 (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", section 2.1).
-
-    Same F/B order and warmup as 1F1B, so the same number of in-flight
-    activations (F done, B not yet). Splitting the backward lets B hurry the
-    gradient upstream; rank s defers its first s W passes, and the backlog
-    of W then fills the cooldown where 1F1B would idle. With T_F = T_B = T_W
-    the paper's bubble is (p - 1)(T_F + T_B - T_W), a third of 1F1B's
-    (p - 1)(T_F + T_B + T_W).
-    """
+    """ZB-H1 (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", section 2.1): 1F1B's F/B order
+    and warmup with each backward split into B (input half) and W (weight half), rank s deferring its
+    first s W. See docs/design/pipeline-schedules.md."""
     _check_positive(p=p, m=m)
     schedule = []
     for s in range(p):
@@ -240,11 +188,8 @@ def zb_h1(p: int, m: int) -> Schedule:
 
 
 def forward_only(p: int, m: int, v: int = 1) -> Schedule:
-    """validate/test/predict: the forwards alone, in interleaved 1F1B's order (GPipe's for v = 1).
-    Groups of at least p microbatches (:func:`microbatch_groups`) keep the first stage busy until a
-    group's first microbatch is back for its next chunk, so the pipeline stays full: makespan
-    m + (p - 1) / v forward times for m >= p. (One microbatch at a time through every chunk would
-    leave each rank idle while it travels round the other ranks.)"""
+    """validate/test/predict: the forwards alone, in interleaved 1F1B's order (GPipe's for v = 1),
+    in groups of :func:`microbatch_groups`. See docs/design/pipeline-schedules.md."""
     _check_positive(p=p, m=m, v=v)
     schedule = []
     for s in range(p):
@@ -256,24 +201,13 @@ def forward_only(p: int, m: int, v: int = 1) -> Schedule:
 
 
 def with_split_backward(schedule: Schedule, drain_only: bool = False) -> Schedule:
-    """The same schedule with each backward split as ZB-H1 splits it and its weight half run at once:
-    B computes the stage input's gradient, which leaves (SEND_B), then W the weights'. The order of
-    F and B and the in-flight activations stay the schedule's (a graph lives until its W, right
-    after its B); what changes is the gradient's path down the pipeline, which now waits on input
-    halves only: 1F1B's drain, (p - 1) full backwards long, becomes (p - 1) input halves, the
-    weight halves running beside it on every rank. A schedule that already splits is returned as is.
-
-    ``drain_only``: split only the backwards a rank runs after its last forward. In the steady
-    state every rank is busy and an earlier gradient changes nothing; the drain is where a rank
-    waits for the one below it. With W no longer than the input half (a matmul's two halves are
-    alike), that keeps the whole gain of splitting every backward (the replay tests check GPipe,
-    1F1B and interleaved) at p splits per rank and step at most under 1F1B, (2p - 1)·v under
-    interleaved, whatever the microbatch count. A B without a W after it is a full backward, as in
-    the unsplit schedule."""
+    """The same schedule with each backward split as ZB-H1 splits it, its W right after its B
+    (``drain_only``: only the backwards after a rank's last forward). A schedule that already splits is
+    returned as is. See docs/design/pipeline-schedules.md."""
     if any(a.kind == "W" for ops in schedule for a in ops):
         return schedule
     out = []
-    for ops in schedule:  # a stage's SEND_B comes right after its B (see the conventions above)
+    for ops in schedule:  # a stage's SEND_B comes right after its B (docs/design/pipeline-schedules.md, conventions)
         last_f = max((i for i, a in enumerate(ops) if a.kind == "F"), default=-1) if drain_only else -1
         new = []
         for i, a in enumerate(ops):
@@ -296,12 +230,9 @@ def split_keys(actions: list[Action]) -> set:
 
 def resolve_split_backward(value, schedule: str, pp: int, activation_checkpointing=False,
                            encoder_decoder: bool = False) -> bool | str:
-    """MegaStrategy's ``split_backward``, with ``"auto"`` (its default) made concrete: ``"drain"``
-    where a gradient goes down a pipeline (pp > 1) under GPipe, 1F1B or interleaved, else False. Not
-    where blocks are recomputed (a split block's W would recompute its forward a second time), nor
-    in an encoder-decoder pipeline, where the decoder's own stream does not come from the stage's
-    input: its weights are reached through many input-half nodes, which W would run again
-    (collectives included under tp). Anything but True, False, "drain" or "auto" is refused."""
+    """MegaStrategy's ``split_backward`` with ``"auto"`` made concrete: ``"drain"`` under pp > 1 with
+    GPipe, 1F1B or interleaved, unless blocks are recomputed or it is an encoder-decoder pipeline; else
+    False. Anything but True, False, "drain" or "auto" is refused. See docs/design/pipeline-schedules.md."""
     if value is True or value is False or value == "drain":
         return value
     if value != "auto":

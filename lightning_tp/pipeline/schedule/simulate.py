@@ -1,20 +1,6 @@
-"""Discrete-event replay of a pipeline schedule, without processes.
-
-Each rank walks its action list in order with its own clock. Compute actions
-advance the clock by their cost. Sends are non-blocking: they stamp the
-transfer with the sender's clock and move on. A RECV blocks until the
-matching SEND on the neighbouring virtual stage has executed, then sets the
-receiver's clock to max(own clock, send time). Because ranks only interact
-through RECVs, the resulting times do not depend on the order in which the
-simulator advances ranks. If no rank can advance and some lists are not
-finished, that is a deadlock.
-
-Cost convention: ``cost["B"]`` is always the *full* backward. A B followed
-by a W of its microbatch and chunk (zero bubble, a split backward) is only the
-input-gradient half and costs ``cost["B"] - cost["W"]``; W costs ``cost["W"]``. With the default
-``{"F": 1, "B": 2, "W": 1}`` a ZB schedule runs B = W = 1, so every schedule
-does the same total work and bubbles compare fairly. Costs are per action,
-i.e. per chunk: for interleaved schedules pass F/v and B/v (e.g. Fractions).
+"""Discrete-event replay of a pipeline schedule, without processes: checks it (malformed, deadlock)
+and measures makespan, bubbles and activations in flight. ``cost["B"]`` is the full backward;
+see docs/design/pipeline-schedules.md.
 """
 
 from __future__ import annotations
@@ -73,7 +59,7 @@ class _Rank:
 
 
 def simulate(schedule: Schedule, p: int, v: int = 1, cost: dict | None = None) -> SimResult:
-    """Replay ``schedule`` on p ranks with v chunks each; see module docstring."""
+    """Replay ``schedule`` on p ranks with v chunks each (cost convention: docs/design/pipeline-schedules.md)."""
     if len(schedule) != p:
         raise ScheduleError(f"schedule has {len(schedule)} rank lists, expected p={p}")
     cost = {**DEFAULT_COST, **(cost or {})}

@@ -1,16 +1,5 @@
-"""Time slots: how a schedule's transfers are grouped so that NCCL cannot deadlock on them.
-
-On NCCL a send completes only while the matching receive runs on its peer, and a rank's transfers
-run one group after another, in the order they were issued. Transfers issued in whatever order the
-action list gives them can leave two ranks each waiting for a group the other has queued behind
-(interleaved 1F1B does). Slots remove the question: replay the schedule with every compute action
-taking one unit of time; slot ``t`` of a rank is its compute action starting at ``t`` (if any),
-followed by one group holding the sends of that action's output and the receives of whatever its
-neighbours computed in slot ``t``. Each transfer then sits in slot ``t`` on both of its sides, and
-groups match one to one in slot order on every rank, whatever the real compute times are
-(torch.distributed.pipelining's multi-stage schedules group their transfers the same way).
-A received tensor is used no earlier than the slot after it arrived, which the unit replay
-guarantees.
+"""Time slots: a schedule's transfers grouped one group per slot of a unit-time replay, so that
+NCCL cannot deadlock on them. See docs/design/pipeline-schedules.md.
 """
 
 from __future__ import annotations
@@ -41,7 +30,7 @@ def producer(a: Action, rank: int, p: int) -> tuple[int, Action]:
 
 
 def slot_plan(schedule: Schedule, p: int, v: int = 1) -> list[list[Slot]]:
-    """Per rank, its non-empty slots in order (see the module docstring)."""
+    """Per rank, its non-empty slots in order (see docs/design/pipeline-schedules.md)."""
     zero_bubble = any(a.kind == "W" for ops in schedule for a in ops)
     # unit times: F = B = 1 (and W = 1: simulate() takes B as the full backward, B - W where it is split; a
     # schedule splitting some backwards only, split_backward="drain", gives its whole ones 2 units: one
