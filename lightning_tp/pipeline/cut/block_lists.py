@@ -1,16 +1,5 @@
-"""A model's repeated block list: what a pipeline splits and activation checkpointing wraps.
-
-Blocks come in an ``nn.ModuleList`` (most models), an ``nn.Sequential`` called as a whole
-(``h = self.blocks(h)``) or an ``nn.ModuleDict`` walked in order (torchtitan's
-``for layer in self.layers.values()``). Everything else reads and replaces them by position
-through the helpers here, so the state-dict keys stay the container's own.
-
-A block may itself be an ``nn.ModuleList`` or ``nn.ModuleDict`` of pieces that the user's code calls
-one by one (``for attn, ff in self.layers: h = attn(h) + h; h = ff(h) + h``, as many research
-models write it): such a container has no forward of its own, so what a block's call would do is
-done at its pieces' calls (see :func:`called_parts`). Lists walked together with the block list
-(``for block, norm in zip(self.blocks, self.norms)``) go with it: their i-th module is a piece of
-block i (see :func:`zipped_with`).
+"""A model's repeated block list (``nn.ModuleList``, ``nn.Sequential`` or ``nn.ModuleDict``): found, and
+read and replaced by position; blocks called piece by piece and lists zipped with it. See docs/design/pipeline-cut.md.
 """
 
 from __future__ import annotations

@@ -1,11 +1,5 @@
-"""An encoder-decoder's two block lists as one chain of pipeline stages: which lists, checked.
-
-The encoder's blocks come first, then the decoder's. A decoder block is given the encoder's output
-(nn.TransformerDecoderLayer's ``memory``; Hugging Face's ``encoder_hidden_states``, positionally in
-BART and T5, by keyword in Whisper), and that is what travels with the hidden states between
-decoder stages (see :mod:`.stage`). Found on its own when a model has two outermost block
-lists and the second one's blocks take the encoder's output; else named with
-``pipeline_blocks=[encoder, decoder]`` (nn.Transformer's plan names its two).
+"""An encoder-decoder's two block lists as one chain of pipeline stages (encoder first): which lists,
+checked. See docs/design/pipeline-cut.md.
 """
 
 from __future__ import annotations
@@ -28,11 +22,9 @@ def takes_encoder_output(block: nn.Module) -> bool:
 
 
 def find_encoder_decoder(model: nn.Module):
-    """The paths of an encoder-decoder's lists when the model has exactly two outermost lists of
-    same-class blocks with trainable parameters and says it is one: the second list's blocks are
-    nn.TransformerDecoderLayer, or a Hugging Face config inside has ``is_encoder_decoder``. A block
-    that merely could take an encoder's output (GPT-2's has the parameter) does not count. Else None
-    (the longest list is then the pipeline's, see block_lists.find_blocks)."""
+    """The paths of an encoder-decoder's two outermost block lists when the model says it is one
+    (nn.TransformerDecoderLayer blocks, or a Hugging Face config's ``is_encoder_decoder``), else None.
+    See docs/design/pipeline-cut.md."""
     found = []
     for path, module in model.named_modules():
         if any(path.startswith(p + ".") for p in found):

@@ -10,10 +10,8 @@ from torch import nn
 
 
 def outer_groups(model: nn.Module, paths: list, companions=()) -> dict:
-    """Top-most modules with parameters outside the block lists (and the lists walked with them,
-    ``companions``), by where they run: "before" (the first stage: embeddings, or anything before the
-    blocks without a Linear), "after" (the rest), and for an encoder-decoder (see
-    :func:`_encoder_decoder_kind`) "between" and "decoder_in"."""
+    """Top-most modules with parameters outside the block lists (and ``companions``) by where they run:
+    "before", "after", and for an encoder-decoder "between" and "decoder_in". See docs/design/pipeline-cut.md."""
     groups, seen, taken = {"before": [], "between": [], "decoder_in": [], "after": []}, 0, list(companions)
     called = _called_around(model, paths[0]) if len(paths) == 1 else {}
     for name, m in model.named_modules():
@@ -33,12 +31,8 @@ def outer_groups(model: nn.Module, paths: list, companions=()) -> dict:
 
 
 def _encoder_decoder_kind(name: str, paths: list, seen: int) -> str:
-    """Where a non-embedding module of an encoder-decoder runs. Registration order is not running order
-    here (BART registers its input norms after its layers), so the parent module decides: inside the
-    encoder's, an input norm ("embed" in its name) runs first and the rest (the final norm) where the
-    encoder ends ("between"); inside the decoder's, an input norm, or anything registered before its
-    blocks, runs where the decoder starts ("decoder_in"), the rest last; elsewhere, registration order
-    (a bridge between the lists runs where the encoder ends)."""
+    """Where a non-embedding module of an encoder-decoder runs, decided by the parent module it sits
+    under (encoder's, decoder's, else registration order). See docs/design/pipeline-cut.md."""
     encoder, decoder = (p.rpartition(".")[0] + "." for p in paths)
     input_norm = "embed" in name.rpartition(".")[2]
     if encoder.startswith(decoder) or decoder.startswith(encoder):  # one parent (or the root): no rule by it
@@ -66,10 +60,8 @@ def _runs_first(m: nn.Module, after_blocks: bool, called=None) -> bool:
 
 
 def _called_around(model: nn.Module, blocks_path: str) -> dict:
-    """Path -> "before" or "after": where the forward of the block list's parent calls each of its other
-    children (``self.norm(...)``, or in a method of its own it calls) relative to its loop over the
-    blocks, read from the source. OPT registers its final norm and its input and output projections
-    before its layers; registration order would put the norm first and the input projection last."""
+    """Path -> "before" or "after": where the block list's parent calls each of its other children
+    relative to its loop over the blocks, read from its source. See docs/design/pipeline-cut.md."""
     parent_path, _, leaf = blocks_path.rpartition(".")
     parent = model.get_submodule(parent_path)
     for method in ("forward", "training_step"):  # a LightningModule may loop over its blocks in its step

@@ -1,13 +1,5 @@
-"""Placeholders: what stands in for a module another pipeline stage holds, so the user's forward
-runs unchanged from top to bottom on every stage.
-
-A skipped block passes its hidden states through (in the structure the real block returns, worked
-out by a meta-device twin); any other module returns stand-ins of its output's shape (NaN, see
-:func:`stand_in_output`). Where the user's code reads an attribute
-(``layers[0].self_attn.batch_first``) the meta twin answers. What cannot stand in is said at the
-first step, not computed with stand-ins: a module called where its original should have run, a
-weight read where it is not held, a block's side output used on another stage, a stand-in's value
-reaching a stage's result.
+"""Placeholders: what stands in for a module another pipeline stage holds, so the user's forward runs
+unchanged on every stage; what cannot stand in is refused at the first step. See docs/design/pipeline-cut.md.
 """
 
 from __future__ import annotations
@@ -73,8 +65,8 @@ class SkippedBlock(PipelinePlaceholder):
     """A block another stage holds: passes the hidden states through (see :func:`passthrough`)."""
 
     side_outputs = False  # an encoder-decoder's (see passthrough)
-    index = None  # its place in the block list and, with one block list, the StageState (see stage.install):
-    stage = None  # the block before the running stage's first checks its other arguments (see .side_inputs)
+    index = None  # its place in the block list and, with one block list, the StageState (..run.stage.install):
+    stage = None  # the block before the running stage's first checks its other arguments (see ..run.side_inputs)
     piece = False  # one piece of a block (see .block_lists): the stage stops at the first given hidden states
 
     def forward(self, *args, **kwargs):
@@ -118,11 +110,8 @@ def handed_on(out):
 
 def passthrough(twin: nn.Module, args, kwargs, side_outputs: bool, memo: dict):
     """What a block outside the running stage returns: its input hidden states, in the structure the
-    real block returns (a tensor, or a tuple whose first element is the hidden states, as Hugging
-    Face blocks return), worked out once by its meta ``twin``. In an encoder-decoder the rest of a
-    tuple is stand-ins of its shape (``side_outputs``): T5's first block returns the position bias the
-    later ones are given, which then travels between stages (None would not say a tensor is expected
-    there)."""
+    real block returns (worked out once by its meta ``twin``; ``side_outputs``: the rest as stand-ins).
+    See docs/design/pipeline-cut.md."""
     if "hidden" not in memo:
         memo["hidden"] = hidden_name(twin)
     hidden = args[0] if args else kwargs[hidden_place(args, kwargs, memo["hidden"])]
@@ -151,10 +140,8 @@ def passthrough(twin: nn.Module, args, kwargs, side_outputs: bool, memo: dict):
 
 
 class OnAnotherStage:
-    """What a block outside the running stage returns besides its hidden states, where the real block
-    returns a tensor (an MoE block's auxiliary loss): only hidden states travel between stages, so it
-    is not here. Checks for None pass; any use of it in a computation says so instead of failing on
-    ``None`` (``loss + aux``) or going on with stand-ins."""
+    """What a skipped block returns besides its hidden states where the real one returns a tensor (an
+    MoE auxiliary loss): a None check passes, any computation with it raises. See docs/design/pipeline-cut.md."""
 
     def __init__(self, what: str):
         self.what = what
@@ -216,7 +203,7 @@ class ShapeOnly(PipelinePlaceholder):
     """Runs the meta twin of the original to return stand-ins of the true output shape."""
 
     runs_in = None  # "before" / "after": the stage the original went to (see outer_modules.outer_groups)
-    stage = None  # the StageState, with one block list (see stage.install): checks where it is called
+    stage = None  # the StageState, with one block list (see ..run.stage.install): checks where it is called
 
     def forward(self, *args, **kwargs):
         if self.stage is not None:
@@ -225,10 +212,8 @@ class ShapeOnly(PipelinePlaceholder):
 
 
 def _check_place(placeholder: "ShapeOnly", state) -> None:
-    """A placeholder called where its original should have run: the module went to the wrong end of
-    the pipeline (where the code calls it could not be read, see outer_modules._called_around), and the run would
-    go on with stand-ins in its place. A module of the last stage called in the first stage's run runs
-    before the blocks; one of the first stage called after the last stage's blocks began runs after."""
+    """Raise where a placeholder is called where its original should have run (the module went to the
+    wrong end of the pipeline). See docs/design/pipeline-cut.md."""
     wrong = {"after": state.active == 0, "before": state.active == state.last_vstage and state.entered}
     if wrong.get(placeholder.runs_in):
         where = ("before the blocks, but went to the last stage (it holds a Linear and no embedding)"
@@ -249,14 +234,8 @@ def _check_place(placeholder: "ShapeOnly", state) -> None:
 
 
 def stand_in_output(twin: nn.Module, args, kwargs):
-    """What a module another stage holds returns here: tensors of the original output's shape and
-    dtype, NaN where they are floating-point (else zeros). A later stage overwrites whatever its code
-    computes from them with the received activation at its first block; where a value made from
-    them reaches the stage's result anyway (the embedding's output added after the blocks,
-    ``head(h + x0)``), NaN makes it fail loudly (see executor's first-step check) instead of
-    computing with zeros and saying nothing. The meta run that finds the shapes costs ~0.1 ms a
-    call, once per microbatch on every later stage: its result is kept per argument signature
-    (shapes and dtypes, plain values) where the arguments have one."""
+    """What a module another stage holds returns here: tensors of the original output's shape and dtype,
+    NaN where floating-point (else zeros), shapes cached per argument signature. See docs/design/pipeline-cut.md."""
     device = next((t.device for t in _tensors(args, kwargs)), torch.device("cpu"))
     key = _signature(args, {k: v for k, v in kwargs.items() if k not in CACHE_KWARGS})  # T5 passes its cache
     shapes = twin.__dict__.setdefault("_lightning_tp_shapes", {})
@@ -281,11 +260,8 @@ def holds_nan(result) -> bool:
 
 
 def agree_on_stand_ins(found, device) -> None:
-    """At the end of the first training step, on every rank: a stage's result (the activation it sends
-    on, or the loss) that held NaN most likely held a placeholder's stand-in (see
-    :func:`stand_in_output`) that the user's code carried past the stage's first block, which
-    one process would have computed for real. Found on one stage, refused on all (before the
-    optimizer steps)."""
+    """At the end of the first training step, on every rank: refuse on all ranks if any stage's result
+    held NaN (most likely a placeholder's stand-in carried past its first block). See docs/design/pipeline-cut.md."""
     none = 1 << 62
     flag = torch.tensor([none if found is None else found[0] * 1_000_000 + found[1]], device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # the first stage it shows on: later ones inherit its NaN
@@ -303,7 +279,7 @@ def agree_on_stand_ins(found, device) -> None:
 
 def _marked(stand_in: torch.Tensor) -> torch.Tensor:
     """A placeholder's output, marked: the code may hold it elsewhere too (``x0 = emb(x)``), so a stage's
-    first block does not write the received activation into it (see stage._takes_in_place)."""
+    first block does not write the received activation into it (see ..run.stage._takes_in_place)."""
     stand_in._lightning_tp_placeholder = True
     return stand_in
 

@@ -1,14 +1,6 @@
-"""Cut a model into pipeline stages without touching its code.
-
-The stage unit is the model's repeated block list (see :mod:`.block_lists`). Contiguous blocks go to each virtual
-stage; modules with parameters outside the block list go to the first stage when they hold an
-embedding, else where the block list's parent module calls them (before or after its loop over the
-blocks, or its call of them, read from its source), else by registration: before the blocks without
-a Linear (a patch embedding) to the first, the rest (final norm, head) to the last (litgpt
-registers its LM head before its blocks).
-On a rank that does not own a module it is replaced by a placeholder (see :mod:`.placeholders`), so
-the user's forward still runs from top to bottom on every stage. An encoder-decoder's two block
-lists form one chain of stages (see :mod:`.encoder_decoder` and ``StageLayout.runs``).
+"""Cut a model into pipeline stages without touching its code: contiguous blocks per virtual stage,
+the modules around them to the first or last, placeholders for what a rank does not hold.
+See docs/design/pipeline-cut.md.
 """
 
 from __future__ import annotations
@@ -55,10 +47,8 @@ def balanced_split(weights: list, parts: int) -> list:
 
 @dataclass
 class StageLayout:
-    """Which blocks each virtual stage runs. Virtual stage k = chunk * pp + pp_rank.
-
-    An encoder-decoder's two block lists form one chain (``lists``): block i of the chain is encoder
-    block i below the encoder's length, else decoder block i - length (see :mod:`.stage`)."""
+    """Which blocks each virtual stage runs (virtual stage k = chunk * pp + pp_rank); an encoder-decoder's
+    two lists form one chain (``lists``). See docs/design/pipeline-cut.md."""
 
     blocks_path: str  # an encoder-decoder's: its two paths joined by " + "
     ranges: list  # per virtual stage: (first block index, last block index)
@@ -94,12 +84,8 @@ class StageLayout:
         return ChainedBlocks(model, self)
 
     def runs(self) -> dict:
-        """Virtual stages that run each kind of module outside the blocks: the first stage's (embeddings),
-        the last's (head), and an encoder-decoder's modules between its lists: the encoder's (its final
-        norm, a bridge) on the stage holding the encoder's last block, the decoder's (BART's embedding
-        norm) on the one holding its first. An encoder-decoder's decoder takes its own input from the
-        embeddings, so the stage holding the decoder's first block holds them too (Megatron's T5 does
-        the same): their gradients are summed over both copies, as tied weights are."""
+        """Virtual stages that run each kind of module outside the blocks ("before", "between",
+        "decoder_in", "after"). See docs/design/pipeline-cut.md."""
         runs = {"before": {0}, "between": set(), "decoder_in": set(), "after": {self.last_vstage}}
         if self.lists:
             runs["before"].add(self.vstage_of(self.decoder_start))
@@ -182,10 +168,8 @@ def plan_stages(model: nn.Module, pp: int, v: int = 1, blocks=None, stage_layers
 
 
 def apply_split(model: nn.Module, layout: StageLayout, pp_rank: int) -> dict:
-    """Replace what this rank does not own with placeholders. Returns {"tied": [shared Parameters],
-    "silence": {module path: (meta twin, virtual stages it runs in)}: modules this rank holds that
-    another of its chunks would rerun (and their collectives) for nothing, "twins": {block index:
-    meta twin} of its blocks under the interleaved schedule (see stage._passthrough_of)}."""
+    """Replace what this rank does not own with placeholders. Returns {"tied", "silence", "twins",
+    "companion_twins"} (see docs/design/pipeline-cut.md)."""
     blocks = layout.blocks(model)
     mine = set()
     for k in layout.vstages_of(pp_rank):
@@ -236,10 +220,8 @@ def apply_split(model: nn.Module, layout: StageLayout, pp_rank: int) -> dict:
 
 
 def _encoder_only(model: nn.Module, layout: StageLayout) -> set:
-    """ids of the modules only an encoder-decoder's encoder input uses: under the encoder's parent module
-    and under no other path (Whisper's convolutions over the spectrogram, BART's encoder positions;
-    not an embedding shared with the decoder). The decoder's first stage holds a copy of the first
-    stage's modules for the decoder's input; these it need not run."""
+    """ids of the modules only an encoder-decoder's encoder input uses, which the decoder's copy of the
+    first stage's modules need not run. See docs/design/pipeline-cut.md."""
     if not layout.lists:
         return set()
     encoder, decoder = (p.rpartition(".")[0] for p, _ in layout.lists)
