@@ -1,7 +1,6 @@
-"""The backward side of a pipeline step (a part of :class:`.executor.PipelineRunner`): one backward
-action (a plain backward, or zero bubble's input half with the weight half deferred, see :mod:`.zb`),
-the dp overlap's hooks around a chunk's final weight-gradient pass, and the hand-over of the step's
-gradients to Lightning after its ``zero_grad``."""
+"""The backward side of a pipeline step (part of :class:`.executor.PipelineRunner`): a backward action, the dp
+overlap's hooks and the hand-over of the step's gradients to Lightning. See docs/design/pipeline-run.md.
+"""
 
 from __future__ import annotations
 
@@ -14,12 +13,8 @@ from .zb import SplitBackward
 
 class BackwardStep:
     def _syncing(self, a):
-        """Around a chunk's final weight-gradient pass of the step: every gradient it accumulates is
-        final, so the dp overlap's hooks start each bucket's all-reduce as it completes. That is the
-        chunk's last W, or its last B where that B is not split or runs the whole backward (a stage
-        of compiled blocks, known from the chunk's first split B: where that is its last, as under
-        a drain-only split on the last stage, the first step's buckets sync after the step instead).
-        Elsewhere nothing (a plain context: this lies on every gradient transfer's path)."""
+        """The dp overlap's hooks around a chunk's final weight-gradient pass of the step (its last W, or last
+        B where unsplit or whole), else a plain context. See docs/design/pipeline-run.md."""
         overlap = self.dp_overlap
         final = a in self._final or (a.chunk in self._whole_chunks and a in self._final_b)
         if not final or overlap is None or not overlap.armed():
@@ -57,10 +52,9 @@ class BackwardStep:
 
     @staticmethod
     def merge_grads(module, overlap=None) -> None:
-        """Hand the step's gradients to Lightning, after its zero_grad (adds to accumulated ones). The
-        step's own tensor becomes ``.grad``: a dp all-reduce started on it in the step (``overlap``,
-        see DPOverlap) writes its result there, and what ``.grad`` held (not zeroed: a gradient
-        synced at an earlier step) is added after that."""
+        """Hand the step's gradients to Lightning after its zero_grad: the step's tensor becomes ``.grad``,
+        what ``.grad`` held is added (after a dp all-reduce started in the step, ``overlap``). See
+        docs/design/pipeline-run.md."""
         for p in module.parameters():
             fresh = getattr(p, "_pp_fresh_grad", None)
             if fresh is not None:

@@ -1,13 +1,5 @@
-"""torchmetrics states at an epoch's end: the last stage's, on every stage.
-
-Every stage runs the user's step, but only the last one runs it past the model: a metric updated
-after the forward (``self.val_acc.update(logits, y)`` in ``validation_step``) has an empty state on
-the other stages. Lightning's usual pattern then computes it in ``on_validation_epoch_end``, on every
-rank, and global rank 0, which writes to the loggers and decides for ``ModelCheckpoint(monitor=...)``
-and ``EarlyStopping``, is the first stage: it logged 0 and kept the wrong checkpoint. So before the
-epoch-end hooks (a callback put first, so other callbacks see it too) the last stage's metric
-states go to the others of its pipeline: one pickled broadcast per epoch end. A metric logged in a
-step is mirrored every step already (see logs.StageLogs._mirror_metrics).
+"""torchmetrics states at an epoch's end: the last stage's, broadcast to every stage of its pipeline before the
+epoch-end hooks (a callback put first). See docs/design/pipeline-run.md.
 """
 
 from __future__ import annotations

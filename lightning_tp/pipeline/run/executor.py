@@ -1,14 +1,5 @@
-"""Run a schedule's action list inside one Lightning training step.
-
-Each forward calls the user's own ``training_step`` on one microbatch (see :mod:`.stage` for how
-it runs a single stage), each backward is plain autograd. What Lightning expects around the step
-is kept: the gradients this step computed are set aside from ``p.grad`` until Lightning's
-backward call (Lightning zeroes grads between its training_step and backward), values logged in
-``training_step`` are reduced over microbatches (their ``reduce_fx``) on the last stage and logged
-on every stage, and the step returns the true loss everywhere (:mod:`.logs`). Transfers:
-:mod:`.p2p` (eager, gloo) or :mod:`.p2p_slots` (one group per time slot, NCCL). Forward-only steps
-(validate, test, predict): :mod:`.forward_only_step`; a backward action and the hand-over of the
-step's gradients to Lightning: :mod:`.backward_step`.
+"""Run a schedule's action list inside one Lightning training step, the user's ``training_step`` once per
+microbatch and stage, keeping what Lightning expects around the step. See docs/design/pipeline-run.md.
 """
 
 from __future__ import annotations
@@ -74,7 +65,7 @@ class PipelineRunner(StageLogs, ForwardOnlyStep, BackwardStep):
                  device=None, split_backward: bool | str = False):
         self.module, self.mesh, self.layout, self.state = module, mesh, layout, state
         self.device = device  # where step-level tensors go (the module may still be on the CPU now)
-        self.batched = batched  # NCCL: transfers grouped per time slot (see .slots)
+        self.batched = batched  # NCCL: transfers grouped per time slot (see ..schedule.slots)
         self.schedule, self.m, self.split_backward = schedule, microbatches, split_backward
         self.n_vstages = layout.pp * layout.v
         self.dp_overlap = None  # dp > 1: the strategy's DPOverlap, hooked around self._final (see _syncing)
@@ -153,7 +144,7 @@ class PipelineRunner(StageLogs, ForwardOnlyStep, BackwardStep):
                 slots=slot_plan(full, pp, v)[rank] if self.batched else None,
                 # gloo: publish the logs before the last receive where that fills a wait (see early_publish)
                 publish_at=None if self.batched else early_publish(full, pp, v)[rank],
-                # gloo: per receive, the tags of the sends it proves landed, to drop them there (see .landed)
+                # gloo: per receive, the tags of the sends it proves landed, to drop them there (see ..schedule.landed)
                 landed={} if self.batched else {i: [self._send_tag(actions[j]) for j in js]
                                                 for i, js in landed_after(full, pp)[rank].items()},
                 # each chunk's final weight-gradient pass of the step (a W, or a B not split): its gradients are
@@ -315,7 +306,7 @@ class PipelineRunner(StageLogs, ForwardOnlyStep, BackwardStep):
         return st.numbers
 
     def _walk_slots(self, st) -> None:
-        """Batched (NCCL): one transfer group per time slot, see :mod:`.slots`."""
+        """Batched (NCCL): one transfer group per time slot, see :mod:`..schedule.slots`."""
         box = SlotMailbox(self._shapes, st.device)
         for slot in self.slots:
             if slot.compute is not None:
@@ -389,7 +380,7 @@ def _last_weight_pass(actions, split: set, v: int) -> set:
 
 
 def _arrive(work, box, landed) -> None:
-    """A receive's wait, then the release of the sends its arrival proves landed (see .landed)."""
+    """A receive's wait, then the release of the sends its arrival proves landed (see ..schedule.landed)."""
     work.wait()
     for sent in landed:
         box.release(sent)

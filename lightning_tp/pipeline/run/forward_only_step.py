@@ -1,4 +1,4 @@
-"""validate/test/predict under a pipeline: the forwards of :func:`.schedules.forward_only`, no
+"""validate/test/predict under a pipeline: the forwards of :func:`..schedule.schedules.forward_only`, no
 gradients, each stage running the user's own step on its microbatches (see :mod:`.executor`, whose
 runner this is a part of: it provides ``_run``, the transfer routes and the log publishing)."""
 
@@ -19,7 +19,7 @@ from ..schedule.slots import slot_plan
 
 class ForwardOnlyStep:
     def eval_step(self, hook: str, batch, batch_idx, rest=None):
-        """validate/test/predict: the forwards of :func:`.schedules.forward_only` (a group of
+        """validate/test/predict: the forwards of :func:`..schedule.schedules.forward_only` (a group of
         microbatches through every chunk before the next), eager or one transfer group per slot."""
         m = self._microbatches(batch, hook, batch_idx)
         rest = rest if rest is not None else ((batch_idx,), {})

@@ -1,11 +1,5 @@
-"""How a pipelined step's loss and ``self.log`` values reach every stage.
-
-The user's ``training_step`` runs once per microbatch (and chunk) on every stage, but only the last
-stage gets to the loss and most ``self.log`` calls. Those calls are captured per microbatch,
-reduced over the microbatches (by their ``reduce_fx``) on the last stage and logged on every
-stage, so that the progress bar, loggers, EarlyStopping and ModelCheckpoint(monitor=...) see the
-same values everywhere; the step returns the true mean loss on every stage. :class:`StageLogs` is
-the runner's part for this.
+"""How a pipelined step's loss and ``self.log`` values reach every stage: captured per microbatch, reduced on
+the last stage, logged on every stage (:class:`StageLogs`). See docs/design/pipeline-run.md.
 """
 
 from __future__ import annotations
@@ -22,12 +16,8 @@ from ..schedule.simulate import simulate
 
 
 class captured_logs:
-    """Collect self.log calls instead of sending them to Lightning (once per microbatch). Tensors are
-    kept detached: a logged loss would otherwise hold its microbatch's graph, and under zero bubble
-    (whose backward keeps the graph for W) all its saved activations, until the step ends. Set in the
-    instance's ``__dict__`` directly: ``nn.Module.__setattr__`` and its ``__delattr__`` (which look
-    through parameters, buffers and submodules first) cost more than the rest of a stage's run between
-    two blocks, and that lies on the pipeline's critical path."""
+    """Collect self.log calls instead of sending them to Lightning (once per microbatch), tensors detached; set
+    in the instance's ``__dict__`` directly (speed). See docs/design/pipeline-run.md."""
 
     def __init__(self, module, sink: list):
         self.module, self.sink = module, sink
@@ -63,10 +53,9 @@ def muted_metrics(metrics: list, mute: bool):
 
 
 class BatchValues:
-    """A logged torchmetrics Metric's step value (what ``self.log("acc", self.acc)`` shows per step) is
-    its forward's value on the step's batch. Microbatches call its forward once each, so the last one's
-    would stand for the batch: each forward's inputs also go to a copy of the metric, reset every step,
-    whose value (local, as a forward's) becomes the step value."""
+    """A logged torchmetrics Metric's step value over the whole batch: each microbatch's forward inputs also go
+    to a copy of the metric, reset every step, whose value becomes the step value. See
+    docs/design/pipeline-run.md."""
 
     def __init__(self):
         self.copies, self.used = {}, {}
@@ -106,20 +95,8 @@ class BatchValues:
 
 
 def early_publish(schedule, p: int, v: int = 1) -> list:
-    """Per rank: the index of the action before which it can publish the step's logs, or None (at
-    step end). Publishing costs a stage Lightning's ``self.log`` work (about 1 ms a call on a CPU) and
-    waits for the last stage's numbers; the first stage ends the step under 1F1B and GPipe, so done at
-    its end that cost lengthens every step. Done instead before the rank's last receive, it fills
-    time the rank would spend waiting for that gradient. Chosen where a unit-cost replay has the last
-    stage finished by then (else the rank would wait for its numbers; ZB-H1 fills that time with W)
-    and no forward (hence no ``self.log`` call) comes after it.
-
-    Why it cannot hang: a publish may be a barrier over the pipeline (the first step, or new log
-    names, travel by ``broadcast_object_list``). What a rank still sends after its point is its last
-    backward's input gradient, which the rank below needs for its own last backward; so a rank gets
-    a point only if every rank below it has one (the chosen ranks are 0..j). And the last receive
-    must not be its channel's first message, whose payload is posted only once the header is in:
-    being a later one, it was posted ahead when the one before it was taken."""
+    """Per rank: the index of the action before which it can publish the step's logs (before its last receive,
+    where that cannot hang or wait), or None (at step end). See docs/design/pipeline-run.md."""
     res = simulate(schedule, p, v)
     last_end = max((end for _, end, _ in res.timelines[p - 1]), default=0)
     points = []
@@ -157,11 +134,8 @@ class StageLogs:
     """Mixin of :class:`.executor.PipelineRunner` (uses its mesh, layout, module and ``batched``)."""
 
     def _publish(self, logs_per_mb: list, result, numbers=None, train: bool = True):
-        """Reduce the last stage's logs over microbatches, share them and the result with every stage.
-
-        Values that cannot be averaged (torchmetrics objects) are logged by each stage from its own
-        module, where its step reached the log call before stopping; elsewhere they are skipped.
-        In training the result is the mean loss; see _share_numbers for how it travels."""
+        """Reduce the last stage's logs over microbatches, share them and the result (training: the mean loss)
+        with every stage, and log them there. See docs/design/pipeline-run.md."""
         self.batch_values.finish()
         own = {}
         for sink in logs_per_mb:
@@ -189,11 +163,9 @@ class StageLogs:
         return result
 
     def _mirror_metrics(self, own, shared, last) -> dict:
-        """torchmetrics objects the last stage logged, on every other stage: the last stage's state (and
-        its step value) copied into the same attribute of this stage's module, which is logged then, so
-        that a metric updated after the forward (``self.val_acc(logits, y)``) has the same step and epoch
-        values on every stage and ``ModelCheckpoint(monitor="val_acc")`` finds it everywhere. Costs one
-        pickled broadcast per step that logs one. Returns {name: this stage's metric} (not on the last)."""
+        """Copy the state of torchmetrics objects the last stage logged into the same attributes on every other
+        stage (one pickled broadcast). Returns {name: this stage's metric} (not on the last). See
+        docs/design/pipeline-run.md."""
         is_last = self.mesh.pp_rank == self.layout.pp - 1
         box = [None]
         sent = self.__dict__.setdefault("_mirrored", {})  # (path, list state) -> items already sent

@@ -1,17 +1,5 @@
-"""Microbatches: splitting a batch along dim 0, and how many a batch gets.
-
-A training batch must split into ``microbatches`` equal parts: a batch size they do not divide is
-a configuration error, said at the first step of an epoch, or at the first step a resumed run takes
-(unless that batch is the epoch's last: a dataset smaller than one batch, or a run resumed right
-before its smaller last batch). An epoch's last batch is often smaller
-(``DataLoader(drop_last=False)``, Lightning's default); that step runs with the fewest microbatches,
-at least the configured number, that divide it, so that no microbatch is larger than usual (the
-stages hold as much as in any step; a prime size gives one-row microbatches) and each one's loss
-is scaled by one over their number (the gradients are still the batch mean's, as on one device),
-instead of stopping the run at the end of its first epoch. Forward-only steps (validate/test/
-predict) split any batch that way: their microbatch count only sets how much the stages overlap.
-(Microbatches of unequal sizes would need a header per transfer: every transfer of a step has one
-shape.)
+"""Microbatches: splitting a batch along dim 0, how many a batch gets (an epoch's smaller last batch: the
+fewest, at least ``microbatches``, that divide it), merging outputs back. See docs/design/pipeline-run.md.
 """
 
 from __future__ import annotations
@@ -58,12 +46,9 @@ def rows(batch) -> list:
 
 
 def must_divide(hook: str, batch_idx: int, first_of_run: bool, batches_per_epoch) -> bool:
-    """Whether ``microbatches`` not dividing this batch is a wrong batch size rather than an epoch's
-    smaller last batch: a training batch that is its epoch's first, or the first this run takes (a
-    run resumed mid-epoch, maybe with another batch size, from a loader that starts its epoch over:
-    the caller says so in ``first_of_run``), unless it is the epoch's last (``batches_per_epoch``:
-    Lightning's count, inf or None when the loader has no length). Later batches are not checked,
-    so a loader whose batch sizes vary runs on."""
+    """Whether ``microbatches`` not dividing this batch is a wrong batch size rather than an epoch's smaller
+    last batch: an epoch's (or the run's) first training batch, unless it is the epoch's last. See
+    docs/design/pipeline-run.md."""
     if hook != "training_step" or not (batch_idx == 0 or first_of_run):
         return False
     return not (isinstance(batches_per_epoch, int) and batch_idx == batches_per_epoch - 1)
@@ -90,11 +75,8 @@ def resumable_loader(module) -> bool:
 
 
 def microbatches_for(batch, m: int, strict: bool) -> int:
-    """How many microbatches this batch gets (see the module docstring): ``m`` where it divides
-    every tensor's dim 0, and where ``strict`` (:func:`must_divide`: there a size m does not divide
-    is a wrong batch size, which :func:`split_batch` then explains); else the fewest microbatches,
-    at least ``m``, that divide the batch (all of its rows, one each, when it has fewer than
-    ``m``)."""
+    """How many microbatches this batch gets: ``m`` where it divides every tensor's dim 0 or where ``strict``,
+    else the fewest, at least ``m``, that divide it. See docs/design/pipeline-run.md."""
     sizes = [r for r in rows(batch) if r != -1]  # a string: split_batch says so, not a size
     if m == 1 or not sizes or None in sizes:
         return m  # split_batch says what cannot be split
@@ -105,11 +87,9 @@ def microbatches_for(batch, m: int, strict: bool) -> int:
 
 
 def merge_outputs(outputs: list):
-    """The inverse of :func:`split_batch` for what the user's step returned per microbatch (predict
-    outputs, extra keys of a training step's dict): tensors joined along dim 0, 0-d ones averaged
-    (integers summed: counts), lists of plain values (one per sample) joined, mappings, tuples and
-    lists of tensors merged by key and position, equal plain values kept once; anything else is the
-    list of the microbatches' values."""
+    """The inverse of :func:`split_batch` for what the user's step returned per microbatch: tensors joined (0-d
+    ones averaged or summed), mappings and sequences merged, equal values kept once. See
+    docs/design/pipeline-run.md."""
     first = outputs[0]
     if len(outputs) == 1:
         return first

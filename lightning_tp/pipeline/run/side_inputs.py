@@ -1,21 +1,5 @@
-"""Check that what a block is given besides its hidden states is the same on every stage.
-
-Only hidden states travel between stages; a block's other arguments (masks, rotary tables,
-positions) are made again by the user's code on each stage, from the batch and from modules every
-stage holds. One made by a module another stage holds is not: that module is a placeholder there
-and returns NaN stand-ins (a frozen embedding's output given to every block as a value residual; one
-that requires grad is refused at the sender already, see stage._check_side_inputs), and one drawn
-at random by a module only one stage runs differs (the blocks draw from streams of their own, see
-lightning_tp/rng.py, so draws in your code agree between stages). Either way the
-receiving stage would compute with other inputs than one process does, and say nothing.
-
-So at its first run with grad and its first without (microbatch 0) the sending stage leaves a
-fingerprint of its last block's other arguments (shape, dtype, sum, absolute sum per tensor) in
-the process group's key-value store; the receiving stage meets the same block as a placeholder, given
-the arguments its own code made, and compares. The store is written before the activation is sent
-and read after it arrived (microbatch 0 is its channel's first message of the step, whose header
-the receiver waits for at the receive; the payload's wait comes later, at the stage's first block),
-so the read never waits. A mismatch is refused there, naming the block and the argument.
+"""Check that what a block is given besides its hidden states is the same on every stage: a fingerprint left in
+the store by the sender, compared by the receiver, at the first runs. See docs/design/pipeline-run.md.
 """
 
 from __future__ import annotations

@@ -1,27 +1,6 @@
-"""Make the user's forward run one virtual stage at a time.
-
-Each block this rank owns gets a thin forward wrapper (an instance attribute, so module paths and
-state-dict keys stay the same). While virtual stage k runs, blocks outside k's range pass their
-input through, k's first block takes the activation received from stage k-1 instead of what the
-user's code computed, and the entry of stage k+1's first block (a placeholder here) stops the
-user's step by raising :class:`StageDone` with that block's input, unless k is the last stage,
-where the user's code runs on to the loss. Stopping there, not at k's last block's output, runs
-the user's code between two blocks (``h = h + block(h)``, ``F.relu(block(h))``) once, on the
-sending stage, and lets a checkpoint around a block's call return before the step stops.
-
-A checkpoint of the user's own around a block's call (``torch.utils.checkpoint``, non-reentrant)
-recomputes the block in its backward, outside any stage's run: the wrapper then takes the stage
-and received activation of the microbatch whose backward runs (``StageState.backward``).
-
-An encoder-decoder (two block lists, see ``StageLayout.lists``) sends more than one tensor: a
-decoder block takes the encoder's output (``memory``) besides its hidden states, so a stage stops
-at the entry of the next stage's first block and sends that block's floating-point positional
-arguments and keyword ones shaped like an encoder's output (see _carried), packed into one flat
-tensor; the receiver puts them in the same places, and in its later blocks puts each received
-tensor wherever the tensor it stands for is passed again (the same ``memory`` object goes to
-every decoder block). Only the parts that require grad get a gradient back (see .messages): a mask
-given positionally travels, its gradient does not. At the decoder's first block the hidden
-states come from the decoder's own embedding copy, so only the rest travels.
+"""Make the user's forward run one virtual stage at a time: this rank's blocks wrapped to take the received
+activation and to stop at the next stage's first block (:class:`StageDone`). See
+docs/design/pipeline-run.md.
 """
 
 from __future__ import annotations
@@ -51,7 +30,7 @@ class StageState:
     last_vstage: int
     active: int = 0
     received: torch.Tensor | None = None
-    entered: bool = False  # the active stage's first block has run (see placeholders._check_place)
+    entered: bool = False  # the active stage's first block has run (see ..cut.placeholders._check_place)
     # an encoder-decoder, while a stage runs: id(tensor the user's code computed) -> (it, received stand-in)
     stand_ins: dict = field(default_factory=dict)
     side: object = None  # one block list: the check of the blocks' other arguments (see .side_inputs)
@@ -85,11 +64,8 @@ class StageState:
 
 
 def install(blocks, layout, pp_rank: int, silence=(), twins=None, side=None, companion_twins=None) -> StageState:
-    """``silence``: (module, meta twin, virtual stages it runs in) of modules outside the blocks that
-    this rank's other chunks must not rerun (they return stand-ins of their shape there); ``twins``: block
-    index -> meta twin of this rank's blocks, for their runs outside their stage (see _passthrough_of),
-    and ``companion_twins`` (list path, index) -> those of the lists walked with them (see
-    StageLayout.companions); ``side``: a :class:`.side_inputs.SideInputCheck`, or None (no check)."""
+    """Wrap this rank's blocks (and ``silence`` the modules its other chunks must not rerun) for their virtual
+    stages; returns the :class:`StageState`. Arguments: docs/design/pipeline-run.md."""
     twins, companion_twins = twins or {}, companion_twins or {}
     beside = [(c, blocks.model.get_submodule(c)) for c in layout.companions]
     state = StageState(layout.ranges, layout.last_vstage)
@@ -124,7 +100,7 @@ def install(blocks, layout, pp_rank: int, silence=(), twins=None, side=None, com
 
 def _silence_outside(module, twin, runs: set, state: StageState) -> None:
     """An embedding only feeds virtual stage 0 (and an encoder-decoder's decoder stage): in another
-    chunk's run it returns stand-ins of its shape (see placeholders.stand_in_output)."""
+    chunk's run it returns stand-ins of its shape (see ..cut.placeholders.stand_in_output)."""
     original = module.forward
 
     def forward(*args, **kwargs):
@@ -138,7 +114,7 @@ def _silence_outside(module, twin, runs: set, state: StageState) -> None:
 def _passthrough_of(twin, side_outputs: bool, name=None):
     """A block of this rank outside the running stage (another chunk's, under the interleaved schedule)
     passes its input through like a placeholder does, in the structure the block returns, worked out by
-    its meta twin made before sharding (see split.apply_split, placeholders.passthrough)."""
+    its meta twin made before sharding (see ..cut.split.apply_split, ..cut.placeholders.passthrough)."""
     if twin is None:  # one chunk a rank: its blocks never run outside its stage
         return lambda args, kwargs: args[0] if args else kwargs[hidden_place(args, kwargs, name)]
     memo = {}
@@ -146,11 +122,8 @@ def _passthrough_of(twin, side_outputs: bool, name=None):
 
 
 def _wrap(block, index: int, state: StageState, twin=None, beside=()) -> None:
-    """A block called as a whole takes the stage's activation at its call; one called piece by piece
-    (see .block_lists), or with modules of lists walked beside it (``beside``: (module, its meta twin)
-    of ``zip(self.blocks, self.norms)``), at the first call among its pieces in a stage's run given
-    hidden states (shaped like the activation: not ``mod(condition)``; the same piece each run, as the
-    user's code is the same), which its recomputation finds again by ``entry``."""
+    """Wrap a block to take the stage's activation: at its call, or for one called piece by piece (or with
+    ``beside`` modules) at the first piece given hidden states. See docs/design/pipeline-run.md."""
     parts = called_parts(block)
     if parts == [("", block)] and not beside:
         _wrap_call(block, index, state, twin, None)
@@ -226,13 +199,9 @@ def _in_users_checkpoint() -> bool:
 
 
 def _takes_in_place(computed, received) -> bool:
-    """Whether the tensor the user's code hands the stage's first block may take the received
-    activation in place (autograd then routes the gradient of every use of it to the received leaf:
-    ``h = h + block(h)`` must add the received activation, not the stand-ins this stage computed before
-    it). Not a placeholder's own output or a batch tensor, nor a view of one (the code may use them
-    elsewhere too: ``x0 = emb(x)``, a loss against the batch), nor a leaf that requires grad. A view
-    of a tensor the user's code computed (``h = (h + block(h)).view(...)``) may: replacing only the
-    block's argument would leave that residual adding stand-ins."""
+    """Whether the tensor the user's code hands the stage's first block may take the received activation in
+    place (not a placeholder's output, a batch tensor, a view of one, a leaf). See
+    docs/design/pipeline-run.md."""
     if not (isinstance(computed, torch.Tensor) and isinstance(received, torch.Tensor)
             and computed.shape == received.shape and computed.dtype == received.dtype
             and computed.device == received.device):
@@ -243,12 +212,8 @@ def _takes_in_place(computed, received) -> bool:
 
 
 def _written(computed, received) -> bool:
-    """Writes the received activation into the user's tensor, its history on this stage cut first
-    (made from stand-ins, it would send NaN gradients into weights every stage holds: ``h = emb(x) *
-    self.scale``). Not into a view with a history (which cannot be cut in place), nor where autograd
-    refuses (checked before anything is written): a view made inside a custom Function (sequence
-    parallelism's shard) or one of several (``chunk``), or one that overlaps itself (``expand``).
-    The caller then replaces the block's argument alone."""
+    """Write the received activation into the user's tensor, its history cut first; False where that cannot be
+    done (the caller then replaces the block's argument alone). See docs/design/pipeline-run.md."""
     if computed._is_view():
         if computed.requires_grad:
             return False
@@ -264,12 +229,8 @@ def _written(computed, received) -> bool:
 
 
 def _check_side_inputs(args, kwargs, name, index: int) -> None:
-    """Only a block's hidden states travel to the next stage; what else its blocks are given is made
-    there by the user's code again (masks, rotary tables). A tensor computed from trainable weights
-    (it requires grad and is no parameter, e.g. the embedding's output given to every block as a
-    value residual, ``block(h, x0)``) cannot be: the next stage would make it from placeholders, as
-    stand-ins. Refused at the sending stage's first training step instead. (One made by frozen weights
-    does not require grad: the receiving stage finds it differs, see .side_inputs.)"""
+    """Refuse a block argument besides the hidden states that is computed from trainable weights: it cannot
+    travel, and the next stage would make it from stand-ins. See docs/design/pipeline-run.md."""
     hidden = hidden_place(args, kwargs, name)
     extra = [(i, a) for i, a in enumerate(args) if i != hidden] + [(k, a) for k, a in kwargs.items() if k != hidden]
     for place, a in extra:
@@ -286,12 +247,8 @@ def _check_side_inputs(args, kwargs, name, index: int) -> None:
 
 
 def _carried(args, kwargs, list_start: bool, name=None) -> list:
-    """Places (a position, or a keyword) of the arguments that travel between stages: floating-point
-    positional tensors, and 3-d keyword ones that share the hidden states' batch (or, sequence first,
-    their second) dimension: an encoder's output given by keyword (Whisper's ``encoder_hidden_states=``),
-    whatever its length and width. Keyword masks (named ``*mask*``, or not 3-d) do not travel: every
-    stage makes them from the batch. A list's first block's own hidden states (the
-    decoder's: made from the embeddings on every stage) do not travel either."""
+    """Places (position or keyword) of the arguments that travel between an encoder-decoder's stages:
+    floating-point positional tensors and encoder-output-like keyword ones. See docs/design/pipeline-run.md."""
     hidden = hidden_place(args, kwargs, name)
     like = _at(args, kwargs, hidden) if hidden is not None else None
     places = [i for i, a in enumerate(args) if _floating(a)]
@@ -336,7 +293,7 @@ def _wrap_chained(block, index: int, state: StageState, list_start: bool, name: 
             computed = [_at(args, kwargs, p) for p in places]
             hidden = hidden_place(args, kwargs, first)
             like = [shard_like(c, state.sp_shards, state.seq_dim) if p == hidden and state.sp_shards > 1 else c
-                    for p, c in zip(places, computed)]  # this rank's shard of the sequence (see .sp_stages)
+                    for p, c in zip(places, computed)]  # this rank's shard of the sequence (see ...tp_in_pp.sp_stages)
             parts = unpack(state.received, like)
             # later blocks are given the side inputs again (memory), never the first block's hidden states
             state.stand_ins = {id(c): (c, part) for p, c, part in zip(places, computed, parts) if p != hidden}

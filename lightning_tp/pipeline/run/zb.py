@@ -1,23 +1,5 @@
-"""Zero-bubble backward split: B computes the stage input's gradient now, W the weights' later.
-
-ZB-H1 fills the 1F1B bubble with weight-gradient work, which only pays if W is the weight half of
-the backward rather than the whole backward run a second time. The split needs no model change:
-walk the stage's autograd graph from its output; a *split node* lies on the path to the stage's
-input and also feeds a weight-only branch (a matmul's backward: its input gradient continues the
-input path, its weight gradient leaves it). B runs the backward to the input only, and a pre-hook
-keeps the gradient arriving at each split node. W runs the backward again from those nodes
-(``GradientEdge``), restricted to the parameters, so each split op computes only its weight-side
-outputs (PyTorch's built-in ops skip outputs nobody needs; a custom ``autograd.Function`` computes
-all of its outputs again) and nothing upstream of it on the input path runs twice.
-
-Each such backward call costs an engine start and a walk of what lies below its roots, which on a
-small stage costs more than the matmuls themselves. The split nodes of Linear (addmm / mm, the
-weight reached through a transpose) and LayerNorm get their weight and bias gradients computed
-directly, by what autograd computes for that node, bit for bit, and accumulated as AccumulateGrad
-does, post-accumulate-grad hooks included; anything else (autocast casts on the weight path,
-gradient hooks on the parameters, other ops) takes the backward call. W runs its groups from the
-output side back, as a plain backward does, so gradients complete last layer first (the order the
-dp overlap's buckets launch in).
+"""Zero-bubble backward split: B computes the stage input's gradient now, W the weights' later, from the split
+nodes B left (Linear and LayerNorm directly). See docs/design/pipeline-run.md.
 """
 
 from __future__ import annotations
@@ -47,11 +29,9 @@ def _post_order(root) -> tuple[list, dict]:
 
 
 class SplitBackward:
-    """One microbatch's backward on one stage, cut into :meth:`input_grad` (B) and :meth:`weight_grad` (W).
-
-    ``inp``: the activation received from the previous stage (a leaf with requires_grad), or None on
-    the first stage, where B has nothing to do and W is the whole backward; or a list of leaves (a
-    recomputed block's inputs, see :mod:`.zb_checkpoint`), for which B returns a list."""
+    """One microbatch's backward on one stage, cut into :meth:`input_grad` (B) and :meth:`weight_grad` (W);
+    ``inp``: the received activation, None on the first stage, or a list of leaves. See
+    docs/design/pipeline-run.md."""
 
     def __init__(self, out: torch.Tensor, grad, inp, params):
         self.out, self.grad, self.inp = out, grad, inp
@@ -98,11 +78,8 @@ class SplitBackward:
         return list(split)
 
     def input_grad(self):
-        """B: the input's gradient (None on the first stage); keeps what W needs. A region compiled by
-        ``torch.compile`` (``block.compile()``) is one autograd node that computes its weights'
-        gradients with its input's, and a second call would compute both again (and refuses to: its
-        buffers are donated to the first); a stage holding one runs its whole backward here, W
-        then has nothing left to do."""
+        """B: the input's gradient (None on the first stage); keeps what W needs. A stage with a compiled
+        region runs its whole backward here. See docs/design/pipeline-run.md."""
         one = isinstance(self.inp, torch.Tensor)
         if self.whole:
             torch.autograd.backward(self.out, self.grad, inputs=self.inputs + self.params)
@@ -148,10 +125,8 @@ class SplitBackward:
                             _accumulate(self.captured[nodes[0]][0], *rule)
 
     def _weight_group(self, nodes, params) -> None:
-        """One backward per group of split nodes that share parameters, restricted to those: the
-        engine then leaves the input path alone. Within a group a node can also receive gradient
-        from another one of it (``y * s + s``); a pre-hook pins every node to what B saw for it, a
-        lone node too (hooks on its output tensor ran in B already and would run again)."""
+        """One backward per group of split nodes that share parameters, restricted to those, each node pinned
+        to the gradient B saw for it. See docs/design/pipeline-run.md."""
         edges, grads = [], []
         for node in nodes:
             for i, g in enumerate(self.captured.get(node, ())):
@@ -211,10 +186,8 @@ def _hooked(p) -> bool:
 
 
 def _linear(node, edges):
-    """A Linear's addmm / mm: (weight, bias, gradient formula) when its weight grad is exactly
-    ``g.t() @ x``, i.e. a row-major weight reached through TBackward straight from its leaf
-    (mat2 = weight.t() is column-major, so autograd's mm_mat2_backward computes ``(g.t() @ x).t()``
-    and TBackward turns it back); the bias gradient is ``g`` summed to the bias's shape."""
+    """A Linear's addmm / mm: (weight, bias, gradient formula) when its weight grad is exactly ``g.t() @ x``,
+    else None. See docs/design/pipeline-run.md."""
     kind = type(node).__name__
     if kind == "AddmmBackward0" and len(edges) == 3 and node._saved_alpha == 1 and node._saved_beta == 1:
         bias, t, x = _leaf(edges[0]), edges[2], "_saved_mat1"

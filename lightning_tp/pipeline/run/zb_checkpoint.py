@@ -1,32 +1,7 @@
-"""Activation checkpointing that zero bubble can split: each block recomputes once, in B
-(``MegaStrategy(schedule="zb_h1", activation_checkpointing=..., zb_keep_recomputed=True)``).
-
-torch's non-reentrant checkpoint recomputes a block in every backward call that reads one of its
-saved tensors and frees the recomputation when the call ends. Zero bubble's B (input half) and W
-(weight half, later) are two calls over the same nodes, so each block runs its forward twice more per
-microbatch, not once (torch's GraphExecGroup shares one recomputation between calls only where they
-read different saved tensors, and a node reads all of its own: a Linear's B its weight, its W its
-input). That is the default, and the leanest in memory: from B to W a stage keeps only the blocks'
-inputs and the gradients W starts from. Here the recomputation made in B is kept for W instead:
-one forward less per block and microbatch, and from B to W the blocks' activations are held, as
-without checkpointing (ZB-H1 has up to s + 1 microbatches between their B and W on stage s).
-
-A checkpointed block is one autograd node, as with a reentrant checkpoint: its forward runs without
-grad and keeps only the block's inputs; the block's trainable parameters are inputs of the node too,
-so the stage's split (:mod:`.zb`) sees a *split node* (on the input path, with weights below it) and
-calls it again in W. Its backward recomputes the block with grad, then:
-
-- in B: the input half on the recomputed graph (a :class:`SplitBackward` of its own), kept with the
-  gradients of the inputs this backward call has no use for (a weight-only branch: an embedding
-  made on this stage, a bias made from an earlier block's weights);
-- in W: that graph's weight half, and those gradients;
-- in a plain backward (the first stage's W: no input half; a stage of compiled blocks): the whole
-  backward at once, the gradients returned to the engine.
-
-The recomputation replays the forward's random state (CPU and the devices of the block's tensor
-arguments, as torch's checkpoint does) and autocast state; tensor-parallel streams are replayed by
-the ``run`` it is given (see :mod:`lightning_tp.recompute`). Outputs are any pytree of tensors and
-other values (a tuple with ``None``s, a ModelOutput)."""
+"""Activation checkpointing that zero bubble can split: each block recomputes once, in B, and W uses that
+recomputation (``MegaStrategy(schedule="zb_h1", zb_keep_recomputed=True)``). See
+docs/design/pipeline-run.md.
+"""
 
 from __future__ import annotations
 
