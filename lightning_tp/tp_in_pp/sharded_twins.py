@@ -1,15 +1,5 @@
-"""Meta twins sharded as this rank's modules are, so that their stand-ins have this rank's shapes.
-
-A split keeps a meta twin of each module another stage holds (a placeholder's), of the modules it
-holds whose reruns in another chunk are silenced, and of its own blocks for their pass-through
-under the interleaved schedule. The twins are made before tensor parallelism shards the model,
-and a twin's output stands in for the real module's. Where tp changes an output's shape, the
-stand-in then has the whole model's: T5's first block returns the position bias of every head,
-where under tp each rank computes its own heads' (its ``relative_attention_bias`` is split per
-head), and an encoder-decoder stage hands that bias on with its hidden states; a receiving stage
-unpacks the message by the shapes its own code computed from the stand-ins, and the sizes did not
-add up. So after the model's sharding each twin gets the same plan, applied without a group: the
-same modules replaced, the same attributes divided (``n_heads``), no collective in its meta runs.
+"""Meta twins sharded as this rank's modules are (the tp plan applied without a group), so that their stand-ins
+have this rank's shapes. See docs/design/pipeline-tp-in-pp.md.
 """
 
 from __future__ import annotations
@@ -22,9 +12,9 @@ from ..pipeline.cut.placeholders import PipelinePlaceholder
 
 
 def shard_twins(module: nn.Module, layout, split: dict, matches: list, tp: int, rank: int) -> None:
-    """Shard every twin the split made (see :func:`.split.apply_split`) as tp rank ``rank``'s modules,
-    in place: placeholders' twins and the entries of ``split``'s "silence", "twins" and
-    "companion_twins". After the model's own sharding, before the stage wrappers take the twins."""
+    """Shard every twin the split made (see :func:`..pipeline.cut.split.apply_split`) as tp rank ``rank``'s
+    modules, in place: placeholders' twins and ``split``'s "silence", "twins" and "companion_twins". After
+    the model's own sharding, before the stage wrappers take the twins."""
     for name, m in module.named_modules():
         if isinstance(m, PipelinePlaceholder):
             m._twin[0] = _sharded(name, m._twin[0], matches, tp, rank)
@@ -39,10 +29,8 @@ def shard_twins(module: nn.Module, layout, split: dict, matches: list, tp: int, 
 
 def _sharded(path: str, twin: nn.Module, matches: list, tp: int, rank: int) -> nn.Module:
     """``twin`` (or what replaced it) after the plan's entries under ``path`` are applied to it, placed at
-    ``path`` in a tree of empty modules so that the plan's paths find it. Without sequence parallelism:
-    a stand-in's sequence length comes from its arguments (see placeholders.passthrough), which stay
-    whole on the runs that pass stand-ins through; where an encoder-decoder's stage receives shards,
-    it unpacks them by the shard's shape (see .sp_stages)."""
+    ``path`` in a tree of empty modules so that the plan's paths find it. See
+    docs/design/pipeline-tp-in-pp.md."""
     root = node = nn.Module()
     *parents, leaf = path.split(".")
     for part in parents:

@@ -1,12 +1,5 @@
-"""Sequence parallelism in an encoder-decoder's pipeline stages.
-
-Each stack's sequence is split where its blocks begin and the encoder's output is gathered where
-the encoder ends (see plans.hf_seq2seq). Under pp every stage runs the user's whole forward, the
-blocks of other stages passing stand-ins through (whole along the sequence: the meta twins are
-sharded without SP), so those two points must act only in a run where the block they sit at runs
-for real: splitting a stand-in would shrink it, gathering one would double it. A stage receiving
-inside a stack gets this rank's sequence shard of the hidden states, and the rest of its message
-(the encoder's output, masks, T5's position biases) whole.
+"""Sequence parallelism in an encoder-decoder's pipeline stages: split and gather act only where their block
+runs for real; a stage receiving inside a stack gets sequence shards. See docs/design/pipeline-tp-in-pp.md.
 """
 
 from __future__ import annotations
@@ -42,7 +35,7 @@ def runs_here(state, indices: dict, path: str) -> bool:
 
 def install(layout, state, matches, contexts, tp: int) -> None:
     """Gate each SP context's split and gather by the running stage, and tell the stages the hidden
-    states they receive are sequence shards (see stage._wrap_chained)."""
+    states they receive are sequence shards (see ..pipeline.run.stage._wrap_chained)."""
     sp = [ctx for ctx in contexts if ctx.sp]
     if not sp or not layout.lists:
         return

@@ -1,12 +1,5 @@
-"""One message of several tensors, what a stage of an encoder-decoder hands on (see :mod:`.stage`).
-
-The hidden states, the encoder's output and whatever else the next stage's first block is given
-positionally travel packed into one flat tensor, so each microbatch is one transfer whatever the
-model passes. Not every part needs a gradient back: a padding mask given to every block beside the
-hidden states (BART padded), T5's masks and its encoder-decoder bias (zeros and the mask) are made
-from the batch alone. Those go last and the message says how many leading values take a gradient
-(its header carries it, see p2p.grad_split), so only that much comes back and the receiver
-computes no gradient for the rest.
+"""One message of several tensors, what a stage of an encoder-decoder hands on (see :mod:`..run.stage`): packed
+into one flat tensor, the parts that take a gradient first. See docs/design/pipeline-transport.md.
 """
 
 from __future__ import annotations
@@ -15,10 +8,8 @@ import torch
 
 
 def pack(parts: list) -> torch.Tensor:
-    """One flat message of a stage's tensors. Where only some need a gradient (a mask given to every
-    block positionally beside the hidden states and a position bias), those go first and the message
-    says so (``_lightning_tp_grad_split``, sent in its header, see p2p.grad_split): only their
-    gradient comes back, and the receiver computes none for the rest."""
+    """One flat message of a stage's tensors; where only some need a gradient, those go first and the message
+    says so (``_lightning_tp_grad_split``, see p2p.grad_split). See docs/design/pipeline-transport.md."""
     if len(parts) == 1:
         return parts[0]
     if len({p.dtype for p in parts}) > 1:

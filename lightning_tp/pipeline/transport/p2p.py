@@ -1,20 +1,5 @@
-"""Point-to-point transfers between pipeline stages.
-
-The first message of a step on a channel (direction, receiving virtual stage) carries a small
-header (shape and dtype); the microbatches after it have the same shape, so they travel alone.
-Both sides walk a channel's microbatches in increasing order (every schedule does), so they agree
-on which message is first. Given ``remembered`` (channel -> shape, kept by the caller across steps),
-the receiver posts the channel's first ``1 + depth`` payloads at step start with last step's shape,
-so they flow as soon as they are sent, and hands out the first before its header (sent after it)
-is read: the stage's code up to its first block then runs while the step's first message travels,
-as it does for every later one. Should the shape have changed, the sender (who remembers the same)
-fills each of those receives with a dummy of the old shape and sends the payload on the next tag.
-Tags name each message (direction, microbatch, receiving virtual stage): a rank that runs several
-chunks gets each tensor where it belongs. Sends are non-blocking; a receive blocks until its tensor
-is there, which is what the schedules' deadlock check assumes. Given the step's expected receives
-per channel (the action list knows them), the next ``depth`` receives of a channel stay posted, so
-a tensor sent early is already in place when the schedule asks for it (gloo moves data only once
-the receive is posted: a late post costs a round trip on every transfer).
+"""Point-to-point transfers between pipeline stages: a header with a channel's first message of a step, tags
+per message, receives posted ahead (with last step's shapes). See docs/design/pipeline-transport.md.
 """
 
 from __future__ import annotations
@@ -71,11 +56,8 @@ def checked_split(sent: dict, channel, split: tuple) -> None:
 
 
 def first_message(tensor: torch.Tensor, channel, remembered: dict | None, split: tuple = (0, 0)) -> tuple:
-    """A channel's first message of a step, as ``(now, after, old)``: lists of (tensor, tag offset),
-    the header, and the payload in ``now`` when the receiver posted it with the remembered shape,
-    else in ``after`` (the receiver reads the header first); when the remembered shape (``old``)
-    is stale, ``now`` also fills the receiver's posted payload with a dummy of that shape, and the
-    payload moves to offset 2."""
+    """A channel's first message of a step, as ``(now, after, old)``: lists of (tensor, tag offset) to send now
+    and after the header, and the remembered shape ``old``. See docs/design/pipeline-transport.md."""
     new = (tuple(tensor.shape), tensor.dtype)
     old = None
     if remembered is not None:
@@ -98,15 +80,9 @@ def release_landed(pending: deque) -> None:
 
 
 def drop_sent_values(outputs: dict, key, inp) -> None:
-    """Megatron's deallocate_output_tensor: once sent, a stage output (``outputs[key]``) is needed
-    here only for its graph (its backward starts at its grad_fn with the gradient received), so its
-    values go; what is kept per microbatch in flight is then its input and what its blocks saved
-    (with activation checkpointing: the blocks' inputs). The tensor keeps its shape (a one-element
-    storage, expanded), so backward's shape checks hold; the transfer holds its own alias of the
-    values until it has landed. Nothing is freed where the stage's last op saved its own output (a
-    ReLU, a softmax): autograd holds the values then. Left alone: a view, a tensor subclass, an
-    output sharing the stage input's (``inp``) storage, and one that something else holds (a
-    forward hook's list, a ``ctx`` attribute), which would read the dropped values."""
+    """Megatron's deallocate_output_tensor: once sent, a stage output's values are dropped (a one-element
+    storage, expanded, keeps its shape for backward), unless something else may read them. See
+    docs/design/pipeline-transport.md."""
     out = outputs[key]
     if type(out) is not torch.Tensor or out.grad_fn is None or out._base is not None or out.numel() <= 1:
         return
@@ -135,16 +111,9 @@ def tag(direction: int, microbatch: int, vstage: int, n_vstages: int) -> int:
 
 
 class Mailbox:
-    """Keeps in-flight sends alive until they complete (checked at each send, waited on where the
-    schedule proves them landed (see :mod:`.landed`), else at step end).
-
-    ``expected``: channel -> ordered ``[(tag, src), ...]`` of this step's receives on it (optional);
-    with ``device`` given, each channel's header receive is posted at the step's first receive
-    (:meth:`open`), and with ``remembered`` ({"in": {}, "out": {}}, the caller's across steps; not
-    in batched mode) its first ``1 + depth`` payloads too, with last step's shape (guessed): they
-    flow as soon as they are sent, and the first is handed out before its header is read (see
-    :class:`FirstArrival`). Should the shape have changed, the sender (who remembers the same) fills
-    each guessed receive with a dummy of the old shape and sends the message on the next tag."""
+    """Keeps in-flight sends alive until they land (see :mod:`..schedule.landed`) or step end, and posts a
+    step's receives ahead (``expected``, ``remembered``: guessed shapes). See
+    docs/design/pipeline-transport.md."""
 
     def __init__(self, expected: dict | None = None, depth: int = 2, batched: bool = False, device=None,
                  remembered: dict | None = None):
@@ -164,12 +133,8 @@ class Mailbox:
         self.device, self.opened = device, False
 
     def open(self) -> None:
-        """Post each channel's header (and guessed payloads) receives. Done at the step's first
-        receive (:meth:`recv` calls it), not at step start: the first stage's opening forwards need
-        nothing received and lie on every stage's critical path (posting cost ~1 ms there on gloo),
-        and a later stage starts with a receive anyway. Posting late is never wrong (gloo holds a
-        send until its receive is posted), and on the first stage the first gradient is sent long
-        after its first receive is reached."""
+        """Post each channel's header (and guessed payloads) receives, at the step's first receive
+        (:meth:`recv` calls it), not at step start. See docs/design/pipeline-transport.md."""
         if self.opened:
             return
         self.opened = True
@@ -314,13 +279,9 @@ class Mailbox:
 
 
 class FirstArrival:
-    """The wait for a channel's first message of a step, handed out as guessed (last step's shape,
-    the whole message taking the gradient) before its header is read, so that the stage's code up to
-    its first block runs while the message travels instead of after the header's wait: the header
-    (sent last), then the values. Where the header says otherwise, the tensor already handed out (a
-    leaf without a graph yet) takes what it says: the message sent on the next tag after the sender's
-    dummy (a new shape, ``.data``), and only its leading part taking the gradient, as
-    messages.with_grad_split makes it (an encoder-decoder's message with masks: every step)."""
+    """The wait for a channel's first message of a step, handed out as guessed before its header is read; where
+    the header says otherwise, the tensor handed out takes what it says. See
+    docs/design/pipeline-transport.md."""
 
     def __init__(self, box, channel, src, t, device, header_work, header, work, out):
         self.box, self.channel, self.src, self.t, self.device = box, channel, src, t, device

@@ -1,13 +1,5 @@
-"""Transfers one group per time slot (see :mod:`.slots`): what NCCL needs, also run on gloo.
-
-Each slot's sends and receives leave together in one ``batch_isend_irecv``. Messages are matched
-by order per peer (NCCL ignores tags), so both sides list a message's parts in the same order:
-header, then payload. A channel's first message of the step carries the header (shape and dtype);
-the receiver posts the payload in the same group when it remembers the channel's shape from the
-previous step, as the sender does. Otherwise the payload follows in an extra group right after the
-slot's, issued by both sides: the receiver knows to after reading the header, the sender from what
-it remembers; when the remembered shape is wrong, the sender fills the posted receive with a dummy
-of that shape first.
+"""Transfers one group per time slot (see :mod:`..schedule.slots`): what NCCL needs, also run on gloo. Each
+slot's sends and receives leave in one ``batch_isend_irecv``. See docs/design/pipeline-transport.md.
 """
 
 from __future__ import annotations
