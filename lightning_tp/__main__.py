@@ -1,17 +1,5 @@
 """``python -m lightning_tp explain --config config.yaml``: the :func:`lightning_tp.explain.explain`
-report for a LightningCLI config, without starting any process.
-
-Why it is safe: LightningCLI(run=False) only builds the model, the datamodule and the Trainer;
-building a Trainer with devices=4 launches nothing, and MegaStrategy's setup (process groups,
-sharding) only runs inside fit. The layout comes from the strategy's init_args, the world size from
-devices x num_nodes, the batch shape from the datamodule's ``batch_size`` and ``block_size`` (or the
-model's ``block_size``), or ``--batch-shape B,T``.
-
-Which CLI parses the config: ``--cli path/to/train.py[:main]`` or ``package.module[:main]`` (a
-function taking ``(args, run=False)`` and returning a LightningCLI); without it, a config whose
-``model`` names a ``class_path`` is parsed by a plain LightningCLI, otherwise by the ``main`` of a
-``train.py`` next to the config (the example's layout).
-"""
+report for a LightningCLI config, without starting any process. See docs/design/explain.md."""
 
 from __future__ import annotations
 

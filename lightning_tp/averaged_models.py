@@ -6,10 +6,8 @@ import copy
 
 
 def copy_averaged_models_again(trainer, module) -> None:
-    """Lightning's weight-averaging callbacks (EMAWeightAveraging and the other WeightAveraging ones,
-    StochasticWeightAveraging) copy the module in their ``setup``, which runs before the strategy
-    shards it: their copies would hold whole weights against this rank's shards. They copy the
-    sharded module again here, as their setup does (each rank averages its own shards)."""
+    """Make Lightning's weight-averaging callbacks copy the sharded module again (their ``setup`` copied it
+    whole, before sharding): each rank averages its own shards. See docs/design/strategy.md."""
     from lightning.pytorch.callbacks import StochasticWeightAveraging
 
     try:

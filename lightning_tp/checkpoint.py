@@ -1,14 +1,5 @@
-"""Sharded checkpoints: one directory per checkpoint, one file per model-parallel rank.
-
-    epoch=0-step=10.ckpt/
-        meta.pt              trainer state (loops, callbacks, schedulers, hparams) + layout
-        model_tp0_pp0.pt     this shard's state_dict, optimizer states and shard specs, and the
-        model_tp1_pp0.pt     trainer state as this rank has it (a callback's may hold its shards)
-
-Data-parallel replicas hold the same shards, so only dp rank 0 writes. The directory is written
-under a temporary name and renamed into place, so a crash mid-save leaves the previous checkpoint
-as it was.
-"""
+"""Sharded checkpoints: one directory per checkpoint, one file per model-parallel rank, written under a
+temporary name and renamed into place. See docs/design/checkpoints-internals.md."""
 
 from __future__ import annotations
 

@@ -1,23 +1,5 @@
-"""Data-parallel gradient all-reduce overlapped with the backward pass.
-
-Without it, every dp all-reduce starts after the whole backward has finished, and the step waits
-for all of them. Here each parameter's post-accumulate-grad hook counts it into its bucket; when a
-bucket is complete its all-reduce starts at once, in the background, while autograd goes on with
-earlier layers (as DDP does). Buckets follow the reverse parameter order (the order backward
-produces gradients) and are launched strictly in index order, so every dp rank issues the same
-collectives in the same order whatever order its hooks fire in. :meth:`DPOverlap.finish` (called
-where the synchronous all-reduce used to run) launches what is left, e.g. buckets holding unused
-parameters, and waits. Every bucket holds all its parameters on every replica, zeros where one has
-no gradient, with a flag each (see grads.with_flags), so replicas whose batches reach different
-parameters still match.
-
-Under a pipeline the backward runs per microbatch inside the step, and a gradient is final only
-after its last microbatch: there the hooks are registered around each model chunk's final
-weight-gradient pass of the step only (``hooked=False``, see :meth:`hook`; the executor does it:
-the last backward, or zero bubble's last W, whose direct formulas run the hooks too), so those
-passes' buckets start while they go on (on the first stage, which ends the step, that is the
-critical path), and whatever was not final then starts in :meth:`finish`.
-"""
+"""Data-parallel gradient all-reduce overlapped with the backward pass: buckets start, in order, as their
+gradients become final (as DDP does). See docs/design/grads-and-dp.md."""
 
 from __future__ import annotations
 

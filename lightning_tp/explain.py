@@ -1,58 +1,6 @@
 """What a MegaStrategy layout will hold and send, before any process starts.
 
-Why: picking tp/pp/sp/microbatches trades memory against communication, and a trial run costs
-process start-up and cluster time. The numbers here come from the code the strategy runs: plans
-from :func:`plans.apply.resolve`, stages from :func:`pipeline.split.plan_stages` and
-:func:`~pipeline.split.apply_split`, shards from :func:`plans.apply.apply`, all applied to
-meta-device copies with no process group. Parameter counts are therefore exact, and the user's
-module is never touched.
-
-A "byte" is an element count as :func:`lightning_tp.comm.count_collectives` records it (all_reduce:
-the tensor; all_gather: the local input; reduce_scatter: the full input; pipeline send: the
-payload, its 96-byte header left out) times the element size. That is what each rank hands to
-the collective, not what a ring algorithm puts on the wire (about 2(n-1)/n of it for an all-reduce).
-
-Per optimizer step, with n = B*T tokens per replica (B: the batch one process loads):
-  * TP activations, counted on the stage that runs the planned module (once per microbatch: under
-    the interleaved schedule later chunks skip the first rank's pre-block modules). 'region'/'colwise'/'mha'/
-    'lm_head' enter the TP region: a backward all-reduce of n*w (under SP, a forward all-gather of
-    n*w/tp plus a backward reduce-scatter of n*w; an nn.TransformerDecoderLayer's cross-attention
-    enters twice: query and memory). 'rowwise' (and mha's out_proj) leave it: a forward
-    all-reduce (SP: reduce-scatter n*w, then a backward all-gather n*w/tp). 'vocab': a forward
-    all-reduce n*d. 'vocab_ce': 3n (row max, then sum-exp and target logit). An 'lm_head' all-gathers
-    n*V/tp: the logits the model returns (with 'vocab_ce' its loss reads this rank's columns). SP start/end: an all-gather of n*h/tp. For the example GPT this is
-    Megatron's 4 all-reduces of b*s*h per layer.
-  * PP: each virtual stage sends m activations of (B/m)*T*h (/tp under SP) unless it is the last,
-    and m gradients back unless it is the first; inside an encoder-decoder's decoder a message also
-    holds the encoder's output (2h, source and target of one length assumed); T5's stacks give each
-    block their masks and position biases positionally, so its messages hold those too, and their
-    gradients the biases' only (t5_side).
-  * SP grads (replicated params with partial grads, plus the all-heads buffer of key/value heads
-    copied to several tp ranks), tied embeddings (first and last stage; an encoder-decoder's embedding
-    and its copy on the decoder's first stage), DP
-    (every grad this rank holds, when dp > 1): one all-reduce each, as :mod:`lightning_tp.grads` does.
-  Gradient clipping's scalar all-reduce, validation and Lightning's own logging syncs are left out.
-
-Activation memory is a model, not a measurement: elements per token one rank saves for backward,
-from the module structure: a Linear's input (1/tp for 'rowwise', none for 'colwise_local', whose
-'region' saves it once), a norm's input (1/tp for 'sp_norm' under SP), an activation function's
-input (the preceding Linear's local output), a loss's input, and for attention ('mha', or a
-'region' over q, k, v; flash/SDPA: no s x s scores) q, k, v and the output: 4x its row-parallel
-width / tp. Dropout masks and per-row statistics are left out. A stage's estimate is the heaviest
-chunk's blocks (plus the first stage's pre-block and the last stage's post-block modules) times
-(B/m)*T times the schedule's peak in-flight microbatches from :func:`pipeline.simulate.simulate`
-(ZB-H1: the heaviest moment of its action list, each microbatch holding that from its forward to
-its B, then until its W what W needs: the gradient reaching each weight op (a Linear's output, a
-norm's width) and what was saved, of a recomputed block its input only where W recomputes it, i.e.
-with checkpointing but not ``zb_keep_recomputed``; the first stage, whose B is empty, holds what
-its forward saved until W). With activation
-checkpointing a recomputed block keeps only its input (h per token, h/tp under SP), and during the
-backward one recomputed block at a time holds all of its activations again, for one microbatch
-(``recompute_bytes``, included in the total; under ZB-H1 the weight half's recomputation of a chunk
-is kept until that W ends, so the whole chunk's); its forward collectives run again then, at most all of
-them (``tp_recompute_bytes``, included in TP act: torch stops recomputing once every saved tensor is
-back, so a block's last collective often does not run again).
-"""
+Counted by the strategy's own code on meta-device copies; the cost model: docs/design/explain.md."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""What each planned module costs, for :func:`lightning_tp.explain.explain`: the TP collectives it runs per
-token (entering and leaving the TP region, SP's splits and gathers, the vocab-parallel ops), the
-activations it saves for backward per token on one tp rank, and what T5's stacks add to a pipeline
-message (their masks and position biases, given to every block positionally)."""
+"""What each planned module costs, for :func:`lightning_tp.explain.explain`: TP collectives and saved
+activations per token, and what T5's stacks add to a pipeline message. See docs/design/explain.md."""
 
 from __future__ import annotations
 
@@ -35,13 +33,7 @@ def t5_head_counts(model) -> int | None:
 
 def t5_side(nxt: int, decoder_start: int, heads: int, T: int, grad: bool = False) -> int:
     """Elements per token a message to T5's block ``nxt`` holds besides the hidden states and the encoder's
-    output: its stack gives every block the masks and position biases positionally, and a stage hands
-    on each floating-point positional argument (see pipeline.stage._carried). Inside the encoder the
-    attention mask (B, 1, 1, T) and the position bias (B, heads, T, T: this tp rank's heads); at the
-    decoder's first block the causal mask (B, 1, T, T) and the encoder's mask (B, 1, 1, T); later in the
-    decoder both masks and both position biases (its own, the encoder-decoder one). ``grad``: what
-    comes back, the gradient of the biases made from weights only (the masks and the encoder-decoder
-    bias, which T5 makes of zeros and the mask, need none: see pipeline.messages.pack)."""
+    output (``grad``: in the gradient that comes back). See docs/design/explain.md."""
     if grad:
         return 0 if nxt == decoder_start else heads * T
     if nxt < decoder_start:
@@ -113,7 +105,7 @@ def tp_ops(base, matches, sp, tp, hidden, locate, locate_end):
 
 
 def saved_widths(base, style_of, tp, locate):
-    """Elements per token saved for backward on one tp rank, per location (see the module doc)."""
+    """Elements per token saved for backward on one tp rank, per location (see docs/design/explain.md)."""
     width, skip, last_out = defaultdict(float), None, 0
     for name, mod in base.named_modules():
         if skip and name.startswith(skip):

@@ -1,15 +1,5 @@
-"""When one rank fails, say why on the others.
-
-An error that one rank meets alone (a bug in the loss, which under a pipeline runs on the last stage
-only; a callback's error on one rank) leaves the other ranks waiting in a transfer or a collective.
-They stop when the failing process exits, every launcher's way on an uncaught error, and gloo
-reports the closed connection ("Connection closed by peer ... Check the logs of the remote
-worker"), or at the process group's timeout where the process lives on. So each rank's error is
-noted in the process group's store (the first one noted stays), and a rank whose own error is
-such a lost peer gets that note added to its exception (``add_note``, shown under its traceback):
-every rank's traceback names the rank that failed first and its error. Best effort: where the
-store lives in the failing process (global rank 0 under Lightning's own launchers), it went with it.
-"""
+"""When one rank fails, say why on the others: each rank's error is noted in the process group's store
+and added to the exception of a rank that lost its peer. See docs/design/failures.md."""
 
 from __future__ import annotations
 

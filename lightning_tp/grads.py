@@ -1,9 +1,6 @@
 """Gradient bookkeeping after backward: sequence-parallel partial sums, key/value heads copied to
 several tp ranks, data-parallel averaging, and clipping by the true global norm.
-
-Why here and not in DDP: sharded and replicated parameters live side by side, and each kind is
-reduced over a different group (replicated SP parameters over tp, everything over dp).
-"""
+See docs/design/grads-and-dp.md."""
 
 from __future__ import annotations
 
@@ -57,10 +54,8 @@ def _reduce(grads: list, group, scale: float = 1.0) -> None:
 
 
 def _sum_tied(params, group) -> None:
-    """Sum the copies of tied weights. Every copy takes part, in the unsplit model's order, whether its
-    stage used it or not (an encoder-decoder's decoder stage may use its target embedding only): a
-    missing gradient counts as zero, and stays missing where no copy had one (as one process leaves
-    an unused parameter: no weight decay, no Adam step)."""
+    """Sum the copies of tied weights over ``group``, every copy in the unsplit model's order; a missing
+    gradient counts as zero, and stays missing where no copy had one. See docs/design/grads-and-dp.md."""
     tied = sorted((p for p in params if marks_of(p).pp_tied and p.requires_grad),
                   key=lambda p: marks_of(p).pp_tied_index)
     if not tied:
@@ -78,12 +73,9 @@ def _sum_tied(params, group) -> None:
 
 
 def sync_gradients(params, mesh, dp_overlap=None, repeated: bool = False) -> None:
-    """Tied weights summed over the stages holding them (first and last; an encoder-decoder's: see
-    use_tied_ranks), SP-partial grads summed over tp, then every grad averaged over dp (already
-    started during backward when ``dp_overlap`` is given: it is finished first; the sums commute).
-    ``repeated``: this optimizer step may sync more than once (manual optimization accumulating over
-    several ``manual_backward`` calls): sums over tp then add only what came since the last sync
-    (averages over dp are right either way)."""
+    """Sum tied weights over their stages and SP-partial grads over tp, then average every grad over dp
+    (finishing ``dp_overlap`` first). ``repeated``: this optimizer step may sync more than once.
+    See docs/design/grads-and-dp.md."""
     if mesh.world_size == 1:
         return
     if dp_overlap is not None:
@@ -148,10 +140,8 @@ def with_flags(params: list) -> list:
 
 
 def adopt(params: list, synced: list) -> None:
-    """After the all-reduce: a parameter without a gradient here takes the average where another
-    replica had one (every replica steps it alike), and stays without one where none had (as one
-    process leaves an unused parameter: no weight decay, no Adam step). Reading the flags waits for
-    the device: only where a gradient is missing here."""
+    """After the all-reduce: a parameter without a gradient here takes the replicas' average where another
+    had one, and stays without one where none had. See docs/design/grads-and-dp.md."""
     if all(p.grad is not None for p in params):
         return
     for p, g, flag in zip(params, synced, synced[-1].tolist()):
@@ -214,14 +204,8 @@ def _sum_replicas(params, mesh) -> None:
 
 
 def agree_on_overflow(scaler, group=None) -> None:
-    """fp16 AMP: every rank takes or skips the optimizer step together. GradScaler looks for inf/nan
-    in this rank's gradients only; under tp or pp ranks hold other parameters (or shards of them),
-    so one rank can overflow while another does not: it skips the step and halves its scale while
-    the other steps, and the model's pieces drift apart for good. After unscaling (or the inf check
-    of an optimizer that unscales itself), the found-inf flag is MAX all-reduced over ``group`` (as
-    Megatron's grad scaler does), once per optimizer step and always one tensor per rank, so a rank
-    without gradients still takes part. Every rank must step its optimizers alike (a rank skipping
-    a step, e.g. by returning None from training_step, would leave the others waiting)."""
+    """fp16 AMP: every rank takes or skips the optimizer step together (GradScaler's found-inf flag is MAX
+    all-reduced over ``group`` once per step). See docs/design/grads-and-dp.md."""
     if getattr(scaler, "_lightning_tp_agrees", False):
         return
     unscale, check = scaler.unscale_, scaler._check_inf_per_device

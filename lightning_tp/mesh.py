@@ -1,11 +1,5 @@
-"""Process groups for tensor (tp), data (dp) and pipeline (pp) parallelism.
-
-Rank order is tp fastest, then dp, then pp: a TP group is consecutive ranks (it stays inside a
-node, where the bandwidth is), and pipeline stages are the slowest-varying index (they span nodes,
-where only point-to-point activations travel):
-
-    global_rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank
-"""
+"""Process groups for tensor (tp), data (dp) and pipeline (pp) parallelism, tp fastest, then dp, then
+pp: ``global_rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank``. See docs/design/strategy.md."""
 
 from __future__ import annotations
 
@@ -35,11 +29,8 @@ def data_parallel_size(world_size: int, tp: int = 1, pp: int = 1) -> int:
 
 @dataclass
 class ParallelMesh:
-    """Sizes, this rank's coordinates and the process groups of one run.
-
-    Groups are ``None`` when torch.distributed is not initialized (a plain single process); the
-    collectives in :mod:`lightning_tp.comm` treat ``None`` and size-1 groups as no-ops.
-    """
+    """Sizes, this rank's coordinates and the process groups of one run (``None`` groups when
+    torch.distributed is not initialized). See docs/design/strategy.md."""
 
     tp: int = 1
     pp: int = 1

@@ -1,13 +1,5 @@
-"""Plain checkpoints in and out: what a single-device project already has, and what it can load.
-
-In: a Lightning ``.ckpt`` (its ``state_dict``), a saved state_dict, or a Hugging Face
-``save_pretrained`` directory (one weights file, or shards listed in an index). Keys are matched to
-the LightningModule's own keys, allowing for a prefix (the HF model usually sits at
-``self.model``); each rank copies in its stage's tensors and cuts its tensor-parallel shard with
-the same ShardSpec the layers use.
-Out: :func:`save_consolidated` writes a Lightning checkpoint with the merged weights, which the
-original project loads with ``load_from_checkpoint`` or ``load_state_dict``.
-"""
+"""Plain checkpoints in and out: a Lightning ``.ckpt``, state_dict or Hugging Face directory loaded into
+this rank's shards; merged weights written by :func:`save_consolidated`. See docs/design/checkpoints-internals.md."""
 
 from __future__ import annotations
 

@@ -1,24 +1,5 @@
-"""Activation checkpointing of the model's repeated blocks (Megatron's "full" recompute).
-
-Why: a block's activations saved for backward (attention scores, the MLP's hidden layer, norms'
-inputs) are many times its input, and a pipeline stage holds them for several microbatches at once
-(1F1B: p - s on stage s; interleaved more). Under ``torch.utils.checkpoint`` (non-reentrant) a block
-keeps only its inputs and runs its forward again inside its backward: about one more forward per
-step for most of the activation memory. With an int ``n`` only the first n blocks of each
-(virtual) stage recompute, Megatron's ``recompute_method="block"``: memory saved where it is
-needed, time spent only there.
-
-The wrapper goes on each block's ``forward`` (an instance attribute bound to the block, as
-``copy.deepcopy`` rebinds it: an EMA copy runs its own weights), so module paths, state-dict keys and
-module hooks stay as they were. Every argument reaches torch's checkpoint positionally, so it sees
-each tensor's device (it replays the RNG state of those devices: dropout masks are the same, and the
-numbers are those of a run without it) and no keyword of the block's can collide with its own.
-Parallel layers inside a block run their collectives again in the recomputation, on every
-tensor-parallel rank at the same point of the backward. What a recomputed forward would change a
-second time is refused: BatchNorm's running statistics, quantizers' activation ranges; a key/value
-cache (Hugging Face's ``use_cache`` while training) is switched off for the recomputed blocks, as
-Hugging Face's own gradient checkpointing does.
-"""
+"""Activation checkpointing of the model's repeated blocks (Megatron's "full" recompute; with an int n,
+the first n blocks of each stage). See docs/design/rng-and-recompute.md."""
 
 from __future__ import annotations
 
@@ -37,11 +18,8 @@ from .pipeline.cut.block_lists import block_at, block_key, called_parts, find_bl
 
 def check_option(value, quant, schedule: str | None = None, keep_recomputed: bool = False,
                  split_backward: bool = False) -> None:
-    """``activation_checkpointing``: False (or 0), True, or a positive int; not with quantization-aware
-    layers, whose activation ranges would be updated again by the recomputed forward. Under a split
-    backward (ZB-H1, or ``split_backward`` with a pipelined ``schedule``) its weight half recomputes
-    again, once for all its backward calls (torch's GraphExecGroup), unless ``keep_recomputed``
-    (``zb_keep_recomputed``: see zb_checkpoint)."""
+    """Check ``activation_checkpointing`` (False or 0, True, or a positive int) and ``zb_keep_recomputed``
+    against quantization and a split backward. See docs/design/rng-and-recompute.md."""
     split = schedule == "zb_h1" or (schedule is not None and (split_backward is True or split_backward == "drain"))
     if isinstance(value, bool) or value is None:
         ok = True
@@ -82,10 +60,8 @@ def hf_checkpointing_modules(model: nn.Module, layout) -> list:
 
 
 def block_lists(model: nn.Module, name: str | None = None) -> list[str]:
-    """Paths of the block lists to checkpoint without a pipeline: ``name`` (``pipeline_blocks=`` or the
-    plan's ``blocks``), else every outermost ``nn.ModuleList`` of two or more same-class modules with
-    trainable parameters (an encoder-decoder has two), else every outermost ``nn.Sequential`` or
-    ``nn.ModuleDict`` of such blocks (see pipeline.block_lists)."""
+    """Paths of the block lists to checkpoint without a pipeline: ``name``, else the outermost lists of
+    same-class blocks. See docs/design/rng-and-recompute.md."""
     if name is not None:  # one path, or an encoder-decoder's two
         return [find_blocks(model, n)[0] for n in ([name] if isinstance(name, str) else name)]
     found = _outermost_lists(model, others=False) or _outermost_lists(model, others=True)
@@ -98,7 +74,7 @@ def block_lists(model: nn.Module, name: str | None = None) -> list[str]:
 
 
 def _outermost_lists(model: nn.Module, others: bool) -> list[str]:
-    """Paths of the outermost block lists with trainable parameters (see pipeline.block_lists)."""
+    """Paths of the outermost block lists with trainable parameters (see pipeline.cut.block_lists)."""
     found = []
     for path, module in model.named_modules():
         if any(path.startswith(p + ".") for p in found):
@@ -140,10 +116,8 @@ def targets(model: nn.Module, n, layout=None, pp_rank: int = 0, name: str | None
 
 
 def apply(model: nn.Module, blocks: list[tuple[str, int]], split: bool = False) -> None:
-    """Wrap each listed block's forward in a non-reentrant checkpoint (plain forward without grad); a
-    block called piece by piece (``for attn, ff in self.layers``) has each piece checkpointed.
-    ``split``: the checkpoint of :mod:`.pipeline.zb_checkpoint` instead (``zb_keep_recomputed``),
-    whose recomputation in zero bubble's B serves its W too."""
+    """Wrap each listed block's forward in a non-reentrant checkpoint (``split``: the zero-bubble checkpoint
+    that keeps B's recomputation for W). See docs/design/rng-and-recompute.md."""
     for path, i in blocks:
         for _, block in called_parts(block_at(model.get_submodule(path), i)):
             _checkpoint(block, split)

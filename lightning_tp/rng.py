@@ -1,29 +1,6 @@
 """Random streams of the blocks under tp/pp: independent dropout masks where activations are split,
 one stream per stage, and a default generator your code alone moves.
-
-One process draws every dropout mask from one stream. Split over ranks that each keep drawing from
-their own default generator, seeded alike (Lightning seeds every rank with one seed), three things go
-wrong with no error: a tensor-parallel rank's heads (and, under sp, its sequence shard) get the same
-masks as the other ranks' (head h and head h + H/2 drop together); every pipeline stage draws its
-first block's masks from the same point of the same stream; and a stage's default generator moves by
-what its own blocks draw, so your code's own draws (tokens masked at random in ``training_step``,
-which every stage runs) part between stages after the first step.
-
-So this rank's blocks run with their own generator state swapped in, the *block stream*: seeded from
-the run's seed and the pipeline rank, the same on every tp rank, since replicated activations (a
-residual dropout after a row-parallel layer without sp) must draw alike; the default generator stays
-where your code left it. Where activations are split over tp (under sp the whole block; else from a
-column-parallel layer's output to the next row-parallel layer's input, Megatron's model-parallel
-region) masks come from a *shard stream* seeded by one draw of the block stream and the tp rank, as
-Megatron forks its tracker's stream.
-
-Recomputation must draw the forward's masks again. ``torch.utils.checkpoint`` saves and restores the
-default generators, which inside a block *are* the block stream: our activation checkpointing wraps
-the block's forward, inside these hooks; Hugging Face's checkpointing function is wrapped so the
-stream goes in around it; shard streams derive from it. A checkpoint of your own around a block's
-call would restore your default stream instead: a block it recomputes that draws random numbers
-is refused, naming it, rather than given other masks than its forward had.
-"""
+See docs/design/rng-and-recompute.md."""
 
 from __future__ import annotations
 
@@ -48,7 +25,7 @@ _BACKWARD = [0]  # depth of backward_pass(): a pipeline's backward actions
 
 class _BackwardPass:
     """Around a pipeline's backward actions (B, W): a block's forward in there is a recomputation, also
-    where ZB's weight half reads a saved tensor outside any autograd backward call (see pipeline.zb).
+    where ZB's weight half reads a saved tensor outside any autograd backward call (see pipeline.run.zb).
     A class, not a generator: it is entered on every gradient transfer's path."""
 
     def __enter__(self):
@@ -119,7 +96,7 @@ class _Frame:
 
 
 class BlockStreams:
-    """Hooks that run this rank's blocks on their own streams (see the module docstring)."""
+    """Hooks that run this rank's blocks on their own streams (see docs/design/rng-and-recompute.md)."""
 
     def __init__(self, seed: int, pp_rank: int, tp_rank: int, sp: bool, device: torch.device):
         self.gens = Generators(device)
@@ -138,10 +115,8 @@ class BlockStreams:
         return self  # a copy of the model (EMA, SWA) runs its blocks on the same streams
 
     def install(self, model: nn.Module, blocks: list, enters: list, leaves: list) -> None:
-        """``blocks``: (name, module) of this rank's blocks; ``enters``: (module, at_input) where a
-        tp-split region starts, at the output of a column-parallel layer that does not gather, or at
-        the input of head-parallel attention; ``leaves``: row-parallel layers, whose input ends one.
-        Every Hugging Face checkpointing function in ``model`` is wrapped (see :meth:`_around`)."""
+        """Hook the streams into this rank's ``blocks`` and the tp-split regions (``enters``, ``leaves``), and
+        wrap ``model``'s Hugging Face checkpointing functions. See docs/design/rng-and-recompute.md."""
         for name, block in blocks:
             block._lightning_tp_streams = self
             self.handles.append(block.register_forward_pre_hook(functools.partial(self._enter_block, name)))

@@ -1,25 +1,5 @@
 """One batch for every rank of a model copy: the first rank's, broadcast over the tp x pp group.
-
-Tensor- and pipeline-parallel ranks of one replica compute one model on one batch, so they must see
-the same samples. Their samplers agree (``distributed_sampler_kwargs`` uses the dp rank), but random
-work in the data pipeline need not: ``seed_everything(workers=True)`` seeds each loader worker with
-the *global* rank, a loader's base seed and in-process augmentation come from the default generator,
-and ``on_after_batch_transfer`` may draw on the device. Two ranks with different crops of a text
-would train on nothing anyone wrote, with no error. Megatron broadcasts each batch from tp rank 0
-for the same reason; here the source is the replica's first rank (tp 0 of the first stage), so a
-run whose data is random gets the batches global rank 0 would get alone.
-
-Cost per step: one 1-element broadcast giving the size of the batch's layout (structure, shapes,
-dtypes, non-tensor values) when it changed, else 0, the layout itself only when it did (pickled),
-both on the CPU (``cpu_group``: a gloo twin of the group on GPUs, so reading the size waits for no
-GPU work), and one broadcast per dtype of all its tensors packed together. The source only starts
-its broadcasts (``async_op``) and goes on with its step: under a pipeline it is the first stage,
-whose step boundary is on every stage's critical path (waiting for them cost ~4 ms a step on gloo
-here), while the receivers have nothing to do before their batch anyway. It waits for them at its
-next batch, by when every receiver has long taken them (each receives before its own step), and
-at the end (:meth:`finish`, from the strategy's teardown): gloo aborts a process that exits with
-a broadcast in flight.
-"""
+See docs/design/strategy.md."""
 
 from __future__ import annotations
 

@@ -50,58 +50,7 @@ def _step_args(args, kwargs, loop_batch_idx) -> tuple:
 class MegaStrategy(ParallelStrategy):
     """Tensor (tp), sequence (sp), pipeline (pp) and data parallelism for an unchanged LightningModule.
 
-    Args:
-        tp: tensor-parallel size (ranks that split each layer).
-        pp: pipeline-parallel size (stages of contiguous blocks).
-        sp: sequence parallelism inside the TP region (needs tp > 1).
-        microbatches: microbatches per batch under pp (default: pp); must divide the batch size (an
-            epoch's smaller last batch runs with the fewest microbatches, at least this many or one per
-            row, that divide it: see ``step_microbatches``).
-        schedule: ``"1f1b"``, ``"gpipe"``, ``"interleaved_1f1b"`` or ``"zb_h1"``.
-        virtual_stages: model chunks per rank for the interleaved schedule.
-        split_backward: split backwards of ``"1f1b"``, ``"gpipe"`` or ``"interleaved_1f1b"`` as ZB-H1
-            does and run each weight half at once: the stage input's gradient is computed and sent
-            first, then the weights'. Same order, same in-flight activations and the same gradients;
-            the gradient's path down the pipeline waits on input halves only, which shortens the
-            drain by about (pp - 1) weight halves. ``"drain"`` splits only the backwards after each
-            rank's last forward, where that pays (at most pp per rank and step under 1F1B); True
-            every backward; ``"auto"`` (default): ``"drain"`` under pp > 1, except with
-            ``activation_checkpointing`` (a split block's W recomputes its forward again) and in an
-            encoder-decoder pipeline (see ``resolve_split_backward``), else False. Each split costs a
-            graph walk and, for ops other than Linear and LayerNorm, a second backward call (see
-            ``pipeline/zb.py``). ``"zb_h1"`` always splits.
-        pipeline_blocks: path of the repeated block list, when the plan or the search cannot find it; an
-            encoder-decoder's two as a list (encoder, then decoder; nn.Transformer's plan names them).
-        stage_layers: blocks per (virtual) stage, instead of the parameter-balanced split.
-        activation_checkpointing: recompute each block's forward in its backward instead of keeping its
-            activations (``torch.utils.checkpoint``, non-reentrant): ``True`` for every block of the
-            model's block list (of each such list without a pipeline), an int ``n`` for the first n
-            blocks of each (virtual) stage (Megatron's ``recompute_method="block"``).
-        zb_keep_recomputed: under a split backward (``schedule="zb_h1"``, ``split_backward=True`` or ``"drain"``)
-            with activation checkpointing, recompute each block
-            once, in B, and keep that recomputation for its W (one forward less per block and
-            microbatch; between B and W a stage then holds the blocks' activations, as without
-            checkpointing), instead of recomputing again in W (only the blocks' inputs held).
-        p2p: how pipeline transfers go out: ``"eager"`` (isend at once, receives posted ahead; gloo),
-            ``"batched"`` (one ``batch_isend_irecv`` per time slot of the schedule, the same slot on
-            both sides of every transfer: what NCCL needs, where a send waits for its receive and a
-            rank's transfers run in issue order), ``"auto"`` (batched on NCCL).
-        quant: ``"int8"`` (W8A8) or ``"w4a8"``: quantization-aware training layers in place of the
-            (parallel) linears, each tensor-parallel result equal to the single-device QAT one.
-        quant_range: activation ranges of those layers: ``"ema"`` (default), ``"learned"`` or
-            ``"delayed"`` (folded once per optimizer step: a pipelined run then equals one device's,
-            where ``"ema"`` advances once per microbatch); see :mod:`lightning_tp.quant.fake_quant`.
-        load_full: a plain checkpoint (Lightning .ckpt, state_dict file or Hugging Face save_pretrained
-            directory) to start from: each rank loads its stage and its shard of it.
-        kernels: swap norms, GeLU and the loss for fused Triton modules (``True`` or a list of
-            :data:`lightning_tp.kernels.inject.KERNELS`); torch code with the same numbers off-GPU.
-        plan: ``"auto"`` (find a built-in plan by module class), or a :class:`lightning_tp.Plan`/dict.
-        sync_init: broadcast rank 0's initial weights before sharding, so unseeded models agree.
-        broadcast_batch: every tp/pp rank of a replica trains on its first rank's batch (one broadcast
-            per step), so random augmentation or per-rank loader seeds cannot split them; ``False``
-            trusts the loaders to agree.
-        start_method: ``"popen"`` (re-run the script, like DDP) or ``"spawn"``/``"fork"``.
-    """
+    Every option: docs/options.md; the former per-argument notes: docs/design/strategy.md."""
 
     strategy_name = "mega"
 
@@ -174,7 +123,7 @@ class MegaStrategy(ParallelStrategy):
     @property
     def step_microbatches(self) -> int:
         """Microbatches of the current (or last) step: ``microbatches``, except on a batch it does not
-        divide (an epoch's smaller last batch, see pipeline/microbatch.py); 1 without a pipeline.
+        divide (an epoch's smaller last batch, see pipeline/run/microbatch.py); 1 without a pipeline.
         A sum-reduced loss multiplied by it gives the whole batch's sum."""
         return self._runner.step_m if self._runner is not None else 1
 
