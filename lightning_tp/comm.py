@@ -1,19 +1,5 @@
-"""Collectives of the tensor-parallel region, each an autograd Function with its backward twin.
-
-Megatron's mappings, restated for batch-first activations:
-
-    copy_to_tp         fwd identity         bwd all-reduce      (enter TP region, input replicated)
-    reduce_from_tp     fwd all-reduce       bwd identity        (leave TP region, partial sums)
-    gather_from_tp     fwd all-gather(-1)   bwd split(-1)       (full output of a column layer)
-    scatter_to_tp      fwd split(-1)        bwd all-gather(-1)
-    scatter_to_sp      fwd split(seq)       bwd all-gather(seq) (enter the sequence-parallel region)
-    gather_from_sp     fwd all-gather(seq)  bwd reduce-scatter  (SP -> TP region, before column layers)
-    reduce_scatter_sp  fwd reduce-scatter   bwd all-gather      (TP -> SP region, after row layers)
-    gather_to_full_sp  fwd all-gather(seq)  bwd split(seq)      (leave SP, replicated consumer follows)
-
-Every collective goes through the four primitives below, which :func:`count_collectives` can
-record: that is how the tests count Megatron's "4 all-reduces per layer".
-"""
+"""Collectives of the tensor-parallel region, each an autograd Function with its backward twin (Megatron's
+mappings), all through primitives that :func:`count_collectives` can record. See docs/design/tensor-parallel.md."""
 
 from __future__ import annotations
 

@@ -1,14 +1,6 @@
 """Shared plumbing for the fused kernels: Triton availability, path choice, warnings, block sizes.
 
-Every op in this package has two implementations with the same numbers: a Triton kernel and a
-pure-torch path. The Triton path runs for CUDA tensors, or for CPU tensors when the process was
-started with ``TRITON_INTERPRET=1``. That variable is read once, at import time, because Triton
-itself decides at ``@triton.jit`` decoration time (also import time) whether kernels are compiled
-or interpreted; reading it later could pick a path whose kernels were never built for it.
-
-Anything the Triton kernels do not handle (a dtype, a shape, a missing Triton install) falls back
-to the torch path with one ``warnings.warn`` per op, never an error.
-"""
+See docs/design/kernels.md."""
 
 from __future__ import annotations
 
@@ -42,7 +34,7 @@ except ImportError:  # pragma: no cover - platforms without a Triton wheel
 
     triton = tl = _Stub()  # type: ignore[assignment]
 
-#: Read once; see the module docstring for why not at call time.
+#: Read once; see docs/design/kernels.md for why not at call time.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 #: Set by :func:`torch_path` (tests, debugging) to force the reference implementation.
@@ -79,11 +71,8 @@ def supported_dtypes(device: torch.device) -> tuple[torch.dtype, ...]:
 
 def use_triton(op: str, *tensors: Optional[torch.Tensor], max_cols: Optional[int] = None, cols: int = 0) -> bool:
     """Decide the path for one call. Silent torch path for plain CPU tensors; warn-once otherwise.
-
-    ``tensors`` are the floating inputs whose dtype the kernel must support; ``None`` entries are
-    skipped. ``max_cols`` bounds a single-block row length (``cols``) where the kernel keeps a
-    whole row in registers.
-    """
+    ``tensors``: the floating inputs whose dtype the kernel must support (``None`` skipped); ``max_cols``
+    bounds a single-block row length ``cols``. See docs/design/kernels.md."""
     if _FORCE_TORCH:
         return False
     present = [t for t in tensors if t is not None]

@@ -1,24 +1,5 @@
-"""Cross-entropy over a vocab-parallel logits shard, never materialising the softmax.
-
-``logits`` is (N, V_local): this rank's slice of the vocabulary starting at global id
-``vocab_start``; ``target`` holds global ids (identical on every rank of ``group``).
-
-Forward: a Triton program per row streams the shard in blocks keeping an online (max, sumexp)
-pair and picks out the target logit if it lives in this shard -> per-row (m, d, t). With a
-``group`` of more than one rank those are combined with two ``all_reduce`` calls (MAX of m, then
-SUM of the rescaled d and of t), giving the global ``lse = m + log d`` and ``loss = lse - t``.
-Only O(N) floats cross the wire; every rank ends with the same loss.
-
-Backward: a second kernel streams the shard again and writes ``(softmax - onehot) * g`` where
-``g`` is the upstream gradient (divided by the number of non-ignored rows for ``mean``, zero on
-ignored rows). By default the gradient goes to a new tensor; ``inplace_backward=True`` writes it
-into the saved ``logits`` storage instead (as Liger-Kernel does) to save an (N, V_local) buffer --
-only safe when nothing reads those logits after ``backward``.
-
-``chunk_tokens`` processes rows in chunks of that many tokens. On the Triton path it only bounds
-each launch; on the torch path it bounds the fp32 working copies (N x V_local x 4 bytes
-otherwise, 16 GiB for 32k tokens x 128k vocab).
-"""
+"""Cross-entropy over a vocab-parallel logits shard, never materialising the softmax (an online max and
+sum-exp per row; O(N) floats all-reduced). See docs/design/kernels.md."""
 
 from __future__ import annotations
 
@@ -157,12 +138,8 @@ class CrossEntropyFunction(torch.autograd.Function):
 def fused_cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
                         reduction: str = "mean", vocab_start: int = 0, group=None,
                         chunk_tokens: Optional[int] = None, *, inplace_backward: bool = False) -> torch.Tensor:
-    """Cross-entropy of (N, V_local) logits against global-id targets; see the module doc.
-
-    With ``group=None`` (or a 1-rank group) this equals ``F.cross_entropy(logits, target,
-    ignore_index=ignore_index, reduction=reduction)``. ``logits`` may also be (..., V) with
-    ``target`` (...); ``reduction="none"`` then returns ``target.shape``.
-    """
+    """Cross-entropy of (N, V_local) logits (or (..., V)) against global-id targets; with ``group=None``
+    equal to ``F.cross_entropy``. See docs/design/kernels.md."""
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
     out_shape = target.shape

@@ -1,17 +1,5 @@
-"""Fused ``residual + dropout(x + bias, p)``: the end of every attention/MLP block in one pass.
-
-Why fused: eager code writes ``x + bias``, then a dropout output plus a stored mask, then the sum.
-Here the keep-mask comes from a counter-based Philox stream: element ``i`` keeps iff
-``philox_uniform(seed, offset + i) >= p``. Nothing is stored for backward -- the mask is
-regenerated from ``(seed, offset)``. The same ``(seed, offset)`` always gives the same mask, on
-the Triton path and on the torch path alike (the torch path reimplements Triton's ``tl.rand``:
-Philox4x32-10, first output word, same uint->float mapping), so CPU and GPU runs agree.
-
-For tensor parallelism, pass the seed explicitly: equal seeds on ranks that hold replicas of the
-same activation (sequence-parallel regions excepted), different seeds where shards must differ.
-When ``seed`` is None one is drawn from torch's default CPU generator (``torch.manual_seed``
-makes it reproducible).
-"""
+"""Fused ``residual + dropout(x + bias, p)`` with a Philox keep-mask regenerated from ``(seed, offset)``
+(nothing stored for backward; the same mask on the Triton and torch paths). See docs/design/kernels.md."""
 
 from __future__ import annotations
 
@@ -110,7 +98,7 @@ class BiasDropoutAddFunction(torch.autograd.Function):
 
 def bias_dropout_add(x: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor, p: float,
                      training: bool = True, seed: Optional[int] = None, offset: int = 0) -> torch.Tensor:
-    """``residual + dropout(x + bias, p)`` with a ``(seed, offset)`` Philox mask; see the module doc.
+    """``residual + dropout(x + bias, p)`` with a ``(seed, offset)`` Philox mask; see docs/design/kernels.md.
 
     ``training=False`` (or ``p=0``) gives ``x + bias + residual`` (fp32 math, one cast).
     """

@@ -1,15 +1,5 @@
-"""Fused ``gelu(x + bias)``: the MLP up-projection's bias add and activation in one elementwise pass.
-
-Why: a column-parallel Linear is run without its bias (``skip_bias_add``) so the bias can be folded
-in here, saving a full read+write of the (tokens, 4*hidden) activation. Backward recomputes
-``x + bias`` from the saved input instead of storing the pre-activation.
-
-Both GeLU flavours run in Triton:
-  * ``approximate="tanh"``: ``tanh(u)`` is written ``2*sigmoid(2u) - 1`` (libdevice's tanh is
-    unavailable in the Triton interpreter), so ``gelu = z * sigmoid(2u)``.
-  * ``approximate="none"`` (exact): uses ``tl.erf``, a core Triton op (not libdevice) that works
-    both compiled and interpreted.
-"""
+"""Fused ``gelu(x + bias)`` (tanh or exact): the MLP up-projection's bias add and activation in one
+elementwise pass. See docs/design/kernels.md."""
 
 from __future__ import annotations
 

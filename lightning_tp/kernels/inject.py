@@ -1,9 +1,5 @@
-"""Swap the user's norm, activation and loss modules for the fused ones (``MegaStrategy(kernels=...)``).
-
-Each fused module takes over the original's Parameter objects, so optimizers, state-dict keys and
-the tensor-parallel tags on those parameters are unchanged. Without CUDA the fused modules run
-their torch twins, so a CPU run gives the same numbers as before.
-"""
+"""Swap the user's norm, activation and loss modules for the fused ones (``MegaStrategy(kernels=...)``),
+keeping the original Parameter objects. See docs/design/kernels.md."""
 
 from __future__ import annotations
 

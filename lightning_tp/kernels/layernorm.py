@@ -1,10 +1,5 @@
 """Fused LayerNorm over the last dim: one Triton program per row forward, few programs backward.
-
-Why fused: eager LayerNorm backward launches several kernels and re-reads ``x``; here the forward
-stores only per-row ``mean``/``rstd`` (fp32) and the backward recomputes ``x_hat`` from them in
-one pass, accumulating per-program partial ``dweight``/``dbias`` rows that torch sums at the end.
-All math is fp32; the output is cast once to the input dtype.
-"""
+See docs/design/kernels.md."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
 """Fused RMSNorm over the last dim (Llama/T5 style: no mean subtraction, no bias).
-
-Forward stores per-row ``rstd`` (fp32) only; backward recomputes ``x_hat = x * rstd`` and writes
-``dx`` plus per-program partial ``dweight`` rows that torch sums. Math is fp32 with one cast at the
-end (HF's LlamaRMSNorm casts before the weight multiply; the difference is a rounding step in fp16).
-"""
+See docs/design/kernels.md."""
 
 from __future__ import annotations
 

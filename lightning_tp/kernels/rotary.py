@@ -1,14 +1,5 @@
-"""Rotary position embedding, "both halves" style (GPT-NeoX / Llama ``rotate_half``).
-
-``y = x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = cat(-x2, x1)`` over the head dim D.
-The kernel's native layout is **(B, T, H, D)**: one program per token rotates all H heads with a
-single load of that token's cos/sin row. Inputs in (B, H, T, D) (HF's layout) are handled by a
-transpose in the wrapper (``layout="bhtd"``), returned in the same layout.
-
-``cos``/``sin`` are (T, D), (1, T, D) or (B, T, D) -- HF's ``cat(freqs, freqs)`` form. Backward is
-the transpose of the rotation (rotation by -theta): ``dx1 = dy1*cos1 + dy2*sin2``,
-``dx2 = dy2*cos2 - dy1*sin1``. cos/sin get no gradient.
-"""
+"""Rotary position embedding, "both halves" style (GPT-NeoX / Llama ``rotate_half``), on (B, T, H, D)
+or, with ``layout="bhtd"``, (B, H, T, D) inputs. See docs/design/kernels.md."""
 
 from __future__ import annotations
 

@@ -1,18 +1,5 @@
-"""Scaled, masked softmax over the last dim of attention scores ``(..., Tq, Tk)``.
-
-For models that compute attention by hand (``q @ k.T`` then softmax): scaling, the causal mask, the
-padding mask and the softmax happen in one pass instead of three or four eager kernels.
-
-Masks:
-  * ``causal=True`` keeps key ``j`` for query ``i`` iff ``j <= i + (Tk - Tq)`` -- aligned to the
-    bottom-right corner, so a decode step (Tq < Tk, queries are the last positions) sees the whole
-    cache. For square scores this is the usual lower triangle.
-  * ``key_mask`` is a **boolean** (B, Tk) tensor, ``True = keep`` (HF's ``attention_mask == 1``);
-    ``scores`` must then have B as its first dim. Additive float masks are not taken: add them to
-    the scores before calling.
-Rows with no kept key (e.g. all padding) produce zeros, not NaN, and zero gradient.
-Backward: ``dx = scale * y * (dy - sum(dy * y))`` from the saved output ``y``.
-"""
+"""Scaled, masked (causal and/or boolean key mask) softmax over the last dim of attention scores
+``(..., Tq, Tk)``, in one pass. See docs/design/kernels.md."""
 
 from __future__ import annotations
 
@@ -120,7 +107,7 @@ def _softmax_torch(x, scale, causal, key_mask):
 
 def fused_softmax(scores: torch.Tensor, scale: float = 1.0, causal: bool = False,
                   key_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``softmax(scale * scores)`` with optional causal and boolean key (padding) masks; see module doc."""
+    """``softmax(scale * scores)`` with optional causal and boolean key (padding) masks; see docs/design/kernels.md."""
     if scores.dim() < 2:
         raise ValueError("fused_softmax expects scores of shape (..., Tq, Tk)")
     if key_mask is not None:

@@ -1,9 +1,5 @@
-"""A tensor-parallel stand-in for ``nn.MultiheadAttention`` that takes over its weights.
-
-Heads are split over tp: the fused ``in_proj_weight`` is cut per q/k/v block (ShardSpec chunks=3),
-``out_proj`` becomes row-parallel. Same call signature and return value as nn.MultiheadAttention,
-so ``nn.TransformerEncoderLayer`` and user code keep calling it unchanged.
-"""
+"""A tensor-parallel stand-in for ``nn.MultiheadAttention`` that takes over its weights: heads split
+over tp, same call signature and return value. See docs/design/tensor-parallel.md."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Cross-entropy over vocab-sharded logits: the loss never needs the full (tokens x vocab) logits
-(only the logits a model returns to the user's code are gathered, see plans.apply._whole_logits).
-
-Per row: one all-reduce (MAX) for the stable max, one all-reduce (SUM) of the stacked
-(sum of exp, logit of the target); the gradient softmax - onehot is computed locally.
-"""
+"""Cross-entropy over vocab-sharded logits, never needing the full (tokens x vocab) logits.
+See docs/design/tensor-parallel.md."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
 """Vocab-parallel embedding: each rank holds a contiguous slice of the vocabulary.
-
-Tokens outside this rank's slice look up row 0 and are zeroed; one all-reduce sums the slices. A
-vocabulary that tp does not divide is padded with zero rows (never looked up, trimmed on export).
-"""
+See docs/design/tensor-parallel.md."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""Column- and row-parallel linear layers built from the user's own ``nn.Linear``.
-
-Both keep the parameter names ``weight`` and ``bias`` so state-dict keys stay those of the user's
-model; each parameter carries a :class:`ShardSpec` that says how to rebuild the full tensor.
-"""
+"""Column- and row-parallel linear layers built from the user's own ``nn.Linear``, keeping its
+parameter names. See docs/design/tensor-parallel.md."""
 
 from __future__ import annotations
 
@@ -34,7 +31,7 @@ class TPContext:
     seq_len: int = 0  # the whole sequence's length, as SP last started (see plans.apply._whole_outputs)
     sp_fallback: bool = True  # without grad, a length tp does not divide runs without SP (not under pp)
     whole: bool = False  # this forward runs without SP (such a length, see plans.apply._install_sp_boundaries)
-    here: object = None  # an encoder-decoder under pp: path -> whether it runs for real now (see pipeline.sp_stages)
+    here: object = None  # an encoder-decoder under pp: path -> whether it runs for real now (see tp_in_pp.sp_stages)
 
     def sp_now(self) -> bool:
         """SP for this call: configured, unless a forward without grad runs whole (a recomputation in a
@@ -85,14 +82,9 @@ def shard_param(p: Optional[nn.Parameter], spec: ShardSpec, ctx: TPContext, memo
 
 
 class ColumnParallelLinear(nn.Module):
-    """y = x W^T + b with W split by output rows: this rank computes out_features/tp outputs.
-
-    ``input_comm``: enter the TP region here (copy, or all-gather under SP); False when a module
-    further out already did (one entry for q, k and v, Megatron's single all-reduce).
-    ``gather_output``: all-gather the outputs (and drop vocab padding) for a replicated consumer;
-    ``"eval"`` gathers only outside training (an LM head whose training loss is vocab-parallel, but
-    whose logits validate/predict should see whole).
-    """
+    """y = x W^T + b with W split by output rows: this rank computes out_features/tp outputs. ``input_comm``:
+    enter the TP region here; ``gather_output``: all-gather the outputs (``"eval"``: outside training
+    only). See docs/design/tensor-parallel.md."""
 
     def __init__(self, weight, bias, ctx: TPContext, full_out: int, input_comm=True, gather_output=False,
                  transposed=False):

@@ -1,16 +1,5 @@
-"""How a local parameter relates to the user's full one, so it can be cut now and rebuilt later.
-
-A full tensor is viewed as pieces along ``dim``: ``chunks`` equal ones (3 for a fused q/k/v weight,
-1 otherwise) or ``sections`` of given sizes (a grouped-query q/k/v: q bigger than k and v); each
-piece is padded to ``padded`` rows in total, then cut into ``world`` contiguous slices. Rank r
-keeps slice r of every piece, concatenated. :func:`unshard` is the exact inverse,
-which is what :func:`lightning_tp.consolidate` relies on.
-
-A piece with ``replicas[i] = k > 1`` (key/value heads when tp exceeds their number, as in
-Megatron) is cut into only ``world / k`` slices, and k consecutive ranks hold the same one:
-rank r keeps slice ``r // k``. Its gradient must then be summed over those k ranks
-(:mod:`lightning_tp.grads`), and unshard takes each slice once.
-"""
+"""How a local parameter relates to the user's full one (:class:`ShardSpec`), so it can be cut now and
+rebuilt exactly later (:func:`unshard`). See docs/design/tensor-parallel.md."""
 
 from __future__ import annotations
 
