@@ -1,9 +1,5 @@
 """Find the plans for a model, check them (no communication), then swap in the parallel layers.
-
-Two phases on purpose: :func:`resolve` raises every configuration error on every rank before any
-collective runs (all ranks hold the same model, so all raise the same error and none hangs);
-:func:`apply` then replaces modules, sharding the user's initialized weights.
-"""
+See docs/design/plans.md."""
 
 from __future__ import annotations
 
@@ -247,12 +243,8 @@ def apply(model: nn.Module, matches: list, group, tp: int, rank: int, sp: bool) 
 
 
 def _whole_outputs(ctx: TPContext):
-    """A forward hook for a module returning Hugging Face's outputs: the hidden states it collects
-    (``output_hidden_states=True``) are gathered where they are sequence shards (inside SP; after
-    an ``sp_end`` they are whole), the attention maps (``output_attentions=True``; a decoder's
-    ``cross_attentions`` too) over heads. The model's own use (``last_hidden_state`` into its head)
-    keeps the shards. Backward takes this rank's part. An encoder-decoder's stack runs it as it
-    returns, when ``ctx.seq_len`` is still its own sequence's."""
+    """A forward hook gathering the hidden states and attention maps a module returning Hugging Face's
+    outputs collects, so the user's code sees them whole. See docs/design/plans.md."""
     def hook(module, args, output):
         hidden = getattr(output, "hidden_states", None)
         if hidden is not None and ctx.sp_now():  # shards: 1/tp of the length SP started with
@@ -270,12 +262,8 @@ def _whole_outputs(ctx: TPContext):
 
 
 def _whole_logits(head_path: str):
-    """A forward hook for the module a plan with 'vocab_ce' covers. In training its LM head gives this
-    rank's vocabulary columns, which the vocab-parallel loss inside the model reads; logits the model
-    returns to the user's code (for an accuracy, or a loss of their own) are gathered whole, as one
-    process returns them (one all-gather of the logits a step, tokens x vocab held whole for a while:
-    the option ``return_shards`` leaves it out; its backward takes this rank's slice).
-    The head is looked up when the hook runs: QAT may have replaced it since."""
+    """A forward hook gathering the logits a 'vocab_ce' model returns to the user's code (its loss reads
+    this rank's columns). See docs/design/plans.md."""
     def hook(module, args, output):
         head = module.get_submodule(head_path)
         ref = head.__dict__.get("_shards")
@@ -364,10 +352,8 @@ def _region_hook(fn, module, names, named_fn=None):
 
 
 def _install_sp_boundaries(model, m: Match, ctx: TPContext) -> None:
-    """SP begins at ``sp_start`` (the sequence is split) and ends at ``sp_end`` (gathered). Decided per
-    forward: a sequence tp does not divide runs without SP where no gradient is taken (validation on
-    another length, generation token by token: the same numbers, the activations whole), and is
-    refused in training, where every rank needs an equal shard."""
+    """SP begins at ``sp_start`` (the sequence is split) and ends at ``sp_end`` (gathered), decided per
+    forward. See docs/design/plans.md."""
     def enter(x, path):
         if ctx.here is not None and not ctx.here(path):  # a stand-in for another stage's block: whole
             return x

@@ -1,9 +1,5 @@
-"""A plan says, for one model family, which module gets which parallel style.
-
-Paths are dotted globs relative to the module the plan is applied to; each dot-separated segment
-is matched with fnmatch (``transformer.h.*.attn.q_proj``). A plan is plain data, so a user can
-write one in Python or in LightningCLI YAML.
-"""
+"""A plan says, for one model family, which module gets which parallel style (plain data; paths are
+dotted fnmatch globs). See docs/design/plans.md."""
 
 from __future__ import annotations
 
@@ -79,29 +75,8 @@ def split_style(value) -> tuple:
 
 @dataclass
 class Plan:
-    """How to parallelize one model family.
-
-    styles:   glob -> style (see STYLES), or {"style": ..., **options} (see STYLE_OPTIONS);
-              the first matching glob wins.
-    attrs:    glob -> {attribute: rule}: attributes the model's forward reads that must become
-              per-rank values, e.g. ``{"transformer.h.*.attn": {"n_head": "divide"}}``. A dotted
-              attribute (``"config.n_head"``) divides a per-module copy of the object it sits on,
-              so a config shared by the whole model is left alone.
-    sp_start: glob; the first matching module's input is split along the sequence (SP begins). A
-              tuple of globs splits several sequences, one each (an encoder-decoder's source and target
-              where each stack's blocks begin).
-    sp_end:   glob; the last matching module's output is gathered (SP ends), if a replicated
-              consumer follows. Unneeded when an 'lm_head' gathers its input itself. A tuple of
-              globs ends several sequences (nn.Transformer's encoder and decoder).
-    seq_dim:  the sequence dimension of activations (1 for batch-first).
-    blocks:   the repeated block list (for pipeline parallelism); an encoder-decoder's two as a tuple.
-    outputs:  a module returning Hugging Face's outputs: its ``hidden_states`` (sequence shards under
-              SP), ``attentions`` and ``cross_attentions`` (this rank's heads) reach the user's code
-              whole; or a tuple of such modules (an encoder-decoder's two stacks).
-    pipeline: False where the family cannot be cut into stages.
-    targets:  class names this plan is found by under ``plan="auto"``.
-    requires: submodule paths that must exist for an auto match (tells same-named classes apart).
-    """
+    """How to parallelize one model family: ``styles``, ``attrs``, ``sp_start``, ``sp_end``, ``seq_dim``,
+    ``blocks``, ``outputs``, ``pipeline``, ``targets``, ``requires``. Each field: docs/design/plans.md."""
 
     name: str
     styles: dict = field(default_factory=dict)

@@ -1,17 +1,5 @@
 """Plan for Hugging Face Falcon (``FalconForCausalLM``), whose config carries no tensor-parallel plan.
-
-Its attention fuses q, k and v into one ``query_key_value`` Linear, in one of three layouts, which
-decides how the weight is cut so that each rank's slice still reads as Falcon's own layout with
-fewer heads (``_split_heads`` views it by the per-rank ``num_heads``, ``num_kv_heads``):
-  * new decoder architecture (Falcon-40B/180B): per key/value group, its query heads, then k, v;
-    cut by whole groups (tp divides ``num_kv_heads``);
-  * multi-query (Falcon-7B): all query heads, then one k and one v head; the queries are cut by
-    heads, k and v copied to every rank (their gradients summed over tp, as for Megatron's copied
-    key/value heads);
-  * neither (one k and v per query head): per head q, k, v; cut by heads.
-ALiBi variants (Falcon-RW) are refused: their biases are built for every head outside the attention.
-Norms are ``sp_norm`` (sequence parallelism starts at the blocks); the head gathers the logits.
-"""
+See docs/design/plans.md."""
 
 from __future__ import annotations
 

@@ -1,13 +1,5 @@
-"""Plans for Hugging Face transformers models.
-
-Families whose config carries ``base_model_tp_plan`` (Llama, Mistral, Qwen2 and the others that
-share Llama's layout) get a plan built from it, not a hand-written copy: their "colwise" layers
-that read the same input (q/k/v; gate/up) become one TP region with a single entry, "rowwise"
-stays rowwise, and the embedding, norms and LM head are added. With more tp ranks than key/value
-heads, k_proj/v_proj heads are copied (Megatron-style) and ``num_key_value_groups`` is set per rank.
-GPT-2 and OPT have no such plan; GPT-2's hand-written one shards the fused c_attn per q/k/v block,
-OPT's is Llama's layout with BART-style names (q/k/v/out_proj, fc1/fc2).
-"""
+"""Plans for Hugging Face transformers models: built from a config's ``base_model_tp_plan``, or
+hand-written (GPT-2, OPT). See docs/design/plans.md."""
 
 from __future__ import annotations
 

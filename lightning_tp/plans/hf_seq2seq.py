@@ -1,28 +1,5 @@
-"""Plans for Hugging Face encoder-decoders, built from the model's own layers.
-
-Two layouts cover the families: BART's (BART, mBART, Marian, Pegasus, Whisper, ...: attention
-``q_proj``/``k_proj``/``v_proj``/``out_proj``, MLP ``fc1``/``fc2``, cross-attention ``encoder_attn``)
-and T5's (``q``/``k``/``v``/``o``, ``wi``/``wo`` or gated ``wi_0``/``wi_1``/``wo``, and a per-head
-``relative_attention_bias`` embedding in the first block of each stack). Found by plan="auto" on a
-model whose config says ``is_encoder_decoder`` and whose two block lists have one of these layouts.
-
-Self-attention enters the TP region once for q/k/v (style 'region'); cross-attention's query reads
-the decoder's hidden states and its key and value the encoder's output, so its region is entered by
-both (option ``inputs``: ``key_value_states``), one backward all-reduce each, as Megatron's
-cross-attention does with its query and fused key-value projections. The token embeddings are vocab-parallel (BART ties three embedding modules and
-the head to one weight: it is sharded once), the head gathers the logits for the model's own loss.
-
-Sequence parallelism splits each sequence where its stack's blocks begin (``sp_start``, one per
-stack) and gathers the encoder's output where the encoder ends (``sp_end``; its final norm runs on
-the shards), so the encoder's output reaches the decoder and the user's code whole, and enters each
-cross-attention's region by copy (option ``whole_inputs``). T5's decoder reads the source length
-off that output before its blocks (its default cross-attention mask), which shards would get wrong.
-The decoder's shards reach the head, which gathers them. Norms inside the blocks and after them
-are 'sp_norm'; one before them (BART's ``layernorm_embedding``) stays replicated. What each stack
-returns on request (``output_hidden_states``, ``output_attentions``: its hidden states, attention
-maps and cross-attention maps) reaches the user's code whole, with or without SP. Under pp see
-pipeline/sp_stages.py.
-"""
+"""Plans for Hugging Face encoder-decoders (BART's and T5's layouts), built from the model's own layers.
+See docs/design/plans.md."""
 
 from __future__ import annotations
 

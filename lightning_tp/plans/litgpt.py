@@ -1,7 +1,4 @@
-"""Plan for litgpt's ``GPT``: fused qkv laid out as [q | k | v] with grouped queries, so the
-split uses the section sizes read from the model's config; the head counts the attention reads
-from its (shared) config are divided on a per-module copy. With more tp ranks than query groups,
-each k/v head is copied to tp // n_query_groups ranks and the copy's n_query_groups is 1."""
+"""Plan for litgpt's ``GPT`` (fused [q | k | v] with grouped queries). See docs/design/plans.md."""
 
 from __future__ import annotations
 

@@ -1,18 +1,5 @@
-"""Quantization-aware training (int8 / w4a8) for plain and tensor-parallel models.
-
-    apply_qat(model, "int8")        # swap Linear / Column- / RowParallelLinear for QAT twins, in place
-    calibrate(model, batches)       # PTQ: set activation ranges from a few batches, no training
-    ... train (or fine-tune) as usual: fake quant + straight-through gradients ...
-    convert(model)                  # true int8 inference layers (int8 GEMM, int32 accumulation)
-
-Why QAT (LightSeq's argument): post-training quantization fixes ranges on a model that never saw
-the rounding noise; at 8 bits that costs little, at 4-bit weights it costs a lot. Fine-tuning with
-the quantizers in the forward lets the weights move to where rounding hurts least, closing most of
-the gap at the price of a few hundred steps. See ``bench/qat.py`` for measured numbers.
-
-Under :class:`~lightning_tp.MegaStrategy`, call :func:`apply_qat` after the tensor-parallel layers
-were swapped in (it wraps them, reusing their TP contexts), before optimizers are built.
-"""
+"""Quantization-aware training (int8 / w4a8) for plain and tensor-parallel models: :func:`apply_qat`,
+:func:`calibrate`, then :func:`convert` to int8 inference layers. See docs/design/quant.md."""
 
 from __future__ import annotations
 
@@ -55,18 +42,9 @@ def _set(model: nn.Module, path: str, new: nn.Module) -> None:
 
 def apply_qat(module: nn.Module, mode: str = "int8", tp_group=None, dp_group=None, *, act_range: str = "ema",
               skip_lm_head: bool = True, skip: Iterable[str] = (), momentum: float = 0.95) -> dict:
-    """Swap every ``nn.Linear`` / ``ColumnParallelLinear`` / ``RowParallelLinear`` for its QAT twin,
-    in place, keeping the same Parameter objects. Returns ``{path: new module}``.
-
-    mode: ``"int8"`` (W8A8) or ``"w4a8"`` (int4 weights, int8 activations).
-    tp_group: for plain Linears that may see sequence-sharded inputs (their absmax is MAX-reduced);
-    parallel layers use their own TP context. dp_group: keeps activation ranges identical across
-    data-parallel replicas (MAX of the replicas' batch absmax, i.e. the global batch's).
-    act_range: ``"ema"`` (default), ``"learned"`` or ``"delayed"``; see :mod:`.fake_quant` for why.
-    skip_lm_head: keep the output projection in full precision (leaf names in ``LM_HEAD_NAMES``, a
-    weight tied to an embedding, or a column-parallel layer that gathers its output); embeddings are
-    never touched. skip: further module paths (exact, or a prefix followed by ``.``) to leave alone.
-    """
+    """Swap every ``nn.Linear`` / ``ColumnParallelLinear`` / ``RowParallelLinear`` for its QAT twin, in
+    place, keeping the same Parameter objects. Returns ``{path: new module}``.
+    Arguments: docs/design/quant.md."""
     w_bits, a_bits = bits_of(mode)
     if act_range not in RANGE_MODES:
         raise ValueError(f"unknown activation range mode {act_range!r}; choose one of {list(RANGE_MODES)}.")
@@ -101,11 +79,9 @@ def quantizers(module: nn.Module) -> list:
 
 @torch.no_grad()
 def calibrate(module: nn.Module, batches: Iterable, forward: Optional[Callable] = None) -> int:
-    """PTQ: run ``forward(module, batch)`` (default: ``module(batch[0])`` for a tuple/list batch, else
-    ``module(batch)``) in eval mode with every quantizer observe-only: weights and activations stay
-    fp32 and each activation range becomes the mean of the batches' absmax. No parameter changes.
-    Returns the number of batches seen. Call it on every rank of a parallel run (it communicates).
-    """
+    """PTQ: set each activation range to the mean absmax of ``forward(module, batch)`` over ``batches`` (eval,
+    no parameter changes); returns the number of batches. Call it on every rank (it communicates).
+    See docs/design/quant.md."""
     qs = quantizers(module)
     if not qs:
         raise ValueError("calibrate() found no QAT layers: call apply_qat(model, mode) first.")

@@ -1,41 +1,5 @@
-"""Symmetric fake quantization with straight-through gradients (the QAT building blocks).
-
-Grid: narrow-range symmetric integers ``[-qmax, qmax]`` with ``qmax = 2**(bits-1) - 1`` (127 for
-int8, 7 for int4). Zero is exact and the grid is symmetric, so an int8 GEMM needs no zero-point
-correction terms, which is what makes the converted layers a plain ``int8 x int8 -> int32`` matmul.
-
-* Weights: one scale per output row, ``absmax(row) / qmax``. Rows never clip (the scale comes from
-  the row's own max), so the straight-through estimator passes the gradient unchanged.
-* Activations: one scale per tensor from a clip range ``amax``. Two ways to get it:
-
-  - ``"ema"`` (default): an exponential moving average of the batch absmax, a buffer updated in
-    training and frozen in eval. Why default: no extra hyper-parameters or learning-rate coupling,
-    it starts from the calibrated PTQ range, it needs only a scalar MAX all-reduce to stay identical
-    across tensor-parallel ranks, and at 8 bits (our activations are always 8-bit) clipping
-    outliers buys little. Caveat: under pipeline microbatching it advances once per microbatch.
-  - ``"delayed"``: the EMA, but folded once per optimizer step with the MAX of the step's batch
-    absmax (every microbatch's, every accumulated batch's), and the forward uses the range as of
-    the last step (as Transformer Engine's delayed scaling does). Why: under pipeline microbatching
-    the ``"ema"`` range advances once per microbatch, here once per step, so a pipelined run equals
-    the single-device one. Until the first fold (no calibrated or loaded range yet) activations pass
-    unquantized. A quantizer folds after a successful ``step()`` of the optimizer that holds its
-    layer's weight (any optimizer's, for a frozen weight or a bare quantizer); an AMP-skipped step
-    folds nothing, and a loop that never calls ``step()`` never sets the range. Each rank records
-    its local absmax and the MAX over tp/dp ranks is taken at the fold, one all-reduce per group
-    for all quantizers of a step instead of one per quantizer per microbatch; so every rank of a
-    tp/dp group must step the same optimizers (as Lightning's loop does). A non-finite value counts
-    as 0 on the rank that saw it (the other ranks' absmax still counts).
-  - ``"learned"``: an LSQ-style trainable clip ``alpha`` (scale ``alpha / qmax``), initialized from
-    the first batch (or from :func:`lightning_tp.quant.calibrate`). Worth it when activations are
-    narrow (<= 6 bits) or heavy-tailed. Its gradient is a sum over activation elements, so under
-    tensor parallelism each rank holds a partial sum: the backward all-reduces it (SUM) over tp.
-    Keep it out of weight decay (AdamW would shrink the range).
-
-STE for activations: the gradient passes where ``round(x / s)`` is on the grid (``|x|`` up to
-``amax`` plus half a step) and is zero where the value was clipped. The arithmetic is
-``x * (1 / s)`` rounded half to even, as in PyTorch's fused fake-quant ops (which run the common
-cases in one pass) and in the int8 layers, so fake-quant and int8 codes agree exactly.
-"""
+"""Symmetric fake quantization with straight-through gradients (the QAT building blocks): per-row weight
+scales, per-tensor activation ranges ("ema", "delayed", "learned"). See docs/design/quant.md."""
 
 from __future__ import annotations
 
@@ -72,11 +36,8 @@ def _fold_delayed(optimizer, *_) -> None:
 
 
 def _reduce_pending(quantizers: list) -> None:
-    """The MAX over ranks of what each quantizer recorded locally this step: for all of them at once,
-    one all-reduce per group (tp for sharded activations, dp), not one per quantizer per
-    microbatch. Needs every rank of those groups to run the same optimizer steps and to record the
-    same quantizers in the same (forward) order, as SPMD training does; an fp16 step skipped for
-    overflow is skipped on all of them (see grads.agree_on_overflow)."""
+    """The MAX over ranks of what each quantizer recorded locally this step, for all of them at once: one
+    all-reduce per group (tp, dp). See docs/design/quant.md."""
     by_groups: dict = {}
     for q in quantizers:
         by_groups.setdefault(q.range_groups(), []).append(q)
@@ -114,14 +75,8 @@ def weight_scale(w: torch.Tensor, bits: int, group=None) -> torch.Tensor:
 
 
 def fake_quant(x: torch.Tensor, scale: torch.Tensor, qmax: int) -> torch.Tensor:
-    """``quantize(x) * scale`` with a 0-d (per-tensor) or (out,) (per-row) ``scale``, via PyTorch's fused
-    ops: one pass forward, and a backward that passes the gradient where ``round(x / s)`` lies in
-    ``[-qmax, qmax]`` and zeroes it where the value was clipped (STE). A weight is never clipped (its
-    scale is its own row absmax), so its gradient passes whole. The scale gets no gradient.
-
-    16-bit inputs are quantized in fp32 (bf16's 8-bit mantissa cannot hold ``x / s`` precisely
-    enough to pick the right code; int8 inference rounds in fp32 too) and cast back.
-    """
+    """``quantize(x) * scale`` with a 0-d (per-tensor) or (out,) (per-row) ``scale`` and a straight-through
+    gradient, via PyTorch's fused ops. See docs/design/quant.md."""
     xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
     s = scale.detach().float()
     zero = torch.zeros(s.shape, dtype=torch.int32, device=x.device)
@@ -144,13 +99,8 @@ def fake_quant_weight_with_scale(w: torch.Tensor, bits: int, group=None):
 
 
 class _LSQ(torch.autograd.Function):
-    """Fake quant with a learned clip ``alpha`` (scale alpha / Q), LSQ gradient for alpha:
-
-        dq/dalpha = (round(x/s) - x/s) / Q  inside the range,  sign(x)  outside,
-
-    times ``grad_scale`` (LSQ's 1/sqrt(numel * Q), which keeps alpha's step comparable to the
-    weights'), summed over elements, then SUM all-reduced over ``group`` (partial sums under tp).
-    """
+    """Fake quant with a learned clip ``alpha`` (scale alpha / Q) and LSQ's gradient for alpha, SUM
+    all-reduced over ``group``. See docs/design/quant.md."""
 
     @staticmethod
     def forward(ctx, x, alpha, qmax, grad_scale, group):
@@ -172,17 +122,8 @@ class _LSQ(torch.autograd.Function):
 
 
 class ActQuantizer(nn.Module):
-    """Per-tensor activation fake quant with an EMA, delayed or learned clip range (see the module docstring).
-
-    ``tp_ctx``: an object with a ``.group`` attribute (the layer's TPContext), read at call time so a
-    strategy that re-binds groups is followed. ``sharded``: this activation is split over tp (a
-    row-parallel input, or a replicated Linear under SP), so its absmax is MAX all-reduced over tp.
-    ``partial_grad``: the learned clip's gradient is a per-rank partial sum (any tp-parallel layer).
-    ``dp_group``: data-parallel replicas see different batches; their EMA is taken over the MAX of
-    all of them, which keeps replicas identical and equals the single-device global-batch absmax.
-
-    ``observing`` (set by :func:`~lightning_tp.quant.calibrate`): record the range, pass x unchanged.
-    """
+    """Per-tensor activation fake quant with an EMA, delayed or learned clip range.
+    Arguments (``tp_ctx``, ``sharded``, ``partial_grad``, ``dp_group``; ``observing``): docs/design/quant.md."""
 
     def __init__(self, bits: int = 8, range_mode: str = "ema", momentum: float = 0.95, tp_ctx=None,
                  sharded: bool = False, partial_grad: bool = False, dp_group=None):
@@ -254,10 +195,8 @@ class ActQuantizer(nn.Module):
         return self.quantize_with_scale(x)[0]
 
     def quantize_with_scale(self, x: torch.Tensor, owner: nn.Parameter | None = None):
-        """``(fake-quantized x, the 0-d scale it used)``; the scale is ``None`` while observing or before a
-        delayed range's first fold (x passes unchanged), so a layer can run its matmul on the integer
-        codes (see :class:`CodeLinear`). ``owner``: the layer's weight; a delayed range folds after the
-        step of the optimizer that holds it."""
+        """``(fake-quantized x, the 0-d scale it used)``; the scale is ``None`` (x unchanged) while observing or
+        before a delayed range's first fold. ``owner``: the layer's weight. See docs/design/quant.md."""
         if self.observing:  # PTQ calibration: the range is the mean of the batches' absmax
             with torch.no_grad():
                 m = self.batch_amax(x)

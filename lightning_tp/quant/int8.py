@@ -1,15 +1,5 @@
 """True int8 inference layers, built from trained (or calibrated) QAT layers by :func:`convert`.
-
-Each stores ``weight_int8`` (int8, on the grid of its QAT twin: int4 values for w4a8, held in int8
-because the GEMM is int8), ``weight_scale`` (fp32, per output row), ``act_scale`` (fp32 scalar,
-the EMA / learned / calibrated range) and ``bias``. Forward: quantize the input per tensor with the
-frozen scale, int8 GEMM with int32 accumulation, dequantize (``acc * act_scale * weight_scale[n]``),
-add the bias. The same integers as the fake-quant forward, so outputs differ only by float rounding.
-
-Tensor parallel: the scales were MAX-reduced in QAT, so they are identical on every rank; a
-row-parallel layer therefore reduces its int32 partial sums (exact, order-free) and dequantizes
-after, which makes tp=N bit-identical to tp=1 for that layer.
-"""
+See docs/design/quant.md."""
 
 from __future__ import annotations
 

@@ -1,15 +1,5 @@
 """int8 x int8 -> int32 GEMM for the converted layers: ``torch._int_mm`` on CPU, Triton on CUDA.
-
-``int8_matmul(a, w)`` computes ``a @ w.T`` with a (M, K) and w (N, K) int8, accumulating in int32
-(exact up to K * 127 * 127 < 2**31, i.e. K < 133k). ``int8_linear`` adds the dequantization
-``acc * scale[n] + bias[n]``, which the Triton kernel fuses into its epilogue.
-
-Why both: ``torch._int_mm`` is the int8 GEMM PyTorch ships for CPU (oneDNN). Older PyTorch builds
-(and its CUDA path) require M > 16 and K, N multiples of 8; we pad with zero rows/columns (zeros add
-nothing to an integer dot product) and slice, retried on the error, so any shape works. On CUDA a
-small Triton kernel does the GEMM and the dequantization in one pass. The Triton kernel also runs in
-the Triton interpreter on CPU tensors (``TRITON_INTERPRET=1``), which is how the tests check it.
-"""
+See docs/design/quant.md."""
 
 from __future__ import annotations
 

@@ -1,28 +1,5 @@
 """QAT linear layers: plain, column-parallel and row-parallel, with results equal to one device's.
-
-Each layer takes over the original's ``weight`` and ``bias`` Parameter objects (same names, same
-tensors, same shard tags), so state-dict keys, optimizer references and checkpoint consolidation
-are unchanged; the quantizer adds ``act_quant.amax`` / ``act_quant.initialized`` (and
-``act_quant.clip`` for learned ranges).
-
-Why each tensor-parallel layer quantizes where it does (so that tp=N equals tp=1 exactly):
-
-* Column-parallel: the weight is split by output rows, so per-row weight scales are local. The
-  activation is quantized *after* entering the TP region: then it is replicated (under SP, already
-  all-gathered along the sequence), so its per-tensor absmax is the full tensor's with no extra
-  collective, and identical on every tp rank (the EMA buffers stay identical).
-* Row-parallel: the weight is split along the input dim, so each output row's absmax is a MAX
-  all-reduce of the per-shard row absmax; the input is feature-sharded, so its per-tensor absmax is
-  a MAX all-reduce too.
-* Learned clip ranges: the clip's gradient is a sum over activation elements, which every tp rank
-  holds only in part (local output rows for column layers, local features for row layers), so it
-  is SUM all-reduced over tp in backward.
-
-The matmul runs on the integer codes (:mod:`.code_linear`): its sums are exact, so the summation
-order of a row-parallel reduction cannot flip a later rounding, and tp=N stays equal to tp=1 step
-after step. The forward bodies repeat those of :mod:`lightning_tp.layers.linear` with the
-quantizers spliced in before the matmul (the parallel layers have no hook for it).
-"""
+See docs/design/quant.md."""
 
 from __future__ import annotations
 
@@ -73,13 +50,8 @@ class _QATMixin:
 
 
 class QATLinear(_QATMixin, nn.Module):
-    """``nn.Linear`` with fake-quantized weight (per row) and input (per tensor).
-
-    ``tp_group``: pass it when the layer may sit inside a sequence-parallel region with a replicated
-    weight (its input is then sequence-sharded): the absmax is MAX all-reduced over tp, which is
-    harmless when the input is replicated. A learned clip's gradient is *not* reduced over tp here:
-    a replicated layer's gradients are complete on every rank unless the strategy marks them partial.
-    """
+    """``nn.Linear`` with fake-quantized weight (per row) and input (per tensor). ``tp_group``: for a layer
+    that may see sequence-sharded inputs (absmax MAX all-reduced over tp). See docs/design/quant.md."""
 
     def __init__(self, weight, bias, w_bits=8, a_bits=8, range_mode="ema", tp_group=None, dp_group=None,
                  momentum=0.95):
