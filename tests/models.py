@@ -256,6 +256,7 @@ class HFCausalLM(L.LightningModule):
             # mixtures of experts (4 experts, top-2): what MegaStrategy(ep=...) splits
             "mixtral": lambda: T.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2,
                                                router_jitter_noise=0.0),
+            "olmoe": lambda: T.OlmoeConfig(**common, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True),
             "qwen2_moe": lambda: T.Qwen2MoeConfig(**common, num_experts=4, num_experts_per_tok=2,
                                                   moe_intermediate_size=32, shared_expert_intermediate_size=48,
                                                   decoder_sparse_step=1, mlp_only_layers=[]),
@@ -408,12 +409,14 @@ class LoopLM(L.LightningModule):
 class LitGPTLM(L.LightningModule):
     """A minimal LightningModule around litgpt's GPT (grouped queries, RoPE, LLaMA MLP, RMSNorm)."""
 
-    def __init__(self, layers: int = 2, query_groups: int = 2):
+    def __init__(self, layers: int = 2, query_groups: int = 2, n_expert: int = 0):
         super().__init__()
         from litgpt import GPT, Config
 
+        moe = dict(mlp_class_name="LLaMAMoE", n_expert=n_expert, n_expert_per_token=2, moe_intermediate_size=32) \
+            if n_expert else dict(mlp_class_name="LLaMAMLP")
         self.model = GPT(Config(block_size=SEQ * 2, vocab_size=64, padded_vocab_size=64, n_layer=layers, n_head=4,
-                                n_query_groups=query_groups, n_embd=32, intermediate_size=64, mlp_class_name="LLaMAMLP",
+                                n_query_groups=query_groups, n_embd=32, intermediate_size=64, **moe,
                                 norm_class_name="RMSNorm", rotary_percentage=1.0, parallel_residual=False,
                                 bias=False))
 

@@ -1,5 +1,6 @@
 """Expert-parallel token dispatch against one process: dispatch, experts, combine."""
 
+import pytest
 import torch
 import torch.distributed as torch_dist
 
@@ -177,6 +178,12 @@ EP_RUNS = {
                            dict(ep=2)),
     "hf_mixtral_aux_dp2": (2, "hf_mixtral", dict(config_kw=dict(output_router_logits=True, router_aux_loss_coef=0.5)),
                            dict()),
+    "hf_olmoe_ep2": (2, "hf_olmoe", {}, dict(ep=2)),
+    "litgpt_moe_ep2": (2, "litgpt", dict(n_expert=4), dict(ep=2)),
+    # 4 processes: 2 stages, each with its experts split over its 2 dp ranks
+    "hf_mixtral_pp2_ep2": (4, "hf_mixtral", {}, dict(pp=2, ep=2, microbatches=2)),
+    "gpt_moe_dp4_ep2": (4, "gpt", dict(n_expert=4, vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32),
+                        dict(ep=2)),
     "gpt_moe_pp2_ep1": (2, "gpt", dict(n_expert=4, vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32),
                         dict(pp=2, microbatches=2)),
 }
@@ -199,9 +206,11 @@ def _fit_ep(rank, world, runs, ckdir):
     return out
 
 
-def test_expert_parallel_matches_one_process(tmp_path):
-    results = dist.run(2, _fit_ep, EP_RUNS, str(tmp_path), timeout=900)
-    for name, (world, kind, model_kw, strategy_kw) in EP_RUNS.items():
+@pytest.mark.parametrize("world", [2, 4])
+def test_expert_parallel_matches_one_process(tmp_path, world):
+    runs = {name: run for name, run in EP_RUNS.items() if run[0] == world}
+    results = dist.run(world, _fit_ep, runs, str(tmp_path), timeout=900)
+    for name, (world, kind, model_kw, strategy_kw) in runs.items():
         dp = world // strategy_kw.get("pp", 1)
         ref_losses, ref_weights, _ = reference_run(kind, model_kw, STEPS, BATCH * dp)
         full = sum(v.numel() for k, v in ref_weights.items() if ".experts." in k)
@@ -210,8 +219,10 @@ def test_expert_parallel_matches_one_process(tmp_path):
             assert len(got["losses"]) == STEPS
             diff = (torch.tensor(got["losses"]) - torch.tensor(ref_losses)).abs().max().item()
             assert diff < 1e-5, (name, diff, got["losses"], ref_losses)
-            if strategy_kw.get("ep", 1) > 1:  # each rank holds 1/ep of the experts
-                assert got["experts"] * strategy_kw["ep"] == full, (name, got["experts"], full)
+        ep, pp = strategy_kw.get("ep", 1), strategy_kw.get("pp", 1)
+        if ep > 1:  # each rank holds 1/ep of its stage's experts: the ep ranks of a stage hold them once
+            assert sum(r[name]["experts"] for r in results) == full * (dp // ep), name
+            assert {r[name]["experts"] for r in results} == {full // (ep * pp)}, name
         weights = results[0][name]["weights"]
         assert set(weights) == set(ref_weights), name
         worst = max((weights[k] - ref_weights[k]).abs().max().item() for k in ref_weights)
