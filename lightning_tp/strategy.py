@@ -48,9 +48,35 @@ def _step_args(args, kwargs, loop_batch_idx) -> tuple:
 
 
 class MegaStrategy(ParallelStrategy):
-    """Tensor (tp), sequence (sp), pipeline (pp) and data parallelism for an unchanged LightningModule.
+    """Tensor, sequence, pipeline, expert and data parallelism for an unchanged LightningModule.
 
-    Every option: docs/options.md; the former per-argument notes: docs/design/strategy.md."""
+    Every option in full: docs/options.md.
+
+    Args:
+        tp: tensor-parallel size: ranks that split each layer.
+        pp: pipeline-parallel size: stages of contiguous blocks.
+        sp: sequence parallelism: norms, dropout and the residual stream on sequence shards (needs tp > 1).
+        ep: expert parallelism: mixture-of-experts experts split over ep data-parallel ranks.
+        plan: "auto" (a built-in plan by module class), or a lightning_tp.Plan / dict of yours.
+        microbatches: microbatches per batch under a pipeline (default: pp); must divide the batch size.
+        schedule: "gpipe", "1f1b", "interleaved_1f1b" or "zb_h1".
+        virtual_stages: model chunks per rank for the interleaved schedule.
+        pipeline_blocks: path of the repeated block list (an encoder-decoder's two, as a list).
+        stage_layers: blocks per (virtual) stage, instead of the parameter-balanced split.
+        activation_checkpointing: recompute blocks in backward: True for all, n for the first n of each stage.
+        zb_keep_recomputed: with a split backward and checkpointing: recompute once, in B, and keep it for W.
+        split_backward: input gradient first, weights after: "auto" (drain at pp > 1), "drain", True, False.
+        p2p: pipeline transfers: "auto", "eager" (gloo) or "batched" (NCCL).
+        kernels: fused Triton norms, GeLU and cross-entropy (True, or a list of names).
+        quant: quantization-aware training: "int8" (W8A8) or "w4a8".
+        quant_range: QAT activation ranges: "ema", "delayed" or "learned".
+        load_full: a plain checkpoint (Lightning, state_dict, Hugging Face directory) to start from.
+        sync_init: broadcast rank 0's initial weights before sharding.
+        broadcast_batch: every tp/pp rank of a replica trains on its first rank's batch.
+        process_group_backend: "gloo" on CPU and "nccl" on GPU by default.
+        timeout: collective timeout (a timedelta or seconds).
+        start_method: "popen" (re-run the script, like DDP), "spawn", "fork" or "forkserver".
+    """
 
     strategy_name = "mega"
 
