@@ -36,7 +36,10 @@ def _without_args(lines: list) -> list:
     at = [line.strip() for line in lines].index("Args:")
     entries = lines[at + 1:]
     if all(line.startswith("    ") and not line.startswith("     ") and ": " in line for line in entries):
-        return lines[:at]
+        head = lines[:at]
+        while head and not head[-1].strip():
+            head = head[:-1]
+        return head
     return lines
 
 
