@@ -25,6 +25,8 @@ from . import recompute
 from .config import ParallelConfig
 from .parallelize import stage_layout
 from .explain_costs import cost_entries, saved_widths, t5_head_counts, t5_side, tp_ops, weight_grad_widths, width_in
+from .experts.families import find_moe_blocks
+from .experts.layer import expert_parallel
 from .marks import marks_of
 
 
@@ -45,6 +47,9 @@ class RankEstimate:
     recompute_bytes: int = 0  # of act_bytes: one recomputed block's activations, during its backward
     tp_recompute_bytes: int = 0  # of tp_bytes: at most, recomputed blocks' forward collectives run again
     zb_w_bytes: int = 0  # ZB-H1: what one microbatch keeps from its B until its W (0: not ZB-H1)
+    expert_params: int = 0  # of params: this rank's experts (1/ep of its stage's under ep)
+    ep_bytes: int = 0  # ep > 1: expert dispatch all-to-alls (rows both ways, forward and backward, and counts)
+    edp_bytes: int = 0  # ep > 1: expert gradients summed over the ranks holding the same experts
 
 
 @dataclass
@@ -102,14 +107,15 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
             batch_shape=(8, 128), schedule: str = "1f1b", virtual_stages: int = 1, plan="auto", dp: int = 1,
             dtype_bytes: int = 4, *, grad_bytes=None, accumulate_grad_batches: int = 1, pipeline_blocks=None,
             stage_layers=None, activation_checkpointing=False, zb_keep_recomputed: bool = False,
-            split_backward="auto", config: ParallelConfig | None = None, print_report: bool = True) -> Explanation:
+            split_backward="auto", ep: int = 1, config: ParallelConfig | None = None,
+            print_report: bool = True) -> Explanation:
     """Parameters, stages, communication and activation memory per rank of ``MegaStrategy(tp, pp, sp, ...)``
     with ``dp`` replicas on ``module`` (or of ``config``, a resolved layout with its dp), for a per-process
     ``batch_shape`` (B, T). Prints the report unless ``print_report=False``; ``str()`` gives its text."""
     if getattr(module, "_lightning_tp", None) is not None:
         raise ValueError("explain() needs the user's module before MegaStrategy parallelized it.")
     if config is None:
-        config = ParallelConfig.resolve(tp=tp, pp=pp, sp=sp, microbatches=microbatches, schedule=schedule,
+        config = ParallelConfig.resolve(tp=tp, pp=pp, sp=sp, ep=ep, microbatches=microbatches, schedule=schedule,
                                         virtual_stages=virtual_stages, split_backward=split_backward,
                                         pipeline_blocks=pipeline_blocks, stage_layers=stage_layers,
                                         activation_checkpointing=activation_checkpointing,
@@ -204,7 +210,7 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
     w_grads = weight_grad_widths(base, style_of, tp, locate) if schedule == "zb_h1" else {}
     sp_on = any(sp and mt.sp_start is not None for mt in matches)
 
-    rep = Explanation(dict(tp=tp, pp=pp, dp=dp, world=tp * pp * dp, sp=sp, microbatches=m, schedule=schedule,
+    rep = Explanation(dict(tp=tp, pp=pp, dp=dp, ep=config.ep, world=tp * pp * dp, sp=sp, microbatches=m, schedule=schedule,
                            virtual_stages=v, batch_shape=(B, T), dtype_bytes=dtype_bytes, grad_bytes=grad_bytes,
                            accumulate_grad_batches=acc, blocks=bpath, hidden=hidden, bubble=bubble,
                            split_backward=split_backward, activation_checkpointing=activation_checkpointing,
@@ -264,8 +270,10 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
                 apply_split(local, layout, r)
             if tp > 1:
                 planner.apply(local, matches, None, tp, t, sp)
+            experts = _split_experts(local, config.ep)
             params = list(local.parameters())
-            trained = sum(p.numel() for p in params if p.requires_grad)
+            trained = sum(p.numel() for p in params if p.requires_grad and id(p) not in experts)
+            expert_trained = sum(p.numel() for p in params if p.requires_grad and id(p) in experts)
             partial = sum(p.numel() for p in params if p.requires_grad and marks_of(p).sp_partial)
             partial += sum(replica_buffer_numel(p) for p in params if p.requires_grad)
             tied = sum(p.numel() for p in params if p.requires_grad and marks_of(p).pp_tied)
@@ -276,13 +284,41 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
                 pp_bytes=round(tokens * sends * dtype_bytes),
                 sp_bytes=partial * grad_bytes if tp > 1 else 0,
                 tied_bytes=tied * grad_bytes if pp > 1 and r in tied_ranks else 0,
-                dp_bytes=trained * grad_bytes if dp > 1 else 0,
+                dp_bytes=(trained + (expert_trained if config.ep == 1 else 0)) * grad_bytes if dp > 1 else 0,
+                expert_params=sum(p.numel() for p in params if id(p) in experts),
+                ep_bytes=_all_to_all_bytes(base, config.ep, r, locate, times, tokens, m * acc, dtype_bytes),
+                edp_bytes=expert_trained * grad_bytes if config.ep > 1 and dp > config.ep else 0,
                 act_bytes=round((held + transient) * (B // m) * T * dtype_bytes), peak_microbatches=peaks[r],
                 recompute_bytes=round(transient * (B // m) * T * dtype_bytes),
                 zb_w_bytes=round(to_w * (B // m) * T * dtype_bytes)))
     if print_report:
         print(rep)
     return rep
+
+
+def _split_experts(local: nn.Module, ep: int) -> set:
+    """ids of ``local``'s expert parameters, after keeping 1/ep of each MoE layer's experts (ep > 1)."""
+    found = set()
+    for path, block, family in find_moe_blocks(local):
+        if ep > 1:
+            block = expert_parallel(block, family, None, ep, 0)
+            parent, _, leaf = path.rpartition(".")
+            setattr(local.get_submodule(parent) if parent else local, leaf, block)
+        found |= {id(p) for p in block.experts.parameters()}
+    return found
+
+
+def _all_to_all_bytes(base, ep: int, r: int, locate, times, tokens: int, calls: int, dtype_bytes: int) -> int:
+    """Bytes rank ``r`` hands to the dispatch all-to-alls per step: per MoE layer it runs, its k rows per token
+    out and back, forward and backward (4 x tokens x k x hidden; balanced routing), and the expert counts."""
+    if ep == 1:
+        return 0
+    total = 0
+    for path, block, family in find_moe_blocks(base):
+        runs = times(locate(path), r)
+        total += runs * (4 * tokens * family.top_k(block) * block.gate.in_features * dtype_bytes
+                         + calls * family.num_experts(block) * 8)
+    return total
 
 
 def _size(n: float) -> str:
@@ -340,6 +376,12 @@ def _format(rep: Explanation) -> str:
                      f"{_size(r.sp_bytes):>10} {_size(r.tied_bytes):>10} {_size(r.dp_bytes):>11} "
                      f"{_size(r.act_bytes):>11} {r.peak_microbatches:>7}")
     lines.append("(act mem: estimated activations saved for backward; see lightning_tp/explain.py for the model)")
+    if c.get("ep", 1) > 1:
+        lines += ["", f"Experts (ep={c['ep']}): per rank, per optimizer step (all-to-all: rows out and back, forward "
+                      f"and backward, balanced routing assumed):",
+                  f"  {'stage':>5} {'tp':>3} {'expert params':>14} {'all-to-all':>11} {'expert-dp grads':>16}"]
+        lines += [f"  {r.stage:>5} {r.tp_rank:>3} {r.expert_params:>14,} {_size(r.ep_bytes):>11} {_size(r.edp_bytes):>16}"
+                  for r in rep.ranks]
     if c["activation_checkpointing"]:
         n = c["activation_checkpointing"]
         lines.append(f"(activation checkpointing: {'every block' if n is True else f'the first {n} blocks of each stage'}"

@@ -259,3 +259,38 @@ def test_bad_expert_layouts_fail_on_every_rank_with_a_clear_error():
     for got in dist.run(2, _bad, timeout=300):
         for name, (_, _, message) in BAD.items():
             assert got[name] is not None and message in got[name], (name, got[name])
+
+
+def _counted(rank, world):
+    from lightning_tp import comm
+
+    torch_dist.init_process_group("gloo")
+    model = make_model("gpt", **dict(GPT_MOE, n_expert=4))
+    strategy = MegaStrategy(ep=2, timeout=120)
+    trainer = L.Trainer(devices=world, strategy=strategy, max_steps=3, limit_val_batches=0, **trainer_kwargs())
+    with comm.count_collectives() as records:
+        trainer.fit(model, TokenData(3 * BATCH * world, 64, BATCH))
+    mesh = strategy.mesh
+    by = {}
+    for op, numel, group in records:
+        kind = {id(mesh.ep_group): "ep", id(mesh.dp_group): "dp"}.get(id(group), "other")
+        by[(op, kind)] = by.get((op, kind), 0) + numel
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    return dict(by={k: v / 3 for k, v in by.items()}, params=sum(p.numel() for p in model.parameters()),
+                experts=experts)
+
+
+def test_explain_counts_expert_parameters_and_all_to_all_bytes_of_a_run():
+    from lightning_tp.explain import explain
+
+    got = dist.run(2, _counted, timeout=300)
+    est = explain(make_model("gpt", **dict(GPT_MOE, n_expert=4)), dp=2, ep=2, batch_shape=(BATCH, GPT_MOE["block_size"]),
+                  print_report=False).rank(0)
+    for r in got:
+        assert r["params"] == est.params and r["experts"] == est.expert_params, (r, est)
+    rows = sum(r["by"].get(("all_to_all", "ep"), 0) for r in got) * 4  # float32 rows, both ranks
+    counts = sum(r["by"].get(("all_to_all_counts", "ep"), 0) for r in got) * 8  # int64 expert counts
+    assert rows + counts == 2 * est.ep_bytes, (rows, counts, est.ep_bytes)  # balanced per rank, exact summed
+    # the dense parameters' dp all-reduce is explain's DP grads; the experts' is not (edp = 1 here)
+    # (plus one has-a-gradient flag per parameter in each bucket, see grads.with_flags)
+    assert got[0]["by"][("all_reduce", "dp")] * 4 == pytest.approx(est.dp_bytes, rel=0.01) and est.edp_bytes == 0

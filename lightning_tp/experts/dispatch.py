@@ -65,7 +65,7 @@ def dispatch(x: torch.Tensor, expert_idx: torch.Tensor, num_experts: int, group=
     if ep == 1:
         return rows, counts.tolist(), Dispatched(order, [rows.shape[0]], [rows.shape[0]], None, n, k)
     recv_counts = torch.empty_like(counts)
-    comm.record("all_to_all", counts, group)
+    comm.record("all_to_all_counts", counts, group)
     dist.all_to_all_single(recv_counts, counts, group=group)  # row s: what rank s sends to my experts
     counts, recv_counts = counts.view(ep, local), recv_counts.view(ep, local)
     send, recv = counts.sum(1).tolist(), recv_counts.sum(1).tolist()
