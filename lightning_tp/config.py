@@ -70,9 +70,6 @@ class ParallelConfig:
                 raise ValueError(f"MegaStrategy({name}={value!r}): {name} must be a positive integer.")
         if p2p not in P2P_MODES:
             raise ValueError(f"MegaStrategy(p2p={p2p!r}): choose 'auto', 'eager' or 'batched'.")
-        if ep > 1 and tp > 1:
-            raise ValueError(f"MegaStrategy(ep={ep}, tp={tp}): expert parallelism with tensor parallelism is not "
-                             f"supported yet; use ep with dp (and pp), or tp without ep.")
         pipelined = pp > 1 or microbatches > 1
         split_default = resolve_split_backward(split_backward, schedule, pp, activation_checkpointing)
         if pipelined:  # names and counts

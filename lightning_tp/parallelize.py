@@ -84,7 +84,7 @@ def parallelize(config: ParallelConfig, mesh, module, device, grads_armed: Calla
     tied_ranks = layout.replica_ranks() if config.pp > 1 and layout.lists else ()
     if len(tied_ranks) > 1:
         use_tied_ranks(mesh, tied_ranks)
-    apply_experts(module, mesh, config.pp)
+    apply_experts(module, mesh, config.pp, config.sp)
     replaced = planner.apply(module, matches, mesh.tp_group, config.tp, mesh.tp_rank, config.sp)
     if config.pp > 1 and config.tp > 1:
         shard_twins(module, layout, split, matches, config.tp, mesh.tp_rank)

@@ -36,7 +36,6 @@ def test_the_strategy_holds_the_resolved_config():
     (dict(microbatches=0), "microbatches must be a positive integer"),
     (dict(pp=2, virtual_stages=0), "virtual_stages must be a positive integer"),
     (dict(ep=0), "ep must be a positive integer"),
-    (dict(ep=2, tp=2), "expert parallelism with tensor parallelism is not supported yet"),
 ])
 def test_bad_options_are_refused_by_config_and_strategy_alike(kw, message):
     with pytest.raises(ValueError, match=message):

@@ -184,6 +184,15 @@ EP_RUNS = {
     "hf_mixtral_pp2_ep2": (4, "hf_mixtral", {}, dict(pp=2, ep=2, microbatches=2)),
     "gpt_moe_dp4_ep2": (4, "gpt", dict(n_expert=4, vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32),
                         dict(ep=2)),
+    # under tp the experts are held whole per rank; under sp the router sees sequence shards and the
+    # load-balancing statistics the whole sequence
+    "gpt_moe_tp2_sp": (2, "gpt", dict(n_expert=4, vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32),
+                       dict(tp=2, sp=True)),
+    "hf_mixtral_tp2_sp_ep2": (4, "hf_mixtral", {}, dict(tp=2, sp=True, ep=2)),
+    "hf_mixtral_tp2_ep2": (4, "hf_mixtral", {}, dict(tp=2, ep=2)),
+    "hf_mixtral_aux_tp2_sp_ep2": (4, "hf_mixtral",
+                                  dict(config_kw=dict(output_router_logits=True, router_aux_loss_coef=0.5)),
+                                  dict(tp=2, sp=True, ep=2)),
     "gpt_moe_pp2_ep1": (2, "gpt", dict(n_expert=4, vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32),
                         dict(pp=2, microbatches=2)),
 }
@@ -197,7 +206,7 @@ def _fit_ep(rank, world, runs, ckdir):
         rec = LossRecorder()
         strategy = MegaStrategy(**strategy_kw, timeout=120)
         trainer = L.Trainer(devices=world, strategy=strategy, max_steps=STEPS, callbacks=[rec], **trainer_kwargs())
-        dp = world // strategy.pp
+        dp = world // (strategy.tp * strategy.pp)
         trainer.fit(model, TokenData(STEPS * BATCH * dp, vocab_of(model), BATCH))
         path = f"{ckdir}/{name}.ckpt"
         trainer.save_checkpoint(path)
@@ -211,7 +220,8 @@ def test_expert_parallel_matches_one_process(tmp_path, world):
     runs = {name: run for name, run in EP_RUNS.items() if run[0] == world}
     results = dist.run(world, _fit_ep, runs, str(tmp_path), timeout=900)
     for name, (world, kind, model_kw, strategy_kw) in runs.items():
-        dp = world // strategy_kw.get("pp", 1)
+        tp = strategy_kw.get("tp", 1)
+        dp = world // (tp * strategy_kw.get("pp", 1))
         ref_losses, ref_weights, _ = reference_run(kind, model_kw, STEPS, BATCH * dp)
         full = sum(v.numel() for k, v in ref_weights.items() if ".experts." in k)
         for r in results:
@@ -221,7 +231,7 @@ def test_expert_parallel_matches_one_process(tmp_path, world):
             assert diff < 1e-5, (name, diff, got["losses"], ref_losses)
         ep, pp = strategy_kw.get("ep", 1), strategy_kw.get("pp", 1)
         if ep > 1:  # each rank holds 1/ep of its stage's experts: the ep ranks of a stage hold them once
-            assert sum(r[name]["experts"] for r in results) == full * (dp // ep), name
+            assert sum(r[name]["experts"] for r in results) == full * (dp // ep) * tp, name
             assert {r[name]["experts"] for r in results} == {full // (ep * pp)}, name
         weights = results[0][name]["weights"]
         assert set(weights) == set(ref_weights), name

@@ -29,21 +29,26 @@ def check_experts(model: nn.Module, ep: int) -> list:
     return blocks
 
 
-def apply_experts(model: nn.Module, mesh, pp: int = 1) -> list:
-    """Under ep > 1, replace every block this rank holds (not another stage's twin) with an expert-parallel
-    one, its experts marked ``expert``; under any layout, router statistics span the global batch (see
-    :mod:`.router_statistics`). Returns the new blocks."""
+def apply_experts(model: nn.Module, mesh, pp: int = 1, sp: bool = False) -> list:
+    """Replace every MoE block this rank holds (not another stage's twin) with an expert-parallel one under
+    ep > 1 or sp (on sequence shards: its parameters' gradients are partial sums over tp); router
+    statistics span the global batch (see :mod:`.router_statistics`). Returns the new blocks."""
     swapped = []
+    sp = sp and mesh.tp > 1
     for path, block, family in find_moe_blocks(model):
         if any(p.is_meta for p in block.parameters()):  # another pipeline stage's, seen through a twin
             continue
         if family.returns_logits:
             router_statistics.install(block, mesh.dp_group, pp)
-        if mesh.ep == 1:
+        if mesh.ep == 1 and not sp:
             continue
-        new = expert_parallel(block, family, mesh.ep_group, mesh.ep, mesh.ep_rank)
+        new = expert_parallel(block, family, mesh.ep_group, mesh.ep, mesh.ep_rank,
+                              sp_group=mesh.tp_group if sp else None)
         for p in new.experts.parameters():
-            set_marks(p, expert=True)
+            set_marks(p, expert=mesh.ep > 1)
+        if sp:
+            for p in new.parameters():
+                set_marks(p, sp_partial=True)
         parent, _, leaf = path.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, leaf, new)
         swapped.append(new)

@@ -16,9 +16,9 @@ class ExpertParallelMoE(nn.Module):
     """``block``'s router (``gate``) and experts ``[first, first + count)`` of ``experts`` (keys kept, so
     state-dict names stay the block's), run over the expert-parallel ``group``."""
 
-    def __init__(self, block: nn.Module, family: MoEFamily, group, ep: int, ep_rank: int):
+    def __init__(self, block: nn.Module, family: MoEFamily, group, ep: int, ep_rank: int, sp_group=None):
         nn.Module.__init__(self)  # not the block class's (see expert_parallel)
-        self.family, self.group = family, group
+        self.family, self.group, self.sp_group = family, group, sp_group
         self.num_experts, self.top_k = family.num_experts(block), family.top_k(block)
         if self.num_experts % ep:
             raise ValueError(f"MegaStrategy(ep={ep}): {type(block).__name__} has {self.num_experts} experts, which "
@@ -50,7 +50,12 @@ class ExpertParallelMoE(nn.Module):
         if self.family.shared_expert:
             y = y + F.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         y = y.reshape(shape)
-        return (y, logits) if self.family.returns_logits else y
+        if not self.family.returns_logits:
+            return y
+        if self.sp_group is not None:  # on sequence shards: the router statistics want the whole sequence
+            logits = comm.gather_to_full_sp(logits.view(shape[0], shape[1], -1), self.sp_group, dim=1)
+            logits = logits.reshape(-1, logits.shape[-1])
+        return y, logits
 
     def extra_repr(self) -> str:
         return (f"{self.family.name}: experts {self.first}..{self.first + len(self.experts) - 1} of "
@@ -60,12 +65,13 @@ class ExpertParallelMoE(nn.Module):
 _CLASSES: dict = {}
 
 
-def expert_parallel(block: nn.Module, family: MoEFamily, group, ep: int, ep_rank: int) -> ExpertParallelMoE:
+def expert_parallel(block: nn.Module, family: MoEFamily, group, ep: int, ep_rank: int,
+                    sp_group=None) -> ExpertParallelMoE:
     """An :class:`ExpertParallelMoE` for ``block`` that is also an instance of the block's class, so code
     that finds MoE blocks by class (Hugging Face's router-logit recorders) still finds it."""
     kind = type(block)
     if kind not in _CLASSES:
         _CLASSES[kind] = type(f"ExpertParallel{kind.__name__}", (ExpertParallelMoE, kind), {})
     new = _CLASSES[kind].__new__(_CLASSES[kind])
-    ExpertParallelMoE.__init__(new, block, family, group, ep, ep_rank)
+    ExpertParallelMoE.__init__(new, block, family, group, ep, ep_rank, sp_group)
     return new

@@ -20,6 +20,7 @@ from ..layers import (ColumnParallelLinear, RowParallelLinear, TPContext, TPMult
 from ..layers.linear import shard_param, is_conv1d
 from ..layers.shard import ShardSpec, mark
 from ..pipeline.cut.placeholders import PipelinePlaceholder
+from ..experts.families import find_moe_blocks
 from .base import Plan, as_tuple, path_matches
 from .registry import registered_plans
 from .sizes import check_attr, check_sizes, getattr_path, set_attrs, head_replicas
@@ -180,14 +181,17 @@ def _check_ties(model: nn.Module, matches: list) -> None:
 
 def _report(plan: Plan, root: nn.Module, prefix: str, names: list) -> None:
     """Warn about globs that matched nothing and Linear layers the plan leaves replicated."""
-    unmatched = [g for g in plan.styles if not any(path_matches(g, n) for n in names)]
+    moe = [n for n, _, _ in find_moe_blocks(root)]  # run by the expert layers (see experts/), not the plan
+    inside_moe = lambda n: any(n == b or n.startswith(b + ".") for b in moe)  # noqa: E731
+    unmatched = [g for g in plan.styles if not any(path_matches(g, n) for n in names)
+                 and not any(path_matches(g.rpartition(".")[0], b) for b in moe)]
     if unmatched:
         warnings.warn(f"lightning_tp: plan {plan.name!r}: {unmatched} matched nothing under "
                       f"{prefix or 'the model'}.")
     owned_by_mha = [n for n in names if plan.style_of(n)[0] == "mha"]  # their out_proj goes with them
     unsharded = [_join(prefix, n) for n, mod in root.named_modules()
                  if (isinstance(mod, nn.Linear) or is_conv1d(mod)) and plan.style_of(n)[0] is None
-                 and not any(n.startswith(o + ".") or o == "" for o in owned_by_mha)]
+                 and not any(n.startswith(o + ".") or o == "" for o in owned_by_mha) and not inside_moe(n)]
     if unsharded:
         warnings.warn(f"lightning_tp: plan {plan.name!r}: Linear layers left unsharded (replicated on every tp "
                       f"rank): {unsharded[:8]}{' ...' if len(unsharded) > 8 else ''}.")

@@ -7,6 +7,7 @@ from collections import defaultdict
 
 from torch import nn
 
+from ..experts.families import find_moe_blocks
 from .base import Plan
 
 
@@ -37,7 +38,11 @@ class HFConfigPlan:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         n_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         styles, parents, attrs = {}, defaultdict(list), {}
+        layers = getattr(module, base).layers
+        moe = [f"{base}.layers.*.{name}" for name, _, _ in find_moe_blocks(layers[0])]  # run by experts/, not tp
         for glob, style in config.base_model_tp_plan.items():
+            if any(f"{base}.{glob}".startswith(m + ".") for m in moe):
+                continue
             if style not in self.supported:
                 raise ValueError(f"{type(module).__name__}: base_model_tp_plan style {style!r} for {glob!r} is not "
                                  f"supported yet; pass plan=lightning_tp.Plan(...) instead.")
@@ -46,7 +51,6 @@ class HFConfigPlan:
                 parents[path.rpartition(".")[0]].append(path)
             else:
                 styles[path] = "rowwise"
-        layers = getattr(module, base).layers
         for parent, children in parents.items():
             styles[parent] = "region"  # one entry into the TP region for all its column layers
             for child in children:
