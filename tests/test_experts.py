@@ -304,3 +304,46 @@ def test_explain_counts_expert_parameters_and_all_to_all_bytes_of_a_run():
     # the dense parameters' dp all-reduce is explain's DP grads; the experts' is not (edp = 1 here)
     # (plus one has-a-gradient flag per parameter in each bucket, see grads.with_flags)
     assert got[0]["by"][("all_reduce", "dp")] * 4 == pytest.approx(est.dp_bytes, rel=0.01) and est.edp_bytes == 0
+
+
+def _resume_and_load_full(rank, world, ckdir):
+    torch_dist.init_process_group("gloo")
+    kw = dict(GPT_MOE, n_expert=4)
+
+    def fit(epochs, ckpt_path=None, ckdir_=None):
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        rec = LossRecorder()
+        saver = ModelCheckpoint(dirpath=ckdir_, filename="{epoch}", every_n_epochs=1, save_top_k=-1)
+        trainer = L.Trainer(devices=world, strategy=MegaStrategy(ep=2, timeout=120), max_epochs=epochs,
+                            callbacks=[rec, saver], limit_val_batches=0, **trainer_kwargs(enable_checkpointing=True))
+        model = make_model("gpt", **kw)
+        trainer.fit(model, TokenData(3 * BATCH * world, 64, BATCH), ckpt_path=ckpt_path)  # 3 steps an epoch
+        return rec.losses
+
+    straight = fit(2, ckdir_=f"{ckdir}/a")
+    first = straight[:3]
+    resumed = fit(2, ckpt_path=f"{ckdir}/a/epoch=0.ckpt", ckdir_=f"{ckdir}/b")
+    # a plain state_dict of the whole model lands each expert on the rank that holds it
+    if rank == 0:
+        torch.manual_seed(123)
+        torch.save({k: torch.randn_like(v) for k, v in make_model("gpt", **kw).state_dict().items()}, f"{ckdir}/full.pt")
+    torch_dist.barrier()
+    full = torch.load(f"{ckdir}/full.pt", weights_only=True)
+    trainer = L.Trainer(devices=world, strategy=MegaStrategy(ep=2, load_full=f"{ckdir}/full.pt", timeout=120),
+                        max_steps=1, limit_val_batches=1, **trainer_kwargs())
+    model = make_model("gpt", **kw)
+    trainer.validate(model, dataloaders=TokenData(8, 64, BATCH).train_dataloader())
+    local = model.state_dict()
+    loaded = max((local[k] - full[k]).abs().max().item() for k in local)
+    experts = sorted({k.split(".experts.")[1].split(".")[0] for k in local if ".experts." in k})
+    return dict(straight=straight, first=first, resumed=resumed, loaded=loaded, experts=experts)
+
+
+def test_expert_checkpoints_resume_exactly_and_load_full_places_each_expert(tmp_path):
+    got = dist.run(2, _resume_and_load_full, str(tmp_path), timeout=600)
+    for r in got:
+        assert len(r["straight"]) == 6 and len(r["resumed"]) == 3
+        assert max(abs(a - b) for a, b in zip(r["resumed"], r["straight"][3:])) < 1e-6, r
+        assert r["loaded"] == 0.0
+    assert [r["experts"] for r in got] == [["0", "1"], ["2", "3"]]
