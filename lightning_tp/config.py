@@ -37,6 +37,7 @@ class ParallelConfig:
     sp: bool = False
     dp: Optional[int] = None
     ep: int = 1
+    moe_capacity: Optional[float] = None
     microbatches: int = 1
     schedule: str = "1f1b"
     virtual_stages: int = 1
@@ -55,7 +56,8 @@ class ParallelConfig:
     broadcast_batch: bool = True
 
     @classmethod
-    def resolve(cls, tp: int = 1, pp: int = 1, sp: bool = False, ep: int = 1, microbatches: Optional[int] = None,
+    def resolve(cls, tp: int = 1, pp: int = 1, sp: bool = False, ep: int = 1, moe_capacity: Optional[float] = None,
+                microbatches: Optional[int] = None,
                 schedule: str = "1f1b", virtual_stages: int = 1, split_backward="auto", pipeline_blocks=None,
                 stage_layers=None, activation_checkpointing=False, zb_keep_recomputed: bool = False,
                 p2p: str = "auto", kernels=False, quant: Optional[str] = None, quant_range: str = "ema",
@@ -70,6 +72,10 @@ class ParallelConfig:
                 raise ValueError(f"MegaStrategy({name}={value!r}): {name} must be a positive integer.")
         if p2p not in P2P_MODES:
             raise ValueError(f"MegaStrategy(p2p={p2p!r}): choose 'auto', 'eager' or 'batched'.")
+        if moe_capacity is not None and (isinstance(moe_capacity, bool) or not isinstance(moe_capacity, (int, float))
+                                         or not 0 < moe_capacity <= 64):
+            raise ValueError(f"MegaStrategy(moe_capacity={moe_capacity!r}): a capacity factor is a number in (0, 64] "
+                             f"(1.0: each expert takes its even share of a rank's tokens x top_k); None is dropless.")
         pipelined = pp > 1 or microbatches > 1
         split_default = resolve_split_backward(split_backward, schedule, pp, activation_checkpointing)
         if pipelined:  # names and counts
@@ -82,7 +88,7 @@ class ParallelConfig:
             raise ValueError(f"MegaStrategy(quant_range={quant_range!r}) needs quant='int8' or 'w4a8' as well.")
         recompute.check_option(activation_checkpointing, quant, schedule if pipelined else None,
                                zb_keep_recomputed, split_default)
-        config = cls(tp=tp, pp=pp, sp=bool(sp) and tp > 1, ep=ep, microbatches=microbatches, schedule=schedule,
+        config = cls(tp=tp, pp=pp, sp=bool(sp) and tp > 1, ep=ep, moe_capacity=moe_capacity, microbatches=microbatches, schedule=schedule,
                      virtual_stages=virtual_stages, split_backward=split_backward, pipeline_blocks=pipeline_blocks,
                      stage_layers=tuple(stage_layers) if stage_layers is not None else None,
                      activation_checkpointing=activation_checkpointing, zb_keep_recomputed=zb_keep_recomputed,

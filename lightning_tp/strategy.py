@@ -57,6 +57,7 @@ class MegaStrategy(ParallelStrategy):
         pp: pipeline-parallel size: stages of contiguous blocks.
         sp: sequence parallelism: norms, dropout and the residual stream on sequence shards (needs tp > 1).
         ep: expert parallelism: mixture-of-experts experts split over ep data-parallel ranks.
+        moe_capacity: capacity factor: each expert keeps at most its share x factor of a rank's tokens (None: dropless).
         plan: "auto" (a built-in plan by module class), or a lightning_tp.Plan / dict of yours.
         microbatches: microbatches per batch under a pipeline (default: pp); must divide the batch size.
         schedule: "gpipe", "1f1b", "interleaved_1f1b" or "zb_h1".
@@ -80,7 +81,8 @@ class MegaStrategy(ParallelStrategy):
 
     strategy_name = "mega"
 
-    def __init__(self, tp: int = 1, pp: int = 1, sp: bool = False, ep: int = 1, plan: Any = "auto",
+    def __init__(self, tp: int = 1, pp: int = 1, sp: bool = False, ep: int = 1, moe_capacity: Optional[float] = None,
+                 plan: Any = "auto",
                  microbatches: Optional[int] = None, schedule: str = "1f1b", virtual_stages: int = 1,
                  pipeline_blocks: Optional[Union[str, list[str]]] = None, stage_layers: Optional[list] = None,
                  activation_checkpointing: Union[bool, int] = False, zb_keep_recomputed: bool = False,
@@ -97,7 +99,7 @@ class MegaStrategy(ParallelStrategy):
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
         self.config = ParallelConfig.resolve(
-            tp=tp, pp=pp, sp=sp, ep=ep, microbatches=microbatches, schedule=schedule, virtual_stages=virtual_stages,
+            tp=tp, pp=pp, sp=sp, ep=ep, moe_capacity=moe_capacity, microbatches=microbatches, schedule=schedule, virtual_stages=virtual_stages,
             split_backward=split_backward, pipeline_blocks=pipeline_blocks, stage_layers=stage_layers,
             activation_checkpointing=activation_checkpointing, zb_keep_recomputed=zb_keep_recomputed, p2p=p2p,
             kernels=kernels, quant=quant, quant_range=quant_range, load_full=load_full, plan=plan,

@@ -87,6 +87,12 @@ def _ep2(rank, world):
     ref = _reference(ref_x, idx, w, weights)
     ref.sum().backward()
     out["empty"] = ((y - ref).abs().max().item(), (x.grad - ref_x.grad).abs().max().item())
+    # a capacity counts each rank's own tokens: ep=2 equals the one-expert-set loop with that capacity
+    x, idx, w = _tokens(rank, n=9)
+    rows, per_expert, d = dispatch(x, idx, E, group, 3)
+    outs = [chunk @ mine[e] for e, chunk in enumerate(rows.split(per_expert))]
+    y = combine(torch.cat(outs), w, d, group)
+    out["capacity"] = (y - _capacity_reference(x, idx, w, weights, 3)).abs().max().item()
     return out
 
 
@@ -95,6 +101,7 @@ def test_two_ranks_match_one_process():
         assert got["identity"] == (True, True)
         assert max(got["experts"]) < 1e-12, got
         assert max(got["empty"]) < 1e-12, got
+        assert got["capacity"] < 1e-12, got
 
 
 def _block(family):
@@ -246,6 +253,8 @@ BAD = {  # name: (model kwargs, strategy kwargs, expected message)
     "no_moe_layer": (dict(GPT_MOE), dict(ep=2), "has none this project knows"),
     "top_k_above_experts": (dict(GPT_MOE, n_expert=2, n_expert_per_token=4), dict(ep=2),
                             "top_k=4 of 2 experts"),
+    "capacity_out_of_range": (dict(GPT_MOE, n_expert=4), dict(moe_capacity=0), "a capacity factor is a number in"),
+    "capacity_without_moe": (dict(GPT_MOE), dict(moe_capacity=1.0), "moe_capacity=1.0) applies to mixture-of-experts"),
     "router_loss_under_pp": (dict(kind="hf_mixtral", config_kw=dict(output_router_logits=True)),
                              dict(pp=2, microbatches=2), "not supported under a pipeline yet"),
 }
@@ -347,3 +356,28 @@ def test_expert_checkpoints_resume_exactly_and_load_full_places_each_expert(tmp_
         assert max(abs(a - b) for a, b in zip(r["resumed"], r["straight"][3:])) < 1e-6, r
         assert r["loaded"] == 0.0
     assert [r["experts"] for r in got] == [["0", "1"], ["2", "3"]]
+
+
+def _capacity_reference(x, idx, w, weights, capacity):
+    """The per-expert loop keeping each expert's first ``capacity`` (token, slot) pairs in token order."""
+    out = torch.zeros_like(x)
+    for e in range(E):
+        tok, slot = torch.where(idx == e)
+        tok, slot = tok[:capacity], slot[:capacity]
+        out.index_add_(0, tok, (x[tok] @ weights[e]) * w[tok, slot, None])
+    return out
+
+
+def test_capacity_drops_the_latest_tokens_of_a_full_expert():
+    from lightning_tp.experts.dispatch import capacity_of
+
+    x, idx, w = _tokens(0, n=9)
+    weights = _experts()
+    for factor in (0.5, 1.0, 8.0):
+        cap = capacity_of(factor, 9, K, E)
+        rows, per_expert, d = dispatch(x, idx, E, None, cap)
+        assert max(per_expert) <= cap
+        y = combine(torch.cat([c @ weights[e] for e, c in enumerate(rows.split(per_expert))]), w, d)
+        assert torch.allclose(y, _capacity_reference(x, idx, w, weights, cap), atol=1e-12), factor
+    assert capacity_of(1.0, 9, K, E) == 5 and capacity_of(8.0, 9, K, E) >= 9  # 8: nothing dropped here
+    assert torch.allclose(y, _reference(x, idx, w, weights), atol=1e-12)

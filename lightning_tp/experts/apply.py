@@ -11,11 +11,12 @@ from . import router_statistics
 from .layer import expert_parallel
 
 
-def check_experts(model: nn.Module, ep: int) -> list:
+def check_experts(model: nn.Module, ep: int, capacity: float | None = None) -> list:
     """The model's mixture-of-experts blocks, checked for ``ep``; a clear error where ep cannot apply."""
     blocks = find_moe_blocks(model)
-    if ep > 1 and not blocks:
-        raise ValueError(f"MegaStrategy(ep={ep}) splits mixture-of-experts layers, but {type(model).__name__} has "
+    if (ep > 1 or capacity is not None) and not blocks:
+        what = f"ep={ep}" if ep > 1 else f"moe_capacity={capacity}"
+        raise ValueError(f"MegaStrategy({what}) applies to mixture-of-experts layers, but {type(model).__name__} has "
                          f"none this project knows (Mixtral, Qwen2-MoE, OLMoE, litgpt LLaMAMoE, the example GPT's "
                          f"MoE). Leave ep=1.")
     for path, block, family in blocks:
@@ -29,7 +30,7 @@ def check_experts(model: nn.Module, ep: int) -> list:
     return blocks
 
 
-def apply_experts(model: nn.Module, mesh, pp: int = 1, sp: bool = False) -> list:
+def apply_experts(model: nn.Module, mesh, pp: int = 1, sp: bool = False, capacity: float | None = None) -> list:
     """Replace every MoE block this rank holds (not another stage's twin) with an expert-parallel one under
     ep > 1 or sp (on sequence shards: its parameters' gradients are partial sums over tp); router
     statistics span the global batch (see :mod:`.router_statistics`). Returns the new blocks."""
@@ -40,10 +41,10 @@ def apply_experts(model: nn.Module, mesh, pp: int = 1, sp: bool = False) -> list
             continue
         if family.returns_logits:
             router_statistics.install(block, mesh.dp_group, pp)
-        if mesh.ep == 1 and not sp:
+        if mesh.ep == 1 and not sp and capacity is None:
             continue
         new = expert_parallel(block, family, mesh.ep_group, mesh.ep, mesh.ep_rank,
-                              sp_group=mesh.tp_group if sp else None)
+                              sp_group=mesh.tp_group if sp else None, capacity_factor=capacity)
         for p in new.experts.parameters():
             set_marks(p, expert=mesh.ep > 1)
         if sp:

@@ -4,6 +4,7 @@ router weights. Works unchanged on one process (no exchange)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -52,16 +53,26 @@ class Dispatched:
     top_k: int
 
 
-def dispatch(x: torch.Tensor, expert_idx: torch.Tensor, num_experts: int, group=None):
-    """``x`` [N, H], ``expert_idx`` [N, k] (global expert ids). Returns (rows for this rank's experts,
-    grouped by local expert, [M, H]; rows per local expert, a list; a :class:`Dispatched` for combine)."""
-    ep, rank = comm.group_size(group), comm.group_rank(group)
+def capacity_of(capacity_factor: float, tokens: int, top_k: int, num_experts: int) -> int:
+    """Rows an expert takes from one rank's tokens: ceil(factor x tokens x top_k / experts)."""
+    return math.ceil(capacity_factor * tokens * top_k / num_experts)
+
+
+def dispatch(x: torch.Tensor, expert_idx: torch.Tensor, num_experts: int, group=None, capacity: int | None = None):
+    """``x`` [N, H], ``expert_idx`` [N, k] (global expert ids); ``capacity``: each expert keeps at most that
+    many of this rank's (token, slot) pairs, earliest tokens first, the rest dropped. Returns (rows for this
+    rank's experts grouped by local expert [M, H], rows per local expert, a :class:`Dispatched` for combine)."""
+    ep = comm.group_size(group)
     n, k = expert_idx.shape
     local = num_experts // ep
     flat = expert_idx.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    rows = x[order // k]
     counts = torch.bincount(flat, minlength=num_experts)
+    if capacity is not None:  # position within its expert's run of the sorted pairs
+        start = torch.cumsum(counts, 0) - counts
+        kept = (torch.arange(order.numel(), device=order.device) - start[flat[order]]) < capacity
+        order, counts = order[kept], counts.clamp(max=capacity)
+    rows = x[order // k]
     if ep == 1:
         return rows, counts.tolist(), Dispatched(order, [rows.shape[0]], [rows.shape[0]], None, n, k)
     recv_counts = torch.empty_like(counts)
@@ -74,13 +85,12 @@ def dispatch(x: torch.Tensor, expert_idx: torch.Tensor, num_experts: int, group=
     chunks = [torch.arange(int(starts[s * local + e]), int(starts[s * local + e] + recv_counts[s, e]))
               for e in range(local) for s in range(ep)]
     regroup = torch.cat(chunks).to(x.device) if chunks else torch.zeros(0, dtype=torch.long, device=x.device)
-    del rank
     return received[regroup], recv_counts.sum(0).tolist(), Dispatched(order, send, recv, regroup, n, k)
 
 
 def combine(y: torch.Tensor, weights: torch.Tensor, d: Dispatched, group=None) -> torch.Tensor:
     """The experts' outputs ``y`` (as :func:`dispatch` grouped them) back to their tokens, each token's
-    k outputs summed with its router ``weights`` [N, k]. Returns [N, H]."""
+    k outputs summed with its router ``weights`` [N, k] (a dropped pair adds nothing). Returns [N, H]."""
     if d.regroup is not None:
         y = torch.empty_like(y).index_copy(0, d.regroup, y)
         y = all_to_all(y, d.recv, d.send, group)

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import comm
-from .dispatch import combine, dispatch
+from .dispatch import capacity_of, combine, dispatch
 from .families import MoEFamily
 
 
@@ -16,9 +16,10 @@ class ExpertParallelMoE(nn.Module):
     """``block``'s router (``gate``) and experts ``[first, first + count)`` of ``experts`` (keys kept, so
     state-dict names stay the block's), run over the expert-parallel ``group``."""
 
-    def __init__(self, block: nn.Module, family: MoEFamily, group, ep: int, ep_rank: int, sp_group=None):
+    def __init__(self, block: nn.Module, family: MoEFamily, group, ep: int, ep_rank: int, sp_group=None,
+                 capacity_factor: float | None = None):
         nn.Module.__init__(self)  # not the block class's (see expert_parallel)
-        self.family, self.group, self.sp_group = family, group, sp_group
+        self.family, self.group, self.sp_group, self.capacity_factor = family, group, sp_group, capacity_factor
         self.num_experts, self.top_k = family.num_experts(block), family.top_k(block)
         if self.num_experts % ep:
             raise ValueError(f"MegaStrategy(ep={ep}): {type(block).__name__} has {self.num_experts} experts, which "
@@ -44,7 +45,9 @@ class ExpertParallelMoE(nn.Module):
         x = hidden_states.reshape(-1, shape[-1])
         logits = self.gate(x)
         weights, idx = self._route(logits, x.dtype)
-        rows, per_expert, handle = dispatch(x, idx, self.num_experts, self.group)
+        capacity = None if self.capacity_factor is None else \
+            capacity_of(self.capacity_factor, x.shape[0], self.top_k, self.num_experts)
+        rows, per_expert, handle = dispatch(x, idx, self.num_experts, self.group, capacity)
         outs = [expert(chunk) for expert, chunk in zip(self.experts.values(), rows.split(per_expert))]
         y = combine(torch.cat(outs) if outs else rows, weights, handle, self.group)
         if self.family.shared_expert:
@@ -59,19 +62,20 @@ class ExpertParallelMoE(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"{self.family.name}: experts {self.first}..{self.first + len(self.experts) - 1} of "
-                f"{self.num_experts} here, top_k={self.top_k}, ep={comm.group_size(self.group)}")
+                f"{self.num_experts} here, top_k={self.top_k}, ep={comm.group_size(self.group)}"
+                + (f", capacity factor {self.capacity_factor}" if self.capacity_factor is not None else ""))
 
 
 _CLASSES: dict = {}
 
 
 def expert_parallel(block: nn.Module, family: MoEFamily, group, ep: int, ep_rank: int,
-                    sp_group=None) -> ExpertParallelMoE:
+                    sp_group=None, capacity_factor: float | None = None) -> ExpertParallelMoE:
     """An :class:`ExpertParallelMoE` for ``block`` that is also an instance of the block's class, so code
     that finds MoE blocks by class (Hugging Face's router-logit recorders) still finds it."""
     kind = type(block)
     if kind not in _CLASSES:
         _CLASSES[kind] = type(f"ExpertParallel{kind.__name__}", (ExpertParallelMoE, kind), {})
     new = _CLASSES[kind].__new__(_CLASSES[kind])
-    ExpertParallelMoE.__init__(new, block, family, group, ep, ep_rank, sp_group)
+    ExpertParallelMoE.__init__(new, block, family, group, ep, ep_rank, sp_group, capacity_factor)
     return new
