@@ -270,7 +270,7 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
                 apply_split(local, layout, r)
             if tp > 1:
                 planner.apply(local, matches, None, tp, t, sp)
-            experts = _split_experts(local, config.ep)
+            experts = _split_experts(local, config.ep, planner.expert_styles(config.plan))
             params = list(local.parameters())
             trained = sum(p.numel() for p in params if p.requires_grad and id(p) not in experts)
             expert_trained = sum(p.numel() for p in params if p.requires_grad and id(p) in experts)
@@ -286,7 +286,7 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
                 tied_bytes=tied * grad_bytes if pp > 1 and r in tied_ranks else 0,
                 dp_bytes=(trained + (expert_trained if config.ep == 1 else 0)) * grad_bytes if dp > 1 else 0,
                 expert_params=sum(p.numel() for p in params if id(p) in experts),
-                ep_bytes=_all_to_all_bytes(base, config.ep, r, locate, times, tokens, m * acc, dtype_bytes),
+                ep_bytes=_all_to_all_bytes(base, config, r, locate, times, tokens, m * acc, dtype_bytes),
                 edp_bytes=expert_trained * grad_bytes if config.ep > 1 and dp > config.ep else 0,
                 act_bytes=round((held + transient) * (B // m) * T * dtype_bytes), peak_microbatches=peaks[r],
                 recompute_bytes=round(transient * (B // m) * T * dtype_bytes),
@@ -296,10 +296,10 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
     return rep
 
 
-def _split_experts(local: nn.Module, ep: int) -> set:
+def _split_experts(local: nn.Module, ep: int, declared=()) -> set:
     """ids of ``local``'s expert parameters, after keeping 1/ep of each MoE layer's experts (ep > 1)."""
     found = set()
-    for path, block, family in find_moe_blocks(local):
+    for path, block, family in find_moe_blocks(local, declared):
         if ep > 1:
             block = expert_parallel(block, family, None, ep, 0)
             parent, _, leaf = path.rpartition(".")
@@ -308,13 +308,13 @@ def _split_experts(local: nn.Module, ep: int) -> set:
     return found
 
 
-def _all_to_all_bytes(base, ep: int, r: int, locate, times, tokens: int, calls: int, dtype_bytes: int) -> int:
+def _all_to_all_bytes(base, config, r: int, locate, times, tokens: int, calls: int, dtype_bytes: int) -> int:
     """Bytes rank ``r`` hands to the dispatch all-to-alls per step: per MoE layer it runs, its k rows per token
     out and back, forward and backward (4 x tokens x k x hidden; balanced routing), and the expert counts."""
-    if ep == 1:
+    if config.ep == 1:
         return 0
     total = 0
-    for path, block, family in find_moe_blocks(base):
+    for path, block, family in find_moe_blocks(base, planner.expert_styles(config.plan)):
         runs = times(locate(path), r)
         total += runs * (4 * tokens * family.top_k(block) * block.gate.in_features * dtype_bytes
                          + calls * family.num_experts(block) * 8)

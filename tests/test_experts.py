@@ -381,3 +381,86 @@ def test_capacity_drops_the_latest_tokens_of_a_full_expert():
         assert torch.allclose(y, _capacity_reference(x, idx, w, weights, cap), atol=1e-12), factor
     assert capacity_of(1.0, 9, K, E) == 5 and capacity_of(8.0, 9, K, E) >= 9  # 8: nothing dropped here
     assert torch.allclose(y, _reference(x, idx, w, weights), atol=1e-12)
+
+
+# ---------------------------------------------------------------- a custom MoE layer declared in a user plan
+
+from torch import nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+
+class TopKRouted(nn.Module):
+    """A user's own MoE layer (no family this project knows): top-k of the logits, softmax over them."""
+
+    def __init__(self, width: int, n: int, k: int):
+        super().__init__()
+        self.k = k
+        self.gate = nn.Linear(width, n, bias=False)
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+                                     for _ in range(n))
+
+    def forward(self, x):
+        flat = x.reshape(-1, x.shape[-1])
+        top, chosen = torch.topk(self.gate(flat), self.k)
+        weights = top.softmax(dim=-1)
+        y = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            token, slot = torch.where(chosen == e)
+            y[token] += weights[token, slot, None] * expert(flat[token])
+        return y.reshape(x.shape)
+
+
+class CustomMoELM(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(64, 16)
+        self.norms = nn.ModuleList(nn.LayerNorm(16) for _ in range(2))
+        self.moes = nn.ModuleList(TopKRouted(16, 4, 2) for _ in range(2))
+        self.head = nn.Linear(16, 64)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        h = self.emb(x)
+        for norm, moe in zip(self.norms, self.moes):
+            h = h + moe(norm(h))
+        loss = F.cross_entropy(self.head(h).flatten(0, 1), y.flatten())
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=3e-3, eps=1e-4)
+
+
+CUSTOM_MOE_PLAN = {"name": "my_moe", "styles": {"moes.*": {"style": "experts", "top_k": "k", "router": "topk_softmax"}}}
+
+
+def _custom(rank, world):
+    torch_dist.init_process_group("gloo")
+    rec = LossRecorder()
+    trainer = L.Trainer(devices=world, strategy=MegaStrategy(ep=2, plan=CUSTOM_MOE_PLAN, timeout=120), max_steps=STEPS,
+                        callbacks=[rec], limit_val_batches=0, **trainer_kwargs())
+    model = CustomMoELM()
+    trainer.fit(model, TokenData(STEPS * BATCH * world, 64, BATCH))
+    return rec.losses, sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+
+
+def test_a_custom_moe_layer_declared_in_a_plan_is_expert_parallel():
+    got = dist.run(2, _custom, timeout=300)
+    rec = LossRecorder()
+    model = CustomMoELM()
+    full = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    trainer = L.Trainer(devices=1, max_steps=STEPS, callbacks=[rec], use_distributed_sampler=False, **trainer_kwargs())
+    trainer.fit(model, TokenData(STEPS * BATCH * 2, 64, BATCH * 2, single=True))
+    for losses, experts in got:
+        assert max(abs(a - b) for a, b in zip(losses, rec.losses)) < 1e-5, (losses, rec.losses)
+        assert experts * 2 == full
+
+
+def test_experts_style_options_are_checked():
+    from lightning_tp import Plan
+
+    with pytest.raises(ValueError, match="needs the option 'top_k'"):
+        Plan(name="p", styles={"moes.*": {"style": "experts"}})
+    with pytest.raises(ValueError, match="must be 'softmax_topk' or 'topk_softmax'"):
+        Plan(name="p", styles={"moes.*": {"style": "experts", "top_k": 2, "router": "sinkhorn"}})

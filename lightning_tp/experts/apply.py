@@ -11,9 +11,10 @@ from . import router_statistics
 from .layer import expert_parallel
 
 
-def check_experts(model: nn.Module, ep: int, capacity: float | None = None) -> list:
-    """The model's mixture-of-experts blocks, checked for ``ep``; a clear error where ep cannot apply."""
-    blocks = find_moe_blocks(model)
+def check_experts(model: nn.Module, ep: int, capacity: float | None = None, declared=()) -> list:
+    """The model's mixture-of-experts blocks (``declared``: a user plan's 'experts' globs), checked for ``ep``;
+    a clear error where ep cannot apply."""
+    blocks = find_moe_blocks(model, declared)
     if (ep > 1 or capacity is not None) and not blocks:
         what = f"ep={ep}" if ep > 1 else f"moe_capacity={capacity}"
         raise ValueError(f"MegaStrategy({what}) applies to mixture-of-experts layers, but {type(model).__name__} has "
@@ -30,13 +31,14 @@ def check_experts(model: nn.Module, ep: int, capacity: float | None = None) -> l
     return blocks
 
 
-def apply_experts(model: nn.Module, mesh, pp: int = 1, sp: bool = False, capacity: float | None = None) -> list:
+def apply_experts(model: nn.Module, mesh, pp: int = 1, sp: bool = False, capacity: float | None = None,
+                  declared=()) -> list:
     """Replace every MoE block this rank holds (not another stage's twin) with an expert-parallel one under
     ep > 1 or sp (on sequence shards: its parameters' gradients are partial sums over tp); router
     statistics span the global batch (see :mod:`.router_statistics`). Returns the new blocks."""
     swapped = []
     sp = sp and mesh.tp > 1
-    for path, block, family in find_moe_blocks(model):
+    for path, block, family in find_moe_blocks(model, declared):
         if any(p.is_meta for p in block.parameters()):  # another pipeline stage's, seen through a twin
             continue
         if family.returns_logits:

@@ -63,12 +63,33 @@ FAMILIES = {
 }
 
 
+def declared_family(options: dict) -> MoEFamily:
+    """The family of a block a user plan styles 'experts' (see plans/base.py's STYLE_OPTIONS)."""
+    k = options["top_k"]
+    top_k = (lambda m: k) if isinstance(k, int) else (lambda m: getattr(m, k))
+    normalize, router = options.get("normalize", True), options.get("router", "softmax_topk")
+    route = (lambda m: softmax_then_topk(top_k(m), normalize)) if router == "softmax_topk" else \
+        (lambda m: topk_then_softmax(top_k(m)))
+    num = options.get("num_experts")
+    return MoEFamily("plan_experts", (lambda m: num) if num else (lambda m: len(m.experts)), top_k, route,
+                     returns_logits=bool(options.get("returns_logits", False)))
+
+
 def family_of(module: nn.Module):
     """The :class:`MoEFamily` of a block, by its qualified class name or else its class name; None if unknown."""
     kind = type(module)
     return FAMILIES.get(f"{kind.__module__}.{kind.__qualname__}") or FAMILIES.get(kind.__name__)
 
 
-def find_moe_blocks(model: nn.Module) -> list:
-    """(path, block, family) of every mixture-of-experts block of a known family, outermost first."""
-    return [(name, m, family_of(m)) for name, m in model.named_modules() if family_of(m) is not None]
+def find_moe_blocks(model: nn.Module, declared=()) -> list:
+    """(path, block, family) of every mixture-of-experts block of a known family, or at a path a user plan
+    styles 'experts' (``declared``: (glob, options) pairs), outermost first."""
+    from ..plans.base import path_matches
+
+    found = []
+    for name, m in model.named_modules():
+        options = next((o for glob, o in declared if path_matches(glob, name)), None)
+        family = declared_family(options) if options is not None else family_of(m)
+        if family is not None:
+            found.append((name, m, family))
+    return found

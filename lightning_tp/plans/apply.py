@@ -21,7 +21,7 @@ from ..layers.linear import shard_param, is_conv1d
 from ..layers.shard import ShardSpec, mark
 from ..pipeline.cut.placeholders import PipelinePlaceholder
 from ..experts.families import find_moe_blocks
-from .base import Plan, as_tuple, path_matches
+from .base import Plan, as_tuple, path_matches, split_style
 from .registry import registered_plans
 from .sizes import check_attr, check_sizes, getattr_path, set_attrs, head_replicas
 
@@ -94,7 +94,7 @@ def resolve(model: nn.Module, tp: int, sp: bool, plan="auto") -> list:
         m = Match(prefix, p)
         for name, module in root.named_modules():
             style, options = p.style_of(name)
-            if style is None or style == "replicate":
+            if style is None or style in ("replicate", "experts"):  # experts: run by experts/, not tp
                 continue
             full = _join(prefix, name)
             expected = _EXPECTED.get(style)
@@ -181,7 +181,7 @@ def _check_ties(model: nn.Module, matches: list) -> None:
 
 def _report(plan: Plan, root: nn.Module, prefix: str, names: list) -> None:
     """Warn about globs that matched nothing and Linear layers the plan leaves replicated."""
-    moe = [n for n, _, _ in find_moe_blocks(root)]  # run by the expert layers (see experts/), not the plan
+    moe = [n for n, _, _ in find_moe_blocks(root, expert_styles(plan))]  # run by experts/, not the plan
     inside_moe = lambda n: any(n == b or n.startswith(b + ".") for b in moe)  # noqa: E731
     unmatched = [g for g in plan.styles if not any(path_matches(g, n) for n in names)
                  and not any(path_matches(g.rpartition(".")[0], b) for b in moe)]
@@ -402,6 +402,16 @@ def _held(model: nn.Module, path: str):
         if module is None:
             return None
     return None if isinstance(module, PipelinePlaceholder) else module
+
+
+def expert_styles(plan) -> list:
+    """(glob, options) of the blocks a user's plan (a Plan or dict) styles 'experts'; none for "auto"."""
+    if isinstance(plan, dict):
+        plan = Plan.from_dict(plan)
+    if not isinstance(plan, Plan):
+        return []
+    return [(glob, options) for glob, (style, options) in ((g, split_style(v)) for g, v in plan.styles.items())
+            if style == "experts"]
 
 
 def blocks_path(model: nn.Module, plan):

@@ -21,6 +21,8 @@ STYLES = {
     "partial": "replicated module fed this rank's heads only (a per-head q/k norm): grads always summed over tp",
     "mha": "nn.MultiheadAttention replaced by a head-parallel TPMultiheadAttention",
     "replicate": "left as it is (every tp rank holds the full module)",
+    "experts": "a mixture-of-experts block with a router Linear 'gate' and a list 'experts': run expert-parallel "
+               "under ep (see docs/experts.md); options top_k, num_experts, router, normalize, returns_logits",
 }
 ATTR_RULES = {
     "divide": "value // tp (must divide)",
@@ -39,6 +41,11 @@ STYLE_OPTIONS = {
     "whole_inputs": "for 'region' with 'inputs' (or 'mha': a cross-attention's key and value): true where those are "
                     "whole along the sequence even under SP (an encoder's output, gathered at its sp_end): they "
                     "enter by copy, as without SP",
+    "top_k": "for 'experts': experts per token (an int, or the name of the block's attribute holding it)",
+    "num_experts": "for 'experts': the expert count (default: len(block.experts))",
+    "router": "for 'experts': 'softmax_topk' (softmax in fp32, then top-k; Mixtral's) or 'topk_softmax' (litgpt's)",
+    "normalize": "for 'experts' with 'softmax_topk': renormalize the k weights to sum to 1 (default true)",
+    "returns_logits": "for 'experts': the block returns (hidden states, router logits) (default false)",
     "return_shards": "for 'lm_head' with 'vocab_ce': in training the model returns this rank's vocabulary "
                      "columns, not whole logits (no all-gather of tokens x vocab: for a step that reads the loss only)",
 }
@@ -104,6 +111,11 @@ class Plan:
             if options.get("whole_inputs") and not inputs and style != "mha":
                 raise ValueError(f"plan {self.name!r}: option 'whole_inputs' of {glob!r} needs 'inputs' (the arguments "
                                  f"that are whole), or the style 'mha' (its key and value).")
+            if style == "experts" and options.get("router", "softmax_topk") not in ("softmax_topk", "topk_softmax"):
+                raise ValueError(f"plan {self.name!r}: option 'router' of {glob!r} must be 'softmax_topk' or "
+                                 f"'topk_softmax', got {options['router']!r}.")
+            if style == "experts" and "top_k" not in options:
+                raise ValueError(f"plan {self.name!r}: style 'experts' of {glob!r} needs the option 'top_k'.")
             unknown = set(options) - set(STYLE_OPTIONS)
             if unknown:
                 raise ValueError(f"plan {self.name!r}: unknown option(s) {sorted(unknown)} for {glob!r}; choose from "
