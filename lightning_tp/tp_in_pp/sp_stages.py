@@ -23,17 +23,17 @@ def chain_index(layout, path: str):
     return None
 
 
-def runs_here(state, indices: dict, path: str) -> bool:
+def runs_here(stage, indices: dict, path: str) -> bool:
     """Whether the module at ``path`` runs for real in the current run (its block is in the running
     virtual stage's range); True for a module outside the blocks."""
     i = indices.get(path)
     if i is None:
         return True
-    lo, hi = state.ranges[state.active]
+    lo, hi = stage.ranges[stage.run.vstage]
     return lo <= i <= hi
 
 
-def install(layout, state, matches, contexts, tp: int) -> None:
+def install(layout, stage, matches, contexts, tp: int) -> None:
     """Gate each SP context's split and gather by the running stage, and tell the stages the hidden
     states they receive are sequence shards (see ..pipeline.run.stage._wrap_chained)."""
     sp = [ctx for ctx in contexts if ctx.sp]
@@ -42,8 +42,8 @@ def install(layout, state, matches, contexts, tp: int) -> None:
     paths = [p for m in matches for p in m.sp_starts() + m.sp_ends()]
     indices = {p: chain_index(layout, p) for p in paths}
     for ctx in sp:
-        ctx.here = partial(runs_here, state, indices)
-    state.sp_shards, state.seq_dim = tp, sp[0].seq_dim
+        ctx.here = partial(runs_here, stage, indices)
+    stage.sp_shards, stage.seq_dim = tp, sp[0].seq_dim
 
 
 def shard_like(t: torch.Tensor, shards: int, seq_dim: int) -> torch.Tensor:

@@ -39,9 +39,9 @@ class PipelinePlaceholder(nn.Module):
             if twin is None:
                 raise
             value = getattr(twin[0], name)
-            state = self.__dict__.get("stage")
-            if isinstance(value, nn.Parameter) and state is not None and self.__dict__.get("runs_in") == "before" \
-                    and state.active == state.last_vstage and state.entered:
+            stage = self.__dict__.get("stage")
+            if isinstance(value, nn.Parameter) and stage is not None and self.__dict__.get("runs_in") == "before" \
+                    and stage.run.vstage == stage.last_vstage and stage.run.blocks_begun:
                 raise ValueError(f"pipeline: the last stage reads {self.skipped}.{name} after the blocks (a head "
                                  f"computed with the embedding's weight, F.linear(h, emb.weight)?), but that "
                                  f"module is on the first stage. Tie through a module instead "
@@ -65,24 +65,25 @@ class SkippedBlock(PipelinePlaceholder):
     """A block another stage holds: passes the hidden states through (see :func:`passthrough`)."""
 
     side_outputs = False  # an encoder-decoder's (see passthrough)
-    index = None  # its place in the block list and, with one block list, the StageState (..run.stage.install):
+    index = None  # its place in the block list and, with one block list, the StageMap (..run.stage.install):
     stage = None  # the block before the running stage's first checks its other arguments (see ..run.side_inputs)
     piece = False  # one piece of a block (see .block_lists): the stage stops at the first given hidden states
 
     def forward(self, *args, **kwargs):
-        memo, state = self.__dict__.setdefault("_memo", {}), self.stage
-        if state is not None and state.stop_at.get(self.index) == state.active:  # the next stage's first block
+        memo, stage = self.__dict__.setdefault("_memo", {}), self.stage
+        run = stage.run if stage is not None else None
+        if run is not None and stage.run_ends_at.get(self.index) == run.vstage:  # the next stage's first block
             hidden = hidden_place(args, kwargs, memo.setdefault("hidden", hidden_name(self._twin[0])))
             value = args[hidden] if isinstance(hidden, int) else kwargs[hidden]
-            if not self.piece or _shaped_as(value, state.last_out):  # not a norm's mod(condition)
-                raise state.done(value)
-        if state is not None and state.side is not None and state.active > 0 \
-                and self.index == state.ranges[state.active - 1][1]:
+            if not self.piece or _shaped_as(value, run.last_block_out):  # not a norm's mod(condition)
+                raise run.stop(value)
+        if run is not None and stage.side_check is not None and run.vstage > 0 \
+                and self.index == stage.ranges[run.vstage - 1][1]:
             hidden = hidden_place(args, kwargs, memo.setdefault("hidden", hidden_name(self._twin[0])))
-            state.side.compare(state.active, self.index, args, kwargs, hidden)
+            stage.side_check.compare(run.vstage, self.index, args, kwargs, hidden)
         out = passthrough(self._twin[0], args, kwargs, self.side_outputs, memo)
-        if state is not None:
-            state.passed = handed_on(out)
+        if run is not None:
+            run.passed_through = handed_on(out)
         return out
 
 
@@ -203,7 +204,7 @@ class ShapeOnly(PipelinePlaceholder):
     """Runs the meta twin of the original to return stand-ins of the true output shape."""
 
     runs_in = None  # "before" / "after": the stage the original went to (see outer_modules.outer_groups)
-    stage = None  # the StageState, with one block list (see ..run.stage.install): checks where it is called
+    stage = None  # the StageMap, with one block list (see ..run.stage.install): checks where it is called
 
     def forward(self, *args, **kwargs):
         if self.stage is not None:
@@ -211,10 +212,11 @@ class ShapeOnly(PipelinePlaceholder):
         return stand_in_output(self._twin[0], args, kwargs)
 
 
-def _check_place(placeholder: "ShapeOnly", state) -> None:
+def _check_place(placeholder: "ShapeOnly", stage) -> None:
     """Raise where a placeholder is called where its original should have run (the module went to the
     wrong end of the pipeline). See docs/design/pipeline-cut.md."""
-    wrong = {"after": state.active == 0, "before": state.active == state.last_vstage and state.entered}
+    run = stage.run
+    wrong = {"after": run.vstage == 0, "before": run.vstage == stage.last_vstage and run.blocks_begun}
     if wrong.get(placeholder.runs_in):
         where = ("before the blocks, but went to the last stage (it holds a Linear and no embedding)"
                  if placeholder.runs_in == "after" else

@@ -23,7 +23,7 @@ from ..transport.p2p_slots import SlotMailbox
 from ..cut.placeholders import agree_on_stand_ins, holds_nan
 from ..schedule.schedules import Action, build_schedule, split_keys
 from ..schedule.slots import slot_plan
-from .stage import StageDone
+from .stage import StageDone, StageRun
 
 
 def no_autocast(device):
@@ -95,9 +95,8 @@ class PipelineRunner(StageLogs, ForwardOnlyStep, BackwardStep):
     def _run(self, hook: str, micro, rest, vstage, received, logs, arrival=None, on_stop=None):
         """The user's step on one microbatch as virtual stage ``vstage``: (ran to its end, its result or
         what the stage hands on). ``arrival``: the wait for ``received``'s values, left to the stage's
-        first block; ``on_stop``: sends what the stage hands on, where it stops (see StageState)."""
-        self.state.active, self.state.received, self.state.entered = vstage, received, False
-        self.state.arrival, self.state.on_stop = arrival, on_stop
+        first block; ``on_stop``: sends what the stage hands on, where it stops (see .stage.StageRun)."""
+        run = self.state.run = StageRun(vstage, received, activation_wait=arrival, send_at_stop=on_stop)
         mute = vstage // self.layout.pp < self.layout.v - 1
         try:
             if self._metrics is None:  # looked up once: walking the module per microbatch adds up
@@ -118,12 +117,11 @@ class PipelineRunner(StageLogs, ForwardOnlyStep, BackwardStep):
         except StageDone as done:
             result = False, done.output
         except BaseException:
-            self.state.arrival = None  # a failing step: not waited on
+            run.activation_wait = None  # a failing step: not waited on
             raise
         finally:
-            self.state.received, self.state.stand_ins, self.state.passed = None, {}, None
-            self.state.on_stop = None
-        self.state.arrived()  # a run that never reached its first block
+            run.activation, run.replaced, run.passed_through, run.send_at_stop = None, {}, None, None
+        run.wait_for_activation()  # a run that never reached its first block
         return result
 
     def _device(self):
@@ -272,7 +270,7 @@ class PipelineRunner(StageLogs, ForwardOnlyStep, BackwardStep):
                 tensor, work = box.recv(src, t, st.device, channel, wait=False)
                 self._store(a, tensor, st.inputs, st.grads, box.splits_in.get(channel, (0, 0)))
                 arrival = partial(_arrive, work, box, self._landed.get(i, ()))
-                if a.kind == "RECV_F":  # waited on at the stage's first block (StageState.arrived)
+                if a.kind == "RECV_F":  # waited on at the stage's first block (StageRun.wait_for_activation)
                     st.arrivals[key] = arrival
                 else:
                     arrival()
@@ -285,7 +283,7 @@ class PipelineRunner(StageLogs, ForwardOnlyStep, BackwardStep):
         box.wait()
 
     def _send_at_stop(self, box, sent: set, a, value, forward_only: bool = False) -> None:
-        """SEND_F of F action ``a``'s result, made where the stage stops (see StageState.done) and noted
+        """SEND_F of F action ``a``'s result, made where the stage stops (see .stage.StageRun.stop) and noted
         in ``sent``: sends never block, so one made earlier than the action list says cannot deadlock,
         and a channel's microbatches still leave in order."""
         box.send(value, *self._send_route(Action("SEND_F", a.microbatch, a.chunk), forward_only))
@@ -354,7 +352,7 @@ class PipelineRunner(StageLogs, ForwardOnlyStep, BackwardStep):
         else:  # the step runs inside Lightning's autocast; backward must not
             # a checkpoint of the user's own recomputes blocks in here, outside any run (see stage._wrap)
             received = st.inputs.get(key) if a.kind == "B" else getattr(st.deferred.get(key), "inp", None)
-            self.state.backward = (k, received)
+            self.state.replay = (k, received)
             try:
                 with no_autocast(st.device), self._syncing(a), backward_pass():
                     if a.kind == "B":
@@ -365,7 +363,7 @@ class PipelineRunner(StageLogs, ForwardOnlyStep, BackwardStep):
                     else:
                         st.deferred.pop(key).weight_grad()
             finally:
-                self.state.backward = None
+                self.state.replay = None
 
 
 def _last_per_chunk(actions, kind: str, v: int) -> set:

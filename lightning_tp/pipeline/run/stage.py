@@ -25,50 +25,57 @@ class StageDone(Exception):
 
 
 @dataclass
-class StageState:
+class StageRun:
+    """One run of the user's step as virtual stage ``vstage``, set by the executor at its start; between
+    runs the last one stays (its stage, whether its blocks began)."""
+
+    vstage: int = 0
+    activation: torch.Tensor | None = None  # received from the previous stage (None on the first)
+    blocks_begun: bool = False  # the stage's first block has run (see ..cut.placeholders._check_place)
+    # an encoder-decoder: id(tensor the user's code computed) -> (it, the received part that replaces it)
+    replaced: dict = field(default_factory=dict)
+    passed_through: object = None  # the hidden states the last block outside the stage handed on (see _wrap)
+    last_block_out: tuple | None = None  # (shape, dtype) of what the stage's last block call handed on
+    activation_wait: object = None  # gloo: the wait for ``activation``'s values, made at the stage's first block
+    send_at_stop: object = None  # gloo: the send of what the run hands on, made where it stops
+
+    def stop(self, output) -> StageDone:
+        """End the run here with ``output``, sending it now (``send_at_stop``). See
+        docs/design/pipeline-run.md."""
+        send, self.send_at_stop = self.send_at_stop, None
+        if send is not None:
+            send(output)
+        return StageDone(output)
+
+    def wait_for_activation(self) -> None:
+        """Wait for the received activation's values (once). See docs/design/pipeline-run.md."""
+        wait, self.activation_wait = self.activation_wait, None
+        if wait is not None:
+            wait()
+
+
+@dataclass
+class StageMap:
+    """This rank's virtual stages as :func:`install` set them, with the run in progress (``run``) and, while
+    a backward recomputes blocks, its stage and activation (``replay``)."""
+
     ranges: list  # per virtual stage (first, last) block index
     last_vstage: int
-    active: int = 0
-    received: torch.Tensor | None = None
-    entered: bool = False  # the active stage's first block has run (see ..cut.placeholders._check_place)
-    # an encoder-decoder, while a stage runs: id(tensor the user's code computed) -> (it, received stand-in)
-    stand_ins: dict = field(default_factory=dict)
-    side: object = None  # one block list: the check of the blocks' other arguments (see .side_inputs)
-    stop_at: dict = field(default_factory=dict)  # one block list: block index -> virtual stage that ends before it
-    backward: tuple | None = None  # while a backward runs: (virtual stage, its received activation)
-    passed: object = None  # the hidden states the last skipped block handed on, in this run (see _wrap)
-    last_out: tuple | None = None  # (shape, dtype) of what the stage's last block call handed on (see SkippedBlock)
-    # gloo training: the received activation's pending wait (see arrived), and the send of what this
-    # run hands on, made where it stops (see done)
-    arrival: object = None
-    on_stop: object = None
+    side_check: object = None  # one block list: the check of the blocks' other arguments (see .side_inputs)
+    run_ends_at: dict = field(default_factory=dict)  # one block list: block index -> virtual stage ending there
     # an encoder-decoder under sp: the hidden states a stage receives inside a stack are sequence shards
     sp_shards: int = 1
     seq_dim: int = 1
-
-    def done(self, output) -> StageDone:
-        """End the run here with ``output``. Its send leaves now (``on_stop``), not once the step has
-        unwound through the user's code and the executor: that delay lay on every transfer's path."""
-        on_stop, self.on_stop = self.on_stop, None
-        if on_stop is not None:
-            on_stop(output)
-        return StageDone(output)
-
-    def arrived(self) -> None:
-        """Wait for the received activation's values. The executor leaves the wait to the stage's first
-        block, so the user's code before it (the step up to the model's blocks, placeholders) runs
-        while the transfer is in flight instead of after it, on every transfer's path."""
-        arrival, self.arrival = self.arrival, None
-        if arrival is not None:
-            arrival()
+    run: StageRun = field(default_factory=StageRun)
+    replay: tuple | None = None  # while a backward runs: (virtual stage, its received activation)
 
 
-def install(blocks, layout, pp_rank: int, silence=(), twins=None, side=None, companion_twins=None) -> StageState:
+def install(blocks, layout, pp_rank: int, silence=(), twins=None, side=None, companion_twins=None) -> StageMap:
     """Wrap this rank's blocks (and ``silence`` the modules its other chunks must not rerun) for their virtual
-    stages; returns the :class:`StageState`. Arguments: docs/design/pipeline-run.md."""
+    stages; returns the :class:`StageMap`. Arguments: docs/design/pipeline-run.md."""
     twins, companion_twins = twins or {}, companion_twins or {}
     beside = [(c, blocks.model.get_submodule(c)) for c in layout.companions]
-    state = StageState(layout.ranges, layout.last_vstage)
+    stage = StageMap(layout.ranges, layout.last_vstage)
     chained = layout.decoder_start is not None
     for k in layout.vstages_of(pp_rank):
         lo, hi = layout.ranges[k]
@@ -78,33 +85,33 @@ def install(blocks, layout, pp_rank: int, silence=(), twins=None, side=None, com
                                  f"calls one by one; an encoder-decoder pipeline needs blocks called as a whole. "
                                  f"Use tp/dp for this model.")
             if chained:
-                _wrap_chained(blocks[i], i, state, i == layout.decoder_start, blocks.name(i), twins.get(i))
+                _wrap_chained(blocks[i], i, stage, i == layout.decoder_start, blocks.name(i), twins.get(i))
             else:
-                _wrap(blocks[i], i, state, twins.get(i), [(c[i], companion_twins.get((path, i))) for path, c in beside])
+                _wrap(blocks[i], i, stage, twins.get(i), [(c[i], companion_twins.get((path, i))) for path, c in beside])
         if chained and k < layout.last_vstage:
-            _stop_at(blocks[hi + 1], k, state, hi + 1 == layout.decoder_start)
+            _stop_at(blocks[hi + 1], k, stage, hi + 1 == layout.decoder_start)
     for module, twin, runs in silence:
-        _silence_outside(module, twin, runs, state)
+        _silence_outside(module, twin, runs, stage)
     if not chained:  # an encoder-decoder's modules have their own places (see StageLayout.runs), and
-        state.side = side  # its side inputs travel
-        state.stop_at = {layout.ranges[k][1] + 1: k for k in layout.vstages_of(pp_rank) if k < layout.last_vstage}
+        stage.side_check = side  # its side inputs travel
+        stage.run_ends_at = {layout.ranges[k][1] + 1: k for k in layout.vstages_of(pp_rank) if k < layout.last_vstage}
         for m in blocks.model.modules():
             if isinstance(m, ShapeOnly):
-                m.stage = state
+                m.stage = stage
         for i in range(len(blocks)):  # a block, the pieces of one called piece by piece, and those beside it
             for piece in [m for module in [blocks[i]] + [c[i] for _, c in beside] for m in module.modules()]:
                 if isinstance(piece, SkippedBlock):
-                    piece.stage, piece.index = state, i
-    return state
+                    piece.stage, piece.index = stage, i
+    return stage
 
 
-def _silence_outside(module, twin, runs: set, state: StageState) -> None:
+def _silence_outside(module, twin, runs: set, stage: StageMap) -> None:
     """An embedding only feeds virtual stage 0 (and an encoder-decoder's decoder stage): in another
     chunk's run it returns stand-ins of its shape (see ..cut.placeholders.stand_in_output)."""
     original = module.forward
 
     def forward(*args, **kwargs):
-        if state.active not in runs:
+        if stage.run.vstage not in runs:
             return stand_in_output(twin, args, kwargs)
         return original(*args, **kwargs)
 
@@ -121,48 +128,49 @@ def _passthrough_of(twin, side_outputs: bool, name=None):
     return lambda args, kwargs: passthrough(twin, args, kwargs, side_outputs, memo)
 
 
-def _wrap(block, index: int, state: StageState, twin=None, beside=()) -> None:
+def _wrap(block, index: int, stage: StageMap, twin=None, beside=()) -> None:
     """Wrap a block to take the stage's activation: at its call, or for one called piece by piece (or with
     ``beside`` modules) at the first piece given hidden states. See docs/design/pipeline-run.md."""
     parts = called_parts(block)
     if parts == [("", block)] and not beside:
-        _wrap_call(block, index, state, twin, None)
+        _wrap_call(block, index, stage, twin, None)
         return
     twins = dict(called_parts(twin)) if twin is not None else {}
     entry = {}
     for path, piece in parts:
-        _wrap_call(piece, index, state, twins.get(path), entry)
+        _wrap_call(piece, index, stage, twins.get(path), entry)
     for module, module_twin in beside:
         for path, piece in called_parts(module):
-            _wrap_call(piece, index, state, dict(called_parts(module_twin)).get(path) if module_twin is not None else None, entry)
+            _wrap_call(piece, index, stage, dict(called_parts(module_twin)).get(path) if module_twin is not None else None, entry)
 
 
-def _wrap_call(block, index: int, state: StageState, twin, entry) -> None:
+def _wrap_call(block, index: int, stage: StageMap, twin, entry) -> None:
     original = block.forward
     name = hidden_name(block)
     skip = _passthrough_of(twin, False, name)
 
     def forward(*args, **kwargs):
-        recompute = state.backward is not None  # a user's checkpoint replays it (in B or W, see executor)
-        active, received = state.backward if recompute else (state.active, state.received)
-        lo, hi = state.ranges[active]
+        run = stage.run
+        recompute = stage.replay is not None  # a user's checkpoint replays it (in B or W, see executor)
+        active, received = stage.replay if recompute else (run.vstage, run.activation)
+        lo, hi = stage.ranges[active]
         if not lo <= index <= hi:
             out = skip(args, kwargs)
-            state.passed = handed_on(out)
+            run.passed_through = handed_on(out)
             return out
-        if entry is not None and index == lo and active > 0 and not recompute and not state.entered \
+        if entry is not None and index == lo and active > 0 and not recompute and not run.blocks_begun \
                 and _like(args[0] if args else kwargs.get(hidden_place(args, kwargs, name)), received):
             entry["piece"] = block  # the first piece given hidden states (not a norm's mod(condition))
         starts = entry is None or entry.get("piece") is block
         if entry is None or starts or index != lo or active == 0:
-            state.entered = True
+            run.blocks_begun = True
         if index == lo and active > 0 and starts:
-            state.arrived()
+            run.wait_for_activation()
             place = hidden_place(args, kwargs, name)
             computed = args[0] if args else kwargs.get(place)
             # what the previous (skipped) block handed on, unchanged (h = block(h)): only the argument
             # changes; else code between the blocks made it (h = h + block(h)) and it takes the activation
-            taken = not recompute and computed is not state.passed and _takes_in_place(computed, received)
+            taken = not recompute and computed is not run.passed_through and _takes_in_place(computed, received)
             if taken and _in_users_checkpoint():
                 raise ValueError(
                     f"pipeline: block {index} begins virtual stage {active} and is called under a checkpoint "
@@ -172,15 +180,15 @@ def _wrap_call(block, index: int, state: StageState, twin, entry) -> None:
                     f"or checkpoint inside the block.")
             if not (taken and _written(computed, received)):  # written: the user's variable holds it too
                 args, kwargs = ((received,) + tuple(args[1:]), kwargs) if args else (args, {**kwargs, place: received})
-        last = index == hi and active < state.last_vstage and not recompute
-        if last and state.side is not None:
-            state.side.leave(active, index, args, kwargs, hidden_place(args, kwargs, name))
+        last = index == hi and active < stage.last_vstage and not recompute
+        if last and stage.side_check is not None:
+            stage.side_check.leave(active, index, args, kwargs, hidden_place(args, kwargs, name))
         out = original(*args, **kwargs)
         if last:
             _check_side_inputs(args, kwargs, name, index)
         hidden = out if isinstance(out, torch.Tensor) else out[0] if isinstance(out, (tuple, list)) and out else None
         if isinstance(hidden, torch.Tensor):
-            state.last_out = (tuple(hidden.shape), hidden.dtype)
+            run.last_block_out = (tuple(hidden.shape), hidden.dtype)
         return out
 
     block.forward = forward
@@ -270,51 +278,52 @@ def _at(args, kwargs, place):
     return args[place] if isinstance(place, int) else kwargs[place]
 
 
-def _stand_in(value, state: StageState):
-    held = state.stand_ins.get(id(value)) if isinstance(value, torch.Tensor) else None
+def _stand_in(value, run: StageRun):
+    held = run.replaced.get(id(value)) if isinstance(value, torch.Tensor) else None
     return held[1] if held is not None and held[0] is value else value
 
 
-def _wrap_chained(block, index: int, state: StageState, list_start: bool, name: str, twin=None) -> None:
+def _wrap_chained(block, index: int, stage: StageMap, list_start: bool, name: str, twin=None) -> None:
     original = block.forward
     first = hidden_name(block)
     skip = _passthrough_of(twin, True, first)
 
     def forward(*args, **kwargs):
-        if state.backward is not None:
+        if stage.replay is not None:
             raise ValueError(f"pipeline: {name} is recomputed in backward by a checkpoint of your own around its "
                              f"call; in an encoder-decoder pipeline use MegaStrategy(activation_checkpointing=True).")
-        lo, hi = state.ranges[state.active]
+        run = stage.run
+        lo, hi = stage.ranges[run.vstage]
         if not lo <= index <= hi:
             return skip(args, kwargs)
-        if index == lo and state.active > 0:
-            state.arrived()
+        if index == lo and run.vstage > 0:
+            run.wait_for_activation()
             places = _carried(args, kwargs, list_start, first)
             computed = [_at(args, kwargs, p) for p in places]
             hidden = hidden_place(args, kwargs, first)
-            like = [shard_like(c, state.sp_shards, state.seq_dim) if p == hidden and state.sp_shards > 1 else c
+            like = [shard_like(c, stage.sp_shards, stage.seq_dim) if p == hidden and stage.sp_shards > 1 else c
                     for p, c in zip(places, computed)]  # this rank's shard of the sequence (see ...tp_in_pp.sp_stages)
-            parts = unpack(state.received, like)
+            parts = unpack(run.activation, like)
             # later blocks are given the side inputs again (memory), never the first block's hidden states
-            state.stand_ins = {id(c): (c, part) for p, c, part in zip(places, computed, parts) if p != hidden}
+            run.replaced = {id(c): (c, part) for p, c, part in zip(places, computed, parts) if p != hidden}
             received = dict(zip(places, parts))
             # by place: a tensor may be passed twice (src and tgt alike), only one place is received
             args = tuple(received.get(i, a) for i, a in enumerate(args))
             kwargs = {k: received.get(k, a) for k, a in kwargs.items()}
             return original(*args, **kwargs)
         if list_start:  # the decoder starts inside this stage: its memory is computed here
-            state.stand_ins = {}
-        elif state.active > 0 and torch.is_grad_enabled():
-            _check_computed(args, kwargs, state, name, first)
-        if state.stand_ins:
-            args = tuple(_stand_in(a, state) for a in args)
-            kwargs = {key: _stand_in(a, state) for key, a in kwargs.items()}
+            run.replaced = {}
+        elif run.vstage > 0 and torch.is_grad_enabled():
+            _check_computed(args, kwargs, run, name, first)
+        if run.replaced:
+            args = tuple(_stand_in(a, run) for a in args)
+            kwargs = {key: _stand_in(a, run) for key, a in kwargs.items()}
         return original(*args, **kwargs)
 
     block.forward = forward
 
 
-def _check_computed(args, kwargs, state: StageState, name: str, first=None) -> None:
+def _check_computed(args, kwargs, run: StageRun, name: str, first=None) -> None:
     """A later block of a receiving stage may be given only what travelled (a stand-in) or what this
     stage computed (it requires grad): an encoder-output-like tensor that is neither was made by
     placeholders (decoder blocks given each their own encoder tensor, ``memory=mems[i]``)."""
@@ -322,26 +331,27 @@ def _check_computed(args, kwargs, state: StageState, name: str, first=None) -> N
     for place in _carried(args, kwargs, False, first):
         a = _at(args, kwargs, place)
         if place != hidden and _shaped_like(a, _at(args, kwargs, hidden)) and not a.requires_grad \
-                and id(a) not in state.stand_ins:
+                and id(a) not in run.replaced:
             raise ValueError(f"pipeline: {name} is given {place!r} (shape {tuple(a.shape)}), which is neither what "
                              f"its stage received nor computed there: each decoder block must be given the same "
                              f"encoder output as the stage's first. Use tp/dp for this model.")
 
 
-def _stop_at(block, vstage: int, state: StageState, list_start: bool) -> None:
+def _stop_at(block, vstage: int, stage: StageMap, list_start: bool) -> None:
     """At the entry of virtual stage ``vstage + 1``'s first block, end ``vstage``'s run: what that block
     would be given (the encoder's output included) is the message."""
     original = block.forward
     first = hidden_name(getattr(block, "_twin", [block])[0])  # a placeholder here: its twin's
 
     def forward(*args, **kwargs):
-        if state.active == vstage:
+        run = stage.run
+        if run.vstage == vstage:
             places = _carried(args, kwargs, list_start, first)
             if not places:
                 raise ValueError("pipeline: two block lists are taken as an encoder and a decoder, but the second "
                                  "list's first block is given no tensor besides its own input (the encoder's "
                                  "output). Name one block list: pipeline_blocks='path.to.blocks'.")
-            raise state.done(pack([_stand_in(_at(args, kwargs, p), state) for p in places]))
+            raise run.stop(pack([_stand_in(_at(args, kwargs, p), run) for p in places]))
         return original(*args, **kwargs)
 
     block.forward = forward
