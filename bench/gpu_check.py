@@ -26,7 +26,8 @@ Rows (check | result | figure):
   * ``compiled <op> bf16``: the kernel under ``torch.compile`` against the float64 reference, and
     its time against ``torch.compile`` of the eager twin. An error raised by dynamo/inductor reads
     UNSUPPORTED (not a failure); wrong numbers FAIL.
-  * ``grouped expert GEMM``: placeholder, the experts do not exist yet.
+  * ``expert layer``: the MoE layer on the device against CPU, and its time against the block's own loop;
+  * ``grouped expert GEMM``: placeholder, the local experts run in a loop.
 
 Each check is guarded: an exception gives a FAIL row with the error (traceback on stderr) and the
 rest still run. Checks that would start after ``--budget`` seconds are skipped. Exit status 1 when
@@ -585,6 +586,47 @@ def check_gpt_step(mode: str, loss_tol: float, grad_tol: float):
     return (PASS if ok else FAIL), fig
 
 
+def check_expert_layer():
+    """The expert-parallel MoE layer (one process: dispatch without exchange) on the device against CPU,
+    forward and backward, fp32 with TF32 off; time of one fwd+bwd against the block's own loop."""
+    import sys as _sys
+
+    _sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from examples.gpt.model import GPTConfig, MoE
+    from lightning_tp.experts.families import family_of
+    from lightning_tp.experts.layer import expert_parallel
+
+    width, tokens = (64, 64) if DRY else (1024, 4096)
+    torch.manual_seed(0)
+    block = MoE(GPTConfig(n_embd=width, n_expert=8, n_expert_per_token=2))
+    layer = expert_parallel(copy.deepcopy(block), family_of(block), None, 1, 0)
+    x = torch.randn(1, tokens, width)
+    old = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        dev = copy.deepcopy(layer).to(DEV)
+        xd = x.detach().clone().to(DEV).requires_grad_(True)
+        yd = dev(xd)
+        yd.square().mean().backward()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+    xc = x.detach().clone().requires_grad_(True)
+    yc = layer(xc)
+    yc.square().mean().backward()
+    err = max(rel_err(yd.detach().cpu(), yc.detach()), rel_err(xd.grad.cpu(), xc.grad))
+    err = max(err, max(rel_err(a.grad.cpu(), b.grad) for a, b in zip(dev.parameters(), layer.parameters())))
+
+    def step(module):
+        xx = x.detach().clone().to(DEV).requires_grad_(True)
+        module(xx).square().mean().backward()
+
+    own = copy.deepcopy(block).to(DEV)
+    t_layer, t_own = median_ms(lambda: step(dev), reps=5), median_ms(lambda: step(own), reps=5)
+    ok = err <= 1e-4
+    return (PASS if ok else FAIL), (f"{tokens} tokens x {width}, 8 experts top-2: err {fmt_e(err)} (tol 1e-04) "
+                                    f"{'GPU vs CPU' if CUDA else 'CPU vs CPU'}; t layer/block loop {t_layer / t_own:.2f}")
+
+
 def check_gpt_int8_convert():
     from lightning_tp.quant import Int8Linear, convert
 
@@ -753,7 +795,8 @@ def main() -> int:
             rep.skip(check, "skipped: --no-compile")
         else:
             rep.run(check, check_compiled, case, torch.bfloat16, compiled=True)
-    rep.skip("grouped expert GEMM", "not built yet (no experts in lightning_tp)")
+    rep.run("expert layer (MoE, ep=1)", check_expert_layer)
+    rep.skip("grouped expert GEMM", "not built yet (the local experts run in a loop)")
     counts = {k: sum(r[1] == k for r in rep.rows) for k in (PASS, FAIL, SKIP, UNSUPPORTED)}
     rep.add("total", FAIL if counts[FAIL] else PASS,
             f"{rep.elapsed():.1f} s wall; {counts[PASS]} pass, {counts[FAIL]} fail, {counts[SKIP]} skipped, "
