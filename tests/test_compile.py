@@ -10,8 +10,8 @@ import lightning as L
 import torch
 
 import dist
+from helpers import Net, net_loader
 from lightning_tp import MegaStrategy
-from test_pipeline_user import Net, _loader
 
 SCHEDULES = ("1f1b", "interleaved_1f1b", "zb_h1")
 
@@ -39,7 +39,7 @@ def _fit(model, world, schedule=None, overlap=None, **options):
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=4, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         num_sanity_val_steps=0, use_distributed_sampler=False, callbacks=[seen])
-    trainer.fit(model, _loader())
+    trainer.fit(model, net_loader())
     if overlap is not None:  # dp: (buckets the last step's backward started, buckets a backward may start)
         overlap.extend([trainer.strategy._dp_overlap.launched_early, trainer.strategy._dp_overlap.early_buckets])
     weights = {k: v.detach().clone() for k, v in model.state_dict().items() if k.startswith("blocks.")

@@ -1,7 +1,6 @@
 """Structure checks in one 2-process launch: shard sizes, Megatron's collective counts, bad input
 raised on every rank within seconds, and validate/predict against a single process."""
 
-import time
 import warnings
 
 import lightning as L
@@ -13,6 +12,7 @@ from torch import nn
 
 import dist
 from examples.gpt.model import GPT, GPTConfig
+from helpers import expect_error
 from lightning_tp.marks import marks_of
 from lightning_tp import MegaStrategy, comm
 from lightning_tp.mesh import build_mesh
@@ -58,17 +58,6 @@ class Unknown(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def _expect_error(world, model, strategy, data=None):
-    """Fit a bad configuration; return (message, seconds). Every rank must raise, none may hang."""
-    start = time.monotonic()
-    try:
-        trainer = L.Trainer(devices=world, strategy=strategy, max_steps=1, **trainer_kwargs())
-        trainer.fit(model, data or TokenData(8, 64, 2))
-    except Exception as e:  # noqa: BLE001 - we return it to the test
-        return f"{type(e).__name__}: {e}", time.monotonic() - start
-    return None, time.monotonic() - start
-
-
 def _checks(rank, world):
     torch_dist.init_process_group("gloo")
     mesh = build_mesh(tp=2)
@@ -94,12 +83,12 @@ def _checks(rank, world):
     # 3. bad input: raised on every rank before any collective
     strict = dict(timeout=30)
     out["bad"] = {
-        "tp_world": _expect_error(world, make_model("gpt"), MegaStrategy(tp=3, **strict)),
-        "pp_world": _expect_error(world, make_model("gpt"), MegaStrategy(pp=3, **strict)),
-        "heads": _expect_error(world, make_model("gpt", n_head=3, n_embd=30), MegaStrategy(tp=2, **strict)),
-        "hidden": _expect_error(world, make_model("gpt", n_head=3, n_embd=33), MegaStrategy(tp=2, **strict)),
-        "ffn": _expect_error(world, make_model("encoder", ff=33), MegaStrategy(tp=2, **strict)),
-        "unknown": _expect_error(world, Unknown(), MegaStrategy(tp=2, **strict),
+        "tp_world": expect_error(world, make_model("gpt"), MegaStrategy(tp=3, **strict)),
+        "pp_world": expect_error(world, make_model("gpt"), MegaStrategy(pp=3, **strict)),
+        "heads": expect_error(world, make_model("gpt", n_head=3, n_embd=30), MegaStrategy(tp=2, **strict)),
+        "hidden": expect_error(world, make_model("gpt", n_head=3, n_embd=33), MegaStrategy(tp=2, **strict)),
+        "ffn": expect_error(world, make_model("encoder", ff=33), MegaStrategy(tp=2, **strict)),
+        "unknown": expect_error(world, Unknown(), MegaStrategy(tp=2, **strict),
                                  TokenData(8, 64, 2)),
     }
 

@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 
 import dist
+from helpers import Net, net_loader
 from lightning_tp import MegaStrategy
 from lightning_tp.failures import FailureNotes, lost_peer
-from test_pipeline_user import Net, _loader
 
 CLOSED = "[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:5534"
 
@@ -68,7 +68,7 @@ def _fit_failing(rank, world, error=ValueError):
                         max_steps=4, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0, use_distributed_sampler=False)
     try:
-        trainer.fit(LossBug(), _loader())
+        trainer.fit(LossBug(), net_loader())
     except Exception as err:  # returned, and this process exits: as a launcher's would, with its error
         return type(err).__name__, str(err), getattr(err, "__notes__", []), time.monotonic() - t0
     return None

@@ -13,14 +13,13 @@ pytest.importorskip("litgpt", reason="the hf extra (pip install lightning-tp[hf]
 
 import torch  # noqa: E402
 
-import dist  # noqa: E402
+from helpers import BATCH, check, train_launch  # noqa: E402
 from lightning_tp.marks import marks_of  # noqa: E402
 from lightning_tp.explain import explain  # noqa: E402
 from lightning_tp.layers import ShardSpec, shard, unshard  # noqa: E402
 from lightning_tp.plans import Plan  # noqa: E402
 from lightning_tp.plans import apply as planner  # noqa: E402
 from models import make_model  # noqa: E402
-from test_parity import BATCH, _check, _train_all  # noqa: E402
 
 FAMILIES = ["hf_gpt2", "hf_llama", "hf_qwen2", "hf_mistral", "hf_qwen3", "litgpt"]
 PP = dict(pp=2, microbatches=2)
@@ -115,22 +114,22 @@ WORLD4["hf_qwen3_tp4"] = ("hf_qwen3", {}, dict(tp=4), TEN)  # and a per-head k_n
 
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
-    return dist.run(2, _train_all, WORLD2, str(tmp_path_factory.mktemp("hf2")))
+    return train_launch(2, WORLD2, tmp_path_factory, "hf2")
 
 
 @pytest.fixture(scope="module")
 def world4(tmp_path_factory, world2):
-    return dist.run(4, _train_all, WORLD4, str(tmp_path_factory.mktemp("hf4")))
+    return train_launch(4, WORLD4, tmp_path_factory, "hf4")
 
 
 @pytest.mark.parametrize("name", list(WORLD2))
 def test_hf_parity_world2(world2, name):
-    _check(world2, name, WORLD2, 2)
+    check(world2, name, WORLD2, 2)
 
 
 @pytest.mark.parametrize("name", list(WORLD4))
 def test_hf_parity_world4(world4, name):
-    _check(world4, name, WORLD4, 4)
+    check(world4, name, WORLD4, 4)
 
 
 def test_llama_plan_comes_from_the_config():

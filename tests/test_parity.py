@@ -1,28 +1,9 @@
 """Every layout against the single-process ground truth: fp32, 20 AdamW steps, per-step loss and
-consolidated final weights within 1e-5."""
+consolidated final weights within 1e-5 (the harness and its tolerances: helpers.py)."""
 
-import contextlib
-
-import lightning as L
 import pytest
-import torch
 
-import dist
-from lightning_tp.marks import marks_of
-from lightning_tp import MegaStrategy, consolidate
-from lightning_tp.kernels import torch_path
-from models import LossRecorder, TokenData, make_model, reference_run, trainer_kwargs, vocab_of
-
-STEPS, BATCH, TOL = 20, 4, 1e-5
-QAT_LOSS_TOL, QAT_WEIGHT_TOL = 5e-4, 5e-3
-FP16_TOL = 5e-3  # fp16 autocast: the same ops, but CPU fp16 matmuls may block a microbatch differently
-FP16 = dict(fp16=True, max_steps=10)
-BF16_TRUE_LOSS_TOL = 2 ** -4  # bf16-true: the loss is itself a bf16 number, one step 2**-4 wide in [4, 8)
-BF16_TOL = 2e-2  # bf16 autocast: 8 bits of mantissa, rounding differs with the microbatch shapes
-# steps that must agree within TOL: int8 held all 10 on earlier CPUs; on a Xeon with AVX-512 (2026-12-01)
-# its first flip (below) moves step 9 by 2.8e-5, the delayed range's step 6 by 2.6e-5; w4a8's coarser grid
-# meets one after 5 on this data. The later steps agree within a few flips (QAT_LOSS_TOL).
-QAT_EXACT_STEPS = {"tp2_sp_int8_qat": 8, "tp2_w4a8_qat": 5, "tp2_sp_int8_qat_delayed": 5}
+from helpers import BATCH, FP16, check, train_launch
 
 CLIP = dict(gradient_clip_val=0.05)  # small enough to clip every step: the global norm must be right
 ACCUMULATE = dict(accumulate_grad_batches=2)
@@ -106,112 +87,21 @@ WORLD4 = {
 }
 
 
-def _train_all(rank, world, configs, ckdir):
-    out = {}
-    for name, (kind, model_kw, strategy_kw, trainer_kw) in configs.items():
-        model = make_model(kind, **model_kw)
-        dp = world // (strategy_kw.get("tp", 1) * strategy_kw.get("pp", 1))
-        rec = LossRecorder()
-        batch, samples = trainer_kw.get("batch", BATCH), trainer_kw.get("samples")
-        steps, trainer_kw = _steps(trainer_kw)
-        trainer = L.Trainer(devices=world, strategy=MegaStrategy(**strategy_kw, timeout=120), max_steps=steps,
-                            callbacks=[rec], **trainer_kwargs(**trainer_kw))
-        n = samples or steps * batch * dp * trainer_kw.get("accumulate_grad_batches", 1)
-        with torch_path() if strategy_kw.get("kernels") else contextlib.nullcontext():
-            trainer.fit(model, TokenData(n, vocab_of(model), batch, crops=configs[name][3].get("crops", False)))
-        if strategy_kw.get("kernels"):
-            fused = [type(m).__name__ for m in model.modules() if type(m).__name__.startswith("Fused")]
-            assert {"FusedLayerNorm", "FusedBiasGeLU"} <= set(fused), fused
-        path = f"{ckdir}/{name}.ckpt"
-        trainer.save_checkpoint(path)
-        replicated = {n: p.detach().clone() for n, p in model.named_parameters() if marks_of(p).tp_spec is None}
-        scaler = getattr(trainer.precision_plugin, "scaler", None)
-        overlap = trainer.strategy._dp_overlap
-        out[name] = dict(losses=rec.losses, dp_overlap=overlap is not None, weights=consolidate(path) if rank == 0 else None,
-                         launched_early=getattr(overlap, "launched_early", None),
-                         buckets=None if overlap is None else overlap.early_buckets,
-                         scaler_agrees=getattr(scaler, "_lightning_tp_agrees", False),
-                         replicated=replicated, metrics={k: float(v) for k, v in trainer.callback_metrics.items()})
-    return out
-
-
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
-    return dist.run(2, _train_all, WORLD2, str(tmp_path_factory.mktemp("w2")))
+    return train_launch(2, WORLD2, tmp_path_factory, "w2")
 
 
 @pytest.fixture(scope="module")
 def world4(tmp_path_factory):
-    return dist.run(4, _train_all, WORLD4, str(tmp_path_factory.mktemp("w4")))
-
-
-def _steps(trainer_kw):
-    """A config may ask for fewer steps (``max_steps`` in its trainer kwargs; 20 by default), another
-    per-replica batch size (``batch``; BATCH by default) and a dataset size (``samples``, dp = 1 only:
-    e.g. one that leaves each epoch a smaller last batch): all are taken out of the kwargs."""
-    rest = {k: v for k, v in trainer_kw.items() if k not in ("max_steps", "batch", "samples", "crops")}
-    return trainer_kw.get("max_steps", STEPS), rest
-
-
-def _check(results, name, configs, world):
-    kind, model_kw, strategy_kw, trainer_kw = configs[name]
-    dp = world // (strategy_kw.get("tp", 1) * strategy_kw.get("pp", 1))
-    batch, samples = trainer_kw.get("batch", BATCH), trainer_kw.get("samples")
-    steps, trainer_kw = _steps(trainer_kw)
-    ref_losses, ref_weights, ref_metrics = reference_run(kind, model_kw, steps, batch * dp, samples=samples,
-                                                         crops=configs[name][3].get("crops", False), **trainer_kw)
-    got = results[0][name]
-    tol, weight_tol = TOL, TOL
-    if "quant" in strategy_kw:
-        # The QAT forward is exact under tp (integer-code matmuls), but gradients are float sums in
-        # another order: weights differ by ~1e-7 after a step, and now and then that moves a value
-        # across a rounding boundary of a quantizer (one code flip moves the loss by ~1e-5..1e-4).
-        # The first steps must agree tightly; later ones within a few flips.
-        exact = QAT_EXACT_STEPS[name]
-        early = torch.tensor(got["losses"][:exact]) - torch.tensor(ref_losses[:exact])
-        assert early.abs().max() < TOL, early
-        tol, weight_tol = (TOL, TOL) if exact == steps else (QAT_LOSS_TOL, QAT_WEIGHT_TOL)
-    if trainer_kw.get("fp16"):  # and the ranks' GradScalers skip or step together (grads.agree_on_overflow)
-        tol = weight_tol = FP16_TOL
-        assert got["scaler_agrees"]
-    if trainer_kw.get("precision") == "bf16-mixed":
-        tol = weight_tol = BF16_TOL
-    if trainer_kw.get("precision") == "bf16-true":
-        tol, weight_tol = BF16_TRUE_LOSS_TOL, BF16_TOL
-    # dp replicas average their gradients while backward runs (dp_overlap.py); under a pipeline, each
-    # chunk's final weight-gradient pass of the step (B, ZB-H1's W) starts the sync of the gradients it
-    # finalizes: all of them (but an encoder-decoder's embedding copies, synced after), none while
-    # Lightning accumulates over batches
-    assert got["dp_overlap"] == (dp > 1)
-    if dp > 1 and (strategy_kw.get("pp", 1) > 1 or strategy_kw.get("microbatches", 1) > 1):
-        if trainer_kw.get("accumulate_grad_batches", 1) > 1:
-            assert got["launched_early"] == 0
-        else:
-            assert got["launched_early"] == got["buckets"] > 0
-    per_step = trainer_kw.get("accumulate_grad_batches", 1) * model_kw.get("manual_accumulate", 1)
-    assert len(got["losses"]) == len(ref_losses) == steps * per_step
-    if "tokens" in ref_metrics:  # a torchmetrics SumMetric: synced over dp only, not tp replicas
-        assert got["metrics"]["tokens"] == ref_metrics["tokens"]
-    if "acc" in ref_metrics:  # read off whole logits
-        assert got["metrics"]["acc"] == pytest.approx(ref_metrics["acc"], abs=1e-6)
-    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref_losses), atol=tol, rtol=0)
-    assert ref_losses[-1] < ref_losses[0] - 0.05, "the reference did not learn: the comparison would be vacuous"
-    assert set(got["weights"]) == set(ref_weights)
-    for key, ref in ref_weights.items():
-        torch.testing.assert_close(got["weights"][key], ref, atol=weight_tol, rtol=0, msg=lambda m: f"{key}: {m}")
-    # replicated parameters stay bit-identical on every rank that holds them (tp and dp replicas,
-    # and a tied embedding on the first and last pipeline stage)
-    for other in results[1:]:
-        for key, value in got["replicated"].items():
-            if key in other[name]["replicated"]:
-                assert torch.equal(value, other[name]["replicated"][key]), key
+    return train_launch(4, WORLD4, tmp_path_factory, "w4")
 
 
 @pytest.mark.parametrize("name", list(WORLD2))
 def test_parity_world2(world2, name):
-    _check(world2, name, WORLD2, 2)
+    check(world2, name, WORLD2, 2)
 
 
 @pytest.mark.parametrize("name", list(WORLD4))
 def test_parity_world4(world4, name):
-    _check(world4, name, WORLD4, 4)
+    check(world4, name, WORLD4, 4)

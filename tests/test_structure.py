@@ -1,4 +1,5 @@
-"""The package's shape: no import cycle between its modules, no private name taken from another file."""
+"""The package's shape: no import cycle between its modules, no private name taken from another file;
+the tests' shape: no test module imports another (what they share lives in helpers.py, models.py, dist.py)."""
 
 import ast
 from pathlib import Path
@@ -92,3 +93,68 @@ def _private_imports(path: Path) -> list:
 def test_no_private_name_imported_across_files():
     found = {str(p.relative_to(ROOT)): _private_imports(p) for p in PKG.rglob("*.py")}
     assert not {k: v for k, v in found.items() if v}
+
+
+# ------------------------------------------------------------------ the tests' own shape
+
+TESTS = ROOT / "tests"
+
+
+def _test_modules() -> set:
+    """Module names of the test files under tests/ (test_*.py, in any subfolder)."""
+    return {p.stem for p in TESTS.rglob("test_*.py")}
+
+
+def _imported_test_modules(source: str, test_modules: set) -> list:
+    """The test modules a file's source imports: ``import``/``from`` statements anywhere in it (function
+    level included, a package path such as ``pipeline.test_pipeline`` too) and importlib.import_module or
+    __import__ of a literal name. Shared helpers live in modules not named test_* (helpers.py, models.py,
+    dist.py)."""
+    found = []
+
+    def is_test(dotted: str) -> bool:
+        return any(part in test_modules or part.startswith("test_") for part in dotted.split("."))
+
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names if is_test(a.name)]
+        elif isinstance(node, ast.ImportFrom):
+            if node.module and is_test(node.module):
+                found.append(node.module)
+            else:  # from pipeline import test_pipeline
+                found += [a.name for a in node.names if a.name in test_modules]
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            if name in ("import_module", "__import__") and isinstance(node.args[0].value, str) \
+                    and is_test(node.args[0].value):
+                found.append(node.args[0].value)
+    return found
+
+
+def test_no_test_module_imports_another():
+    modules = _test_modules()
+    assert {"test_parity", "test_pipeline", "test_structure"} <= modules  # the walk reaches tests/pipeline/
+    found = {str(p.relative_to(ROOT)): _imported_test_modules(p.read_text(), modules) for p in TESTS.rglob("*.py")}
+    assert not {k: v for k, v in found.items() if v}, "move what they share to tests/helpers.py"
+
+
+def test_test_module_import_check_can_fail():
+    modules = {"test_parity", "test_core", "test_pipeline", "test_slots", "test_landed"}
+    source = "\n".join([
+        "import dist",
+        "from helpers import check, expect_error",
+        "from torch.testing import assert_close",
+        "from lightning_tp.pipeline.run import zb",
+        "from test_parity import BATCH, _check",
+        "import test_core as core",
+        "from pipeline.test_pipeline import WORLD2",
+        "from pipeline import test_slots",
+        "def f():",
+        "    import importlib",
+        "    importlib.import_module('test_landed')",
+        "    return __import__('models')",
+    ])
+    assert _imported_test_modules(source, modules) == [
+        "test_parity", "test_core", "pipeline.test_pipeline", "test_slots", "test_landed"]
+    assert _imported_test_modules("import dist\nfrom models import make_model\n", modules) == []

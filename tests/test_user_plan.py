@@ -5,11 +5,10 @@ import warnings
 
 import pytest
 
-import dist
+from helpers import check, train_launch
 from lightning_tp import Plan
 from lightning_tp.plans import apply as planner
 from models import CUSTOM_PLAN, make_model
-from test_parity import _check, _train_all
 
 WORLD2 = {
     "custom_tp2": ("custom", {}, dict(tp=2, plan=CUSTOM_PLAN), {}),
@@ -38,9 +37,9 @@ def test_validation_reports_unmatched_globs_and_unsharded_linears():
 
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
-    return dist.run(2, _train_all, WORLD2, str(tmp_path_factory.mktemp("user")))
+    return train_launch(2, WORLD2, tmp_path_factory, "user")
 
 
 @pytest.mark.parametrize("name", list(WORLD2))
 def test_user_plan_parity(world2, name):
-    _check(world2, name, WORLD2, 2)
+    check(world2, name, WORLD2, 2)

@@ -6,10 +6,9 @@ import pytest
 import torch
 
 import dist
+from helpers import FP16, QAT_EXACT_STEPS, check, expect_error, train_launch
 from lightning_tp import MegaStrategy
 from models import TokenData, Tokens, make_model, trainer_kwargs
-from test_core import _expect_error
-from test_parity import FP16, QAT_EXACT_STEPS, _check, _train_all
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1"]
 
@@ -174,7 +173,7 @@ QAT_EXACT_STEPS.update({name: 4 for name in WORLD2 if name.endswith("_qat_delaye
 
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
-    return dist.run(2, _train_all, {**WORLD2, **QAT_SCHEDULES}, str(tmp_path_factory.mktemp("pp2")))
+    return train_launch(2, {**WORLD2, **QAT_SCHEDULES}, tmp_path_factory, "pp2")
 
 
 def test_qat_pipeline_schedules_agree_exactly(world2):
@@ -190,17 +189,17 @@ def test_qat_pipeline_schedules_agree_exactly(world2):
 
 @pytest.fixture(scope="module")
 def world4(tmp_path_factory):
-    return dist.run(4, _train_all, WORLD4, str(tmp_path_factory.mktemp("pp4")))
+    return train_launch(4, WORLD4, tmp_path_factory, "pp4")
 
 
 @pytest.mark.parametrize("name", list(WORLD2))
 def test_pipeline_parity_world2(world2, name):
-    _check(world2, name, WORLD2, 2)
+    check(world2, name, WORLD2, 2)
 
 
 @pytest.mark.parametrize("name", list(WORLD4))
 def test_pipeline_parity_world4(world4, name):
-    _check(world4, name, WORLD4, 4)
+    check(world4, name, WORLD4, 4)
 
 
 def test_every_stage_reports_the_true_loss(world2, world4):
@@ -534,26 +533,26 @@ def _bad_inputs(rank, world):
                                                                     schedule="interleaved_1f1b", timeout=60),
                                                 "demo_transformer"),
         "many_logs": _many_logs(world),
-        "pp_gt_blocks": _expect_error(world, make_model("gpt", n_layer=1), MegaStrategy(pp=2, timeout=30), data),
-        "m_not_dividing": _expect_error(world, make_model("gpt", n_layer=2), MegaStrategy(pp=2, microbatches=3,
+        "pp_gt_blocks": expect_error(world, make_model("gpt", n_layer=1), MegaStrategy(pp=2, timeout=30), data),
+        "m_not_dividing": expect_error(world, make_model("gpt", n_layer=2), MegaStrategy(pp=2, microbatches=3,
                                                                                           timeout=30), data),
         "one_small_batch": _one_small_batch(world),
         "second_trainer": _second_trainer(world),
         "resumed_batch_size": _resumed_with_another_batch_size(world),
         "dropped_outputs": _dropped_outputs(world),
-        "interleaved_blocks": _expect_error(world, make_model("gpt", n_layer=6),
+        "interleaved_blocks": expect_error(world, make_model("gpt", n_layer=6),
                                             MegaStrategy(pp=2, virtual_stages=2, schedule="interleaved_1f1b",
                                                          microbatches=2, timeout=30), data),
-        "no_blocks": _expect_error(world, NoBlocks(), MegaStrategy(pp=2, timeout=30), data),
-        "recompute_no_blocks": _expect_error(world, NoBlocks(), MegaStrategy(activation_checkpointing=True,
+        "no_blocks": expect_error(world, NoBlocks(), MegaStrategy(pp=2, timeout=30), data),
+        "recompute_no_blocks": expect_error(world, NoBlocks(), MegaStrategy(activation_checkpointing=True,
                                                                              timeout=30), data),
         "recompute_marks": _recompute_marks(world),
         "recompute_counts": _recompute_counts(world),
-        "unsplittable": _expect_error(world, DictGPT(), MegaStrategy(pp=2, timeout=30), dicts),
-        "returns_none": _expect_error(world, SkipsBatch(), MegaStrategy(microbatches=2, timeout=30)),
-        "frozen_filtered": _expect_error(world, make_model("loop", frozen_first=True, filtered=True),
+        "unsplittable": expect_error(world, DictGPT(), MegaStrategy(pp=2, timeout=30), dicts),
+        "returns_none": expect_error(world, SkipsBatch(), MegaStrategy(microbatches=2, timeout=30)),
+        "frozen_filtered": expect_error(world, make_model("loop", frozen_first=True, filtered=True),
                                          MegaStrategy(pp=2, microbatches=2, timeout=30), data),
-        "long_skip": _expect_error(world, make_model("loop", long_skip=True), MegaStrategy(pp=2, microbatches=2,
+        "long_skip": expect_error(world, make_model("loop", long_skip=True), MegaStrategy(pp=2, microbatches=2,
                                                                                           timeout=30), data),
         "mailbox": _mailbox_across_steps(rank),
         "slot_mailbox": _mailbox_across_steps(rank, slotted=True),
@@ -636,7 +635,7 @@ def test_an_optimizer_without_parameters_on_a_frozen_stage_is_refused_on_every_r
 def _one_stage_refuses(rank, world, own_checkpoint):
     """Refused on the stage that finds it; the other waits for it until the timeout (a launch of its
     own: a gloo timeout closes the connection for later checks)."""
-    return _expect_error(world, make_model("loop", own_checkpoint=own_checkpoint),
+    return expect_error(world, make_model("loop", own_checkpoint=own_checkpoint),
                          MegaStrategy(pp=2, microbatches=2, timeout=5), TokenData(16, 64, 4))[0]
 
 
@@ -670,7 +669,7 @@ def test_a_shape_change_between_steps_reaches_the_receiver(bad, box):
 
 def test_gloo_drops_sent_tensors_where_the_schedule_proves_them_landed(bad):
     # pp=2 1F1B, m=8: rank 0's activation i is released when gradient i comes back, rank 1's gradient
-    # i when activation i + 2 arrives (tests/test_landed.py); without that, 8 each until step end
+    # i when activation i + 2 arrives (tests/pipeline/test_landed.py); without that, 8 each until step end
     assert [r["held_sends"] for r in bad] == [2, 2]
 
 

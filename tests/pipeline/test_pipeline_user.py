@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import dist
+from helpers import NET_HIDDEN, NET_SEQ, NET_VOCAB, Net, NetBlock, net_loader
 from lightning_tp import MegaStrategy
 from lightning_tp.pipeline.run.microbatch import merge_outputs
 from lightning_tp.pipeline.cut.placeholders import OnAnotherStage
@@ -24,70 +25,7 @@ from lightning_tp.pipeline.cut.outer_modules import outer_groups
 from lightning_tp.pipeline.cut.split import apply_split, plan_stages
 from lightning_tp.pipeline.run.stage import StageDone, install
 
-V, H, T = 16, 8, 4
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.norm, self.fc = nn.LayerNorm(H), nn.Linear(H, H)
-
-    def forward(self, x, mask=None, x0=None, aux=False):
-        y = x + self.fc(self.norm(x)) * (1 if mask is None else mask)
-        y = y if x0 is None else y + 0.5 * x0
-        return (y, y.pow(2).mean()) if aux else y
-
-
-class Net(L.LightningModule):
-    """Embedding, 4 blocks, final norm, head. ``style``: how the blocks are called; ``layout``: how the
-    modules outside them are registered and called."""
-
-    def __init__(self, style="plain", layout="plain"):
-        super().__init__()
-        self.style, self.layout = style, layout
-        torch.manual_seed(0)
-        self.emb = nn.Embedding(V, H if layout != "in_proj" else 4)
-        if layout == "in_proj":  # OPT's project_in: a Linear before the blocks, registered before them
-            self.project_in = nn.Linear(4, H)
-        if layout in ("norm_first", "norm_elsewhere"):  # OPT's final norm, registered before the blocks
-            self.norm = nn.LayerNorm(H)
-        self.blocks = nn.ModuleList(Block() for _ in range(4))
-        if layout not in ("norm_first", "norm_elsewhere"):
-            self.norm = nn.LayerNorm(H)
-        self.head = nn.Linear(H, V)
-
-    def forward(self, x):
-        h = self.emb(x)
-        if self.layout == "in_proj":
-            h = self.project_in(h)
-        x0, aux = h, 0.0
-        for block in self.blocks:
-            if self.style == "keywords":  # the hidden states not the first keyword
-                h = block(mask=torch.ones(()), x=h)
-            elif self.style == "x0":  # a value residual: the embedding's output given to every block
-                h = block(h, x0=x0)
-            elif self.style == "aux":  # an MoE-like auxiliary loss per block, added to the loss
-                h, a = block(h, aux=True)
-                aux = aux + a
-            else:
-                h = block(h)
-        if self.layout == "norm_elsewhere":
-            return self.finish(h) + 0 * aux
-        if self.layout == "tied_functional":  # a head computed with the embedding's weight
-            return F.linear(self.norm(h), self.emb.weight)
-        return self.head(self.norm(h)) + 0 * aux
-
-    def finish(self, h):
-        return self.head(self.norm(h))
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = F.cross_entropy(self(x).flatten(0, 1), y.flatten())
-        self.log("train_loss", loss)
-        return loss
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
+V, H, T = NET_VOCAB, NET_HIDDEN, NET_SEQ
 
 
 class NormInHelper(Net):
@@ -214,7 +152,7 @@ class ZipNet(Net):
         torch.manual_seed(0)
         if norms_first:
             self.norms = nn.ModuleList(nn.LayerNorm(H) for _ in range(4))
-        self.blocks = nn.ModuleList(Block() for _ in range(4))
+        self.blocks = nn.ModuleList(NetBlock() for _ in range(4))
         if not norms_first:
             self.norms = nn.ModuleList(nn.LayerNorm(H) for _ in range(4))
         if heads:
@@ -242,7 +180,7 @@ def _staged(base, x, grad=True, models=None):
         state = install(layout.blocks(model), layout, rank,
                         [(model.get_submodule(n), twin, runs) for n, (twin, runs) in split["silence"].items()],
                         side=side)
-        state.active, state.received = rank, message
+        state.run.vstage, state.run.activation = rank, message
         with torch.set_grad_enabled(grad):
             try:
                 out = model(x)
@@ -281,24 +219,24 @@ def test_a_stage_sends_where_it_stops_and_waits_for_its_input_at_its_first_block
         split = apply_split(model, layout, rank)
         state = install(layout.blocks(model), layout, rank,
                         [(model.get_submodule(n), twin, runs) for n, (twin, runs) in split["silence"].items()])
-        state.active = rank
+        state.run.vstage = rank
         if rank == 0:
-            state.on_stop = sent.append
+            state.run.send_at_stop = sent.append
             with pytest.raises(StageDone) as stop:
                 model(x)
-            assert len(sent) == 1 and sent[0] is stop.value.output and state.on_stop is None
+            assert len(sent) == 1 and sent[0] is stop.value.output and state.run.send_at_stop is None
             continue
         buffer = torch.full_like(sent[0], float("nan"))
-        state.received = buffer
+        state.run.activation = buffer
 
         def arrive():
             events.append("arrived")
             buffer.copy_(sent[0].detach())
 
-        state.arrival = arrive
+        state.run.activation_wait = arrive
         model.emb.register_forward_hook(lambda *_: events.append("before the blocks"))
         out = model(x)
-    assert events == ["before the blocks", "arrived"] and state.arrival is None
+    assert events == ["before the blocks", "arrived"] and state.run.activation_wait is None
     torch.testing.assert_close(out, base(x), atol=1e-6, rtol=0)
 
 
@@ -399,11 +337,11 @@ def test_an_nn_sequential_or_module_dict_of_blocks_is_the_block_list_where_no_mo
     model = nn.Module()
     model.mlp = nn.Sequential(nn.Linear(H, H), nn.Linear(H, H))  # layers, not blocks of their own
     model.heads = nn.ModuleDict({"a": nn.Linear(H, H), "b": nn.Linear(H, H)})
-    model.stem = nn.Sequential(*(Block() for _ in range(3)))
-    model.layers = nn.ModuleDict({f"l{i}": Block() for i in range(4)})
+    model.stem = nn.Sequential(*(NetBlock() for _ in range(3)))
+    model.layers = nn.ModuleDict({f"l{i}": NetBlock() for i in range(4)})
     layout = plan_stages(model, 2)
     assert layout.blocks_path == "layers" and layout.blocks(model).name(3) == "layers.l3"
-    model.blocks = nn.ModuleList(Block() for _ in range(2))  # a ModuleList wins, even a shorter one
+    model.blocks = nn.ModuleList(NetBlock() for _ in range(2))  # a ModuleList wins, even a shorter one
     assert plan_stages(model, 2).blocks_path == "blocks"
     del model.stem, model.layers, model.blocks
     with pytest.raises(ValueError, match="pipeline_blocks="):
@@ -505,16 +443,6 @@ def test_merged_outputs_invert_the_microbatch_split():
 # ------------------------------------------------------------------ inside Lightning, pp=2 against one process
 
 
-def _data(n=16, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randint(0, V, (n, T), generator=g)
-    return torch.utils.data.TensorDataset(x, torch.roll(x, -1, 1))
-
-
-def _loader(n=16, seed=0):
-    return torch.utils.data.DataLoader(_data(n, seed), batch_size=4)
-
-
 class NoBatchIdx(Net):
     def training_step(self, batch):  # Lightning passes batch_idx only where the step takes it
         return super().training_step(batch, 0)
@@ -611,27 +539,27 @@ def _lightning_cases(world, tmp):
     out = {}
     for name, model in (("no_batch_idx", NoBatchIdx()), ("keywords", Net(style="keywords")), ("opt_like", Net(layout="in_proj"))):
         t, seen = trainer()
-        t.fit(model, _loader())
+        t.fit(model, net_loader())
         out[name] = seen.losses
     t, _ = trainer()
-    out["two_loaders"] = t.validate(TwoLoaders(), [_loader(8, 1), _loader(8, 1)], verbose=False)
+    out["two_loaders"] = t.validate(TwoLoaders(), [net_loader(8, 1), net_loader(8, 1)], verbose=False)
     t, seen = trainer()
     model = Outputs()
-    t.fit(model, _loader())
+    t.fit(model, net_loader())
     out["logged"] = {k: float(v) for k, v in t.callback_metrics.items()}
     out["outputs"] = seen.outputs
-    out["predict"] = t.predict(model, _loader(8, 2))
+    out["predict"] = t.predict(model, net_loader(8, 2))
     # metrics updated after the forward: every stage logs the last stage's, and the monitor finds them
     checkpoint = L.pytorch.callbacks.ModelCheckpoint(dirpath=f"{tmp}/{world}", monitor="val_acc", mode="max")
     t, _ = trainer([checkpoint], max_steps=-1, max_epochs=2, val_check_interval=2, enable_checkpointing=True,
                    default_root_dir=tmp)
-    t.fit(WithMetrics(), _loader(), _loader(8, 1))
+    t.fit(WithMetrics(), net_loader(), net_loader(8, 1))
     out["metrics"] = {k: float(v) for k, v in t.callback_metrics.items()}
     out["best"] = float(checkpoint.best_model_score)
     checkpoint = L.pytorch.callbacks.ModelCheckpoint(dirpath=f"{tmp}/{world}_end", monitor="val_acc", mode="max")
     t, _ = trainer([checkpoint], max_steps=-1, max_epochs=2, val_check_interval=2, enable_checkpointing=True,
                    default_root_dir=tmp)
-    t.fit(EpochEndMetrics(), _loader(), _loader(8, 1))
+    t.fit(EpochEndMetrics(), net_loader(), net_loader(8, 1))
     out["epoch_end"] = (float(t.callback_metrics["val_acc"]), float(checkpoint.best_model_score),
                         checkpoint.best_model_path.rpartition("/")[2])
     return out
