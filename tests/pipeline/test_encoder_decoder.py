@@ -13,7 +13,7 @@ from lightning_tp.pipeline.transport.p2p import grad_split
 from lightning_tp.pipeline.cut.placeholders import ShapeOnly, SkippedBlock
 from lightning_tp.pipeline.cut.split import apply_split, plan_stages
 from lightning_tp.pipeline.transport.messages import pack, unpack, with_grad_split
-from lightning_tp.pipeline.run.stage import StageDone, StageState, _carried, _stop_at, install
+from lightning_tp.pipeline.run.stage import StageDone, StageMap, _carried, _stop_at, install
 from lightning_tp.plans import apply as planner
 from models import make_model
 
@@ -164,7 +164,7 @@ def test_only_the_parts_that_need_a_gradient_get_one_back():
 
 
 def test_a_stage_ends_at_the_next_stages_first_block_with_what_it_is_given():
-    state = StageState([(0, 0), (1, 1)], 1)
+    state = StageMap([(0, 0), (1, 1)], 1)
     block = nn.TransformerDecoderLayer(8, 2, 16, 0.0, batch_first=True)
     _stop_at(block, 0, state, False)
     hidden, memory = torch.randn(2, 3, 8, requires_grad=True), torch.randn(2, 5, 8, requires_grad=True)
@@ -183,7 +183,7 @@ def test_a_stage_ends_at_the_next_stages_first_block_with_what_it_is_given():
     # a 3-d mask by keyword ((batch x heads, T, T): its second dimension is the hidden states') stays local
     h = torch.randn(2, 5, 8)
     assert _carried((h,), dict(memory=torch.randn(2, 7, 8), tgt_mask=torch.zeros(4, 5, 5)), False) == [0, "memory"]
-    state.active = 1  # the stage that holds it: the block runs
+    state.run.vstage = 1  # the stage that holds it: the block runs
     assert block(hidden, memory).shape == hidden.shape
 
 
@@ -222,7 +222,7 @@ def _staged(base, stage_layers, x):
         split = apply_split(model, layout, rank)
         state = install(layout.blocks(model), layout, rank,
                         [(model.get_submodule(n), twin, runs) for n, (twin, runs) in split["silence"].items()])
-        state.active, state.received = rank, message
+        state.run.vstage, state.run.activation = rank, message
         try:
             out = model(x)
         except StageDone as done:
@@ -274,7 +274,7 @@ def test_a_bf16_model_staged_matches_it_unstaged():
                 twin.to(torch.bfloat16)
             state = install(layout.blocks(model), layout, rank, [(model.get_submodule(n), t, r) for n, (t, r)
                                                                  in split["silence"].items()], split["twins"])
-            state.active, state.received = rank, message
+            state.run.vstage, state.run.activation = rank, message
             try:
                 out = run(model)
             except StageDone as done:  # received as the executor takes it: padding masks need no gradient
