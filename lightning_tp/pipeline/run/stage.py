@@ -150,48 +150,81 @@ def _wrap_call(block, index: int, stage: StageMap, twin, entry) -> None:
     skip = _passthrough_of(twin, False, name)
 
     def forward(*args, **kwargs):
-        run = stage.run
-        recompute = stage.replay is not None  # a user's checkpoint replays it (in B or W, see executor)
-        active, received = stage.replay if recompute else (run.vstage, run.activation)
-        lo, hi = stage.ranges[active]
-        if not lo <= index <= hi:
+        run, replay = stage.run, stage.replay  # replay: a user's checkpoint recomputes it (in B or W, see executor)
+        vstage, received = replay or (run.vstage, run.activation)
+        span = stage.ranges[vstage]
+        if _outside_stage(index, span):
             out = skip(args, kwargs)
             run.passed_through = handed_on(out)
             return out
-        if entry is not None and index == lo and active > 0 and not recompute and not run.blocks_begun \
+        starts = _starts_stage(index, vstage, span)
+        if starts and entry is not None and replay is None and not run.blocks_begun \
                 and _like(args[0] if args else kwargs.get(hidden_place(args, kwargs, name)), received):
             entry["piece"] = block  # the first piece given hidden states (not a norm's mod(condition))
-        starts = entry is None or entry.get("piece") is block
-        if entry is None or starts or index != lo or active == 0:
+        takes = starts and _takes_received_activation(block, entry)
+        if takes or not starts:  # not a piece called before the one that takes it
             run.blocks_begun = True
-        if index == lo and active > 0 and starts:
-            run.wait_for_activation()
-            place = hidden_place(args, kwargs, name)
-            computed = args[0] if args else kwargs.get(place)
-            # what the previous (skipped) block handed on, unchanged (h = block(h)): only the argument
-            # changes; else code between the blocks made it (h = h + block(h)) and it takes the activation
-            taken = not recompute and computed is not run.passed_through and _takes_in_place(computed, received)
-            if taken and _in_users_checkpoint():
-                raise ValueError(
-                    f"pipeline: block {index} begins virtual stage {active} and is called under a checkpoint "
-                    f"of your own (torch.utils.checkpoint) after code between the blocks (h = h + block(h), "
-                    f"F.relu(block(h))): the received activation must become your variable, which cannot be "
-                    f"written inside that checkpoint. Use MegaStrategy(activation_checkpointing=True) instead, "
-                    f"or checkpoint inside the block.")
-            if not (taken and _written(computed, received)):  # written: the user's variable holds it too
-                args, kwargs = ((received,) + tuple(args[1:]), kwargs) if args else (args, {**kwargs, place: received})
-        last = index == hi and active < stage.last_vstage and not recompute
-        if last and stage.side_check is not None:
-            stage.side_check.leave(active, index, args, kwargs, hidden_place(args, kwargs, name))
+        if takes:
+            args, kwargs = _given_activation(args, kwargs, name, run, received, replay is not None, index, vstage)
+        hands_on = _hands_on_here(index, vstage, span, stage.last_vstage, replay)
+        if hands_on and stage.side_check is not None:
+            stage.side_check.leave(vstage, index, args, kwargs, hidden_place(args, kwargs, name))
         out = original(*args, **kwargs)
-        if last:
+        if hands_on:
             _check_side_inputs(args, kwargs, name, index)
-        hidden = out if isinstance(out, torch.Tensor) else out[0] if isinstance(out, (tuple, list)) and out else None
-        if isinstance(hidden, torch.Tensor):
-            run.last_block_out = (tuple(hidden.shape), hidden.dtype)
+        _note_output(run, out)
         return out
 
     block.forward = forward
+
+
+def _outside_stage(index: int, span: tuple) -> bool:
+    """The block lies outside the running stage's ``span`` (first, last): it passes its input through."""
+    return not span[0] <= index <= span[1]
+
+
+def _starts_stage(index: int, vstage: int, span: tuple) -> bool:
+    """The block is the first of a stage that receives its input (any but virtual stage 0)."""
+    return index == span[0] and vstage > 0
+
+
+def _takes_received_activation(block, entry) -> bool:
+    """This call of a stage's first block takes the received activation: the block's own call, or of one
+    called piece by piece (``entry``) the piece found given hidden states."""
+    return entry is None or entry.get("piece") is block
+
+
+def _hands_on_here(index: int, vstage: int, span: tuple, last_vstage: int, replay) -> bool:
+    """The block is the last of a stage that hands its output on, in a forward run (not a backward's replay)."""
+    return index == span[1] and vstage < last_vstage and replay is None
+
+
+def _given_activation(args, kwargs, name, run, received, replaying: bool, index: int, vstage: int):
+    """The block's arguments with the received activation as its hidden states: written into the user's tensor
+    where that may take it (see _takes_in_place), else in the argument's place. See docs/design/pipeline-run.md."""
+    run.wait_for_activation()
+    place = hidden_place(args, kwargs, name)
+    computed = args[0] if args else kwargs.get(place)
+    # what the previous (skipped) block handed on, unchanged (h = block(h)): only the argument
+    # changes; else code between the blocks made it (h = h + block(h)) and it takes the activation
+    taken = not replaying and computed is not run.passed_through and _takes_in_place(computed, received)
+    if taken and _in_users_checkpoint():
+        raise ValueError(
+            f"pipeline: block {index} begins virtual stage {vstage} and is called under a checkpoint "
+            f"of your own (torch.utils.checkpoint) after code between the blocks (h = h + block(h), "
+            f"F.relu(block(h))): the received activation must become your variable, which cannot be "
+            f"written inside that checkpoint. Use MegaStrategy(activation_checkpointing=True) instead, "
+            f"or checkpoint inside the block.")
+    if taken and _written(computed, received):  # the user's variable holds it too
+        return args, kwargs
+    return ((received,) + tuple(args[1:]), kwargs) if args else (args, {**kwargs, place: received})
+
+
+def _note_output(run: StageRun, out) -> None:
+    """Keep the (shape, dtype) of the hidden states a stage's block call returned (see SkippedBlock.piece)."""
+    hidden = out if isinstance(out, torch.Tensor) else out[0] if isinstance(out, (tuple, list)) and out else None
+    if isinstance(hidden, torch.Tensor):
+        run.last_block_out = (tuple(hidden.shape), hidden.dtype)
 
 
 def _like(value, received) -> bool:
@@ -293,10 +326,10 @@ def _wrap_chained(block, index: int, stage: StageMap, list_start: bool, name: st
             raise ValueError(f"pipeline: {name} is recomputed in backward by a checkpoint of your own around its "
                              f"call; in an encoder-decoder pipeline use MegaStrategy(activation_checkpointing=True).")
         run = stage.run
-        lo, hi = stage.ranges[run.vstage]
-        if not lo <= index <= hi:
+        span = stage.ranges[run.vstage]
+        if _outside_stage(index, span):
             return skip(args, kwargs)
-        if index == lo and run.vstage > 0:
+        if _starts_stage(index, run.vstage, span):
             run.wait_for_activation()
             places = _carried(args, kwargs, list_start, first)
             computed = [_at(args, kwargs, p) for p in places]
