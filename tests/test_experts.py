@@ -464,3 +464,37 @@ def test_experts_style_options_are_checked():
         Plan(name="p", styles={"moes.*": {"style": "experts"}})
     with pytest.raises(ValueError, match="must be 'softmax_topk' or 'topk_softmax'"):
         Plan(name="p", styles={"moes.*": {"style": "experts", "top_k": 2, "router": "sinkhorn"}})
+
+
+def _aux_grads(rank, world):
+    from transformers.models.mixtral import modeling_mixtral as mm
+
+    from lightning_tp.experts import router_statistics
+
+    torch_dist.init_process_group("gloo")
+    group = torch_dist.new_group([0, 1])
+    g = torch.Generator().manual_seed(5)
+    layers = [torch.randn(2 * 6, E, generator=g, dtype=torch.float64) for _ in range(3)]  # both ranks' tokens
+    mask = (torch.rand(2 * 2, 3, generator=g) > 0.2).long()  # [batch, seq]: 2 rows a rank, 3 tokens each
+    router_statistics.install(_block("mixtral"), group, 1)  # patches this process's modeling_mixtral
+    wrapped = mm.load_balancing_loss_func
+    mine = [t[rank * 6:(rank + 1) * 6].clone().requires_grad_(True) for t in layers]
+    aux = wrapped(tuple(mine), E, K, mask[rank * 2:(rank + 1) * 2])
+    aux.backward()
+    return aux.item(), [t.grad / world for t in mine]  # the dp average divides the reduce-scattered sum
+
+
+def test_router_loss_and_its_input_gradient_over_dp_equal_one_process():
+    from transformers.models.mixtral import modeling_mixtral as mm
+
+    got = dist.run(2, _aux_grads, timeout=300)
+    g = torch.Generator().manual_seed(5)
+    layers = [torch.randn(2 * 6, E, generator=g, dtype=torch.float64).requires_grad_(True) for _ in range(3)]
+    mask = (torch.rand(2 * 2, 3, generator=g) > 0.2).long()
+    original = getattr(mm.load_balancing_loss_func, "__wrapped__", mm.load_balancing_loss_func)
+    ref = original(tuple(layers), E, K, mask)
+    ref.backward()
+    for rank, (aux, grads) in enumerate(got):
+        assert abs(aux - ref.item()) < 1e-12
+        for mine, full in zip(grads, layers):
+            assert torch.allclose(mine, full.grad[rank * 6:(rank + 1) * 6], atol=1e-14)

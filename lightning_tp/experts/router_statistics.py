@@ -22,11 +22,12 @@ def install(block: torch.nn.Module, dp_group, pp: int) -> bool:
         return False
     _GROUPS[module.__name__] = (dp_group, pp)
     if not getattr(original, "_lightning_tp_global", False):
-        module.load_balancing_loss_func = _global(original, module.__name__)
+        module.load_balancing_loss_func = wrap(original, module.__name__)
     return True
 
 
-def _global(original, name: str):
+def wrap(original, name: str):
+    """``original`` with its router logits and attention mask gathered over the dp group registered for ``name``."""
     @functools.wraps(original)
     def load_balancing_loss_func(gate_logits, *args, **kwargs):
         group, pp = _GROUPS.get(name, (None, 1))
