@@ -224,7 +224,7 @@ def _patch(owner, name, wrap) -> None:
 
 
 def _make_patches():
-    from lightning_tp.pipeline.run import executor
+    from lightning_tp.pipeline.run import executor, transfers
     from lightning_tp.pipeline.transport import p2p
 
     def timing(fn, record):
@@ -260,7 +260,7 @@ def _make_patches():
 
     def arriving(fn):
         """A receive's wait, left by the executor to the stage's first block (an activation: inside an F,
-        see StageState.arrived) or made at once (a gradient): blocked time, not the action's own."""
+        see StageRun.wait_for_activation) or made at once (a gradient): blocked time, not the action's own."""
         def wrapper(*args, **kwargs):
             t0 = time.perf_counter()
             try:
@@ -271,7 +271,7 @@ def _make_patches():
                 STATS.arrival_waits += dt
         return wrapper
 
-    _patch(executor, "_arrive", arriving)
+    _patch(transfers, "_arrive", arriving)
     _patch(p2p.Mailbox, "wait", lambda f: timed(f, "wait"))
     _patch(executor.PipelineRunner, "train_step", lambda f: timed(f, "train_step"))
     _patch(executor.PipelineRunner, "_publish", lambda f: timed(f, "publish"))

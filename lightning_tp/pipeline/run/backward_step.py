@@ -16,7 +16,7 @@ class BackwardStep:
         """The dp overlap's hooks around a chunk's final weight-gradient pass of the step (its last W, or last
         B where unsplit or whole), else a plain context. See docs/design/pipeline-run.md."""
         overlap = self.dp_overlap
-        final = a in self._final or (a.chunk in self._whole_chunks and a in self._final_b)
+        final = a in self.plan.final or (a.chunk in self._whole_chunks and a in self.plan.final_b)
         if not final or overlap is None or not overlap.armed():
             return contextlib.nullcontext()
         return _hooked(overlap)

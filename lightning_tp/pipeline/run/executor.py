@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from functools import partial
 
 import torch
@@ -18,12 +17,14 @@ from .logs import BatchValues, StageLogs, captured_logs, early_publish, find_met
 from .forward_only_step import ForwardOnlyStep
 from ..transport.messages import with_grad_split
 from .microbatch import batches_per_epoch, merge_outputs, microbatches_for, must_divide, resumable_loader, split_marked
-from ..transport.p2p import Mailbox, drop_sent_values, made_early, tag
+from ..transport.p2p import Mailbox, drop_sent_values
 from ..transport.p2p_slots import SlotMailbox
 from ..cut.placeholders import agree_on_stand_ins, holds_nan
-from ..schedule.schedules import Action, build_schedule, split_keys
+from ..schedule.schedules import build_schedule, split_keys
 from ..schedule.slots import slot_plan
 from .stage import StageDone, StageRun
+from .loop import StepPlan, step_plan, walk
+from .transfers import ListTransport, Routes, SlotTransport
 
 
 def no_autocast(device):
@@ -34,30 +35,100 @@ def no_autocast(device):
     return torch.autocast(device_type=device.type, enabled=False)
 
 
-@dataclass
-class _Step:
-    """One training step's state: microbatches, and per (microbatch, chunk) what is in flight."""
+class TrainingStep:
+    """One training step: its microbatches, what is in flight per (microbatch, chunk), and its F, B and W."""
 
-    micro: list
-    rest: tuple  # (positional, keyword) arguments of the user's step besides the batch (batch_idx, ...)
-    scale: float | torch.Tensor  # the loss's factor: 1 / (microbatches * accumulation), times fp16's loss scale
-    params: list
-    device: torch.device
-    logs: list  # per microbatch: the self.log calls of its run of the user's step
-    losses: list = field(default_factory=list)
-    extras: list = field(default_factory=list)  # last stage: a dict step's other keys, per microbatch
-    inputs: dict = field(default_factory=dict)  # activations received (leaves that require grad)
-    outputs: dict = field(default_factory=dict)  # stage outputs, until their backward
-    grads: dict = field(default_factory=dict)  # output gradients received
-    input_grads: dict = field(default_factory=dict)  # zero bubble: input gradients computed by B
-    deferred: dict = field(default_factory=dict)  # zero bubble: the W half, until its turn
-    numbers: tuple | None = None  # gloo: the posted receive of the last stage's loss and logs
-    numbers_posted: bool = False
-    published: tuple | None = None  # (the step's loss,) once published before the step's end
-    stand_in_at: tuple | None = None  # first training step: (vstage, microbatch) of a result holding NaN
-    box: Mailbox | None = None  # eager (gloo): the step's Mailbox, for sends made where a run stops
-    arrivals: dict = field(default_factory=dict)  # eager: received activations' pending waits, until their F
-    sent_early: set = field(default_factory=set)  # eager: (kind, microbatch, chunk) of sends made ahead of their action
+    def __init__(self, runner, plan: StepPlan, micro: list, rest: tuple, scale, params: list, device):
+        self.runner, self.plan, self.micro, self.rest = runner, plan, micro, rest
+        self.scale = scale  # the loss's factor: 1 / (microbatches * accumulation), times fp16's loss scale
+        self.params, self.device = params, device
+        self.logs = [[] for _ in micro]  # per microbatch: the self.log calls of its run of the user's step
+        self.losses, self.extras = [], []  # last stage: per microbatch, the loss and a dict step's other keys
+        self.inputs = {}  # activations received (leaves that require grad)
+        self.outputs = {}  # stage outputs, until their backward
+        self.grads = {}  # output gradients received
+        self.input_grads = {}  # zero bubble: input gradients computed by B
+        self.deferred = {}  # zero bubble: the W half, until its turn
+        self.numbers, self.numbers_posted = None, False  # gloo: the posted receive of the last stage's numbers
+        self.published = None  # (the step's loss,) once published before the step's end
+        self.stand_in_at = None  # first training step: (vstage, microbatch) of a result holding NaN
+
+    def receiving(self, recv) -> None:
+        """Before a receive: the logs published at their point (gloo, see .logs.early_publish), the numbers'
+        receive posted with the step's other receives (see ..transport.p2p.Mailbox.open)."""
+        if recv == self.plan.publish_before:  # a stage without the loss: it has logged all it will
+            self.published = (self.runner._publish(self.logs, None, self.posted_numbers()),)
+        self.posted_numbers()
+
+    def posted_numbers(self):
+        """The posted receive of the last stage's numbers (gloo, see .logs), posted at first use."""
+        if not self.numbers_posted:
+            self.numbers, self.numbers_posted = self.runner._post_numbers(self.device), True
+        return self.numbers
+
+    def payload(self, send):
+        """What a SEND_F (the stage's output) or SEND_B (the input's gradient, dropped here) carries."""
+        key = (send.microbatch, send.chunk)
+        if send.kind == "SEND_F":
+            return self.outputs[key]
+        g = self.input_grads.pop(key) if key in self.input_grads else self.inputs[key].grad
+        self.inputs.pop(key)
+        if g is None:
+            raise no_input_grad(self.runner._vstage(send.chunk))
+        return g
+
+    def sent(self, send) -> None:
+        """At a SEND's turn: a sent output's values dropped (see ..transport.p2p.drop_sent_values)."""
+        if send.kind == "SEND_F":
+            key = (send.microbatch, send.chunk)
+            drop_sent_values(self.outputs, key, self.inputs.get(key))
+
+    def compute(self, a, received, transport) -> None:
+        key, k = (a.microbatch, a.chunk), self.runner._vstage(a.chunk)
+        if a.kind == "F":
+            self._forward(a, key, k, received, transport)
+            return
+        if received is not None:
+            self.grads[key] = received.tensor
+        runner = self.runner  # the step runs inside Lightning's autocast; backward must not
+        # a checkpoint of the user's own recomputes blocks in here, outside any run (see stage._wrap)
+        inp = self.inputs.get(key) if a.kind == "B" else getattr(self.deferred.get(key), "inp", None)
+        runner.state.replay = (k, inp)
+        try:
+            with no_autocast(self.device), runner._syncing(a), backward_pass():
+                if a.kind == "B":
+                    runner._backward(key, k, self.outputs.pop(key), self.grads.pop(key, None), self.inputs,
+                                     self.input_grads, self.deferred, self.params)
+                    send = transport.early(a)
+                    if send is not None:  # the gradient leaves as its backward returns
+                        transport.send(send)
+                else:
+                    self.deferred.pop(key).weight_grad()
+        finally:
+            runner.state.replay = None
+
+    def _forward(self, a, key, k, received, transport) -> None:
+        runner = self.runner
+        if received is not None:
+            self.inputs[key] = with_grad_split(received.tensor, received.split)
+        send = transport.early(a)  # the output leaves where the stage stops
+        finished, out = runner._run("training_step", self.micro[a.microbatch], self.rest, k, self.inputs.get(key),
+                                    self.logs[a.microbatch], received and received.wait,
+                                    partial(transport.send, send) if send is not None else None)
+        if finished:
+            if isinstance(out, Mapping):
+                self.extras.append({k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in out.items()
+                                    if k != "loss"})
+                out = out.get("loss")
+            if not isinstance(out, torch.Tensor):
+                raise ValueError(f"training_step returned {type(out).__name__} for microbatch {a.microbatch} "
+                                 f"under a pipeline, which needs a loss tensor (or a dict with 'loss'); "
+                                 f"skipping a batch by returning None is not supported with pp or microbatches.")
+            self.losses.append(out.detach().float())
+            out = out * self.scale
+        if not runner._results_checked and self.stand_in_at is None and holds_nan(out):
+            self.stand_in_at = (k, a.microbatch)
+        self.outputs[key] = out
 
 
 class PipelineRunner(StageLogs, ForwardOnlyStep, BackwardStep):
@@ -91,6 +162,17 @@ class PipelineRunner(StageLogs, ForwardOnlyStep, BackwardStep):
 
     def _vstage(self, chunk: int) -> int:
         return chunk * self.layout.pp + self.mesh.pp_rank
+
+    def _routes(self, forward_only: bool = False) -> Routes:
+        return Routes(self._rank_of, self._vstage, self.n_vstages, forward_only)
+
+    def _transport(self, plan: StepPlan, step, device, remembered, forward_only: bool = False):
+        """The step's transport: eager over the action list (gloo), else one group per time slot."""
+        routes = self._routes(forward_only)
+        if plan.slots is None:  # a forward-only step guesses no shapes (see Mailbox)
+            box = Mailbox(plan.expected, device=device, remembered=None if forward_only else remembered)
+            return ListTransport(plan, step, routes, box, device)
+        return SlotTransport(plan, step, routes, SlotMailbox(remembered, device))
 
     def _run(self, hook: str, micro, rest, vstage, received, logs, arrival=None, on_stop=None):
         """The user's step on one microbatch as virtual stage ``vstage``: (ran to its end, its result or
@@ -130,32 +212,32 @@ class PipelineRunner(StageLogs, ForwardOnlyStep, BackwardStep):
         return next((p.device for p in self.module.parameters()), torch.device("cpu"))
 
     def _use(self, m: int) -> None:
-        """Point the runner at the action lists for ``m`` microbatches and what is read off them,
-        built once per m (an epoch's smaller last batch may run with fewer, see .microbatch)."""
+        """Point the runner at the step plan for ``m`` microbatches, built once per m (an epoch's smaller
+        last batch may run with fewer, see .microbatch)."""
         if m not in self._plans:
             pp, v, rank = self.layout.pp, self.layout.v, self.mesh.pp_rank
             full = build_schedule(self.schedule, pp, m, v, self.split_backward)
             actions = full[rank]
             split = split_keys(actions)  # the backwards split into B and W (zero bubble, split_backward)
-            self._plans[m] = dict(
-                actions=actions, split=split, receives=self._expected_receives(actions),
-                slots=slot_plan(full, pp, v)[rank] if self.batched else None,
-                # gloo: publish the logs before the last receive where that fills a wait (see early_publish)
-                publish_at=None if self.batched else early_publish(full, pp, v)[rank],
-                # gloo: per receive, the tags of the sends it proves landed, to drop them there (see ..schedule.landed)
-                landed={} if self.batched else {i: [self._send_tag(actions[j]) for j in js]
-                                                for i, js in landed_after(full, pp)[rank].items()},
+            routes = self._routes()
+            publish_at = None if self.batched else early_publish(full, pp, v)[rank]
+            eager = {} if self.batched else dict(
+                # publish the logs before the last receive where that fills a wait (see early_publish)
+                publish_before=None if publish_at is None else actions[publish_at],
+                # per receive, the tags of the sends it proves landed, to drop them there (see ..schedule.landed)
+                landed={actions[i]: [routes.send(actions[j])[1] for j in js]
+                        for i, js in landed_after(full, pp)[rank].items()})
+            self._plans[m] = step_plan(
+                actions, slot_plan(full, pp, v)[rank] if self.batched else None, routes, split=split,
                 # each chunk's final weight-gradient pass of the step (a W, or a B not split): its gradients are
                 # then final, so the dp overlap starts their sync there. Chunks finish last-first, as buckets go.
                 final=_last_weight_pass(actions, split, v),
                 # split: each chunk's last B, final instead where the chunk's backward is not split (see
                 # BackwardStep._syncing)
-                final_b=_last_per_chunk(actions, "B", v) if split else set())
-        plan = self._plans[m]
+                final_b=_last_per_chunk(actions, "B", v) if split else set(), **eager)
+        plan = self.plan = self._plans[m]
         self.step_m = m  # this step's microbatch count (MegaStrategy.step_microbatches)
-        self.actions, self._split, self._receives = plan["actions"], plan["split"], plan["receives"]
-        self.slots, self._publish_at, self._landed = plan["slots"], plan["publish_at"], plan["landed"]
-        self._final, self._final_b = plan["final"], plan["final_b"]
+        self.actions, self._split = plan.actions, plan.split
 
     def _microbatches(self, batch, hook: str, batch_idx: int) -> int:
         """This batch's microbatch count (see .microbatch), warning once per hook when it is not m."""
@@ -170,57 +252,6 @@ class PipelineRunner(StageLogs, ForwardOnlyStep, BackwardStep):
             rank_zero_warn(f"{hook}: a batch that microbatches={self.m} does not divide (an epoch's smaller last "
                            f"batch?) runs as {m} microbatches, none larger than usual (warned once).")
         return m
-
-    def _expected_receives(self, actions, forward_only: bool = False) -> dict:
-        """channel -> ordered [(tag, src)] of this rank's receives in one step (the Mailbox posts them ahead)."""
-        out = {}
-        for a in actions:
-            if a.kind in ("RECV_F", "RECV_B"):
-                src, t, channel = self._recv_args(a, forward_only)
-                out.setdefault(channel, []).append((t, src))
-        return out
-
-    def _recv_args(self, a, forward_only: bool = False):
-        """(src, tag, channel) of a RECV_F / RECV_B action; forward-only steps (validate/test/predict)
-        use direction 2, apart from training's."""
-        k = self._vstage(a.chunk)
-        d = 2 if forward_only else (0 if a.kind == "RECV_F" else 1)
-        return self._rank_of(k + 1 if d == 1 else k - 1), tag(d, a.microbatch, k, self.n_vstages), (d, k)
-
-    def _send_route(self, a, forward_only: bool = False):
-        """(dst, tag, channel) of a SEND_F / SEND_B action (direction 2: see _recv_args)."""
-        k = self._vstage(a.chunk)
-        d, k = ((2 if forward_only else 0), k + 1) if a.kind == "SEND_F" else (1, k - 1)
-        return self._rank_of(k), tag(d, a.microbatch, k, self.n_vstages), (d, k)
-
-    def _send_tag(self, a) -> int:
-        return self._send_route(a)[1]
-
-    def _send_args(self, a, outputs, inputs, input_grads):
-        """(tensor, dst, tag, channel) of a SEND_F / SEND_B action; drops what the send was the last use of."""
-        key = (a.microbatch, a.chunk)
-        if a.kind == "SEND_F":
-            return (outputs[key], *self._send_route(a))
-        g = input_grads.pop(key) if key in input_grads else inputs[key].grad
-        inputs.pop(key)
-        if g is None:
-            raise no_input_grad(self._vstage(a.chunk))
-        return (g, *self._send_route(a))
-
-    @staticmethod
-    def _drop_sent_values(a, st) -> None:
-        if a.kind == "SEND_F":
-            key = (a.microbatch, a.chunk)
-            drop_sent_values(st.outputs, key, st.inputs.get(key))
-
-    @staticmethod
-    def _store(a, tensor, inputs, grads, split) -> None:
-        """A received activation, as the leaf its gradient is taken of (``split``: see messages.pack), or gradient."""
-        key = (a.microbatch, a.chunk)
-        if a.kind == "RECV_F":
-            inputs[key] = with_grad_split(tensor, split)
-        else:
-            grads[key] = tensor
 
     # ---------------------------------------------------------------- training
 
@@ -239,131 +270,19 @@ class PipelineRunner(StageLogs, ForwardOnlyStep, BackwardStep):
         for p in params:
             p.grad = None
         device = self._device()  # the run's device even on a stage without trainable parameters
-        st = _Step(split_marked(batch, m), rest, scale / m, params, device, [[] for _ in range(m)])
-        if self.slots is None:
-            self._walk_actions(st)
-        else:
-            self._walk_slots(st)
+        st = TrainingStep(self, self.plan, split_marked(batch, m), rest, scale / m, params, device)
+        walk(self.plan, st, self._transport(self.plan, st, device, self._shapes))
         for p, old in zip(params, saved):
             p._pp_fresh_grad, p.grad = p.grad, old
         self.step_extras = merge_outputs(st.extras) if st.extras else {}
         if st.published is None:
             mean_loss = float(sum(st.losses) / len(st.losses)) if st.losses else None
-            st.published = (self._publish(st.logs, mean_loss, self._numbers(st)),)
+            st.published = (self._publish(st.logs, mean_loss, st.posted_numbers()),)
         if not self._results_checked:  # after the publish: a stage waits there for the last stage's numbers
             self._results_checked = True
             if self.n_vstages > 1:  # microbatches alone (pp=1): no placeholders
                 agree_on_stand_ins(st.stand_in_at, device)
         return st.published[0]
-
-    def _walk_actions(self, st) -> None:
-        """Eager (gloo): the action list in order, sends at once, receives posted ahead, sends dropped
-        where a receive proves them landed."""
-        box = st.box = Mailbox(self._receives, device=st.device, remembered=self._shapes)
-        for i, a in enumerate(self.actions):
-            if i == self._publish_at:  # a stage without the loss: it has logged all it will
-                st.published = (self._publish(st.logs, None, self._numbers(st)),)
-            key = (a.microbatch, a.chunk)
-            if a.kind in ("RECV_F", "RECV_B"):
-                self._numbers(st)  # posted with the step's other receives (see Mailbox.open)
-                src, t, channel = self._recv_args(a)
-                tensor, work = box.recv(src, t, st.device, channel, wait=False)
-                self._store(a, tensor, st.inputs, st.grads, box.splits_in.get(channel, (0, 0)))
-                arrival = partial(_arrive, work, box, self._landed.get(i, ()))
-                if a.kind == "RECV_F":  # waited on at the stage's first block (StageRun.wait_for_activation)
-                    st.arrivals[key] = arrival
-                else:
-                    arrival()
-            elif a.kind in ("SEND_F", "SEND_B"):
-                if not made_early(st.sent_early, a):
-                    box.send(*self._send_args(a, st.outputs, st.inputs, st.input_grads))
-                self._drop_sent_values(a, st)
-            else:
-                self._compute(a, st)
-        box.wait()
-
-    def _send_at_stop(self, box, sent: set, a, value, forward_only: bool = False) -> None:
-        """SEND_F of F action ``a``'s result, made where the stage stops (see .stage.StageRun.stop) and noted
-        in ``sent``: sends never block, so one made earlier than the action list says cannot deadlock,
-        and a channel's microbatches still leave in order."""
-        box.send(value, *self._send_route(Action("SEND_F", a.microbatch, a.chunk), forward_only))
-        sent.add(("SEND_F", a.microbatch, a.chunk))
-
-    def _send_grad_now(self, a, st) -> None:
-        """SEND_B of B action ``a``'s input gradient, made as its backward returns (gloo; noted in
-        ``st.sent_early``): the action list's SEND_B comes after the backward's context exits and
-        the loop's turn, which lay on every gradient transfer's path (early: see _send_at_stop)."""
-        send = Action("SEND_B", a.microbatch, a.chunk)
-        st.box.send(*self._send_args(send, st.outputs, st.inputs, st.input_grads))
-        st.sent_early.add(("SEND_B", a.microbatch, a.chunk))
-
-    def _numbers(self, st):
-        """The posted receive of the last stage's numbers (gloo, see .logs), posted at first use."""
-        if not st.numbers_posted:
-            st.numbers, st.numbers_posted = self._post_numbers(st.device), True
-        return st.numbers
-
-    def _walk_slots(self, st) -> None:
-        """Batched (NCCL): one transfer group per time slot, see :mod:`..schedule.slots`."""
-        box = SlotMailbox(self._shapes, st.device)
-        for slot in self.slots:
-            if slot.compute is not None:
-                needed = self._input_of(slot.compute)
-                if needed is not None:
-                    _, t, channel = self._recv_args(needed)
-                    self._store(needed, box.take(channel, t), st.inputs, st.grads, box.splits_in.get(channel, (0, 0)))
-                self._compute(slot.compute, st)
-            box.group([self._send_args(a, st.outputs, st.inputs, st.input_grads) for a in slot.sends],
-                      [self._recv_args(a) for a in slot.recvs])
-            for a in slot.sends:
-                self._drop_sent_values(a, st)
-        box.wait()
-
-    def _input_of(self, a):
-        """The RECV action whose tensor compute action ``a`` needs, if any."""
-        k = self._vstage(a.chunk)
-        if a.kind == "F" and k > 0:
-            return Action("RECV_F", a.microbatch, a.chunk)
-        if a.kind == "B" and k < self.n_vstages - 1:
-            return Action("RECV_B", a.microbatch, a.chunk)
-        return None
-
-    def _compute(self, a, st) -> None:
-        key, k = (a.microbatch, a.chunk), self._vstage(a.chunk)
-        if a.kind == "F":
-            early = st.box is not None and k != self.layout.last_vstage
-            finished, out = self._run("training_step", st.micro[a.microbatch], st.rest, k, st.inputs.get(key),
-                                      st.logs[a.microbatch], st.arrivals.pop(key, None),
-                                      partial(self._send_at_stop, st.box, st.sent_early, a) if early else None)
-            if finished:
-                if isinstance(out, Mapping):
-                    st.extras.append({k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in out.items()
-                                      if k != "loss"})
-                    out = out.get("loss")
-                if not isinstance(out, torch.Tensor):
-                    raise ValueError(f"training_step returned {type(out).__name__} for microbatch {a.microbatch} "
-                                     f"under a pipeline, which needs a loss tensor (or a dict with 'loss'); "
-                                     f"skipping a batch by returning None is not supported with pp or microbatches.")
-                st.losses.append(out.detach().float())
-                out = out * st.scale
-            if not self._results_checked and st.stand_in_at is None and holds_nan(out):
-                st.stand_in_at = (k, a.microbatch)
-            st.outputs[key] = out
-        else:  # the step runs inside Lightning's autocast; backward must not
-            # a checkpoint of the user's own recomputes blocks in here, outside any run (see stage._wrap)
-            received = st.inputs.get(key) if a.kind == "B" else getattr(st.deferred.get(key), "inp", None)
-            self.state.replay = (k, received)
-            try:
-                with no_autocast(st.device), self._syncing(a), backward_pass():
-                    if a.kind == "B":
-                        self._backward(key, k, st.outputs.pop(key), st.grads.pop(key, None), st.inputs,
-                                       st.input_grads, st.deferred, st.params)
-                        if st.box is not None and k > 0:
-                            self._send_grad_now(a, st)
-                    else:
-                        st.deferred.pop(key).weight_grad()
-            finally:
-                self.state.replay = None
 
 
 def _last_per_chunk(actions, kind: str, v: int) -> set:
@@ -375,10 +294,3 @@ def _last_weight_pass(actions, split: set, v: int) -> set:
     """Each chunk's last action that computes weight gradients: a W, or a B that is not split."""
     return {next(a for a in reversed(actions) if a.chunk == c and
                  (a.kind == "W" or (a.kind == "B" and (a.microbatch, a.chunk) not in split))) for c in range(v)}
-
-
-def _arrive(work, box, landed) -> None:
-    """A receive's wait, then the release of the sends its arrival proves landed (see ..schedule.landed)."""
-    work.wait()
-    for sent in landed:
-        box.release(sent)

@@ -222,6 +222,31 @@ def with_split_backward(schedule: Schedule, drain_only: bool = False) -> Schedul
     return out
 
 
+def turns(actions: list[Action]) -> list[tuple]:
+    """One rank's actions as ``(RECV before it or None, compute action, SEND after it or None)`` per compute
+    action, in order; an action list of another shape (see the conventions) is refused."""
+    out, i = [], 0
+    while i < len(actions):
+        recv = actions[i] if actions[i].kind in ("RECV_F", "RECV_B") else None
+        compute = actions[i + (recv is not None)] if i + (recv is not None) < len(actions) else None
+        if compute is None or compute.kind not in COMPUTE_KINDS or \
+                (recv is not None and (recv.kind[-1], recv.microbatch, recv.chunk) != _key(compute)):
+            raise ValueError(f"action {i} ({actions[i]}): a RECV must come right before its F or B, a SEND "
+                             f"right after it")
+        i += 1 + (recv is not None)
+        send = actions[i] if i < len(actions) and actions[i].kind in ("SEND_F", "SEND_B") else None
+        if send is not None:
+            if (send.kind[-1], send.microbatch, send.chunk) != _key(compute):
+                raise ValueError(f"action {i} ({send}): a SEND must come right after its F or B")
+            i += 1
+        out.append((recv, compute, send))
+    return out
+
+
+def _key(a: Action) -> tuple:
+    return a.kind, a.microbatch, a.chunk
+
+
 def split_keys(actions: list[Action]) -> set:
     """(microbatch, chunk) of each split backward in a rank's action list: its B is the input half
     and a W follows; any other B is a full backward."""
