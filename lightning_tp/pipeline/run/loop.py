@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..schedule.schedules import Action, turns
+from ..schedule.schedules import Action, sent_early, turns
 
 
 @dataclass(frozen=True)
@@ -14,13 +14,12 @@ class StepPlan:
     """One step's schedule on this rank as :func:`walk` and its transport read it (built once per microbatch
     count; the training fields are empty for a forward-only step's)."""
 
-    actions: list  # this rank's action list
+    actions: list  # this rank's action list (eager: its sends marked early, see ..schedule.schedules)
     computes: list  # its F, B and W in order
     receives: dict  # compute action -> the RECV right before it
     sends: dict  # compute action -> the SEND right after it
     slots: list | None = None  # batched (NCCL): this rank's time slots (see ..schedule.slots)
     expected: dict = field(default_factory=dict)  # eager: channel -> [(tag, src)] of its receives, posted ahead
-    early_sends: bool = False  # eager: each SEND made inside its compute action (see .transfers.ListTransport)
     landed: dict = field(default_factory=dict)  # eager training: RECV -> tags of the sends its arrival proves landed
     publish_before: Action | None = None  # eager training: the RECV before which the logs are published
     split: set = field(default_factory=set)  # (microbatch, chunk) of the backwards split into B and W
@@ -29,11 +28,13 @@ class StepPlan:
 
 
 def step_plan(actions, slots, routes, **training) -> StepPlan:
-    """The :class:`StepPlan` of this rank's ``actions``; ``slots``: batched, else eager."""
+    """The :class:`StepPlan` of this rank's ``actions``; ``slots``: batched, else eager (its sends made inside
+    their compute actions)."""
+    actions = sent_early(actions) if slots is None else actions
     order = turns(actions)
     return StepPlan(actions, [c for _, c, _ in order], {c: r for r, c, _ in order if r is not None},
                     {c: s for _, c, s in order if s is not None}, slots,
-                    routes.expected(actions) if slots is None else {}, slots is None, **training)
+                    routes.expected(actions) if slots is None else {}, **training)
 
 
 def walk(plan: StepPlan, step, transport) -> None:

@@ -51,7 +51,7 @@ class Routes:
 class ListTransport:
     """Eager (gloo): the RECV before and the SEND after each compute action, through a Mailbox (receives posted
     ahead, sends released where a receive proves them landed); an F's activation is waited on at its stage's
-    first block, and sends leave inside their compute action (see ``early``)."""
+    first block, and a SEND marked early leaves inside its compute action."""
 
     def __init__(self, plan, step, routes: Routes, box, device):
         self.plan, self.step, self.routes, self.box, self.device = plan, step, routes, box, device
@@ -73,18 +73,19 @@ class ListTransport:
 
     def early(self, a):
         """The SEND made inside compute action ``a`` (where an F's run stops, as a B returns), or None."""
-        return self.plan.sends.get(a) if self.plan.early_sends else None
+        send = self.plan.sends.get(a)
+        return send if send is not None and send.early else None
 
     def send(self, send, value=None) -> None:
         """Make ``send`` now: ``value`` (what a run stops with), else what the step gives it."""
         self.box.send(self.step.payload(send) if value is None else value, *self.routes.send(send))
 
     def after(self, a) -> None:
-        """The SEND after compute action ``a``, made at its turn unless made inside it."""
+        """The SEND after compute action ``a``, made at its turn unless made inside it (early)."""
         send = self.plan.sends.get(a)
         if send is None:
             return
-        if not self.plan.early_sends:
+        if not send.early:
             self.send(send)
         self.step.sent(send)
 

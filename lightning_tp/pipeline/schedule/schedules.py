@@ -6,7 +6,7 @@ Conventions (virtual stages, chunks, where SEND/RECV sit, B and W): docs/design/
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 COMPUTE_KINDS = ("F", "B", "W")
 P2P_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
@@ -21,15 +21,19 @@ class Action:
     kind: str
     microbatch: int
     chunk: int = 0
+    # a SEND made inside the compute action before it (see sent_early); the same transfer, so not compared
+    early: bool = field(default=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"unknown action kind {self.kind!r}; expected one of {KINDS}")
         if self.microbatch < 0 or self.chunk < 0:
             raise ValueError(f"microbatch and chunk must be >= 0, got {self}")
+        if self.early and self.kind not in ("SEND_F", "SEND_B"):
+            raise ValueError(f"only a SEND leaves early, got {self.kind}")
 
     def __str__(self) -> str:
-        return f"{self.kind}(mb={self.microbatch}, chunk={self.chunk})"
+        return f"{self.kind}(mb={self.microbatch}, chunk={self.chunk}{', early' if self.early else ''})"
 
 
 Schedule = list[list[Action]]
@@ -220,6 +224,12 @@ def with_split_backward(schedule: Schedule, drain_only: bool = False) -> Schedul
             new.append(Action("W", new[-1].microbatch, new[-1].chunk))
         out.append(new)
     return out
+
+
+def sent_early(actions: list[Action]) -> list[Action]:
+    """One rank's actions with each SEND marked ``early``: made inside the compute action before it, a SEND_F
+    where its F's run stops (at the next stage's first block), a SEND_B as its B returns."""
+    return [replace(a, early=True) if a.kind in ("SEND_F", "SEND_B") else a for a in actions]
 
 
 def turns(actions: list[Action]) -> list[tuple]:

@@ -95,16 +95,6 @@ def drop_sent_values(outputs: dict, key, inp) -> None:
     out.data = torch.empty((1,), dtype=out.dtype, device=out.device).expand(out.shape)
 
 
-def made_early(sent: set, a) -> bool:
-    """Whether send action ``a`` was made ahead of its turn (its key noted in ``sent`` where the stage
-    stopped or its backward returned, see executor); it is then taken off the set."""
-    item = (a.kind, a.microbatch, a.chunk)
-    if item in sent:
-        sent.remove(item)
-        return True
-    return False
-
-
 def tag(direction: int, microbatch: int, vstage: int, n_vstages: int) -> int:
     """A message's tag; +1 and +2 are its payload's (+2 after a shape change, see Mailbox)."""
     return ((direction * 100_000 + microbatch) * n_vstages + vstage) * 4
