@@ -224,7 +224,7 @@ def _patch(owner, name, wrap) -> None:
 
 
 def _make_patches():
-    from lightning_tp.pipeline.run import executor, transfers
+    from lightning_tp.pipeline.run import backward_step, executor, logs, transfers, user_step
     from lightning_tp.pipeline.transport import p2p
 
     def timing(fn, record):
@@ -274,7 +274,7 @@ def _make_patches():
     _patch(transfers, "_arrive", arriving)
     _patch(p2p.Mailbox, "wait", lambda f: timed(f, "wait"))
     _patch(executor.PipelineRunner, "train_step", lambda f: timed(f, "train_step"))
-    _patch(executor.PipelineRunner, "_publish", lambda f: timed(f, "publish"))
+    _patch(logs.StageLogs, "publish", lambda f: timed(f, "publish"))
     from lightning_tp.pipeline.run import zb
 
     def action(fn, kind):
@@ -287,12 +287,12 @@ def _make_patches():
                 STATS.acts[kind] += 1
         return wrapper
 
-    _patch(executor.PipelineRunner, "_run", lambda f: action(f, "F"))  # training: one F each
+    _patch(user_step.UserStep, "run", lambda f: action(f, "F"))  # training: one F each
     def backward(fn):  # "Bs": a split backward's input half (its W follows), "B": a whole backward
         timed = {kind: action(fn, kind) for kind in ("B", "Bs")}
-        return lambda runner, key, *args: timed["Bs" if key in runner._split else "B"](runner, key, *args)
+        return lambda part, key, *args: timed["Bs" if key in part.plan.split else "B"](part, key, *args)
 
-    _patch(executor.PipelineRunner, "_backward", backward)
+    _patch(backward_step.BackwardStep, "run", backward)
     _patch(zb.SplitBackward, "weight_grad", lambda f: action(f, "W"))
 
 

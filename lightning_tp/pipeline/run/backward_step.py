@@ -1,4 +1,4 @@
-"""The backward side of a pipeline step (part of :class:`.executor.PipelineRunner`): a backward action, the dp
+"""The backward side of a pipeline step (a part of :class:`.executor.PipelineRunner`): a backward action, the dp
 overlap's hooks and the hand-over of the step's gradients to Lightning. See docs/design/pipeline-run.md.
 """
 
@@ -12,16 +12,32 @@ from .zb import SplitBackward
 
 
 class BackwardStep:
-    def _syncing(self, a):
+    """A training step's backward actions on this rank's stages, with the chunks it found run whole (compiled
+    blocks, see .zb) and the strategy's dp overlap (``dp_overlap``, dp > 1)."""
+
+    def __init__(self, module, layout):
+        self.module, self.layout = module, layout
+        self.dp_overlap = None  # the strategy's DPOverlap, hooked around each chunk's final pass (see syncing)
+        self.whole_chunks = set()  # zero bubble: chunks whose backward B runs whole
+        self.plan = None  # the training step's plan: its split backwards and each chunk's final passes
+
+    def start(self, plan) -> None:
+        """A training step on ``plan`` (a .loop.StepPlan) begins."""
+        self.plan = plan
+        if self.dp_overlap is not None:
+            self.dp_overlap.restart()  # a step that raised may have left a count behind
+
+    def syncing(self, a):
         """The dp overlap's hooks around a chunk's final weight-gradient pass of the step (its last W, or last
         B where unsplit or whole), else a plain context. See docs/design/pipeline-run.md."""
         overlap = self.dp_overlap
-        final = a in self.plan.final or (a.chunk in self._whole_chunks and a in self.plan.final_b)
+        final = a in self.plan.final or (a.chunk in self.whole_chunks and a in self.plan.final_b)
         if not final or overlap is None or not overlap.armed():
             return contextlib.nullcontext()
         return _hooked(overlap)
 
-    def _backward(self, key, k, out, grad, inputs, input_grads, deferred, params):
+    def run(self, key, k, out, grad, inputs, input_grads, deferred, params) -> None:
+        """One B (or whole backward) of microbatch and chunk ``key`` on virtual stage ``k``."""
         split = getattr(out, "_lightning_tp_grad_split", None)
         if split is not None:  # only the parts that need a gradient get one: the leading values (messages.pack)
             out = out[:split[1]]
@@ -35,16 +51,16 @@ class BackwardStep:
                                  f"hold trainable weights: a detach() or torch.no_grad() before the next stage, or "
                                  f"a reentrant checkpoint around a block whose input needs no grad (use "
                                  f"use_reentrant=False, or MegaStrategy(activation_checkpointing=True)).")
-            if key in self._split:  # a frozen first stage: no backward, as one process computes none there
+            if key in self.plan.split:  # a frozen first stage: no backward, as one process computes none there
                 deferred[key] = _NoWeightGrad()
             return
-        if key not in self._split:
+        if key not in self.plan.split:
             torch.autograd.backward(out, grad)
             return
         # ZB: B computes only the input gradient now; W (the weight half, see .zb) runs later.
         split = SplitBackward(out, grad, inputs[key] if k > 0 else None, params)
         if split.whole:
-            self._whole_chunks.add(key[1])
+            self.whole_chunks.add(key[1])
         g = split.input_grad()
         if g is not None:
             input_grads[key] = g

@@ -18,7 +18,7 @@ class StageMetricsSync(L.Callback):
         runner = self.runner
         if runner is None or runner.layout.pp == 1:
             return
-        last = runner._rank_of(runner.layout.pp - 1)
+        last = runner.ranks.rank_of(runner.layout.pp - 1)
         is_last = runner.mesh.pp_rank == runner.layout.pp - 1
         paths = {id(m): p for p, m in pl_module.named_modules()}
         from torchmetrics import Metric

@@ -131,11 +131,24 @@ def _reduce(values, args, kwargs):
 
 
 class StageLogs:
-    """Mixin of :class:`.executor.PipelineRunner` (uses its mesh, layout, module and ``batched``)."""
+    """A pipeline's logged values and step results, from the last stage to every stage (``ranks``: see
+    .transfers.Ranks; ``batched``: NCCL), with what it remembers across steps."""
 
-    def _publish(self, logs_per_mb: list, result, numbers=None, train: bool = True):
-        """Reduce the last stage's logs over microbatches, share them and the result (training: the mean loss)
-        with every stage, and log them there. See docs/design/pipeline-run.md."""
+    _CAPACITY = 62  # logged numbers per step that fit the fixed broadcast (more: sent pickled)
+
+    def __init__(self, module, ranks, batched: bool):
+        self.module, self.ranks, self.batched = module, ranks, batched
+        self.batch_values = BatchValues()  # logged torchmetrics' step values over the microbatches
+        self.log_names = None  # the last stage's logged names as of the previous step (see _share_numbers)
+        self.mirrored = {}  # (path, list state) -> items already sent (see _mirror_metrics)
+
+    @property
+    def is_last(self) -> bool:
+        return self.ranks.mesh.pp_rank == self.ranks.pp - 1
+
+    def publish(self, logs_per_mb: list, result, numbers=None, train: bool = True, device=None):
+        """Reduce the last stage's logs over microbatches, share them and the result (training: the mean loss,
+        through a tensor on ``device``) with every stage, and log them there. See docs/design/pipeline-run.md."""
         self.batch_values.finish()
         own = {}
         for sink in logs_per_mb:
@@ -143,13 +156,13 @@ class StageLogs:
                 own.setdefault(name, [[], args, kwargs])[0].append(value)
         shared = [(n, _reduce(v, a, k), a, k) for n, (v, a, k) in own.items()]
         mirrored = {}
-        if self.layout.pp > 1:
-            last = self._rank_of(self.layout.pp - 1)
+        if self.ranks.pp > 1:
+            last = self.ranks.rank_of(self.ranks.pp - 1)
             if train:
-                shared, result = self._share_numbers(shared, result, last, numbers)
+                shared, result = self._share_numbers(shared, result, last, numbers, device)
             else:
                 box = [shared, result]
-                dist.broadcast_object_list(box, src=last, group=self.mesh.pp_group)
+                dist.broadcast_object_list(box, src=last, group=self.ranks.mesh.pp_group)
                 shared, result = box
             if any(mean is None for _, mean, _, _ in shared):
                 mirrored = self._mirror_metrics(own, shared, last)
@@ -166,15 +179,15 @@ class StageLogs:
         """Copy the state of torchmetrics objects the last stage logged into the same attributes on every other
         stage (one pickled broadcast). Returns {name: this stage's metric} (not on the last). See
         docs/design/pipeline-run.md."""
-        is_last = self.mesh.pp_rank == self.layout.pp - 1
+        is_last = self.is_last
         box = [None]
-        sent = self.__dict__.setdefault("_mirrored", {})  # (path, list state) -> items already sent
+        sent = self.mirrored
         if is_last:
             paths = {id(m): p for p, m in self.module.named_modules()}
             logged = {n: own[n][0][-1] for n, mean, _, _ in shared if mean is None and n in own}
             box[0] = {n: (paths[id(m)], metric_state_of(m, paths[id(m)], sent))
                       for n, m in logged.items() if id(m) in paths}
-        dist.broadcast_object_list(box, src=last, group=self.mesh.pp_group)
+        dist.broadcast_object_list(box, src=last, group=self.ranks.mesh.pp_group)
         if is_last:
             return {}
         out = {}
@@ -183,36 +196,35 @@ class StageLogs:
             load_metric_state(out[name], state)
         return out
 
-    _CAPACITY = 62  # logged numbers per step that fit the fixed broadcast (more: sent pickled)
-
-    def _post_numbers(self, device):
+    def post_numbers(self, device):
         """Gloo: a non-last stage posts the receive of the step's numbers (see _share_numbers) at step
         start, so they are there when its step ends, instead of a collective's round trips then."""
-        if self.batched or self.layout.pp == 1 or self.mesh.pp_rank == self.layout.pp - 1:
+        if self.batched or self.ranks.pp == 1 or self.is_last:
             return None
         buf = torch.zeros(2 + self._CAPACITY, dtype=torch.float64, device=device)
-        last = self._rank_of(self.layout.pp - 1)
-        return buf, dist.irecv(buf, last, tag=tag(3, 0, 0, self.n_vstages))
+        last = self.ranks.rank_of(self.ranks.pp - 1)
+        return buf, dist.irecv(buf, last, tag=tag(3, 0, 0, self.ranks.n_vstages))
 
     def _send_numbers(self, buf) -> None:
-        """The last stage's side of _post_numbers (gloo); NCCL: one broadcast, receives never posted ahead."""
+        """The last stage's side of post_numbers (gloo); NCCL: one broadcast, receives never posted ahead."""
         if self.batched:
-            dist.broadcast(buf, src=self._rank_of(self.layout.pp - 1), group=self.mesh.pp_group)
+            dist.broadcast(buf, src=self.ranks.rank_of(self.ranks.pp - 1), group=self.ranks.mesh.pp_group)
             return
-        works = [dist.isend(buf, self._rank_of(s), tag=tag(3, 0, 0, self.n_vstages)) for s in range(self.layout.pp - 1)]
+        works = [dist.isend(buf, self.ranks.rank_of(s), tag=tag(3, 0, 0, self.ranks.n_vstages))
+                 for s in range(self.ranks.pp - 1)]
         for w in works:
             w.wait()
 
-    def _share_numbers(self, shared, loss, last, posted=None):
+    def _share_numbers(self, shared, loss, last, posted=None, device=None):
         """The last stage's mean loss and logged numbers to every stage, as one float64 tensor; the
         names (pickled) only when they change or more numbers than fit were logged."""
-        is_last = self.mesh.pp_rank == self.layout.pp - 1
-        buf = torch.zeros(2 + self._CAPACITY, dtype=torch.float64, device=self._device())
+        is_last = self.is_last
+        buf = torch.zeros(2 + self._CAPACITY, dtype=torch.float64, device=device)
         if is_last:
             names = [(n, a, k, mean is not None) for n, mean, a, k in shared]
             values = [loss] + [mean for _, mean, _, _ in shared if mean is not None]
             try:
-                changed = bool(names != self._log_names)
+                changed = bool(names != self.log_names)
             except (RuntimeError, ValueError):  # kwargs holding tensors: compare by sending them
                 changed = True
             buf[0] = float(changed) + 2.0 * (len(values) > self._CAPACITY + 1)
@@ -224,18 +236,18 @@ class StageLogs:
             buf, work = posted
             work.wait()
         else:
-            dist.broadcast(buf, src=last, group=self.mesh.pp_group)
+            dist.broadcast(buf, src=last, group=self.ranks.mesh.pp_group)
         flags = int(buf[0])
         if flags:
             box = [names if is_last else None, values if is_last and flags & 2 else None]
-            dist.broadcast_object_list(box, src=last, group=self.mesh.pp_group)
-            self._log_names = box[0]
+            dist.broadcast_object_list(box, src=last, group=self.ranks.mesh.pp_group)
+            self.log_names = box[0]
         if not flags & 2:
             values = buf[1:].tolist()
         else:
             values = box[1]
         it = iter(values[1:])
-        shared = [(n, next(it) if has_mean else None, a, k) for n, a, k, has_mean in self._log_names]
+        shared = [(n, next(it) if has_mean else None, a, k) for n, a, k, has_mean in self.log_names]
         return shared, values[0]
 
 

@@ -86,6 +86,34 @@ def microbatches_for(batch, m: int, strict: bool) -> int:
     return min(d for d in range(min(m, divisor), divisor + 1) if divisor % d == 0)
 
 
+class MicrobatchCounts:
+    """How many microbatches each batch of a run gets (see microbatches_for), warning once per hook where it is
+    not ``m``; the first training batch of a run is checked (see must_divide)."""
+
+    def __init__(self, module, m: int):
+        self.module, self.m = module, m
+        self.trained = False  # a training step ran in this run
+        self.warned = set()
+
+    def new_run(self) -> None:
+        """A new fit or evaluation on the same stages: its first batch is checked again."""
+        self.trained = False
+
+    def of(self, batch, hook: str, batch_idx: int) -> int:
+        """This batch's microbatch count."""
+        first_of_run = not self.trained and not resumable_loader(self.module)
+        m = microbatches_for(batch, self.m, strict=must_divide(hook, batch_idx, first_of_run,
+                                                               batches_per_epoch(self.module)))
+        self.trained = self.trained or hook == "training_step"
+        if m != self.m and hook not in self.warned:
+            from lightning.pytorch.utilities import rank_zero_warn
+
+            self.warned.add(hook)
+            rank_zero_warn(f"{hook}: a batch that microbatches={self.m} does not divide (an epoch's smaller last "
+                           f"batch?) runs as {m} microbatches, none larger than usual (warned once).")
+        return m
+
+
 def merge_outputs(outputs: list):
     """The inverse of :func:`split_batch` for what the user's step returned per microbatch: tensors joined (0-d
     ones averaged or summed), mappings and sequences merged, equal values kept once. See

@@ -7,7 +7,8 @@ from __future__ import annotations
 from functools import partial
 from typing import NamedTuple
 
-from ..transport.p2p import tag
+from ..transport.p2p import Mailbox, tag
+from ..transport.p2p_slots import SlotMailbox
 
 
 class Received(NamedTuple):
@@ -17,6 +18,23 @@ class Received(NamedTuple):
     tensor: object
     split: tuple
     wait: object
+
+
+class Ranks:
+    """This rank's place in its pipeline, read through ``mesh`` (a later strategy may replace it): the virtual
+    stage of each of its chunks and the global rank that runs any virtual stage."""
+
+    def __init__(self, mesh, layout):
+        self.mesh, self.pp, self.n_vstages = mesh, layout.pp, layout.pp * layout.v
+
+    def rank_of(self, vstage: int) -> int:
+        return self.mesh.global_rank(self.mesh.tp_rank, self.mesh.dp_rank, vstage % self.pp)
+
+    def vstage(self, chunk: int) -> int:
+        return chunk * self.pp + self.mesh.pp_rank
+
+    def routes(self, forward_only: bool = False) -> "Routes":
+        return Routes(self.rank_of, self.vstage, self.n_vstages, forward_only)
 
 
 class Routes:
@@ -132,6 +150,14 @@ class SlotTransport:
                        [self.routes.recv(r) for r in slot.recvs])
         for s in slot.sends:
             self.step.sent(s)
+
+
+def transport_for(plan, step, routes: Routes, device, remembered):
+    """A step's transport: eager over its action list (``remembered``: the shapes guessed, or None), else one
+    group per time slot (``remembered``: required, see ..transport.p2p_slots)."""
+    if plan.slots is None:
+        return ListTransport(plan, step, routes, Mailbox(plan.expected, device=device, remembered=remembered), device)
+    return SlotTransport(plan, step, routes, SlotMailbox(remembered, device))
 
 
 def _arrive(work, box, landed) -> None:
