@@ -473,7 +473,7 @@ def _dropped_outputs(world):
     its backward starts (1F1B, pp=2)."""
     from lightning_tp.pipeline.run import executor
 
-    seen, refs, backward, drop = {}, {}, executor.PipelineRunner._backward, executor.drop_sent_values
+    seen, refs, backward, drop = {}, {}, executor.BackwardStep.run, executor.drop_sent_values
 
     def watching(outputs, key, inp):
         refs[key] = outputs[key].untyped_storage()._weak_ref()
@@ -485,14 +485,14 @@ def _dropped_outputs(world):
         seen.setdefault(mode, []).append((out.numel(), out.untyped_storage().nbytes(), freed))
         return backward(self, key, k, out, *args)
 
-    executor.PipelineRunner._backward, executor.drop_sent_values = recording, watching
+    executor.BackwardStep.run, executor.drop_sent_values = recording, watching
     try:
         for mode in ("eager", "batched"):
             trainer = L.Trainer(devices=world, strategy=MegaStrategy(pp=2, microbatches=4, p2p=mode, timeout=60),
                                 max_steps=1, **trainer_kwargs())
             trainer.fit(make_model("gpt", n_layer=2), TokenData(4, 64, 4))
     finally:
-        executor.PipelineRunner._backward, executor.drop_sent_values = backward, drop
+        executor.BackwardStep.run, executor.drop_sent_values = backward, drop
     return seen
 
 
