@@ -144,6 +144,11 @@ WORLD4.update({
     "tp2_sp_pp2_demo_transformer": ("demo_transformer", {}, dict(tp=2, sp=True, **_pp(2, "1f1b")), {}),
     "tp2_sp_pp2_demo_transformer_interleaved": ("demo_transformer", {},
                                                 dict(tp=2, sp=True, **_pp(2, "interleaved_1f1b")), {}),
+    # recomputed in the backward, interleaved (4 stages of one block): a backward recomputes one chunk's
+    # block after a forward of the other chunk ran, yet SP's split and gather (gated by the running stage,
+    # tp_in_pp.sp_stages) sit on a list's first block's call and on the stacks, outside the recomputed forward
+    "tp2_sp_pp2_demo_transformer_interleaved_recompute": ("demo_transformer", {}, dict(
+        tp=2, sp=True, **_pp(2, "interleaved_1f1b", activation_checkpointing=True)), {}),
     "pp2_dp2_demo_transformer_zb_h1": ("demo_transformer", dict(nlayers=3), _pp(2, "zb_h1"), {}),
     # recomputed once for both halves: the dp sync still starts in each chunk's final W
     "pp2_dp2_demo_transformer_zb_keep_recomputed": ("demo_transformer", dict(nlayers=3), _pp(
