@@ -4,6 +4,7 @@ temporary name and renamed into place. See docs/design/checkpoints-internals.md.
 from __future__ import annotations
 
 import glob
+import pickle
 import os
 import shutil
 import uuid
@@ -15,6 +16,16 @@ from .layers.shard import ShardSpec, spec_of, unshard
 
 META = "meta.pt"
 FORMAT = 1
+
+
+def safe_load(path):
+    """``torch.load`` of tensors and plain data only (``weights_only=True``): a file's pickle never runs code."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise ValueError(f"{path} holds objects other than tensors and plain data, and lightning_tp does not run code "
+                         f"from a file it loads (weights_only=True). If you trust the file, load it yourself with "
+                         f"torch.load(..., weights_only=False) and save what you need as tensors. ({e})") from None
 
 
 def shard_file(tp_rank: int, pp_rank: int, ep_rank: int = 0) -> str:
@@ -70,15 +81,14 @@ def is_sharded(path) -> bool:
 def load(path, mesh) -> dict:
     """This rank's view of a sharded checkpoint: trainer state plus its own shard."""
     path = Path(path)
-    meta = torch.load(path / META, map_location="cpu", weights_only=False)
+    meta = safe_load(path / META)
     layout = meta.get("lightning_tp", {})
     if (layout.get("tp"), layout.get("pp"), layout.get("ep", 1)) != (mesh.tp, mesh.pp, mesh.ep):
         raise ValueError(
             f"checkpoint {path} was saved with tp={layout.get('tp')}, pp={layout.get('pp')}, ep={layout.get('ep', 1)} "
             f"but this run has tp={mesh.tp}, pp={mesh.pp}, ep={mesh.ep}. Resume with the same layout, or turn it into "
             f"a plain state_dict with lightning_tp.consolidate({str(path)!r}).")
-    shard = torch.load(path / shard_file(mesh.tp_rank, mesh.pp_rank, mesh.ep_rank), map_location="cpu",
-                       weights_only=False)
+    shard = safe_load(path / shard_file(mesh.tp_rank, mesh.pp_rank, mesh.ep_rank))
     shard.pop("specs", None)
     meta.update(shard.pop("rest", {}))  # this rank's own (dp rank 0's, as DDP keeps rank 0's)
     meta.update(shard)
@@ -90,12 +100,11 @@ def consolidate(path) -> dict:
     path = Path(path)
     if not is_sharded(path):
         raise ValueError(f"{path} is not a lightning_tp checkpoint directory (no {META} in it).")
-    meta = torch.load(path / META, map_location="cpu", weights_only=False)
+    meta = safe_load(path / META)
     layout = meta["lightning_tp"]
     merged: dict = {}
     for pp_rank, ep_rank in [(p, e) for p in range(layout["pp"]) for e in range(layout.get("ep", 1))]:
-        files = [torch.load(path / shard_file(t, pp_rank, ep_rank), map_location="cpu", weights_only=False)
-                 for t in range(layout["tp"])]
+        files = [safe_load(path / shard_file(t, pp_rank, ep_rank)) for t in range(layout["tp"])]
         specs = {k: ShardSpec(**v) for k, v in files[0]["specs"].items()}
         shards = [f["state_dict"] for f in files]
         for key, value in shards[0].items():

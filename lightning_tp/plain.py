@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import META, consolidate
+from .checkpoint import META, consolidate, safe_load
 from .layers.shard import shard, spec_of
 
 
@@ -49,7 +49,7 @@ def read_full_state_dict(path) -> dict:
     path = Path(path)
     if path.is_dir():
         return _read_hf_dir(path)
-    obj = torch.load(path, map_location="cpu", weights_only=False)
+    obj = safe_load(path)
     return obj["state_dict"] if isinstance(obj, dict) and "state_dict" in obj else obj
 
 
@@ -87,7 +87,7 @@ def load_full(module: torch.nn.Module, path, full_keys: list, tp_rank: int) -> l
 
 def save_consolidated(path, out) -> str:
     """Merge a sharded checkpoint directory into one Lightning checkpoint file at ``out``."""
-    meta = torch.load(Path(path) / META, map_location="cpu", weights_only=False)
+    meta = safe_load(Path(path) / META)
     plain = {k: v for k, v in meta.items() if k in ("epoch", "global_step", "pytorch-lightning_version",
                                                    "hyper_parameters", "hparams_name", "datamodule_hyper_parameters")}
     plain["state_dict"] = consolidate(path)

@@ -83,3 +83,29 @@ def test_sharded_hf_directory_reads_like_one_file(tmp_path, safe):
     os.remove(tmp_path / "many" / sorted(f for f in os.listdir(tmp_path / "many") if "-of-" in f)[0])
     with pytest.raises(ValueError, match="lists .*, which are not in the directory"):
         read_full_state_dict(tmp_path / "many")
+
+
+class _Runs:
+    """A pickle that would run code when loaded (writes a file)."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_crafted_checkpoint_is_refused_and_runs_nothing(tmp_path):
+    from lightning_tp.checkpoint import META, consolidate, safe_load
+    from lightning_tp.plain import read_full_state_dict
+
+    marker = tmp_path / "ran"
+    crafted = tmp_path / "evil.ckpt"
+    torch.save({"state_dict": {"w": torch.zeros(1)}, "x": _Runs(str(marker))}, crafted)
+    sharded = tmp_path / "sharded.ckpt"
+    sharded.mkdir()
+    torch.save({"lightning_tp": {"tp": 1, "pp": 1}, "x": _Runs(str(marker))}, sharded / META)
+    for load in (lambda: safe_load(crafted), lambda: read_full_state_dict(crafted), lambda: consolidate(sharded)):
+        with pytest.raises(ValueError, match="does not run code"):
+            load()
+    assert not marker.exists()
