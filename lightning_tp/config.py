@@ -64,7 +64,7 @@ class ParallelConfig:
                 load_full: Optional[str] = None, plan: Any = "auto", sync_init: bool = True,
                 broadcast_batch: bool = True, world_size: Optional[int] = None) -> "ParallelConfig":
         """Check every option (the same errors on every rank, before any process group) and fill the
-        defaults; ``sp`` without tp > 1 becomes False (the caller may warn, see :attr:`sp_dropped`)."""
+        defaults; ``sp`` without tp > 1 becomes False (MegaStrategy warns about it)."""
         data_parallel_size(tp * pp if isinstance(tp, int) and isinstance(pp, int) else 1, tp, pp)  # types
         microbatches = microbatches if microbatches is not None else pp
         for name, value in (("microbatches", microbatches), ("virtual_stages", virtual_stages), ("ep", ep)):

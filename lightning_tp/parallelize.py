@@ -66,8 +66,9 @@ def parallelize(config: ParallelConfig, mesh, module, device, grads_armed: Calla
     # 1. every check, on every rank alike, before any collective
     check_p2p_backend(config)
     matches = planner.resolve(module, config.tp, config.sp, config.plan) if config.tp > 1 else []
+    declared = planner.expert_styles(config.plan)  # a user plan's 'experts' layers
     if config.ep > 1 or config.moe_capacity is not None:
-        check_experts(module, config.ep, config.moe_capacity, planner.expert_styles(config.plan))
+        check_experts(module, config.ep, config.moe_capacity, declared)
     layout = stage_layout(config, module)
     hf_modules = recompute.hf_checkpointing_modules(module, layout) if config.pp > 1 else []
     choices = config.for_model(bool(hf_modules), bool(layout is not None and layout.lists))
@@ -84,7 +85,7 @@ def parallelize(config: ParallelConfig, mesh, module, device, grads_armed: Calla
     tied_ranks = layout.replica_ranks() if config.pp > 1 and layout.lists else ()
     if len(tied_ranks) > 1:
         use_tied_ranks(mesh, tied_ranks)
-    apply_experts(module, mesh, config.pp, config.sp, config.moe_capacity, planner.expert_styles(config.plan))
+    apply_experts(module, mesh, config.pp, config.sp, config.moe_capacity, declared)
     replaced = planner.apply(module, matches, mesh.tp_group, config.tp, mesh.tp_rank, config.sp)
     if config.pp > 1 and config.tp > 1:
         shard_twins(module, layout, split, matches, config.tp, mesh.tp_rank)

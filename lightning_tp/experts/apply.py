@@ -6,7 +6,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..marks import set_marks
-from .families import find_moe_blocks
+from .families import check_block, find_moe_blocks
 from . import router_statistics
 from .layer import expert_parallel
 
@@ -21,13 +21,7 @@ def check_experts(model: nn.Module, ep: int, capacity: float | None = None, decl
                          f"none this project knows (Mixtral, Qwen2-MoE, OLMoE, litgpt LLaMAMoE, the example GPT's "
                          f"MoE). Leave ep=1.")
     for path, block, family in blocks:
-        experts, k = family.num_experts(block), family.top_k(block)
-        if k > experts:
-            raise ValueError(f"{path} ({type(block).__name__}) routes each token to top_k={k} of {experts} experts: "
-                             f"top_k must not exceed the number of experts.")
-        if experts % ep:
-            raise ValueError(f"MegaStrategy(ep={ep}): {path} ({type(block).__name__}) has {experts} experts, which "
-                             f"ep={ep} does not divide; choose an ep that divides {experts}.")
+        check_block(path, block, family, ep)
     return blocks
 
 

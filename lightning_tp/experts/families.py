@@ -75,6 +75,17 @@ def declared_family(options: dict) -> MoEFamily:
                      returns_logits=bool(options.get("returns_logits", False)))
 
 
+def check_block(path: str, block: nn.Module, family: MoEFamily, ep: int) -> None:
+    """A clear error where ``ep`` cannot split ``block``: top_k above its experts, or ep not dividing them."""
+    experts, k = family.num_experts(block), family.top_k(block)
+    if k > experts:
+        raise ValueError(f"{path} ({type(block).__name__}) routes each token to top_k={k} of {experts} experts: "
+                         f"top_k must not exceed the number of experts.")
+    if experts % ep:
+        raise ValueError(f"MegaStrategy(ep={ep}): {path} ({type(block).__name__}) has {experts} experts, which "
+                         f"ep={ep} does not divide; choose an ep that divides {experts}.")
+
+
 def family_of(module: nn.Module):
     """The :class:`MoEFamily` of a block, by its qualified class name or else its class name; None if unknown."""
     kind = type(module)

@@ -9,7 +9,7 @@ from torch import nn
 
 from .. import comm
 from .dispatch import capacity_of, combine, dispatch
-from .families import MoEFamily
+from .families import MoEFamily, check_block
 
 
 class ExpertParallelMoE(nn.Module):
@@ -20,13 +20,8 @@ class ExpertParallelMoE(nn.Module):
                  capacity_factor: float | None = None):
         nn.Module.__init__(self)  # not the block class's (see expert_parallel)
         self.family, self.group, self.sp_group, self.capacity_factor = family, group, sp_group, capacity_factor
+        check_block(type(block).__name__, block, family, ep)
         self.num_experts, self.top_k = family.num_experts(block), family.top_k(block)
-        if self.num_experts % ep:
-            raise ValueError(f"MegaStrategy(ep={ep}): {type(block).__name__} has {self.num_experts} experts, which "
-                             f"ep does not divide; choose an ep that divides {self.num_experts}.")
-        if self.top_k > self.num_experts:
-            raise ValueError(f"{type(block).__name__} routes each token to top_k={self.top_k} of "
-                             f"{self.num_experts} experts; top_k must not exceed the experts.")
         count = self.num_experts // ep
         self.first = ep_rank * count
         self.gate = block.gate
