@@ -56,7 +56,7 @@ class LoggedLosses(L.Callback):
 
 
 def _descendants(pid: int) -> list:
-    """The processes under pid (Linux /proc): torchrun starts each worker in a session of its own, so
+    """The processes under pid (Linux /proc): torchrun starts each worker under setsid (detached from its agent), so
     killing an agent's process group would leave its workers running."""
     found = []
     try:
