@@ -12,6 +12,7 @@ import torch.distributed as dist
 from . import grads, recompute
 from .config import ModelChoices, ParallelConfig
 from .dp_overlap import DPOverlap
+from .experts import router_carry
 from .experts.apply import apply_experts, check_experts
 from .kernels.inject import apply_kernels
 from .layers.attention import TPMultiheadAttention
@@ -70,6 +71,10 @@ def parallelize(config: ParallelConfig, mesh, module, device, grads_armed: Calla
     if config.ep > 1 or config.moe_capacity is not None:
         check_experts(module, config.ep, config.moe_capacity, declared)
     layout = stage_layout(config, module)
+    carried = router_carry.carried_logits(module, layout, declared) if config.pp > 1 else None
+    if carried is not None and layout.lists:
+        raise ValueError("MegaStrategy(pp > 1): an encoder-decoder's stages cannot carry router logits for a "
+                         "load-balancing loss; set output_router_logits=False or use dp/ep.")
     hf_modules = recompute.hf_checkpointing_modules(module, layout) if config.pp > 1 else []
     choices = config.for_model(bool(hf_modules), bool(layout is not None and layout.lists))
     if hf_modules:
@@ -101,6 +106,9 @@ def parallelize(config: ParallelConfig, mesh, module, device, grads_armed: Calla
         side = SideInputCheck.for_mesh(mesh, layout.pp) if config.pp > 1 else None
         state = install_stages(layout.blocks(module), layout, mesh.pp_rank, silence, split["twins"], side,
                                split.get("companion_twins"))
+        if carried is not None:
+            router_carry.install(module, state, carried, mesh.dp_group, config.pp,
+                                 mesh.tp_group if config.sp and config.tp > 1 else None, declared)
         runner = PipelineRunner(module, mesh, layout, state, config.schedule, config.microbatches,
                                 batched=_batched(config), device=device, split_backward=choices.split_backward)
     streams = _block_streams(config, mesh, module, layout, device)

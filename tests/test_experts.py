@@ -246,6 +246,38 @@ def test_expert_parallel_matches_one_process(tmp_path, world):
         assert worst < 1e-5, (name, worst)
 
 
+AUX = dict(config_kw=dict(output_router_logits=True, router_aux_loss_coef=0.5))
+# the router's load-balancing loss under a pipeline: every layer's logits reach the last stage with the
+# activations; its statistics are each microbatch's (over the dp replicas' rows), as one process
+# accumulating the same microbatches computes them. name: (world, model kind, model kwargs, strategy kwargs)
+AUX_PP_RUNS = {
+    "mixtral_pp2_padded": (2, "hf_mixtral", dict(AUX, padded=True), dict(pp=2, microbatches=2)),  # a mask
+    "qwen2_moe_pp2": (2, "hf_qwen2_moe", AUX, dict(pp=2, microbatches=2)),  # stand-ins in the logits' tuple
+    "mixtral_pp2_interleaved_ckpt": (2, "hf_mixtral", dict(AUX, layers=4),
+                                     dict(pp=2, virtual_stages=2, schedule="interleaved_1f1b", microbatches=2,
+                                          activation_checkpointing=True)),
+    "mixtral_pp2_ep2": (4, "hf_mixtral", AUX, dict(pp=2, ep=2, microbatches=2)),
+    "mixtral_pp2_tp2_sp": (4, "hf_mixtral", AUX, dict(pp=2, tp=2, sp=True, microbatches=2)),
+}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_router_loss_under_a_pipeline_matches_one_process_accumulating_its_microbatches(tmp_path, world):
+    runs = {name: run for name, run in AUX_PP_RUNS.items() if run[0] == world}
+    results = dist.run(world, _fit_ep, runs, str(tmp_path), timeout=900)
+    for name, (world, kind, model_kw, strategy_kw) in runs.items():
+        m = strategy_kw["microbatches"]
+        dp = world // (strategy_kw.get("tp", 1) * strategy_kw["pp"])
+        ref_losses, ref_weights, _ = reference_run(kind, model_kw, STEPS, BATCH * dp // m, accumulate_grad_batches=m)
+        per_step = torch.tensor(ref_losses).view(STEPS, m).mean(1)
+        for r in results:
+            diff = (torch.tensor(r[name]["losses"]) - per_step).abs().max().item()
+            assert diff < 1e-5, (name, diff, r[name]["losses"], per_step)
+        weights = results[0][name]["weights"]
+        worst = max((weights[k] - ref_weights[k]).abs().max().item() for k in ref_weights)
+        assert worst < 1e-5, (name, worst)
+
+
 GPT_MOE = dict(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32)
 BAD = {  # name: (model kwargs, strategy kwargs, expected message)
     "ep_not_dividing_dp": (dict(GPT_MOE, n_expert=4), dict(ep=4), "ep must divide 2"),
@@ -255,8 +287,6 @@ BAD = {  # name: (model kwargs, strategy kwargs, expected message)
                             "top_k=4 of 2 experts"),
     "capacity_out_of_range": (dict(GPT_MOE, n_expert=4), dict(moe_capacity=0), "a capacity factor is a number in"),
     "capacity_without_moe": (dict(GPT_MOE), dict(moe_capacity=1.0), "moe_capacity=1.0) applies to mixture-of-experts"),
-    "router_loss_under_pp": (dict(kind="hf_mixtral", config_kw=dict(output_router_logits=True)),
-                             dict(pp=2, microbatches=2), "not supported under a pipeline yet"),
 }
 
 
@@ -498,3 +528,18 @@ def test_router_loss_and_its_input_gradient_over_dp_equal_one_process():
         assert abs(aux - ref.item()) < 1e-12
         for mine, full in zip(grads, layers):
             assert torch.allclose(mine, full.grad[rank * 6:(rank + 1) * 6], atol=1e-14)
+
+
+def test_router_loss_asked_per_call_under_a_pipeline_is_refused_clearly():
+    """The stages carry router logits only where the config asks for them: a tuple reaching the loss under
+    pp > 1 without a carry says what to set."""
+    from transformers.models.mixtral import modeling_mixtral as mm
+
+    from lightning_tp.experts import router_statistics
+
+    router_statistics.install(_block("mixtral"), None, 2)
+    try:
+        with pytest.raises(ValueError, match="set config.output_router_logits=True"):
+            mm.load_balancing_loss_func((torch.randn(6, E),), E, K)
+    finally:
+        router_statistics.install(_block("mixtral"), None, 1)

@@ -38,10 +38,15 @@ class StageRun:
     last_block_out: tuple | None = None  # (shape, dtype) of what the stage's last block call handed on
     activation_wait: object = None  # gloo: the wait for ``activation``'s values, made at the stage's first block
     send_at_stop: object = None  # gloo: the send of what the run hands on, made where it stops
+    # values that travel behind the hidden states, along their last dimension (see StageMap.tail):
+    carried: list = field(default_factory=list)  # those received (views of ``activation``)
+    tail: list = field(default_factory=list)  # those this run hands on: the carried, then its own
 
     def stop(self, output) -> StageDone:
-        """End the run here with ``output``, sending it now (``send_at_stop``). See
-        docs/design/pipeline-run.md."""
+        """End the run here with ``output`` (and the ``tail`` behind it), sending it now (``send_at_stop``).
+        See docs/design/pipeline-run.md."""
+        if self.tail:
+            output = with_tail(output, self.tail)
         send, self.send_at_stop = self.send_at_stop, None
         if send is not None:
             send(output)
@@ -68,6 +73,35 @@ class StageMap:
     seq_dim: int = 1
     run: StageRun = field(default_factory=StageRun)
     replay: tuple | None = None  # while a backward runs: (virtual stage, its received activation)
+    # virtual stage -> the widths of the values received behind its hidden states (router logits, see
+    # ...experts.router_carry), or None: nothing travels but the hidden states
+    tail: object = None
+
+
+def with_tail(output: torch.Tensor, tail: list) -> torch.Tensor:
+    """``output`` with the ``tail`` tensors (each shaped like it but for the last dimension) joined behind
+    it along the last dimension, in its dtype; each takes a gradient where ``output`` does."""
+    for t in tail:
+        if t.shape[:-1] != output.shape[:-1]:
+            raise ValueError(f"pipeline: a value that travels with the hidden states has shape {tuple(t.shape)}, "
+                             f"the hidden states {tuple(output.shape)}: they must agree but for the last dimension.")
+    grad = output.requires_grad
+    return torch.cat([output] + [t.to(output.dtype) if t.requires_grad == grad else
+                                 t.detach().to(output.dtype).requires_grad_(grad) for t in tail], dim=-1)
+
+
+def hidden_of(received: torch.Tensor, widths: list, run: StageRun | None) -> torch.Tensor:
+    """The hidden states of a received message with ``widths`` values behind them along the last dimension;
+    those (views) become ``run``'s carried and tail, once a run (None: a backward's replay)."""
+    if not widths:
+        return received
+    if run is not None:
+        run.wait_for_activation()  # its shape is known once its values are in
+    hidden = received.shape[-1] - sum(widths)
+    if run is not None and not run.carried:
+        run.carried = list(received[..., hidden:].split(widths, dim=-1))
+        run.tail = list(run.carried)
+    return received[..., :hidden]
 
 
 def install(blocks, layout, pp_rank: int, silence=(), twins=None, side=None, companion_twins=None) -> StageMap:
@@ -158,6 +192,8 @@ def _wrap_call(block, index: int, stage: StageMap, twin, entry) -> None:
             run.passed_through = handed_on(out)
             return out
         starts = _starts_stage(index, vstage, span)
+        if starts and stage.tail is not None and received is not None:
+            received = hidden_of(received, stage.tail(vstage), run if replay is None else None)
         if starts and entry is not None and replay is None and not run.blocks_begun \
                 and _like(args[0] if args else kwargs.get(hidden_place(args, kwargs, name)), received):
             entry["piece"] = block  # the first piece given hidden states (not a norm's mod(condition))

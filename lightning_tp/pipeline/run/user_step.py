@@ -43,5 +43,6 @@ class UserStep:
             raise
         finally:
             run.activation, run.replaced, run.passed_through, run.send_at_stop = None, {}, None, None
+            run.carried, run.tail = [], []
         run.wait_for_activation()  # a run that never reached its first block
         return result

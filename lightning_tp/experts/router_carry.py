@@ -1,0 +1,98 @@
+"""Router logits that travel with a pipeline's hidden states, so the last stage's load-balancing loss
+(Hugging Face ``output_router_logits``) takes every layer's logits as one device does, and its gradient
+goes back with the activation's. See docs/experts.md (Router losses under a pipeline)."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch import nn
+
+from .. import comm
+from . import router_statistics
+from .families import find_moe_blocks
+from .layer import ExpertParallelMoE
+
+
+def takes_logits(block: nn.Module, family) -> bool:
+    """Whether a Hugging Face load-balancing loss takes ``block``'s router logits (its modeling module has one)."""
+    module = sys.modules.get(modeling_module(block))
+    return family.returns_logits and getattr(module, "load_balancing_loss_func", None) is not None
+
+
+def modeling_module(block: nn.Module) -> str:
+    """The module defining ``block``'s class (for an expert-parallel one, the class it replaced)."""
+    return next(k for k in type(block).__mro__ if not issubclass(k, ExpertParallelMoE)).__module__
+
+
+def _moe_blocks(model: nn.Module, declared) -> list:
+    """(block, family) of the MoE blocks of ``model``, expert-parallel ones included."""
+    found = [(block, family) for _, block, family in find_moe_blocks(model, declared)]
+    return found + [(m, m.family) for m in model.modules() if isinstance(m, ExpertParallelMoE)]
+
+
+def carried_logits(model: nn.Module, layout, declared=()) -> tuple | None:
+    """Before the cut: per block of ``layout`` the expert counts of its MoE layers whose logits the loss takes,
+    and their modeling modules; None where there are none or the model's config does not ask for them."""
+    found = [(path, family.num_experts(block), modeling_module(block))
+             for path, block, family in find_moe_blocks(model, declared) if takes_logits(block, family)]
+    asks = any(getattr(getattr(m, "config", None), "output_router_logits", False) is True for m in model.modules())
+    if not found or not asks:
+        return None
+    names = layout.blocks(model)
+    widths = [[e for path, e, _ in found if path.startswith(names.name(i) + ".")] for i in range(len(names))]
+    return widths, sorted({module for _, _, module in found})
+
+
+class RouterCarry:
+    """Hands each virtual stage's router logits on behind its hidden states (``stage.tail``), and gives the
+    last stage's loss the earlier stages' (:meth:`whole`). ``sp_group``: logits travel as sequence shards."""
+
+    def __init__(self, stage, widths: list, sp_group=None):
+        self.stage, self.sp_group = stage, sp_group
+        self.own = (None, [])  # (the run, the logits its blocks returned)
+        self.before = [[e for block in widths[:lo] for e in block] for lo, _ in stage.ranges]
+        stage.tail = lambda vstage: self.before[vstage]
+
+    def collect(self, block, args, kwargs, out) -> None:
+        """A forward hook on an MoE block: its router logits join the run's tail, shaped like its input's
+        leading dimensions (this rank's sequence shard where the block gathered them, see .layer)."""
+        if self.stage.replay is not None:  # a backward's recomputation: the forward run has them
+            return
+        x = args[0] if args else kwargs["hidden_states"]
+        lead, logits, run = x.shape[:-1], out[1], self.stage.run
+        if self.own[0] is not run:
+            self.own = (run, [])
+        self.own[1].append(logits)
+        if logits.shape[0] != lead.numel() and self.sp_group is not None:
+            shard, rank = lead[1], comm.group_rank(self.sp_group)
+            logits = logits.view(lead[0], -1, logits.shape[-1])[:, rank * shard:(rank + 1) * shard]
+        run.tail.append(logits.reshape(*lead, logits.shape[-1]))
+
+    def whole(self, gate_logits: tuple) -> tuple:
+        """Every layer's logits for the loss: the earlier stages' (received) first, then this stage's own
+        (``gate_logits`` less what layers another stage ran stood in with)."""
+        run, mine = self.own
+        mine = mine if run is self.stage.run else []
+        own = tuple(g for g in gate_logits if any(g is m for m in mine))
+        carried = []
+        for c in self.stage.run.carried:
+            if self.sp_group is not None:
+                c = comm.gather_to_full_sp(c, self.sp_group, dim=1)
+            carried.append(c.reshape(-1, c.shape[-1]).to(own[0].dtype if own else c.dtype))
+        return tuple(carried) + own
+
+
+def install(model: nn.Module, stage, carried: tuple, dp_group, pp: int, sp_group=None, declared=()) -> RouterCarry:
+    """Carry the router logits of ``model``'s MoE blocks this rank runs through ``stage``; ``carried``: what
+    :func:`carried_logits` found before the cut. See RouterCarry."""
+    widths, modules = carried
+    carry = RouterCarry(stage, widths, sp_group)
+    for name in modules:  # also where this rank holds none of the blocks
+        router_statistics.install_for(name, dp_group, pp)
+        router_statistics.carry_for(name, carry)
+    for block, family in _moe_blocks(model, declared):
+        if takes_logits(block, family) and not any(p.is_meta for p in block.parameters()):
+            block.register_forward_hook(carry.collect, with_kwargs=True)
+    return carry
