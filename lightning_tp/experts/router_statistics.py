@@ -1,7 +1,6 @@
-"""A Hugging Face MoE family's load-balancing loss over the whole global batch: its router logits (and
-attention mask) gathered over the data-parallel replicas first, so the loss and its gradient are one
-process's; under a pipeline the earlier stages' logits first (see .router_carry). Installed per modeling
-module by :func:`install` (a Liger-style patch)."""
+"""A Hugging Face MoE family's load-balancing loss over the whole global batch: router logits (and the
+attention mask) gathered over dp first, under a pipeline the earlier stages' logits put first (see
+.router_carry). Installed per modeling module by :func:`install` (a Liger-style patch)."""
 
 from __future__ import annotations
 
