@@ -16,6 +16,7 @@ from .quant import bits_of
 from .quant.fake_quant import RANGE_MODES
 
 P2P_MODES = ("auto", "eager", "batched")
+ZERO_STAGES = (0, 1)
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,7 @@ class ParallelConfig:
     dp: Optional[int] = None
     ep: int = 1
     moe_capacity: Optional[float] = None
+    zero: int = 0
     microbatches: int = 1
     schedule: str = "1f1b"
     virtual_stages: int = 1
@@ -57,7 +59,7 @@ class ParallelConfig:
 
     @classmethod
     def resolve(cls, tp: int = 1, pp: int = 1, sp: bool = False, ep: int = 1, moe_capacity: Optional[float] = None,
-                microbatches: Optional[int] = None,
+                zero: int = 0, microbatches: Optional[int] = None,
                 schedule: str = "1f1b", virtual_stages: int = 1, split_backward="auto", pipeline_blocks=None,
                 stage_layers=None, activation_checkpointing=False, zb_keep_recomputed: bool = False,
                 p2p: str = "auto", kernels=False, quant: Optional[str] = None, quant_range: str = "ema",
@@ -76,6 +78,9 @@ class ParallelConfig:
                                          or not 0 < moe_capacity <= 64):
             raise ValueError(f"MegaStrategy(moe_capacity={moe_capacity!r}): a capacity factor is a number in (0, 64] "
                              f"(1.0: each expert takes its even share of a rank's tokens x top_k); None is dropless.")
+        if zero not in ZERO_STAGES or isinstance(zero, bool):
+            raise ValueError(f"MegaStrategy(zero={zero!r}): choose 0 (every dp replica keeps the whole optimizer "
+                             f"state) or 1 (optimizer state sharded over dp). zero=3 is not built yet.")
         pipelined = pp > 1 or microbatches > 1
         split_default = resolve_split_backward(split_backward, schedule, pp, activation_checkpointing)
         if pipelined:  # names and counts
@@ -88,7 +93,8 @@ class ParallelConfig:
             raise ValueError(f"MegaStrategy(quant_range={quant_range!r}) needs quant='int8' or 'w4a8' as well.")
         recompute.check_option(activation_checkpointing, quant, schedule if pipelined else None,
                                zb_keep_recomputed, split_default)
-        config = cls(tp=tp, pp=pp, sp=bool(sp) and tp > 1, ep=ep, moe_capacity=moe_capacity, microbatches=microbatches, schedule=schedule,
+        config = cls(tp=tp, pp=pp, sp=bool(sp) and tp > 1, ep=ep, moe_capacity=moe_capacity, zero=zero,
+                     microbatches=microbatches, schedule=schedule,
                      virtual_stages=virtual_stages, split_backward=split_backward, pipeline_blocks=pipeline_blocks,
                      stage_layers=tuple(stage_layers) if stage_layers is not None else None,
                      activation_checkpointing=activation_checkpointing, zb_keep_recomputed=zb_keep_recomputed,

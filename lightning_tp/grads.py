@@ -72,10 +72,10 @@ def _sum_tied(params, group) -> None:
                 p.grad = None
 
 
-def sync_gradients(params, mesh, dp_overlap=None, repeated: bool = False) -> None:
+def sync_gradients(params, mesh, dp_overlap=None, repeated: bool = False, zero=()) -> None:
     """Sum tied weights over their stages and SP-partial grads over tp, then average every grad over dp
-    (finishing ``dp_overlap`` first). ``repeated``: this optimizer step may sync more than once.
-    See docs/design/grads-and-dp.md."""
+    (finishing ``dp_overlap`` first; ``zero``'s sharded optimizers: reduce-scattered into their slices).
+    ``repeated``: this optimizer step may sync more than once. See docs/design/grads-and-dp.md."""
     if mesh.world_size == 1:
         return
     if dp_overlap is not None:
@@ -94,7 +94,10 @@ def sync_gradients(params, mesh, dp_overlap=None, repeated: bool = False) -> Non
         _remember_summed(summed, before)
     # without an overlap every grad; with one, those of parameters it does not know (made trainable
     # after setup, e.g. by a fine-tuning callback)
-    left = [p for p in trainable if dp_overlap is None or id(p) not in dp_overlap.bucket_of]
+    bucketed = set().union(*(z.bucketed() for z in zero))
+    left = [p for p in trainable if (dp_overlap is None or id(p) not in dp_overlap.bucket_of) and id(p) not in bucketed]
+    for z in zero:
+        z.reduce_scatter()
     average_over_dp([p for p in left if not marks_of(p).expert], mesh.dp_group, 1.0 / mesh.dp)
     # an expert's gradient already sums its ep group's tokens: summed over the ranks holding it, over dp
     experts = [p for p in left if marks_of(p).expert]
@@ -236,10 +239,13 @@ def _agree(scaler, found: dict, group) -> None:
         found[device] = flag
 
 
-def global_grad_norm(params, mesh, norm_type: float = 2.0) -> torch.Tensor:
-    """Norm of the full model's gradient: each shard counted once, tp replicas counted once."""
+def global_grad_norm(params, mesh, norm_type: float = 2.0, dp_group=None) -> torch.Tensor:
+    """Norm of the full model's gradient: each shard counted once, tp replicas counted once; a zero=1
+    slice (see .zero) counted where its bucket says, summed over ``dp_group``."""
     params = [p for p in params if p.grad is not None]
     device = params[0].grad.device if params else torch.device("cpu")
+    sliced = _sliced_part([p for p in params if hasattr(p, "_lightning_tp_zero")], norm_type, device, dp_group)
+    params = [p for p in params if not hasattr(p, "_lightning_tp_zero")]
     parts = []
     for experts in (False, True):  # an ep group's ranks hold different experts: each counted once
         counted = [g.detach() for p in params if marks_of(p).expert == experts
@@ -251,6 +257,8 @@ def global_grad_norm(params, mesh, norm_type: float = 2.0) -> torch.Tensor:
             part = sum((g.float().norm(norm_type) ** norm_type for g in counted), torch.zeros((), device=device))
         parts.append(part)
     local, experts = parts
+    if sliced is not None:
+        local = torch.maximum(local, sliced) if math.isinf(norm_type) else local + sliced
     if math.isinf(norm_type):
         if mesh.ep > 1:
             experts = comm.all_reduce(experts.clone(), mesh.ep_group, op=dist.ReduceOp.MAX)
@@ -258,6 +266,18 @@ def global_grad_norm(params, mesh, norm_type: float = 2.0) -> torch.Tensor:
     if mesh.ep > 1:
         experts = comm.all_reduce(experts, mesh.ep_group)
     return comm.all_reduce(local + experts, mesh.mp_group) ** (1.0 / norm_type)
+
+
+def _sliced_part(shards: list, norm_type: float, device, dp_group):
+    """The zero=1 slices' part of the norm (norm_type-th power, or max), over the dp group; None without."""
+    if not shards:
+        return None
+    counted = [(p.grad.detach().float() * p._lightning_tp_zero) for p in shards]
+    if math.isinf(norm_type):
+        part = torch.stack([g.abs().max() for g in counted]).max().reshape(())
+        return comm.all_reduce(part.clone(), dp_group, op=dist.ReduceOp.MAX)
+    part = sum((g.norm(norm_type) ** norm_type for g in counted), torch.zeros((), device=device))
+    return comm.all_reduce(part, dp_group)
 
 
 def _counted(p, tp_rank: int) -> list:
@@ -270,9 +290,9 @@ def _counted(p, tp_rank: int) -> list:
     return [g for i, g in enumerate(spec.pieces(p.grad, local=True)) if tp_rank % spec.replica(i) == 0]
 
 
-def clip_grad_norm(params, max_norm: float, mesh, norm_type: float = 2.0) -> torch.Tensor:
+def clip_grad_norm(params, max_norm: float, mesh, norm_type: float = 2.0, dp_group=None) -> torch.Tensor:
     params = [p for p in params if p.grad is not None]
-    total = global_grad_norm(params, mesh, norm_type)
+    total = global_grad_norm(params, mesh, norm_type, dp_group)
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
     for p in params:
         p.grad.detach().mul_(coef.to(p.grad.dtype))

@@ -34,6 +34,8 @@ from .pipeline.run.epoch_end import install as install_epoch_end_sync
 from .pipeline.run.executor import PipelineRunner
 from .parallelize import parallelize
 from .same_batch import BatchBroadcast
+from .zero import shard_optimizers
+from .zero.shards import check_optimizer
 
 
 def _step_args(args, kwargs, loop_batch_idx) -> tuple:
@@ -58,6 +60,7 @@ class MegaStrategy(ParallelStrategy):
         sp: sequence parallelism: norms, dropout and the residual stream on sequence shards (needs tp > 1).
         ep: expert parallelism: mixture-of-experts experts split over ep data-parallel ranks.
         moe_capacity: capacity factor: each expert keeps at most its share x factor of a rank's tokens (None: dropless).
+        zero: 1 shards the optimizer state over data-parallel ranks (a distributed optimizer); 0 keeps it whole.
         plan: "auto" (a built-in plan by module class), or a lightning_tp.Plan / dict of yours.
         microbatches: microbatches per batch under a pipeline (default: pp); must divide the batch size.
         schedule: "gpipe", "1f1b", "interleaved_1f1b" or "zb_h1".
@@ -82,7 +85,7 @@ class MegaStrategy(ParallelStrategy):
     strategy_name = "mega"
 
     def __init__(self, tp: int = 1, pp: int = 1, sp: bool = False, ep: int = 1, moe_capacity: Optional[float] = None,
-                 plan: Any = "auto",
+                 zero: Literal[0, 1] = 0, plan: Any = "auto",
                  microbatches: Optional[int] = None, schedule: str = "1f1b", virtual_stages: int = 1,
                  pipeline_blocks: Optional[Union[str, list[str]]] = None, stage_layers: Optional[list] = None,
                  activation_checkpointing: Union[bool, int] = False, zb_keep_recomputed: bool = False,
@@ -99,7 +102,8 @@ class MegaStrategy(ParallelStrategy):
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
         self.config = ParallelConfig.resolve(
-            tp=tp, pp=pp, sp=sp, ep=ep, moe_capacity=moe_capacity, microbatches=microbatches, schedule=schedule, virtual_stages=virtual_stages,
+            tp=tp, pp=pp, sp=sp, ep=ep, moe_capacity=moe_capacity, zero=zero, microbatches=microbatches,
+            schedule=schedule, virtual_stages=virtual_stages,
             split_backward=split_backward, pipeline_blocks=pipeline_blocks, stage_layers=stage_layers,
             activation_checkpointing=activation_checkpointing, zb_keep_recomputed=zb_keep_recomputed, p2p=p2p,
             kernels=kernels, quant=quant, quant_range=quant_range, load_full=load_full, plan=plan,
@@ -108,6 +112,7 @@ class MegaStrategy(ParallelStrategy):
             rank_zero_warn("MegaStrategy(sp=True) needs tp > 1; sequence parallelism is off for tp=1.")
         self._runner = None
         self._dp_overlap = None
+        self._zero = []  # zero=1: the sharded optimizers (see .zero)
         self._process_group_backend = process_group_backend
         self._timeout = timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout
         self._start_method = start_method
@@ -223,10 +228,25 @@ class MegaStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+            self._zero = self._shard_optimizers()
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
         scaler = getattr(self.precision_plugin, "scaler", None)
         if scaler is not None and self.tp * self.pp > 1:  # fp16 AMP: one skip-or-step decision for all
             grads.agree_on_overflow(scaler)
+
+    def _shard_optimizers(self) -> list:
+        """zero=1 at dp > 1: each optimizer sharded over dp (checked on every rank first); a warning at dp = 1."""
+        if not self.config.zero:
+            return []
+        if self.mesh.dp == 1:
+            rank_zero_warn(f"MegaStrategy(zero={self.config.zero}) shards over data-parallel ranks, but dp=1 here "
+                           f"(world {self.world_size} / (tp={self.tp} x pp={self.pp})): nothing is sharded.")
+            return []
+        if not self.lightning_module.automatic_optimization:
+            raise ValueError("MegaStrategy(zero=1) needs automatic optimization; with manual optimization use zero=0.")
+        for optimizer in self.optimizers:
+            check_optimizer(optimizer)
+        return shard_optimizers(self.optimizers, self.mesh)
 
     def model_to_device(self) -> None:
         assert self.model is not None
@@ -303,17 +323,20 @@ class MegaStrategy(ParallelStrategy):
             streams.raise_pending()
         if self._sync_grads:  # manual optimization may sync several times before its optimizer step
             grads.sync_gradients(self.lightning_module.parameters(), self.mesh, self._dp_overlap,
-                                 repeated=not self.lightning_module.automatic_optimization)
+                                 repeated=not self.lightning_module.automatic_optimization, zero=self._zero)
 
     def optimizer_step(self, optimizer, closure, model=None, **kwargs):
         out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        sharded = getattr(getattr(optimizer, "_optimizer", optimizer), "_lightning_tp_zero", None)
+        if sharded is not None:  # zero=1: every rank's stepped slices back into the parameters
+            sharded.all_gather()
         if not self.lightning_module.automatic_optimization:  # this optimizer's: another may go on accumulating
             grads.forget_sums(p for group in optimizer.param_groups for p in group["params"])
         return out
 
     def _clip_grad_by_norm(self, optimizer, clip_val) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        grads.clip_grad_norm(params, float(clip_val), self.mesh)
+        grads.clip_grad_norm(params, float(clip_val), self.mesh, dp_group=self.mesh.dp_group)
 
     # ------------------------------------------------------------------ collectives for Lightning
 

@@ -1,0 +1,142 @@
+"""The user's optimizer sharded in place over dp (ZeRO-1): its trainable parameters go into flat buckets
+and it steps this rank's slices of them; its state dict keeps the unsharded layout, so checkpoints move
+between zero=0, zero=1 and any dp size. See docs/zero.md."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .. import comm
+from ..marks import marks_of
+from .shards import Bucket, check_optimizer
+
+BUCKET_BYTES = 25 * 1024 * 1024
+
+
+class ShardedOptimizer:
+    """What :func:`shard_optimizers` did to one optimizer: its buckets, and each group's parameters as the
+    user gave them (the layout of its state dict)."""
+
+    def __init__(self, optimizer, mesh):
+        check_optimizer(optimizer)
+        self.optimizer, self.mesh = optimizer, mesh
+        self.original = [list(g["params"]) for g in optimizer.param_groups]
+        self.buckets = []
+        for g in optimizer.param_groups:
+            kept = [p for p in g["params"] if not _shardable(p)]  # experts, frozen ones: stepped whole
+            new = [Bucket(chunk, mesh.dp_group, mesh.dp, mesh.dp_rank, mesh.tp_rank, mesh.pp_rank)
+                   for chunk in _chunks([p for p in g["params"] if _shardable(p)])]
+            self.buckets += new
+            g["params"] = kept + [s.param for b in new for s in b.slices]
+        self.slice_of = {id(s.param): (b, s) for b in self.buckets for s in b.slices}
+        self._state_dict, self._load_state_dict = optimizer.state_dict, optimizer.load_state_dict
+        optimizer.state_dict, optimizer.load_state_dict = self.state_dict, self.load_state_dict
+        optimizer._lightning_tp_zero = self
+
+    def bucketed(self) -> set:
+        """ids of the parameters in buckets (their gradients reach the optimizer reduce-scattered)."""
+        return {id(p) for b in self.buckets for p in b.params}
+
+    def reduce_scatter(self) -> None:
+        """Each bucket's gradients into this rank's slices; a parameter no replica had a gradient for
+        gets none (one flag each, MAX over dp), so the optimizer skips it as zero=0 does."""
+        if not self.buckets:
+            return
+        flags = torch.tensor([float(p.grad is not None) for b in self.buckets for p in b.params],
+                             device=self.buckets[0].flat.device)
+        comm.all_reduce(flags, self.mesh.dp_group, op=dist.ReduceOp.MAX)
+        had = iter(flags.tolist())
+        for b in self.buckets:
+            b.reduce_scatter([next(had) > 0 for _ in b.params], 1.0 / self.mesh.dp)
+
+    def all_gather(self) -> None:
+        for b in self.buckets:
+            b.all_gather()
+
+    def _index(self) -> dict:
+        return {id(p): i for i, p in enumerate(p for ps in self.original for p in ps)}
+
+    def state_dict(self) -> dict:
+        """The state dict zero=0 would give (each parameter's whole state), on every rank: collective over dp."""
+        sd, index = self._state_dict(), self._index()
+        current = [p for g in self.optimizer.param_groups for p in g["params"]]
+        state, mine = {}, {}
+        for j, p in enumerate(current):
+            if j in sd["state"]:
+                if id(p) in self.slice_of:
+                    mine[id(p)] = sd["state"][j]
+                else:
+                    state[index[id(p)]] = sd["state"][j]
+        meta = {}  # (bucket, parameter) -> {key: its value, or ("sliced", dtype) for a per-element one}
+        local = [(bi, s.index, {k: ("sliced", v.dtype) if _per_element(v, s.param) else v
+                                for k, v in mine[id(s.param)].items()})
+                 for bi, b in enumerate(self.buckets) for s in b.slices if id(s.param) in mine]
+        everyone = [None] * comm.group_size(self.mesh.dp_group)
+        dist.all_gather_object(everyone, local, group=self.mesh.dp_group)
+        for part in everyone:
+            for bi, i, entry in part:
+                meta.setdefault((bi, i), {}).update(entry)
+        for bi, b in enumerate(self.buckets):
+            keys = sorted({k for (bj, _), entry in meta.items() if bj == bi for k, v in entry.items() if _marked(v)})
+            full = {k: b.gather({id(s.param): mine[id(s.param)][k] for s in b.slices
+                                 if k in mine.get(id(s.param), {})}) for k in keys}
+            for i, q in enumerate(b.params):
+                entry = meta.get((bi, i))
+                if entry is None:
+                    continue
+                at = b.offsets[i]
+                state[index[id(q)]] = {k: full[k][at:at + q.numel()].view_as(q).to(v[1]).clone() if _marked(v) else v
+                                       for k, v in entry.items()}
+        groups = [dict(g, params=[index[id(p)] for p in ps]) for g, ps in zip(sd["param_groups"], self.original)]
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, full: dict) -> None:
+        """Take a state dict in zero=0's layout (saved at any dp size), keeping this rank's slices."""
+        index, saved, state = self._index(), full["state"], {}
+        current = [p for g in self.optimizer.param_groups for p in g["params"]]
+        for j, p in enumerate(current):
+            if id(p) not in self.slice_of:
+                if index[id(p)] in saved:
+                    state[j] = saved[index[id(p)]]
+                continue
+            b, s = self.slice_of[id(p)]
+            q = b.params[s.index]
+            x = saved.get(index[id(q)])
+            if x is not None:
+                state[j] = {k: v.reshape(-1)[s.part].clone() if _per_element(v, q) else v for k, v in x.items()}
+        groups, start = [], 0
+        for saved_group, g in zip(full["param_groups"], self.optimizer.param_groups):
+            groups.append(dict(saved_group, params=list(range(start, start + len(g["params"])))))
+            start += len(g["params"])
+        self._load_state_dict({"state": state, "param_groups": groups})
+
+
+def shard_optimizers(optimizers, mesh) -> list:
+    """Shard each optimizer over ``mesh``'s dp group (see :class:`ShardedOptimizer`)."""
+    return [ShardedOptimizer(o, mesh) for o in optimizers]
+
+
+def _shardable(p) -> bool:
+    return p.requires_grad and p.is_floating_point() and not marks_of(p).expert
+
+
+def _chunks(params: list, limit: int = BUCKET_BYTES):
+    chunk, size = [], 0
+    for p in params:
+        if chunk and (size + p.numel() * p.element_size() > limit or p.dtype != chunk[0].dtype):
+            yield chunk
+            chunk, size = [], 0
+        chunk.append(p)
+        size += p.numel() * p.element_size()
+    if chunk:
+        yield chunk
+
+
+def _per_element(value, param) -> bool:
+    """A state entry held per element of ``param`` (a moment), not per tensor (a step count)."""
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == param.shape
+
+
+def _marked(value) -> bool:
+    return isinstance(value, tuple) and len(value) == 2 and value[0] == "sliced"

@@ -1,0 +1,109 @@
+"""ZeRO-1's buckets: parameters viewed in one flat buffer per bucket; this dp rank steps the slices of them
+that fall in its range (one ``nn.Parameter`` per parameter it touches, so a parameter without a gradient
+is skipped as zero=0 skips it); gradients are reduce-scattered in, slices all-gathered back. See docs/zero.md."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .. import comm
+from ..layers.shard import spec_of
+from ..marks import marks_of
+
+# elementwise optimizers: each element is stepped from its own gradient and state alone
+ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "NAdam", "RAdam", "RMSprop", "Rprop", "ASGD")
+
+
+def check_optimizer(optimizer) -> None:
+    """A clear error for an optimizer that cannot step slices of parameters."""
+    name = type(optimizer).__name__
+    if name not in ELEMENTWISE:
+        raise ValueError(f"MegaStrategy(zero=1) steps each data-parallel rank's slice of the parameters, so the "
+                         f"optimizer must update every element from its own gradient and state alone (one of "
+                         f"{', '.join(ELEMENTWISE)}); {name} is not known to (LBFGS needs the whole model, Adafactor "
+                         f"factors 2-d states by row and column). Use zero=0 for it.")
+
+
+class Slice:
+    """This rank's part of one bucketed parameter: ``param`` (a 1-d view of the flat buffer, what the
+    optimizer steps), its place in the bucket's slice (``where``) and in the parameter (``part``)."""
+
+    def __init__(self, index: int, param: nn.Parameter, where: slice, part: slice, counted: torch.Tensor):
+        self.index, self.param, self.where, self.part, self.counted = index, param, where, part, counted
+
+
+class Bucket:
+    """Parameters (one group, one dtype) viewed in one flat buffer padded to a multiple of dp; ``slices``:
+    the parts of them in this rank's range, each an ``nn.Parameter`` sharing the buffer's storage."""
+
+    def __init__(self, params: list, group, dp: int, rank: int, tp_rank: int, pp_rank: int):
+        numel = sum(p.numel() for p in params)
+        self.size = -(-numel // dp)
+        self.params, self.group, self.rank = params, group, rank
+        self.flat = torch.zeros(self.size * dp, dtype=params[0].dtype, device=params[0].device)
+        self.offsets, at = [], 0
+        for p in params:
+            self.flat[at:at + p.numel()].copy_(p.detach().reshape(-1))
+            p.data = self.flat[at:at + p.numel()].view_as(p)
+            self.offsets.append(at)
+            at += p.numel()
+        lo, hi = rank * self.size, (rank + 1) * self.size
+        self.slices = []
+        for i, (p, at) in enumerate(zip(params, self.offsets)):
+            start, end = max(at, lo), min(at + p.numel(), hi)
+            if start < end:
+                counted = _counted_mask(p, tp_rank, pp_rank).reshape(-1)[start - at:end - at].clone()
+                piece = nn.Parameter(self.flat[start:end])
+                piece._lightning_tp_zero = counted
+                self.slices.append(Slice(i, piece, slice(start - lo, end - lo), slice(start - at, end - at), counted))
+
+    def reduce_scatter(self, had: list, scale: float) -> None:
+        """The dp average of the parameters' gradients, this rank's slices into their ``grad`` (none for a
+        parameter no replica had a gradient for, ``had``); the parameters' own gradients are dropped."""
+        grads = torch.zeros_like(self.flat)
+        for p, at in zip(self.params, self.offsets):
+            if p.grad is not None:
+                grads[at:at + p.numel()].copy_(p.grad.reshape(-1))
+                p.grad = None
+        mine = torch.empty(self.size, dtype=grads.dtype, device=grads.device)
+        comm.record("reduce_scatter", grads, self.group)
+        dist.reduce_scatter_tensor(mine, grads, group=self.group)
+        mine.mul_(scale)
+        for s in self.slices:
+            s.param.grad = mine[s.where] if had[s.index] else None
+
+    def all_gather(self) -> None:
+        """Every rank's stepped slices back into the parameters (the flat buffer they view)."""
+        comm.record("all_gather", self.flat, self.group)
+        mine = self.flat[self.rank * self.size:(self.rank + 1) * self.size].clone()
+        dist.all_gather_into_tensor(self.flat, mine, group=self.group)
+
+    def gather(self, values: dict) -> torch.Tensor:
+        """The whole flat tensor from each rank's slices' ``values`` (slice index -> 1-d tensor; zeros
+        where a slice has none), on every rank."""
+        mine = torch.zeros(self.size, dtype=torch.float32, device=self.flat.device)
+        for s in self.slices:
+            if id(s.param) in values:
+                mine[s.where] = values[id(s.param)].float()
+        out = torch.empty(self.size * comm.group_size(self.group), dtype=mine.dtype, device=mine.device)
+        dist.all_gather_into_tensor(out, mine, group=self.group)
+        return out
+
+
+def _counted_mask(p, tp_rank: int, pp_rank: int) -> torch.Tensor:
+    """True where an element of ``p`` counts in the global gradient norm on this rank (as grads._counted)."""
+    mask = torch.zeros(p.shape, dtype=torch.bool, device=p.device)
+    if marks_of(p).pp_tied and pp_rank > 0:
+        return mask
+    spec = spec_of(p)
+    if spec is None:
+        mask.fill_(tp_rank == 0)
+    elif not spec.replicas:
+        mask.fill_(True)
+    else:
+        for i, piece in enumerate(spec.pieces(mask, local=True)):
+            if tp_rank % spec.replica(i) == 0:
+                piece.fill_(True)
+    return mask

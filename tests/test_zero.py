@@ -1,0 +1,186 @@
+"""zero=1 (optimizer state sharded over dp) against the single-process ground truth, with the parity
+harness of helpers.py: per-step losses and consolidated weights within its tolerances."""
+
+import pytest
+
+from helpers import check, train_launch
+
+CLIP_ACCUMULATE = dict(gradient_clip_val=0.05, accumulate_grad_batches=2)  # clipped every step
+
+# name: (model kind, model kwargs, strategy kwargs, trainer kwargs); the gpt model steps AdamW on an LR schedule
+WORLD2 = {
+    "dp2_zero1": ("gpt", {}, dict(zero=1), {}),
+    "dp2_zero1_clip_accumulate": ("gpt", {}, dict(zero=1), CLIP_ACCUMULATE),
+    "dp2_zero1_bf16": ("gpt", {}, dict(zero=1), dict(precision="bf16-mixed", max_steps=10)),
+}
+WORLD4 = {
+    "tp2_sp_dp2_zero1_clip_accumulate": ("gpt", {}, dict(tp=2, sp=True, zero=1), CLIP_ACCUMULATE),
+    "pp2_dp2_zero1": ("gpt", {}, dict(pp=2, microbatches=2, zero=1), {}),
+    "pp2_dp2_zero1_interleaved": ("gpt", dict(n_layer=4), dict(pp=2, microbatches=2, schedule="interleaved_1f1b",
+                                                                virtual_stages=2, zero=1), dict(max_steps=10)),
+    # a parameter some replicas' batches do not reach (and, some steps, none): skipped as zero=0 skips it
+    "tp2_dp2_zero1_sometimes_used": ("gpt_sometimes", {}, dict(tp=2, zero=1), {}),
+}
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory):
+    return train_launch(2, WORLD2, tmp_path_factory, "z2")
+
+
+@pytest.fixture(scope="module")
+def world4(tmp_path_factory):
+    return train_launch(4, WORLD4, tmp_path_factory, "z4")
+
+
+@pytest.mark.parametrize("name", list(WORLD2))
+def test_zero1_world2(world2, name):
+    check(world2, name, WORLD2, 2)
+
+
+@pytest.mark.parametrize("name", list(WORLD4))
+def test_zero1_world4(world4, name):
+    check(world4, name, WORLD4, 4)
+
+
+def _bytes(rank, world):
+    """Optimizer-state elements per rank and the dp collectives' elements per step, zero=0 then zero=1."""
+    import lightning as L
+    import torch
+    import torch.distributed as torch_dist
+
+    from lightning_tp import MegaStrategy, comm
+    from models import TokenData, make_model, trainer_kwargs
+
+    torch_dist.init_process_group("gloo")
+    out = {}
+    for zero in (0, 1):
+        model = make_model("gpt")
+        strategy = MegaStrategy(zero=zero, timeout=120)
+        trainer = L.Trainer(devices=world, strategy=strategy, max_steps=3, **trainer_kwargs())
+        with comm.count_collectives() as records:
+            trainer.fit(model, TokenData(3 * 4 * world, 64, 4))
+        optimizer = trainer.optimizers[0]
+        state = sum(v.numel() for s in optimizer.state.values() for v in s.values()
+                    if isinstance(v, torch.Tensor) and v.dim() > 0)
+        dp = [(op, n) for op, n, group in records if group is strategy.mesh.dp_group]
+        out[zero] = dict(state=state, params=sum(p.numel() for p in model.parameters()),
+                         dp={op: sum(n for o, n in dp if o == op) / 3 for op in {o for o, _ in dp}},
+                         buckets=len(getattr(optimizer, "_lightning_tp_zero", None).buckets) if zero else 0)
+    return out
+
+
+def test_zero1_holds_a_dp_share_of_the_optimizer_state_and_moves_an_all_reduces_bytes():
+    import dist
+
+    for r in dist.run(2, _bytes, timeout=300):
+        whole, sharded = r[0], r[1]
+        assert whole["state"] == 2 * whole["params"]  # AdamW: two moments per parameter
+        # each rank holds half of every bucket (one bucket here; its padding at most dp - 1 elements a moment)
+        assert abs(sharded["state"] - whole["state"] / 2) <= 2 * (2 - 1) * sharded["buckets"], (sharded, whole)
+        # reduce-scatter + all-gather move what an all-reduce does: each the gradients' numel, both 2N
+        n = whole["params"]
+        rs, ag = sharded["dp"]["reduce_scatter"], sharded["dp"]["all_gather"]
+        assert n <= rs == ag < n + 2 * sharded["buckets"], (sharded["dp"], n)
+        flags = sharded["dp"]["all_reduce"]  # one has-a-gradient flag per parameter tensor, as zero=0 sends
+        assert whole["dp"]["all_reduce"] == n + flags, (whole["dp"], sharded["dp"])
+
+
+def _fit(world, zero, epochs, ckpt_path=None, save_dir=None, capture=None):
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_tp import MegaStrategy
+    from models import LossRecorder, TokenData, make_model, trainer_kwargs
+
+    rec = LossRecorder()
+    callbacks = [rec] + ([ModelCheckpoint(dirpath=save_dir, filename="{epoch}", every_n_epochs=1, save_top_k=-1)]
+                         if save_dir else []) + ([capture] if capture else [])
+    trainer = L.Trainer(devices=world, strategy=MegaStrategy(zero=zero, timeout=120), max_epochs=epochs,
+                        callbacks=callbacks, limit_val_batches=0, **trainer_kwargs(enable_checkpointing=bool(save_dir)))
+    trainer.fit(make_model("gpt"), TokenData(3 * 4 * 2, 64, 4 * 2 // world), ckpt_path=ckpt_path)  # 3 steps an epoch
+    return rec.losses
+
+
+def _resume(rank, world, ckdir):
+    import torch.distributed as torch_dist
+
+    torch_dist.init_process_group("gloo")
+    straight = _fit(world, 1, 2, save_dir=f"{ckdir}/a")
+    return dict(straight=straight, zero1=_fit(world, 1, 2, ckpt_path=f"{ckdir}/a/epoch=0.ckpt"),
+                zero0=_fit(world, 0, 2, ckpt_path=f"{ckdir}/a/epoch=0.ckpt"))
+
+
+def _resume_at_dp4(rank, world, ckdir):
+    """The dp=2 checkpoint resumed at dp=4: the state dict (gathered) is the one saved."""
+    import lightning as L
+    import torch.distributed as torch_dist
+
+    torch_dist.init_process_group("gloo")
+    seen = {}
+
+    class Capture(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            seen["state"] = trainer.optimizers[0].state_dict()
+            seen["held"] = sum(v.numel() for s in trainer.optimizers[0].state.values() for v in s.values()
+                               if v.dim() > 0)
+
+    losses = _fit(world, 1, 2, ckpt_path=f"{ckdir}/a/epoch=0.ckpt", capture=Capture())
+    return dict(losses=losses, **seen)
+
+
+def test_zero1_checkpoints_resume_exactly_with_zero0_and_at_another_dp_size(tmp_path):
+    import dist
+    import torch
+
+    from lightning_tp.checkpoint import safe_load, shard_file
+
+    for r in dist.run(2, _resume, str(tmp_path), timeout=300):
+        assert len(r["straight"]) == 6
+        for other in ("zero1", "zero0"):  # the optimizer state saved by zero=1 is zero=0's layout
+            assert torch.allclose(torch.tensor(r[other]), torch.tensor(r["straight"][3:]), atol=1e-6, rtol=0), r
+    saved = safe_load(tmp_path / "a" / "epoch=0.ckpt" / shard_file(0, 0, 0))["optimizer_states"][0]
+    total = sum(v.numel() for s in saved["state"].values() for v in s.values() if v.dim() > 0)
+    for r in dist.run(4, _resume_at_dp4, str(tmp_path), timeout=300):
+        assert len(r["losses"]) == 3 and r["held"] <= total / 4 + 2 * 3
+        assert r["state"]["param_groups"] == saved["param_groups"]
+        for i, s in saved["state"].items():
+            for k, v in s.items():
+                assert torch.equal(r["state"]["state"][i][k], v), (i, k)
+
+
+def _bad(rank, world):
+    import warnings
+
+    import torch
+    import torch.distributed as torch_dist
+
+    from helpers import expect_error
+    from lightning_tp import MegaStrategy
+    from models import make_model
+
+    torch_dist.init_process_group("gloo")
+
+    class WithLBFGS(type(make_model("gpt"))):
+        def configure_optimizers(self):
+            return torch.optim.LBFGS(self.parameters())
+
+    out = {}
+    model = make_model("gpt")
+    model.__class__ = WithLBFGS
+    out["lbfgs"] = expect_error(world, model, MegaStrategy(zero=1, timeout=60))[0]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out["tp2_dp1"] = expect_error(world, make_model("gpt"), MegaStrategy(tp=2, zero=1, timeout=60))[0]
+    out["warned"] = [str(w.message) for w in caught if "zero=1" in str(w.message)]
+    return out
+
+
+def test_zero1_refuses_an_optimizer_it_cannot_shard_on_every_rank_and_warns_at_dp1():
+    import dist
+
+    got = dist.run(2, _bad, timeout=300)
+    for r in got:
+        assert r["lbfgs"] is not None and "LBFGS is not known to" in r["lbfgs"] and "Use zero=0" in r["lbfgs"], r
+        assert r["tp2_dp1"] is None  # trains, unsharded
+    assert any("dp=1 here" in w and "nothing is sharded" in w for w in got[0]["warned"]), got[0]["warned"]
