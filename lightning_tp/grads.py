@@ -239,12 +239,12 @@ def _agree(scaler, found: dict, group) -> None:
         found[device] = flag
 
 
-def global_grad_norm(params, mesh, norm_type: float = 2.0, dp_group=None) -> torch.Tensor:
-    """Norm of the full model's gradient: each shard counted once, tp replicas counted once; a zero=1
-    slice (see .zero) counted where its bucket says, summed over ``dp_group``."""
+def global_grad_norm(params, mesh, norm_type: float = 2.0, zero=None) -> torch.Tensor:
+    """Norm of the full model's gradient: each shard counted once, tp replicas counted once; ``zero``'s
+    slices (a ShardedOptimizer, see .zero) counted as it says."""
     params = [p for p in params if p.grad is not None]
     device = params[0].grad.device if params else torch.device("cpu")
-    sliced = _sliced_part([p for p in params if hasattr(p, "_lightning_tp_zero")], norm_type, device, dp_group)
+    sliced = zero.norm_parts(norm_type, device) if zero is not None else (None, None)
     params = [p for p in params if not hasattr(p, "_lightning_tp_zero")]
     parts = []
     for experts in (False, True):  # an ep group's ranks hold different experts: each counted once
@@ -256,9 +256,10 @@ def global_grad_norm(params, mesh, norm_type: float = 2.0, dp_group=None) -> tor
         else:
             part = sum((g.float().norm(norm_type) ** norm_type for g in counted), torch.zeros((), device=device))
         parts.append(part)
+    for i, part in enumerate(sliced):
+        if part is not None:
+            parts[i] = torch.maximum(parts[i], part) if math.isinf(norm_type) else parts[i] + part
     local, experts = parts
-    if sliced is not None:
-        local = torch.maximum(local, sliced) if math.isinf(norm_type) else local + sliced
     if math.isinf(norm_type):
         if mesh.ep > 1:
             experts = comm.all_reduce(experts.clone(), mesh.ep_group, op=dist.ReduceOp.MAX)
@@ -266,18 +267,6 @@ def global_grad_norm(params, mesh, norm_type: float = 2.0, dp_group=None) -> tor
     if mesh.ep > 1:
         experts = comm.all_reduce(experts, mesh.ep_group)
     return comm.all_reduce(local + experts, mesh.mp_group) ** (1.0 / norm_type)
-
-
-def _sliced_part(shards: list, norm_type: float, device, dp_group):
-    """The zero=1 slices' part of the norm (norm_type-th power, or max), over the dp group; None without."""
-    if not shards:
-        return None
-    counted = [(p.grad.detach().float() * p._lightning_tp_zero) for p in shards]
-    if math.isinf(norm_type):
-        part = torch.stack([g.abs().max() for g in counted]).max().reshape(())
-        return comm.all_reduce(part.clone(), dp_group, op=dist.ReduceOp.MAX)
-    part = sum((g.norm(norm_type) ** norm_type for g in counted), torch.zeros((), device=device))
-    return comm.all_reduce(part, dp_group)
 
 
 def _counted(p, tp_rank: int) -> list:
@@ -290,9 +279,9 @@ def _counted(p, tp_rank: int) -> list:
     return [g for i, g in enumerate(spec.pieces(p.grad, local=True)) if tp_rank % spec.replica(i) == 0]
 
 
-def clip_grad_norm(params, max_norm: float, mesh, norm_type: float = 2.0, dp_group=None) -> torch.Tensor:
+def clip_grad_norm(params, max_norm: float, mesh, norm_type: float = 2.0, zero=None) -> torch.Tensor:
     params = [p for p in params if p.grad is not None]
-    total = global_grad_norm(params, mesh, norm_type, dp_group)
+    total = global_grad_norm(params, mesh, norm_type, zero)
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
     for p in params:
         p.grad.detach().mul_(coef.to(p.grad.dtype))

@@ -5,6 +5,7 @@ import pytest
 
 from helpers import check, train_launch
 
+MOE = dict(n_expert=4, vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32)
 CLIP_ACCUMULATE = dict(gradient_clip_val=0.05, accumulate_grad_batches=2)  # clipped every step
 
 # name: (model kind, model kwargs, strategy kwargs, trainer kwargs); the gpt model steps AdamW on an LR schedule
@@ -12,6 +13,8 @@ WORLD2 = {
     "dp2_zero1": ("gpt", {}, dict(zero=1), {}),
     "dp2_zero1_clip_accumulate": ("gpt", {}, dict(zero=1), CLIP_ACCUMULATE),
     "dp2_zero1_bf16": ("gpt", {}, dict(zero=1), dict(precision="bf16-mixed", max_steps=10)),
+    # experts split over both dp ranks: their state stays whole on each (edp = 1); the rest is sharded
+    "dp2_ep2_zero1": ("gpt", MOE, dict(ep=2, zero=1), CLIP_ACCUMULATE),
 }
 WORLD4 = {
     "tp2_sp_dp2_zero1_clip_accumulate": ("gpt", {}, dict(tp=2, sp=True, zero=1), CLIP_ACCUMULATE),
@@ -20,6 +23,8 @@ WORLD4 = {
                                                                 virtual_stages=2, zero=1), dict(max_steps=10)),
     # a parameter some replicas' batches do not reach (and, some steps, none): skipped as zero=0 skips it
     "tp2_dp2_zero1_sometimes_used": ("gpt_sometimes", {}, dict(tp=2, zero=1), {}),
+    # experts sharded over the 2 ranks holding the same ones (edp = 2), the rest over dp = 4
+    "dp4_ep2_zero1_clip": ("gpt", MOE, dict(ep=2, zero=1), dict(gradient_clip_val=0.05)),
 }
 
 

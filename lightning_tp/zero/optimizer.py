@@ -4,6 +4,8 @@ between zero=0, zero=1 and any dp size. See docs/zero.md."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -23,10 +25,15 @@ class ShardedOptimizer:
         self.optimizer, self.mesh = optimizer, mesh
         self.original = [list(g["params"]) for g in optimizer.param_groups]
         self.buckets = []
+        edp = mesh.dp // mesh.ep  # the ranks holding the same experts
         for g in optimizer.param_groups:
-            kept = [p for p in g["params"] if not _shardable(p)]  # experts, frozen ones: stepped whole
+            dense = [p for p in g["params"] if _shardable(p) and not marks_of(p).expert]
+            experts = [p for p in g["params"] if _shardable(p) and marks_of(p).expert] if edp > 1 else []
+            kept = [p for p in g["params"] if not any(p is q for q in dense + experts)]  # frozen ones: whole
             new = [Bucket(chunk, mesh.dp_group, mesh.dp, mesh.dp_rank, mesh.tp_rank, mesh.pp_rank)
-                   for chunk in _chunks([p for p in g["params"] if _shardable(p)])]
+                   for chunk in _chunks(dense)]
+            new += [Bucket(chunk, mesh.edp_group, edp, mesh.edp_rank, mesh.tp_rank, mesh.pp_rank, expert=True)
+                    for chunk in _chunks(experts)]
             self.buckets += new
             g["params"] = kept + [s.param for b in new for s in b.slices]
         self.slice_of = {id(s.param): (b, s) for b in self.buckets for s in b.slices}
@@ -41,14 +48,36 @@ class ShardedOptimizer:
     def reduce_scatter(self) -> None:
         """Each bucket's gradients into this rank's slices; a parameter no replica had a gradient for
         gets none (one flag each, MAX over dp), so the optimizer skips it as zero=0 does."""
-        if not self.buckets:
-            return
-        flags = torch.tensor([float(p.grad is not None) for b in self.buckets for p in b.params],
-                             device=self.buckets[0].flat.device)
-        comm.all_reduce(flags, self.mesh.dp_group, op=dist.ReduceOp.MAX)
-        had = iter(flags.tolist())
-        for b in self.buckets:
-            b.reduce_scatter([next(had) > 0 for _ in b.params], 1.0 / self.mesh.dp)
+        for expert in (False, True):  # experts: over the ranks holding the same ones
+            buckets = [b for b in self.buckets if b.expert == expert]
+            if not buckets:
+                continue
+            flags = torch.tensor([float(p.grad is not None) for b in buckets for p in b.params],
+                                 device=buckets[0].flat.device)
+            comm.all_reduce(flags, buckets[0].group, op=dist.ReduceOp.MAX)
+            had = iter(flags.tolist())
+            for b in buckets:  # an expert's gradient already sums its ep group's tokens: 1/dp as well
+                b.reduce_scatter([next(had) > 0 for _ in b.params], 1.0 / self.mesh.dp)
+
+    def norm_parts(self, norm_type: float, device) -> list:
+        """The slices' part of the global gradient norm (norm_type-th power, or max), [dense, experts],
+        each over its buckets' group (None where there are no such buckets)."""
+        out = []
+        for expert in (False, True):
+            buckets = [b for b in self.buckets if b.expert == expert]
+            if not buckets:
+                out.append(None)
+                continue
+            counted = [s.param.grad.detach().float() * s.counted for b in buckets for s in b.slices
+                       if s.param.grad is not None]
+            if math.isinf(norm_type):
+                part = torch.stack([g.abs().max() for g in counted]).max().reshape(()) if counted else \
+                    torch.zeros((), device=device)
+                out.append(comm.all_reduce(part.clone(), buckets[0].group, op=dist.ReduceOp.MAX))
+            else:
+                part = sum((g.norm(norm_type) ** norm_type for g in counted), torch.zeros((), device=device))
+                out.append(comm.all_reduce(part, buckets[0].group))
+        return out
 
     def all_gather(self) -> None:
         for b in self.buckets:
@@ -118,7 +147,7 @@ def shard_optimizers(optimizers, mesh) -> list:
 
 
 def _shardable(p) -> bool:
-    return p.requires_grad and p.is_floating_point() and not marks_of(p).expert
+    return p.requires_grad and p.is_floating_point()
 
 
 def _chunks(params: list, limit: int = BUCKET_BYTES):

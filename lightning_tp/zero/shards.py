@@ -35,13 +35,14 @@ class Slice:
 
 
 class Bucket:
-    """Parameters (one group, one dtype) viewed in one flat buffer padded to a multiple of dp; ``slices``:
-    the parts of them in this rank's range, each an ``nn.Parameter`` sharing the buffer's storage."""
+    """Parameters (one group, one dtype) viewed in one flat buffer padded to a multiple of dp (``group``'s
+    size; an expert bucket's: the ranks holding its experts); ``slices``: the parts in this rank's range,
+    each an ``nn.Parameter`` sharing the buffer's storage."""
 
-    def __init__(self, params: list, group, dp: int, rank: int, tp_rank: int, pp_rank: int):
+    def __init__(self, params: list, group, dp: int, rank: int, tp_rank: int, pp_rank: int, expert: bool = False):
         numel = sum(p.numel() for p in params)
         self.size = -(-numel // dp)
-        self.params, self.group, self.rank = params, group, rank
+        self.params, self.group, self.rank, self.expert = params, group, rank, expert
         self.flat = torch.zeros(self.size * dp, dtype=params[0].dtype, device=params[0].device)
         self.offsets, at = [], 0
         for p in params:
@@ -56,7 +57,7 @@ class Bucket:
             if start < end:
                 counted = _counted_mask(p, tp_rank, pp_rank).reshape(-1)[start - at:end - at].clone()
                 piece = nn.Parameter(self.flat[start:end])
-                piece._lightning_tp_zero = counted
+                piece._lightning_tp_zero = True  # a slice: its norm part comes from its optimizer (see grads)
                 self.slices.append(Slice(i, piece, slice(start - lo, end - lo), slice(start - at, end - at), counted))
 
     def reduce_scatter(self, had: list, scale: float) -> None:
