@@ -231,7 +231,8 @@ class MegaStrategy(ParallelStrategy):
             self._zero = self._shard_optimizers()
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
         scaler = getattr(self.precision_plugin, "scaler", None)
-        if scaler is not None and self.tp * self.pp > 1:  # fp16 AMP: one skip-or-step decision for all
+        if scaler is not None and (self.tp * self.pp > 1 or self._zero):  # fp16 AMP: one skip-or-step decision
+            # for all (under zero=1 each dp rank unscales only its slices)
             grads.agree_on_overflow(scaler)
 
     def _shard_optimizers(self) -> list:

@@ -3,7 +3,7 @@ harness of helpers.py: per-step losses and consolidated weights within its toler
 
 import pytest
 
-from helpers import check, train_launch
+from helpers import FP16, check, train_launch
 
 MOE = dict(n_expert=4, vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32)
 CLIP_ACCUMULATE = dict(gradient_clip_val=0.05, accumulate_grad_batches=2)  # clipped every step
@@ -13,6 +13,7 @@ WORLD2 = {
     "dp2_zero1": ("gpt", {}, dict(zero=1), {}),
     "dp2_zero1_clip_accumulate": ("gpt", {}, dict(zero=1), CLIP_ACCUMULATE),
     "dp2_zero1_bf16": ("gpt", {}, dict(zero=1), dict(precision="bf16-mixed", max_steps=10)),
+    "dp2_zero1_fp16": ("gpt", {}, dict(zero=1), FP16),  # GradScaler: the ranks skip or step together
     # experts split over both dp ranks: their state stays whole on each (edp = 1); the rest is sharded
     "dp2_ep2_zero1": ("gpt", MOE, dict(ep=2, zero=1), CLIP_ACCUMULATE),
 }
