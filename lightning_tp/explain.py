@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from .grads import replica_buffer_numel
+from .grads import BUCKET_BYTES, replica_buffer_numel
 from .pipeline.cut.block_lists import block_at, block_key
 from .pipeline.schedule.schedules import build_schedule
 from .pipeline.schedule.simulate import simulate
@@ -23,11 +23,14 @@ from .pipeline.cut.split import apply_split
 from .plans import apply as planner
 from . import recompute
 from .config import ParallelConfig
+from .mesh import ParallelMesh
 from .parallelize import stage_layout
 from .explain_costs import cost_entries, saved_widths, t5_head_counts, t5_side, tp_ops, weight_grad_widths, width_in
 from .experts.families import find_moe_blocks
 from .experts.layer import expert_parallel
-from .marks import marks_of
+from .marks import marks_of, set_marks
+from .dp_overlap import DPOverlap
+from .zero import ShardedOptimizer
 
 
 @dataclass
@@ -50,6 +53,13 @@ class RankEstimate:
     expert_params: int = 0  # of params: this rank's experts (1/ep of its stage's under ep)
     ep_bytes: int = 0  # ep > 1: expert dispatch all-to-alls (rows both ways, forward and backward, and counts)
     edp_bytes: int = 0  # ep > 1: expert gradients summed over the ranks holding the same experts
+    # memory held through the step (dp rank 0's: zero=1's padding falls on the last): weights, gradients at the
+    # optimizer step (zero=1: this rank's slices), the whole ones the backward makes, optimizer state
+    weight_bytes: int = 0
+    grad_held_bytes: int = 0
+    grad_whole_bytes: int = 0
+    optim_state_bytes: int = 0
+    dp_ops: list = field(default_factory=list)  # gradient collectives per step: (op, "dp"/"edp", calls, bytes)
 
 
 @dataclass
@@ -107,25 +117,28 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
             batch_shape=(8, 128), schedule: str = "1f1b", virtual_stages: int = 1, plan="auto", dp: int = 1,
             dtype_bytes: int = 4, *, grad_bytes=None, accumulate_grad_batches: int = 1, pipeline_blocks=None,
             stage_layers=None, activation_checkpointing=False, zb_keep_recomputed: bool = False,
-            split_backward="auto", ep: int = 1, config: ParallelConfig | None = None,
-            print_report: bool = True) -> Explanation:
-    """Parameters, stages, communication and activation memory per rank of ``MegaStrategy(tp, pp, sp, ...)``
-    with ``dp`` replicas on ``module`` (or of ``config``, a resolved layout with its dp), for a per-process
-    ``batch_shape`` (B, T). Prints the report unless ``print_report=False``; ``str()`` gives its text."""
+            split_backward="auto", ep: int = 1, zero=None, optimizer_state_bytes=None,
+            config: ParallelConfig | None = None, print_report: bool = True) -> Explanation:
+    """Parameters, stages, communication and memory per rank of ``MegaStrategy(tp, pp, sp, ..., zero)`` with ``dp``
+    replicas on ``module`` (or of ``config``, a resolved layout with its dp; ``zero`` defaults to its), for a
+    per-process ``batch_shape`` (B, T). Prints the report unless ``print_report=False``; ``str()`` gives its text."""
     if getattr(module, "_lightning_tp", None) is not None:
         raise ValueError("explain() needs the user's module before MegaStrategy parallelized it.")
     if config is None:
-        config = ParallelConfig.resolve(tp=tp, pp=pp, sp=sp, ep=ep, microbatches=microbatches, schedule=schedule,
-                                        virtual_stages=virtual_stages, split_backward=split_backward,
-                                        pipeline_blocks=pipeline_blocks, stage_layers=stage_layers,
-                                        activation_checkpointing=activation_checkpointing,
+        config = ParallelConfig.resolve(tp=tp, pp=pp, sp=sp, ep=ep, zero=0 if zero is None else zero, microbatches=microbatches,
+                                        schedule=schedule, virtual_stages=virtual_stages,
+                                        split_backward=split_backward, pipeline_blocks=pipeline_blocks,
+                                        stage_layers=stage_layers, activation_checkpointing=activation_checkpointing,
                                         zb_keep_recomputed=zb_keep_recomputed, plan=plan, world_size=tp * pp * dp)
     elif config.dp is None:
         raise ValueError("explain(config=...) needs a config with its world size: config.with_world(n).")
+    elif zero is not None:  # checked as MegaStrategy checks it
+        config = dataclasses.replace(config, zero=ParallelConfig.resolve(zero=zero).zero)
     tp, pp, sp, m, dp, schedule = config.tp, config.pp, config.sp, config.microbatches, config.dp, config.schedule
     plan, pipeline_blocks, activation_checkpointing = config.plan, config.pipeline_blocks, config.activation_checkpointing
     v = config.virtual_stages if pp > 1 else 1
     (B, T), grad_bytes, acc = batch_shape, grad_bytes or dtype_bytes, accumulate_grad_batches
+    state_bytes = 2 * grad_bytes if optimizer_state_bytes is None else optimizer_state_bytes  # AdamW's 2 moments
     if B % m:
         raise ValueError(f"microbatches={m} must divide the per-process batch size {B}.")
     base = _meta_copy(module)
@@ -212,7 +225,8 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
 
     rep = Explanation(dict(tp=tp, pp=pp, dp=dp, ep=config.ep, world=tp * pp * dp, sp=sp, microbatches=m, schedule=schedule,
                            virtual_stages=v, batch_shape=(B, T), dtype_bytes=dtype_bytes, grad_bytes=grad_bytes,
-                           accumulate_grad_batches=acc, blocks=bpath, hidden=hidden, bubble=bubble,
+                           accumulate_grad_batches=acc, zero=config.zero, optimizer_state_bytes=state_bytes,
+                           blocks=bpath, hidden=hidden, bubble=bubble,
                            split_backward=split_backward, activation_checkpointing=activation_checkpointing,
                            plans=[(mt.prefix, mt.plan.name) for mt in matches]))
     rep.actions = [list(a) for a in actions] if actions is not None else []
@@ -277,7 +291,8 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
             partial = sum(p.numel() for p in params if p.requires_grad and marks_of(p).sp_partial)
             partial += sum(replica_buffer_numel(p) for p in params if p.requires_grad)
             tied = sum(p.numel() for p in params if p.requires_grad and marks_of(p).pp_tied)
-            rep.ranks.append(RankEstimate(
+            dp_costs = _dp_costs(params, experts if config.ep > 1 else set(), config, r, t, grad_bytes, state_bytes)
+            rep.ranks.append(dataclasses.replace(RankEstimate(
                 stage=r, tp_rank=t, params=sum(p.numel() for p in params),
                 tp_bytes=round(tokens * (tp_elems + tp_again) * dtype_bytes) if tp > 1 else 0,
                 tp_recompute_bytes=round(tokens * tp_again * dtype_bytes) if tp > 1 else 0,
@@ -290,10 +305,56 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
                 edp_bytes=expert_trained * grad_bytes if config.ep > 1 and dp > config.ep else 0,
                 act_bytes=round((held + transient) * (B // m) * T * dtype_bytes), peak_microbatches=peaks[r],
                 recompute_bytes=round(transient * (B // m) * T * dtype_bytes),
-                zb_w_bytes=round(to_w * (B // m) * T * dtype_bytes)))
+                zb_w_bytes=round(to_w * (B // m) * T * dtype_bytes)), **dp_costs))
     if print_report:
         print(rep)
     return rep
+
+
+def _dp_costs(params: list, experts: set, config, pp_rank: int, tp_rank: int, grad_bytes: int,
+              state_bytes: int) -> dict:
+    """One rank's memory (dp rank 0's) and gradient collectives per step over dp and expert-dp, from the buckets
+    the strategy's own DPOverlap (zero=0) or ShardedOptimizer (zero=1, one param group assumed) makes."""
+    dp, edp, gb = config.dp, config.dp // config.ep, grad_bytes
+    trained = [p for p in params if p.requires_grad]
+    dense = [p for p in trained if id(p) not in experts]  # ``experts``: those ep > 1 splits, synced over expert-dp
+    whole = sum(p.numel() for p in trained)
+    held, ops, out, left = whole, [], {}, [p for p in trained if id(p) in experts]
+    if config.zero and dp > 1 and trained:
+        for p in left:
+            set_marks(p, expert=True)  # as the strategy marks them
+        mesh = ParallelMesh(tp=config.tp, pp=config.pp, dp=dp, ep=config.ep, rank=pp_rank * dp * config.tp + tp_rank)
+        buckets = ShardedOptimizer(torch.optim.AdamW(trained), mesh).buckets
+        held -= sum(q.numel() for b in buckets for q in b.params) - sum(b.size for b in buckets)
+        for group, expert in (("dp", False), ("edp", True)):
+            mine = [b for b in buckets if b.expert == expert]
+            if mine:
+                padded = sum(b.flat.numel() for b in mine) * gb  # each padded to a multiple of its group's size
+                ops += [("reduce_scatter", group, len(mine), padded), ("all_gather", group, len(mine), padded),
+                        ("all_reduce", group, 1, 4 * sum(len(b.params) for b in mine))]  # has-a-gradient flags
+                out[f"{group}_bytes"] = 2 * padded
+        bucketed = {id(q) for b in buckets for q in b.params}
+        left = [p for p in left if id(p) not in bucketed]
+    elif dp > 1 and dense:  # one all-reduce per bucket, with one flag per parameter (grads.with_flags)
+        late = [p for p in dense if marks_of(p).pp_late_sync]
+        calls = sum(len([b for b in DPOverlap(ps, None, dp, lambda: False, hooked=False).buckets if b])
+                    for ps in ([p for p in dense if not marks_of(p).pp_late_sync], late) if ps)
+        ops.append(("all_reduce", "dp", calls, (sum(p.numel() for p in dense) + len(dense)) * gb))
+    if edp > 1 and left:  # experts kept whole: all-reduced over the ranks holding them, as grads.average_over_dp
+        ops.append(("all_reduce", "edp", _chunk_count(left), (sum(p.numel() for p in left) + len(left)) * gb))
+    return dict(out, weight_bytes=sum(p.numel() for p in params) * gb, grad_held_bytes=held * gb,
+                grad_whole_bytes=whole * gb, optim_state_bytes=held * state_bytes, dp_ops=ops)
+
+
+def _chunk_count(params: list) -> int:
+    """How many flat buckets grads.average_over_dp makes of ``params`` (one dtype each, BUCKET_BYTES at most)."""
+    n, size, dtype = 0, 0, None
+    for p in params:
+        nbytes = p.numel() * p.element_size()
+        if n == 0 or size + nbytes > BUCKET_BYTES or p.dtype != dtype:
+            n, size, dtype = n + 1, 0, p.dtype
+        size += nbytes
+    return n
 
 
 def _split_experts(local: nn.Module, ep: int, declared=()) -> set:
@@ -326,6 +387,32 @@ def _size(n: float) -> str:
         if abs(n) < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
+
+
+def _format_memory(rep: Explanation) -> list:
+    """The report's lines on weights, gradients and optimizer state per rank, and the gradient collectives."""
+    c = rep.config
+    zero, sharded = c["zero"], c["zero"] and c["dp"] > 1
+    lines = ["", f"Memory per rank, zero={zero} (weights and gradients at {c['grad_bytes']} B/element, optimizer state "
+                 f"{c['optimizer_state_bytes']} B per trained element, by default AdamW's two moments), and the "
+                 f"gradient collectives per optimizer step:",
+             f"  {'stage':>5} {'tp':>3} {'weights':>11} {'grads':>11} {'optim state':>12}  dp collectives"]
+    for r in rep.ranks:
+        ops = ", ".join(f"{n} x {op}{' (expert-dp)' if g == 'edp' else ''} {_size(b)}" for op, g, n, b in r.dp_ops)
+        lines.append(f"  {r.stage:>5} {r.tp_rank:>3} {_size(r.weight_bytes):>11} {_size(r.grad_held_bytes):>11} "
+                     f"{_size(r.optim_state_bytes):>12}  {ops or '-'}")
+    if sharded:
+        lines.append(f"(zero=1: grads and optim state are what dp rank 0 holds at the optimizer step, its 1/dp slice of "
+                     f"each bucket (up to 25 MiB, padded to a multiple of dp); the backward still makes whole "
+                     f"gradients, up to {_size(max(r.grad_whole_bytes for r in rep.ranks))}, before the reduce-scatter; "
+                     f"weights stay whole, the all-gather brings the stepped slices back (DP grads above: both); the "
+                     f"all-reduce: one has-a-gradient flag per parameter)")
+    elif zero:
+        lines.append("(zero=1 at dp=1: nothing is sharded)")
+    elif c["dp"] > 1:
+        lines.append("(zero=0: every dp rank holds whole gradients and optimizer state; one all-reduce per bucket of "
+                     "gradients, one has-a-gradient flag per parameter included)")
+    return lines
 
 
 def _format(rep: Explanation) -> str:
@@ -376,6 +463,7 @@ def _format(rep: Explanation) -> str:
                      f"{_size(r.sp_bytes):>10} {_size(r.tied_bytes):>10} {_size(r.dp_bytes):>11} "
                      f"{_size(r.act_bytes):>11} {r.peak_microbatches:>7}")
     lines.append("(act mem: estimated activations saved for backward; see lightning_tp/explain.py for the model)")
+    lines += _format_memory(rep)
     if c.get("ep", 1) > 1:
         lines += ["", f"Experts (ep={c['ep']}): per rank, per optimizer step (all-to-all: rows out and back, forward "
                       f"and backward, balanced routing assumed):",

@@ -1,6 +1,7 @@
 """explain() against what a real run holds and sends: one 4-process launch trains three layouts for
 two optimizer steps each, counting parameters per rank and every recorded collective and pipeline
-send per step; the estimates must agree within 5%. Plus: explain leaves the module and
+send per step; the estimates must agree within 5%; a 2-process launch checks zero=0 and zero=1's
+memory and dp collectives exactly. Plus: explain leaves the module and
 torch.distributed alone, its activation model agrees with the tensors autograd saves, and the
 command reads the example's LightningCLI config."""
 
@@ -355,3 +356,76 @@ def test_command_checks_the_world_size_first_and_documents_its_config():
     run = subprocess.run([sys.executable, "-m", "lightning_tp", "explain", "--help"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=300)
     assert "trainer.strategy" in run.stdout and "trainer.devices" in run.stdout, run.stdout
+
+
+ODD = dict(n_embd=33, n_head=3, vocab_size=63, tie_weights=True)  # 29,667 parameters: one element of padding
+
+def _zero_worker(rank, world):
+    """Per zero: optimizer-state elements, gradient bytes held at the optimizer step and dp-group records
+    per step (elements by op) of a 2-step run."""
+    torch.distributed.init_process_group("gloo")
+    out = {}
+    for zero in (0, 1):
+        model, held = make_model("gpt", **ODD), []
+
+        class Held(L.Callback):
+            def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+                params = [p for g in optimizer.param_groups for p in g["params"]] + list(pl_module.parameters())
+                held.append(sum({p.grad.untyped_storage().data_ptr(): p.grad.untyped_storage().nbytes()
+                                 for p in params if p.grad is not None}.values()))
+
+        strategy = MegaStrategy(zero=zero, timeout=120)
+        trainer = L.Trainer(devices=world, strategy=strategy, max_steps=STEPS, callbacks=[Held()],
+                            limit_val_batches=0, **trainer_kwargs())
+        with comm.count_collectives() as records:
+            trainer.fit(model, TokenData(STEPS * B * world, vocab_of(model), B))
+        state = trainer.optimizers[0].state.values()
+        dp = {}
+        for op, numel, group in records:
+            if group is strategy.mesh.dp_group:
+                dp[op] = dp.get(op, 0) + numel / STEPS
+        out[zero] = dict(dp_rank=strategy.mesh.dp_rank, dp=dp, held=held,
+                         state=sum(v.numel() for s in state for v in s.values() if v.dim() > 0))
+    return out
+
+
+def test_zero_memory_and_dp_collectives_against_a_run():
+    """zero=1 at dp=2: half the optimizer state (within padding), gradient slices held at the step, and
+    reduce-scatter + all-gather (+ flags) as the run records them; zero=0 alike, one all-reduce."""
+    est = {z: explain(make_model("gpt", **ODD), dp=2, zero=z, batch_shape=(B, SEQ), print_report=False).rank(0)
+           for z in (0, 1)}
+    whole, sharded = est[0], est[1]
+    buckets = dict((op, n) for op, _, n, _ in sharded.dp_ops)["reduce_scatter"]
+    assert 0 < sharded.optim_state_bytes - whole.optim_state_bytes / 2 <= (2 - 1) * buckets * 8, (whole, sharded)
+    assert whole.optim_state_bytes == 2 * whole.grad_held_bytes == 2 * whole.weight_bytes == sharded.weight_bytes * 2
+    assert sharded.grad_whole_bytes == whole.grad_held_bytes
+    for r in dist.run(2, _zero_worker, timeout=300):
+        for z, e in est.items():
+            got = r[z]
+            # bytes per op over dp, flags included (4-byte elements: fp32 gradients and flags)
+            assert {op: n * 4 for op, n in got["dp"].items()} == {op: b for op, _, _, b in e.dp_ops}, (z, got, e)
+            assert got["held"] == [e.grad_held_bytes] * STEPS, (z, got, e)
+            if z == 1 and got["dp_rank"] > 0:  # the padding falls on the last dp rank
+                assert 0 < e.optim_state_bytes - got["state"] * 4 <= (2 - 1) * buckets * 8, (got, e)
+            else:
+                assert got["state"] * 4 == e.optim_state_bytes, (z, got, e)
+        assert sum(r[1]["dp"].get(op, 0) for op in ("reduce_scatter", "all_gather")) * 4 == sharded.dp_bytes
+    out = str(explain(make_model("gpt"), dp=2, zero=1, batch_shape=(B, SEQ), print_report=False))
+    assert "zero=1" in out and "reduce_scatter" in out and "the backward still makes whole gradients" in out
+
+
+def test_explain_takes_zero_from_its_config():
+    from lightning_tp.config import ParallelConfig
+
+    model = make_model("gpt")
+    config = ParallelConfig.resolve(zero=1, world_size=2)
+    report = explain(model, batch_shape=(B, SEQ), config=config, print_report=False)
+    assert report.config["zero"] == 1
+    assert report.as_dict() == explain(model, dp=2, zero=1, batch_shape=(B, SEQ), print_report=False).as_dict()
+    assert report.rank(0).dp_bytes == 2 * explain(model, dp=2, batch_shape=(B, SEQ), print_report=False).rank(0).dp_bytes
+    plain = explain(model, batch_shape=(B, SEQ), config=config, zero=0, print_report=False)  # the argument wins
+    assert plain.as_dict() == explain(model, dp=2, batch_shape=(B, SEQ), print_report=False).as_dict()
+    assert [op for op, *_ in plain.rank(0).dp_ops] == ["all_reduce"]
+    with pytest.raises(ValueError, match="zero=3 is not built"):
+        explain(model, batch_shape=(B, SEQ), config=config, zero=3, print_report=False)
+    assert "nothing is sharded" in str(explain(model, zero=1, batch_shape=(B, SEQ), print_report=False))
