@@ -69,7 +69,7 @@ class _Saved:
 SPIN = 0.0003  # seconds spun (not slept) at the end of each simulated cost: see _hold
 
 
-def _hold(t, start=None):
+def _hold(t, start=None, kind=None):
     """Take exactly ``t`` seconds counted from ``start`` (default: now), so that a block's own real work
     (its multiply, autograd's bookkeeping) is part of its simulated cost instead of added to it. Sleeps
     most of it and spins the last 0.3 ms: a plain sleep on this VM overshoots by 0.15-0.35 ms (and a
@@ -77,6 +77,7 @@ def _hold(t, start=None):
     (measured: 3.8 ms per 60 ms forward+backward of a stage), the same for our executor and torch's."""
     if t <= 0:
         return
+    kind = kind or ("B" if start is None else "F")
     t0 = time.perf_counter()
     deadline = (t0 if start is None else start) + t
     if deadline - t0 > SPIN:
@@ -85,7 +86,7 @@ def _hold(t, start=None):
         pass
     STATS.last_work = time.perf_counter()
     STATS.sleep += STATS.last_work - t0
-    STATS.holds.append((t0 if start is None else start, STATS.last_work, "B" if start is None else "F"))
+    STATS.holds.append((t0 if start is None else start, STATS.last_work, kind))
     if STATS.first_work is None:
         STATS.first_work = deadline - t
 
@@ -135,12 +136,62 @@ class SleepBlock(nn.Module):
         return SleepCost.apply(y, self.tf, self.tb / 2, x.numel() * x.element_size(), start)
 
 
+class FusedSleepMul(torch.autograd.Function):
+    """y = x * w as ONE autograd node whose backward returns the input's and the weight's gradients
+    together, as a fused kernel's does (flash attention, fused MLP/norm kernels, Triton ops, QAT
+    layers): forward takes tf counted from ``start`` (the block's entry), backward tb for both
+    gradients. There is no separate weight branch, so a split backward's W cannot take only the
+    weight half: it re-runs this whole backward (B already ran it for the input gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, w, tf, tb, start):
+        y = x * w
+        ctx.save_for_backward(x, w)
+        ctx.tb, ctx.nbytes, ctx.pending = tb, x.numel() * x.element_size(), True
+        _hold(tf, start)
+        STATS.n_f += 1
+        STATS.add(ctx.nbytes)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        t0 = time.perf_counter()
+        x, w = ctx.saved_tensors
+        gx = g * w if ctx.needs_input_grad[0] else None
+        gw = (g * x).sum(0)  # both gradients in one call, whatever the caller asked for
+        _hold(ctx.tb, t0, "B")  # the real work above is part of tb
+        STATS.n_b += 1
+        if ctx.pending:
+            STATS.inflight -= ctx.nbytes
+            ctx.pending = False
+        return gx, gw, None, None, None
+
+
+class FusedBlock(nn.Module):
+    """SleepBlock's y = x * w and costs (tf forward, tb backward), its backward one fused node (see
+    FusedSleepMul) instead of an input half and a weight half."""
+
+    def __init__(self, tf, tb, width=WIDTH):
+        super().__init__()
+        self.tf, self.tb = tf, tb
+        self.w = nn.Parameter(torch.ones(width))
+
+    def forward(self, x):
+        start = time.perf_counter()
+        with torch.autograd.graph.saved_tensors_hooks(_Saved, lambda saved: saved.t):
+            return FusedSleepMul.apply(x, self.w, self.tf, self.tb, start)
+
+
+BLOCKS = {"split": SleepBlock, "fused": FusedBlock}  # bench/pipeline.py --blocks
+BLOCK = SleepBlock  # this process's block class: worker() sets it from the plan's ``blocks``
+
+
 class SleepNet(L.LightningModule):
     """An ordinary LightningModule: a block list and an MSE loss."""
 
     def __init__(self, n_blocks, tf, tb):
         super().__init__()
-        self.blocks = nn.ModuleList(SleepBlock(tf, tb) for _ in range(n_blocks))
+        self.blocks = nn.ModuleList(BLOCK(tf, tb) for _ in range(n_blocks))
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -332,7 +383,7 @@ def _torch_schedule(rank, world, schedule, m, v, n_blocks, tf, tb):
     per_stage = n_blocks // n_stages
     stages, params = [], []
     for c in range(v):
-        module = nn.Sequential(*(SleepBlock(tf, tb) for _ in range(per_stage)))
+        module = nn.Sequential(*(BLOCK(tf, tb) for _ in range(per_stage)))
         params += list(module.parameters())
         # shapes inferred at the first step (dynamic mode, a warm-up step here)
         stages.append(PipelineStage(module, c * world + rank, n_stages, torch.device("cpu")))
@@ -433,28 +484,47 @@ def calibrate(n_blocks_per_chunk, tf, tb, reps=12, warmup=3):
     ``n_blocks_per_chunk`` blocks (F), of its plain backward (B) and of the backward to the input
     only (Bi, zero-bubble's B; its W is then B - Bi). This is what any executor (ours or torch's)
     pays per action; the schedule's ideal built from it leaves out only what scheduling and
-    communication cost."""
-    blocks = nn.Sequential(*(SleepBlock(tf, tb) for _ in range(n_blocks_per_chunk)))
+    communication cost. With fused blocks (BLOCK is FusedBlock) Bi and W time the split as our
+    executor makes it, pipeline/run/zb.py's SplitBackward (input_grad, then weight_grad) on the
+    blocks alone: whether W re-runs each fused node's backward or B already took the weights is
+    the split's doing, not the schedule's, so it belongs to the model's cost."""
+    fused = BLOCK is FusedBlock
+    if fused:
+        from lightning_tp.pipeline.run.zb import SplitBackward
+    blocks = nn.Sequential(*(BLOCK(tf, tb) for _ in range(n_blocks_per_chunk)))
+    params = list(blocks.parameters())
     x0 = torch.randn(ROWS, WIDTH)
-    times = {"F": [], "B": [], "Bi": []}
+    times = {"F": [], "B": [], "Bi": [], "W": []}
     for i in range(warmup + reps):
         for split in (False, True):
             x = x0.clone().requires_grad_()
             t0 = time.perf_counter()
             y = blocks(x)
             t1 = time.perf_counter()
-            if split:
+            if split and fused:
+                cut = SplitBackward(y, torch.ones_like(y), x, params)  # in B, as in the executor
+                cut.input_grad()
+                t2 = time.perf_counter()
+                cut.weight_grad()
+                t3 = time.perf_counter()
+            elif split:
                 torch.autograd.grad(y, x, torch.ones_like(y))
+                t2 = time.perf_counter()
             else:
                 y.backward(torch.ones_like(y))
-            t2 = time.perf_counter()
+                t2 = time.perf_counter()
             if i >= warmup:
                 times["Bi" if split else "B"].append(t2 - t1)
                 if not split:
                     times["F"].append(t1 - t0)
+                elif fused:
+                    times["W"].append(t3 - t2)
+            for p in params:
+                p.grad = None
     STATS.reset()
-    out = {k: statistics.median(v) for k, v in times.items()}
-    out["W"] = out["B"] - out["Bi"]
+    out = {k: statistics.median(v) for k, v in times.items() if v}
+    if not fused:
+        out["W"] = out["B"] - out["Bi"]
     return out
 
 
@@ -518,10 +588,13 @@ def _quiet() -> None:
     warnings.filterwarnings("ignore", message=".*LeafSpec.*")
 
 
-def worker(rank, world, plan, tf, tb, n_blocks, warmup, measured):
+def worker(rank, world, plan, tf, tb, n_blocks, warmup, measured, blocks="split"):
     """plan: list of (impl, schedule, m, v), where a key may repeat (rounds, so that machine noise hits
     every run alike) and impl "probe" runs the overhead probes. Per key, the rounds are concatenated:
-    start/end/stats per step and ``measured`` flags (warm-up steps of every round are False)."""
+    start/end/stats per step and ``measured`` flags (warm-up steps of every round are False).
+    ``blocks``: "split" (SleepBlock) or "fused" (FusedBlock), for every run of this process."""
+    global BLOCK
+    BLOCK = BLOCKS[blocks]
     _quiet()
     out = {}
     for impl, schedule, m, v in plan:

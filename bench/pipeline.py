@@ -13,6 +13,15 @@ on the same blocks in a plain loop and inside the same Trainer, a calibration of
 per-action cost (no executor) and isolated overhead probes. All of it ROUNDS times, interleaved,
 so that load from other processes on the box hits every run alike.
 
+``--blocks fused`` swaps each block for one whose backward is ONE custom autograd.Function returning
+the input's and the weight's gradients together (tb for both), as flash attention, fused MLP/norm
+kernels, Triton ops and QAT layers do: there is no weight branch a split backward can defer for free.
+It runs 1F1B and interleaved 1F1B, each as the default and textbook schedules, next to torch's, and
+5) lists default, textbook and torch side by side. Its nominal ideal is the schedule with no work done
+twice (a split B runs the whole fused backward, its W nothing), i.e. the textbook schedule's; its
+model ideal times the split as our executor makes it (pipeline/run/zb.py's SplitBackward on the
+model, no executor around it), so a W that re-runs the fused backward shows in measured/nominal.
+
 Ideal times come from simulate() (and, for ZB-H1 under our executor, a replay with the same event
 rules and a per-rank cost); the executor's sends, receives and log broadcast are timed by wrapping
 them in the worker processes, nothing in lightning_tp is changed. Those wrappers cost our executor
@@ -20,6 +29,7 @@ cold Python that torch's does not pay, so they are on in one extra run per sched
 breakdown and the Mailbox counts) and off in the runs whose throughput and spans are compared.
 
     .venv/bin/python bench/pipeline.py [--block-ms 10] [--microbatches 8,16] [--also 1f1b+split]
+        [--blocks split|fused] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -55,6 +65,10 @@ SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("1f1b+drain", 1), ("interleaved_1f1b", 
              ("zb_h1", 1)]
 DEFAULT = {"1f1b+drain", "interleaved_1f1b+drain"}  # MegaStrategy's default (split_backward="auto") at pp=4
 TORCH = {"1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B"}
+# --blocks: "split" (SleepBlock: half the backward on the weight's own branch) or "fused" (FusedBlock:
+# one autograd.Function computing both gradients); fused runs only the schedules torch has
+BLOCKS = "split"
+FUSED_SCHEDULES = [("1f1b", 1), ("1f1b+drain", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b+drain", 2)]
 ACT_BYTES = ROWS * WIDTH * 4  # saved activation of one block for one microbatch
 
 
@@ -152,18 +166,22 @@ def ideals(m: int) -> dict:
             out[name] = dict(sched=sched, v=v, dur=dur, ideal=res.makespan, peak=res.peak_inflight, busy=res.busy,
                              model=f"simulate F={per * TF * 1e3:.0f} B={per * TB * 1e3:.0f}")
             continue
+        # fused blocks: nothing of a backward can be deferred; the nominal split does no work twice
+        # (B the whole backward, W nothing): the textbook schedule's cost
+        bi, w = (per * TB, 0.0) if BLOCKS == "fused" else (per * TB / 2, per * TB / 2)
         # (a) the paper's split, simulate()'s convention: B (input grad) + W (weight grad) = one backward
-        split = simulate(sched, P, v, {"F": per * TF, "B": per * TB, "W": per * TB / 2})
+        split = simulate(sched, P, v, {"F": per * TF, "B": per * TB, "W": w})
         # (b) what our executor does (pipeline/zb.py): B = the input-gradient half of the stage's
         # backward, W = the weight half; the first virtual stage has no input gradient, so its B is free
         # and its W the whole backward. simulate() takes one cost per kind for all ranks, hence the replay.
-        nominal = {"F": per * TF, "B": per * TB, "Bi": per * TB / 2, "W": per * TB / 2}
+        nominal = {"F": per * TF, "B": per * TB, "Bi": bi, "W": w}
         dur = split_cost(sched, lambda r, kind, c=nominal: c[kind])
+        busy = [sum(dur(r, a) for a in sched[r] if a.kind in ("F", "B", "W")) for r in range(P)]
         out[name] = dict(sched=sched, v=v, dur=dur, ideal=replay(sched, P, v, dur), peak=split.peak_inflight,
-                         busy=[m * v * per * (TF + TB) for _ in range(P)], split=split.makespan,
+                         busy=busy, split=split.makespan,
                          model=f"replay F={per * TF * 1e3:.0f} B={per * TB * 1e3:.0f}, "
-                               f"split: B={per * TB / 2 * 1e3:.0f} "
-                               f"W={per * TB / 2 * 1e3:.0f}, rank 0 chunk 0 B=0 W={per * TB * 1e3:.0f}")
+                               f"split: B={bi * 1e3:.0f} "
+                               f"W={w * 1e3:.0f}, rank 0 chunk 0 B=0 W={per * TB * 1e3:.0f}")
     return out
 
 
@@ -225,6 +243,7 @@ def exposures(per_rank, name: str, m: int):
     first block's start, median over measured steps (forward, backward) in seconds. What a transfer
     costs on the critical path: the executor's code on both sides plus the link."""
     sched, per = build_schedule(name, P, m, 1), N_BLOCKS // P
+    halves = 1 if BLOCKS == "fused" else 2  # timed holds per block backward: one fused node, or two halves
     fwd, bwd = [], []
     for i in _measured(per_rank):
         acts = []  # per rank: {(kind, microbatch): (start, end)} and the end of the action before each
@@ -232,10 +251,11 @@ def exposures(per_rank, name: str, m: int):
             holds = r["stats"][i]["holds"]
             f = [h for h in holds if h[2] == "F"]
             b = [h for h in holds if h[2] == "B"]
-            if len(f) != per * m or len(b) != 2 * per * m:  # not this step's blocks alone: skip it
+            k = halves * per  # holds per stage backward
+            if len(f) != per * m or len(b) != k * m:  # not this step's blocks alone: skip it
                 break
             fs = iter((f[j][0], f[j + per - 1][1]) for j in range(0, len(f), per))
-            bs = iter((b[j][0], b[j + 2 * per - 1][1]) for j in range(0, len(b), 2 * per))
+            bs = iter((b[j][0], b[j + k - 1][1]) for j in range(0, len(b), k))
             spans, before, last = {}, {}, None
             for a in sched[rank]:
                 if a.kind in ("F", "B"):
@@ -273,11 +293,18 @@ def header():
           f"stage), m in {MS}")
     print(f"  block cost: forward sleep tf={TF * 1e3:.0f} ms, backward sleep tb={TB * 1e3:.0f} ms; activation "
           f"{ROWS}x{WIDTH} fp32 = {ACT_BYTES // 1024} KiB per block per microbatch")
+    if BLOCKS == "fused":
+        print("  blocks: FUSED (--blocks fused): each block's backward is one custom autograd.Function returning the "
+              "input's\n  and the weight's gradients together (tb for both; no weight branch a split could defer)")
+    else:
+        print("  blocks: split (default): half of each block's backward on the input's path, half on the weight's "
+              "own branch")
     print(f"  every run done {ROUNDS} times, interleaved (other processes may load this 2-core box); per run "
           f"{WARMUP} warm-up steps skipped,\n  {MEASURED} measured; step time = median over measured steps of "
           f"(last rank's on_train_batch_end - first rank's on_train_batch_start)")
     print("  targets: measured/ideal <= 1.05;  throughput ours/torch >= 1.0;  peak live activations "
           "GPipe ~ m, 1F1B ~ p - s")
+    print(f"  schedules: {', '.join(n for n, _ in SCHEDULES)}")
     print("=" * 108, flush=True)
 
 
@@ -295,7 +322,7 @@ def measure():
             plan.append(("probe", None, m, None))
         plan.append(("calibrate", (N_BLOCKS // P, N_BLOCKS // (2 * P)), None, None))
     # generous: 6 schedules x 3 rounds at 20 ms blocks take ~20 min; a stuck rank fails sooner (timeout=120)
-    return dist.run(P, worker, plan, TF, TB, N_BLOCKS, WARMUP, MEASURED, timeout=3600)
+    return dist.run(P, worker, plan, TF, TB, N_BLOCKS, WARMUP, MEASURED, BLOCKS, timeout=3600)
 
 
 def report(results):
@@ -345,13 +372,20 @@ def report(results):
                 print(f"{'  vs split-W ideal':<34}{m:>3}  {ms(span):>11}  {ms(idl['split']):>8}  "
                       f"{span / idl['split']:>6.3f}  (the paper's nominal ideal: rank 0 splits too)")
     print("   nominal cost model: " + "; ".join(f"{n} {ideal_by_m[MS[0]][n]['model']}" for n, _ in SCHEDULES))
-    print("   model cost per action, ms, per rank s0/s1/s2/s3 (F forward, B backward, Bi its input half):")
+    kinds = ("F", "B", "Bi", "W") if BLOCKS == "fused" else ("F", "B", "Bi")
+    fused_note = "; fused blocks: Bi and W as SplitBackward's input_grad and weight_grad" if BLOCKS == "fused" else ""
+    print(f"   model cost per action, ms, per rank s0/s1/s2/s3 (F forward, B backward, Bi its input half{fused_note}):")
     for per in sorted(cal[0], reverse=True):
-        cells = "  ".join(f"{a} " + "/".join(f"{c[per][a] * 1e3:.2f}" for c in cal) for a in ("F", "B", "Bi"))
+        cells = "  ".join(f"{a} " + "/".join(f"{c[per][a] * 1e3:.2f}" for c in cal) for a in kinds)
         print(f"     {per} block(s) per chunk: {cells}   (nominal F {per * TF * 1e3:.0f}, B {per * TB * 1e3:.0f})")
-    print("   zb_h1: B runs the input-gradient half of each block's backward, W the weight half (pipeline/zb.py);\n"
-          "   rank 0 has no input gradient, so its W is its whole backward. The split-W row is the paper's ideal,\n"
-          "   where rank 0 splits too (simulate()'s convention).")
+    if BLOCKS == "fused":
+        print("   fused blocks: the nominal split (B the whole fused backward, W nothing) costs what the textbook "
+              "schedule does;\n   a W that re-runs the fused backward (B could not leave it the weight half) "
+              "shows as measured/nominal > model's.")
+    else:
+        print("   zb_h1: B runs the input-gradient half of each block's backward, W the weight half (pipeline/zb.py);\n"
+              "   rank 0 has no input gradient, so its W is its whole backward. The split-W row is the paper's ideal,\n"
+              "   where rank 0 splits too (simulate()'s convention).")
 
     print("\n   evidence, per rank per step (median): slept ms / schedule's busy ms, block backward calls:")
     for m in MS:
@@ -419,12 +453,13 @@ def report(results):
                       f"{o_period / models[(name, m)]:>14.3f} / {t_period / models[(base, m)]:.3f}  "
                       f"{min(rounds):>8.3f}-{max(rounds):.3f}")
 
-    print(f"   per transfer on 1F1B's critical path, m={MS[0]} (a receiver waiting for it): from the sender's last "
-          f"block's end\n   to the receiver's first block's start, median ms, forward / backward:  " +
-          ";  ".join(f"{label} {f * 1e3:.2f} / {b * 1e3:.2f}" for label, (f, b) in
-                     (("ours", exposures(get(("ours", "1f1b", MS[0])), "1f1b", MS[0])),
-                      ("torch plain", exposures(get(("torch", "1f1b", MS[0])), "1f1b", MS[0])),
-                      ("torch in Lightning", exposures(get(("torch_lightning", "1f1b", MS[0])), "1f1b", MS[0])))))
+    if ("1f1b", 1) in SCHEDULES:
+        print(f"   per transfer on 1F1B's critical path, m={MS[0]} (a receiver waiting for it): from the sender's last "
+              f"block's end\n   to the receiver's first block's start, median ms, forward / backward:  " +
+              ";  ".join(f"{label} {f * 1e3:.2f} / {b * 1e3:.2f}" for label, (f, b) in
+                         (("ours", exposures(get(("ours", "1f1b", MS[0])), "1f1b", MS[0])),
+                          ("torch plain", exposures(get(("torch", "1f1b", MS[0])), "1f1b", MS[0])),
+                          ("torch in Lightning", exposures(get(("torch_lightning", "1f1b", MS[0])), "1f1b", MS[0])))))
 
     # ---- 3. memory
     m = MS[0]
@@ -466,10 +501,11 @@ def report(results):
         exp = held_by_rule(ideal_by_m[m][name]["sched"])
         print(f"{'ours ' + name + ' Mailbox':<46}" + "".join(f"{p / ACT_BYTES:>6.1f} (exp {e:>2})"
                                                              for p, e in zip(peaks, exp)))
-    gp = stat(get(("ours", "gpipe", m)), "inflight_peak", max)
-    ob = stat(get(("ours", "1f1b", m)), "inflight_peak", max)
-    print("   GPipe vs 1F1B peak bytes: " + ", ".join(f"s{s} {gp[s] // 1024}/{ob[s] // 1024} KiB ({gp[s] / ob[s]:.1f}x)"
-                                                    for s in range(P)))
+    if ("gpipe", 1) in SCHEDULES and ("1f1b", 1) in SCHEDULES:
+        gp = stat(get(("ours", "gpipe", m)), "inflight_peak", max)
+        ob = stat(get(("ours", "1f1b", m)), "inflight_peak", max)
+        print("   GPipe vs 1F1B peak bytes: " + ", ".join(f"s{s} {gp[s] // 1024}/{ob[s] // 1024} KiB "
+                                                        f"({gp[s] / ob[s]:.1f}x)" for s in range(P)))
 
     # ---- probes
     print("\n4) Isolated costs in the same processes (gloo on this CPU box, 64x256 fp32 payload, ping-pong ranks 0-1):")
@@ -479,10 +515,38 @@ def report(results):
           f"2 isends) {probe['mailbox_send_call_ms']:.3f} ms")
     print(f"   a broadcast over 4 ranks of one float64 tensor (how the step's loss and logs travel on NCCL; on gloo "
           f"they are\n   sent to receives posted at step start): {probe['log_broadcast_ms']:.3f} ms")
+    side_by_side(get, measured, models, ideal_by_m)
+
+
+def side_by_side(get, measured, models, ideal_by_m):
+    """5) Per schedule torch has: our default (split_backward="auto", i.e. "+drain" at pp>1), our textbook
+    schedule (split_backward=False) and torch's, as step TIME ratios (ours/torch > 1: ours slower)."""
+    ms = lambda x: f"{x * 1e3:.1f}"  # noqa: E731
+    rows = [(base, m) for m in MS for base in TORCH if (base, dict(SCHEDULES).get(base)) in SCHEDULES
+            and (base + "+drain", dict(SCHEDULES)[base]) in SCHEDULES and torch_runs(base, m)]
+    if not rows:
+        return
+    print(f"\n5) Side by side ({'FUSED' if BLOCKS == 'fused' else 'split'} blocks): ms/step = period as in 2); "
+          f"time ratios (ours/torch > 1: ours slower;\n   the inverse of 2)'s throughput ratio); /nominal and /model: "
+          f"the step's span over 1)'s ideals")
+    hdr = (f"{'schedule':<18}{'m':>3}  {'default ms':>10}  {'textbook ms':>11}  {'torch ms':>8}  "
+           f"{'default/torch':>13}  {'textbook/torch':>14}  {'default/textbook':>16}  "
+           f"{'default /nominal /model':>23}  {'textbook /nominal /model':>24}  {'torch in L ms':>13}")
+    print(hdr)
+    print("-" * len(hdr))
+    for base, m in rows:
+        d, t = measured[(base + "+drain", m)], measured[(base, m)]
+        tp = steps_of(get(("torch", base, m)))[1]
+        tl = steps_of(get(("torch_lightning", base, m)))[1]
+
+        def vs(name, span):
+            return f"{span / ideal_by_m[m][name]['ideal']:.3f} / {span / models[(name, m)]:.3f}"
+        print(f"{base:<18}{m:>3}  {ms(d[1]):>10}  {ms(t[1]):>11}  {ms(tp):>8}  {d[1] / tp:>13.3f}  {t[1] / tp:>14.3f}  "
+              f"{d[1] / t[1]:>16.3f}  {vs(base + '+drain', d[0]):>23}  {vs(base, t[0]):>24}  {ms(tl):>13}")
 
 
 def main():
-    global TF, TB, MS
+    global TF, TB, MS, BLOCKS, ROUNDS
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--block-ms", type=float, default=TF * 1e3,
                         help="forward cost of one block in ms (backward: twice that); the executor's cost per "
@@ -493,8 +557,17 @@ def main():
     parser.add_argument("--also", default="",
                         help="comma-separated schedules to run besides the default set, e.g. 1f1b+split,"
                              "interleaved_1f1b+split (split_backward=True: every backward split)")
+    parser.add_argument("--blocks", choices=("split", "fused"), default="split",
+                        help="split: half of each block's backward on the weight's own branch (a split backward "
+                             "defers it for free); fused: each block's backward one custom autograd.Function "
+                             "returning both gradients (as flash attention, fused kernels), run on 1F1B and "
+                             "interleaved 1F1B, default and textbook, next to torch's")
+    parser.add_argument("--rounds", type=int, default=ROUNDS, help="times every run is repeated, interleaved")
     args = parser.parse_args()
     MS = tuple(int(x) for x in args.microbatches.split(","))
+    BLOCKS, ROUNDS = args.blocks, args.rounds
+    if BLOCKS == "fused":
+        SCHEDULES[:] = FUSED_SCHEDULES
     for name in filter(None, args.also.split(",")):
         if parts(name)[0] not in ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1"):
             parser.error(f"--also: unknown schedule {name!r}")

@@ -5,10 +5,13 @@ overlap's hooks and the hand-over of the step's gradients to Lightning. See docs
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import torch
 
-from .zb import SplitBackward
+from .zb import SplitBackward, whole_functions
+
+log = logging.getLogger("lightning.pytorch.lightning_tp")
 
 
 class BackwardStep:
@@ -19,6 +22,7 @@ class BackwardStep:
         self.module, self.layout = module, layout
         self.dp_overlap = None  # the strategy's DPOverlap, hooked around each chunk's final pass (see syncing)
         self.whole_chunks = set()  # zero bubble: chunks whose backward B runs whole
+        self.told = set()  # virtual stages whose weights taken in B were logged (see .zb.whole_functions)
         self.plan = None  # the training step's plan: its split backwards and each chunk's final passes
 
     def start(self, plan) -> None:
@@ -59,8 +63,13 @@ class BackwardStep:
             return
         # ZB: B computes only the input gradient now; W (the weight half, see .zb) runs later.
         split = SplitBackward(out, grad, inputs[key] if k > 0 else None, params)
-        if split.whole:
+        if split.whole or (split.split is not None and not split.groups):  # W has nothing left to do
             self.whole_chunks.add(key[1])
+        if split.in_b and k not in self.told:
+            self.told.add(k)
+            log.info(f"pipeline: virtual stage {k} takes the weight gradients of {', '.join(whole_functions(split))} "
+                     f"in B, with the input gradient: a custom autograd Function computing both would run twice "
+                     f"if split (the rest of its weights are deferred to W)")
         g = split.input_grad()
         if g is not None:
             input_grads[key] = g

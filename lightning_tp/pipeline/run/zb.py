@@ -39,6 +39,7 @@ class SplitBackward:
         self.params = [p for p in params if p.requires_grad]
         self.captured: dict = {}
         self.groups: list = []
+        self.in_b: list = []  # groups whose weights B takes (see _fused)
         self.whole = False  # a compiled region on the input path: B runs the whole backward (see input_grad)
         self.split = self._split_nodes() if inp is not None and out.grad_fn is not None else None
 
@@ -73,6 +74,10 @@ class SplitBackward:
                     split[node] = found
         # output side first (the walk lists children first): the last layers' gradients complete first
         self.groups = [(nodes, [weights[w] for w in ws]) for nodes, ws in _group(split)][::-1]
+        # a custom Function that computes its input and weight gradients together would run twice: its
+        # group's weights are taken in B, with the input (see whole_functions)
+        self.in_b = [(nodes, params) for nodes, params in self.groups if any(map(_fused, nodes))]
+        self.groups = [(nodes, params) for nodes, params in self.groups if not any(map(_fused, nodes))]
         self.direct = {id(nodes[0]): _direct_rule(nodes[0], params) for nodes, params in self.groups
                        if len(nodes) == 1}
         return list(split)
@@ -91,12 +96,19 @@ class SplitBackward:
         if self.split is None:
             return None if one or not self.inputs else [None] * len(self.inputs)
         hooks = [n.register_prehook(lambda grads, n=n: self.captured.__setitem__(n, grads)) for n in self.split]
+        with_b = [p for _, params in self.in_b for p in params]
         try:
             with _in_phase("B", self.inputs):
-                grads = torch.autograd.grad(self.out, self.inputs, self.grad, retain_graph=True, allow_unused=not one)
+                grads = torch.autograd.grad(self.out, self.inputs + with_b, self.grad, retain_graph=True,
+                                            allow_unused=not one or bool(with_b))
         finally:
             for h in hooks:
                 h.remove()
+        with torch.no_grad():
+            for p, g in zip(with_b, grads[len(self.inputs):]):
+                if g is not None:
+                    _accumulate_one(p, g)
+        grads = grads[:len(self.inputs)]
         return grads[0] if one else list(grads)
 
     def weight_grad(self) -> None:
@@ -237,14 +249,30 @@ def _accumulate(node_grad, weight, bias, formula) -> None:
     """The weight side of one split node, added into ``.grad`` as AccumulateGrad does (under no_grad),
     then the parameter's post-accumulate-grad hooks (e.g. the dp overlap's, see DPOverlap)."""
     for p, grad in zip((weight, bias), formula(node_grad)):
-        if p is None:
-            continue
-        if p.grad is None:
-            p.grad = grad
-        else:
-            p.grad += grad
-        for hook in (getattr(p, "_post_accumulate_grad_hooks", None) or {}).values():
-            hook(p)
+        if p is not None:
+            _accumulate_one(p, grad)
+
+
+def _accumulate_one(p, grad) -> None:
+    if p.grad is None:
+        p.grad = grad
+    else:
+        p.grad += grad
+    for hook in (getattr(p, "_post_accumulate_grad_hooks", None) or {}).values():
+        hook(p)
+
+
+def _fused(node) -> bool:
+    """A custom autograd Function's node whose backward yields input and weight gradients in one call
+    (not one of this project's, which compute each half in its phase: ``splits_backward``)."""
+    if not isinstance(node, torch.autograd.function.BackwardCFunction):
+        return False
+    return not getattr(getattr(node, "_forward_cls", None), "splits_backward", False)
+
+
+def whole_functions(split) -> list:
+    """Names of the custom Functions whose weights a :class:`SplitBackward` takes in B (for the log)."""
+    return sorted({type(n).__name__ for nodes, _ in split.in_b for n in nodes if _fused(n)})
 
 
 def _group(split: dict) -> list:

@@ -27,6 +27,8 @@ def checkpoint(run, block, args: tuple):
 
 
 class _Recomputed(torch.autograd.Function):
+    splits_backward = True  # its backward does B's half, then W's (see .zb._fused)
+
     @staticmethod
     def forward(ctx, run, box, n_params, *flat):
         args = flat[:len(flat) - n_params]
