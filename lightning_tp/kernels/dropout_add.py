@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 
 from ._utils import tl, triton, use_triton
+from ..backward_phase import halves
 
 BLOCK = 1024
 _M32 = 0xFFFFFFFF
@@ -70,6 +71,8 @@ def dropout_keep_mask(seed: int, offset: int, shape, p: float, device=None) -> t
 
 
 class BiasDropoutAddFunction(torch.autograd.Function):
+    splits_backward = True  # each half of a split backward does its own work (see backward_phase.halves)
+
     @staticmethod
     def forward(ctx, x, bias, residual, p, seed, offset):
         xc, rc = x.contiguous(), residual.contiguous()
@@ -85,6 +88,10 @@ class BiasDropoutAddFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        return halves(ctx, lambda wanted: BiasDropoutAddFunction._grads(ctx, dy, wanted), 6, (1,), joint=True)
+
+    @staticmethod
+    def _grads(ctx, dy, wanted):
         dy = dy.contiguous()
         dx = torch.empty_like(dy)
         if dy.numel():

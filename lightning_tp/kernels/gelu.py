@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._utils import tl, triton, use_triton
+from ..backward_phase import halves
 
 BLOCK = 1024  # elements per program; constants below: sqrt(2/pi), 1/sqrt(2), 1/sqrt(2*pi), 3*0.044715
 
@@ -53,6 +54,8 @@ def _bias_gelu_bwd(X, B, DY, DX, numel, N, HAS_BIAS: tl.constexpr, EXACT: tl.con
 
 
 class BiasGeLUFunction(torch.autograd.Function):
+    splits_backward = True  # each half of a split backward does its own work (see backward_phase.halves)
+
     @staticmethod
     def forward(ctx, x, bias, approximate):
         xc = x.contiguous()
@@ -68,6 +71,10 @@ class BiasGeLUFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        return halves(ctx, lambda wanted: BiasGeLUFunction._grads(ctx, dy, wanted), 3, (1,), joint=True)
+
+    @staticmethod
+    def _grads(ctx, dy, wanted):
         xc, bias = ctx.saved_tensors
         dy = dy.contiguous()
         dx = torch.empty_like(xc)

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._utils import block_size, num_programs, num_warps, tl, triton, use_triton
+from ..backward_phase import halves
 
 #: Longest row kept in one block (the whole row lives in registers).
 MAX_COLS = 65536
@@ -69,6 +70,8 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 class LayerNormFunction(torch.autograd.Function):
     """Triton LayerNorm. ``weight`` may be None (ones); ``bias`` may be None."""
 
+    splits_backward = True  # each half of a split backward does its own work (see backward_phase.halves)
+
     @staticmethod
     def forward(ctx, x, weight, bias, eps):
         N = x.shape[-1]
@@ -88,6 +91,10 @@ class LayerNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        return halves(ctx, lambda wanted: LayerNormFunction._grads(ctx, dy, wanted), 4, (1, 2), joint=True)
+
+    @staticmethod
+    def _grads(ctx, dy, wanted):
         x2, w, mean, rstd = ctx.saved_tensors
         shape, has_w, has_b, b_dtype = ctx.meta
         M, N = x2.shape

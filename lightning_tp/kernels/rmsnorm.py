@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ._utils import block_size, num_programs, num_warps, tl, triton, use_triton
+from ..backward_phase import halves
 
 MAX_COLS = 65536
 
@@ -53,6 +54,8 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 class RMSNormFunction(torch.autograd.Function):
+    splits_backward = True  # each half of a split backward does its own work (see backward_phase.halves)
+
     @staticmethod
     def forward(ctx, x, weight, eps):
         N = x.shape[-1]
@@ -70,6 +73,10 @@ class RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        return halves(ctx, lambda wanted: RMSNormFunction._grads(ctx, dy, wanted), 3, (1,), joint=True)
+
+    @staticmethod
+    def _grads(ctx, dy, wanted):
         x2, w, rstd = ctx.saved_tensors
         M, N = x2.shape
         dy2 = _rows(dy)

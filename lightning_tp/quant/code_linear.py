@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import torch
 
+from ..backward_phase import halves
+
 
 class CodeLinear(torch.autograd.Function):
     """``acc = codes(x_fq) @ codes(w_fq).T`` in fp32, autocast off (no bias, no scale); ``scale = s_x * s_w``.
     The caller reduces ``acc`` over tp (row-parallel), then multiplies by ``scale``. See docs/design/quant.md."""
+
+    splits_backward = True  # each half of a split backward does its own work (see backward_phase.halves)
 
     @staticmethod
     def forward(ctx, x_fq, w_fq, s_x, s_w):
@@ -20,11 +24,15 @@ class CodeLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_acc):
+        return halves(ctx, lambda wanted: CodeLinear._grads(ctx, g_acc, wanted), 4, (1,), joint=False)
+
+    @staticmethod
+    def _grads(ctx, g_acc, wanted):
         x_fq, w_fq, scale = ctx.saved_tensors
         g = (g_acc.float() / scale).to(x_fq.dtype)  # d y / d out, as a plain linear receives it
-        g_x = g @ w_fq.to(g.dtype) if ctx.needs_input_grad[0] else None
+        g_x = g @ w_fq.to(g.dtype) if ctx.needs_input_grad[0] and 0 in wanted else None
         g_w = None
-        if ctx.needs_input_grad[1]:
+        if ctx.needs_input_grad[1] and 1 in wanted:
             g_w = (g.reshape(-1, g.shape[-1]).t() @ x_fq.reshape(-1, x_fq.shape[-1])).to(w_fq.dtype)
         return g_x, g_w, None, None
 

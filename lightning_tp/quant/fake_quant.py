@@ -12,6 +12,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .. import comm
+from ..backward_phase import halves
 
 EPS = 1e-8  # smallest scale: an all-zero row or tensor (padding, dead units) quantizes to zeros
 RANGE_MODES = ("ema", "learned", "delayed")
@@ -102,6 +103,8 @@ class _LSQ(torch.autograd.Function):
     """Fake quant with a learned clip ``alpha`` (scale alpha / Q) and LSQ's gradient for alpha, SUM
     all-reduced over ``group``. See docs/design/quant.md."""
 
+    splits_backward = True  # each half of a split backward does its own work (see backward_phase.halves)
+
     @staticmethod
     def forward(ctx, x, alpha, qmax, grad_scale, group):
         scale = alpha / qmax
@@ -111,6 +114,10 @@ class _LSQ(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
+        return halves(ctx, lambda wanted: _LSQ._grads(ctx, g, wanted), 5, (1,), joint=True)
+
+    @staticmethod
+    def _grads(ctx, g, wanted):
         x, scale = ctx.saved_tensors
         v = x * (1.0 / scale)
         inside = v.abs() <= ctx.qmax

@@ -10,6 +10,8 @@ import torch
 import torch.utils.checkpoint
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
+from ...backward_phase import in_phase, input_leaves, phase  # noqa: F401 - phase, input_leaves: read by .zb_checkpoint
+
 
 def _post_order(root) -> tuple[list, dict]:
     """Every node reachable from ``root``, children before parents (iterative: graphs are deep), and
@@ -98,7 +100,7 @@ class SplitBackward:
         hooks = [n.register_prehook(lambda grads, n=n: self.captured.__setitem__(n, grads)) for n in self.split]
         with_b = [p for _, params in self.in_b for p in params]
         try:
-            with _in_phase("B", self.inputs):
+            with in_phase("B", self.inputs, with_weights=bool(with_b)):
                 grads = torch.autograd.grad(self.out, self.inputs + with_b, self.grad, retain_graph=True,
                                             allow_unused=not one or bool(with_b))
         finally:
@@ -115,7 +117,7 @@ class SplitBackward:
         """W: accumulate the parameters' gradients into ``.grad``; frees the graph."""
         if self.whole:
             return
-        with _in_phase("W"):
+        with in_phase("W"):
             self._weight_grad()
         self.out = self.grad = self.inp = self.inputs = self.groups = self.direct = None
         self.captured.clear()
@@ -153,29 +155,6 @@ class SplitBackward:
         finally:
             for h in pins:
                 h.remove()
-
-
-_PHASE = [None, ()]  # "B" inside an input_grad's backward call (with its inputs), "W" inside a weight_grad
-
-
-def phase():
-    """Which half of a split backward the engine is running now (None: a plain backward). Read by a
-    recomputed block's own backward (:mod:`.zb_checkpoint`), which does its part of each half."""
-    return _PHASE[0]
-
-
-def input_leaves() -> tuple:
-    """In B: the leaves whose gradient it computes (the engine captures them, it runs no node there)."""
-    return _PHASE[1]
-
-
-@contextlib.contextmanager
-def _in_phase(name: str, inputs=()):
-    before, _PHASE[:] = list(_PHASE), [name, tuple(inputs)]
-    try:
-        yield
-    finally:
-        _PHASE[:] = before
 
 
 def _one_recompute():
