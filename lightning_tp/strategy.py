@@ -35,6 +35,7 @@ from .pipeline.run.executor import PipelineRunner
 from .parallelize import parallelize
 from .same_batch import BatchBroadcast
 from .zero import shard_optimizers
+from .zero.overlap import ZeroOverlap
 from .zero.shards import check_optimizer
 
 
@@ -229,6 +230,10 @@ class MegaStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
             self._zero = self._shard_optimizers()
+            if self._zero and self._runner is None:  # its reduce-scatter overlapped with the backward
+                if self._dp_overlap is not None:
+                    self._dp_overlap.remove()
+                self._dp_overlap = ZeroOverlap(self._zero, lambda: self._sync_grads)
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
         scaler = getattr(self.precision_plugin, "scaler", None)
         if scaler is not None and (self.tp * self.pp > 1 or self._zero):  # fp16 AMP: one skip-or-step decision

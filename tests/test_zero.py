@@ -44,6 +44,16 @@ def test_zero1_world2(world2, name):
     check(world2, name, WORLD2, 2)
 
 
+def test_zero1_reduce_scatter_starts_while_the_backward_runs(world2, world4):
+    """Without a pipeline every bucket whose gradients are final at the backward starts there (one bucket
+    here; tp=2 + sp's norms, summed over tp first, wait for the end)."""
+    for results, name in ((world2, "dp2_zero1"), (world4, "tp2_sp_dp2_zero1_clip_accumulate")):
+        got = results[0][name]
+        assert got["dp_overlap"] and got["buckets"] > 0, got
+        if name == "dp2_zero1":
+            assert got["launched_early"] == got["buckets"], got
+
+
 @pytest.mark.parametrize("name", list(WORLD4))
 def test_zero1_world4(world4, name):
     check(world4, name, WORLD4, 4)

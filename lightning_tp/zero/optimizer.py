@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
+from ..grads import replica_buffer_numel
 from ..marks import marks_of
 from .shards import Bucket, check_optimizer
 
@@ -30,16 +31,23 @@ class ShardedOptimizer:
             dense = [p for p in g["params"] if _shardable(p) and not marks_of(p).expert]
             experts = [p for p in g["params"] if _shardable(p) and marks_of(p).expert] if edp > 1 else []
             kept = [p for p in g["params"] if not any(p is q for q in dense + experts)]  # frozen ones: whole
-            new = [Bucket(chunk, mesh.dp_group, mesh.dp, mesh.dp_rank, mesh.tp_rank, mesh.pp_rank)
-                   for chunk in _chunks(dense)]
-            new += [Bucket(chunk, mesh.edp_group, edp, mesh.edp_rank, mesh.tp_rank, mesh.pp_rank, expert=True)
-                    for chunk in _chunks(experts)]
+            new = []
+            for params, expert in ((dense, False), (experts, True)):
+                group, size, rank = (mesh.edp_group, edp, mesh.edp_rank) if expert else \
+                    (mesh.dp_group, mesh.dp, mesh.dp_rank)
+                # in the order the backward makes gradients; summed over tp or stages first: buckets of their own
+                for early in (True, False):
+                    chunk_params = [p for p in reversed(params) if _final_at_backward(p) == early]
+                    new += [Bucket(chunk, group, size, rank, mesh.tp_rank, mesh.pp_rank, expert=expert, early=early)
+                            for chunk in _chunks(chunk_params)]
             self.buckets += new
             g["params"] = kept + [s.param for b in new for s in b.slices]
         self.slice_of = {id(s.param): (b, s) for b in self.buckets for s in b.slices}
         self._state_dict, self._load_state_dict = optimizer.state_dict, optimizer.load_state_dict
         optimizer.state_dict, optimizer.load_state_dict = self.state_dict, self.load_state_dict
         optimizer._lightning_tp_zero = self
+
+    overlapped = False  # a ZeroOverlap reduce-scatters the early buckets (see .overlap)
 
     def bucketed(self) -> set:
         """ids of the parameters in buckets (their gradients reach the optimizer reduce-scattered)."""
@@ -49,7 +57,7 @@ class ShardedOptimizer:
         """Each bucket's gradients into this rank's slices; a parameter no replica had a gradient for
         gets none (one flag each, MAX over dp), so the optimizer skips it as zero=0 does."""
         for expert in (False, True):  # experts: over the ranks holding the same ones
-            buckets = [b for b in self.buckets if b.expert == expert]
+            buckets = [b for b in self.buckets if b.expert == expert and not (self.overlapped and b.early)]
             if not buckets:
                 continue
             flags = torch.tensor([float(p.grad is not None) for b in buckets for p in b.params],
@@ -144,6 +152,12 @@ class ShardedOptimizer:
 def shard_optimizers(optimizers, mesh) -> list:
     """Shard each optimizer over ``mesh``'s dp group (see :class:`ShardedOptimizer`)."""
     return [ShardedOptimizer(o, mesh) for o in optimizers]
+
+
+def _final_at_backward(p) -> bool:
+    """Whether ``p``'s gradient is final when the backward makes it (not summed over tp or stages after)."""
+    m = marks_of(p)
+    return not (m.sp_partial or m.pp_tied or m.pp_late_sync or replica_buffer_numel(p))
 
 
 def _shardable(p) -> bool:

@@ -39,10 +39,12 @@ class Bucket:
     size; an expert bucket's: the ranks holding its experts); ``slices``: the parts in this rank's range,
     each an ``nn.Parameter`` sharing the buffer's storage."""
 
-    def __init__(self, params: list, group, dp: int, rank: int, tp_rank: int, pp_rank: int, expert: bool = False):
+    def __init__(self, params: list, group, dp: int, rank: int, tp_rank: int, pp_rank: int, expert: bool = False,
+                 early: bool = False):
         numel = sum(p.numel() for p in params)
         self.size = -(-numel // dp)
         self.params, self.group, self.rank, self.expert = params, group, rank, expert
+        self.early = early  # its gradients are final when the backward makes them (see .overlap)
         self.flat = torch.zeros(self.size * dp, dtype=params[0].dtype, device=params[0].device)
         self.offsets, at = [], 0
         for p in params:
@@ -63,15 +65,25 @@ class Bucket:
     def reduce_scatter(self, had: list, scale: float) -> None:
         """The dp average of the parameters' gradients, this rank's slices into their ``grad`` (none for a
         parameter no replica had a gradient for, ``had``); the parameters' own gradients are dropped."""
+        self.finish_reduce_scatter(self.start_reduce_scatter(), had, scale)
+
+    def start_reduce_scatter(self) -> tuple:
+        """The parameters' gradients (zeros where one has none) reduce-scattered in the background."""
         grads = torch.zeros_like(self.flat)
         for p, at in zip(self.params, self.offsets):
             if p.grad is not None:
                 grads[at:at + p.numel()].copy_(p.grad.reshape(-1))
-                p.grad = None
         mine = torch.empty(self.size, dtype=grads.dtype, device=grads.device)
         comm.record("reduce_scatter", grads, self.group)
-        dist.reduce_scatter_tensor(mine, grads, group=self.group)
+        return dist.reduce_scatter_tensor(mine, grads, group=self.group, async_op=True), mine
+
+    def finish_reduce_scatter(self, started: tuple, had: list, scale: float) -> None:
+        """Wait for :meth:`start_reduce_scatter`, then as :meth:`reduce_scatter` says."""
+        work, mine = started
+        work.wait()
         mine.mul_(scale)
+        for p in self.params:
+            p.grad = None
         for s in self.slices:
             s.param.grad = mine[s.where] if had[s.index] else None
 

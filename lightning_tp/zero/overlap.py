@@ -1,0 +1,74 @@
+"""zero=1's reduce-scatter overlapped with the backward (without a pipeline): a bucket starts as soon as
+its gradients are final, in order, as the all-reduce of zero=0 does (see ..dp_overlap). See docs/zero.md."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .. import comm
+
+
+class ZeroOverlap:
+    """The early buckets of ``sharded`` (ShardedOptimizers) reduce-scattered while the backward runs; the
+    rest (gradients summed over tp or stages first) after it. ``armed()``: this backward syncs."""
+
+    def __init__(self, sharded: list, armed):
+        self.sharded, self.armed = sharded, armed
+        self.buckets = [b for z in sharded for b in z.buckets if b.early]
+        self.early_buckets = len(self.buckets)
+        self.bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b.params}
+        for z in sharded:
+            z.overlapped = True
+        self.hooks = []
+        self.hook()
+        self._reset()
+
+    def hook(self) -> None:
+        if not self.hooks:
+            self.hooks = [p.register_post_accumulate_grad_hook(self._ready) for b in self.buckets for p in b.params]
+
+    def remove(self) -> None:
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []
+
+    def restart(self) -> None:
+        """Forget what a step that raised after starting buckets left behind."""
+        self._reset()
+
+    def _reset(self) -> None:
+        self.seen, self.next, self.started_ = [set() for _ in self.buckets], 0, []
+
+    def started(self, p) -> bool:
+        return self.bucket_of.get(id(p), len(self.buckets)) < self.next
+
+    def _ready(self, p) -> None:
+        if not self.armed():
+            return
+        self.seen[self.bucket_of[id(p)]].add(id(p))
+        while self.next < len(self.buckets) and len(self.seen[self.next]) == len(self.buckets[self.next].params):
+            self._launch(self.next)
+
+    def _launch(self, i: int) -> None:
+        self.next = i + 1
+        self.started_.append(self.buckets[i].start_reduce_scatter())
+
+    def finish(self) -> None:
+        """Start the buckets not yet started (a parameter without a gradient here), then give each slice its
+        gradient where any replica had one (flags MAX over each bucket's group, as ShardedOptimizer does)."""
+        self.launched_early = self.next  # buckets the backward started (read by tests)
+        while self.next < len(self.buckets):
+            self._launch(self.next)
+        flags = {}
+        for b in self.buckets:
+            flags.setdefault(b.expert, []).extend(float(p.grad is not None) for p in b.params)
+        had = {}
+        for expert, values in flags.items():
+            group = next(b.group for b in self.buckets if b.expert == expert)
+            t = torch.tensor(values, device=self.buckets[0].flat.device)
+            had[expert] = iter(comm.all_reduce(t, group, op=dist.ReduceOp.MAX).tolist())
+        for b, started in zip(self.buckets, self.started_):
+            b.finish_reduce_scatter(started, [next(had[b.expert]) > 0 for _ in b.params],
+                                    1.0 / self.sharded[0].mesh.dp)
+        self._reset()
