@@ -29,7 +29,7 @@ def runs_here(stage, indices: dict, path: str) -> bool:
     i = indices.get(path)
     if i is None:
         return True
-    lo, hi = stage.ranges[stage.run.vstage]
+    lo, hi = stage.ranges[stage.replay[0] if stage.replay is not None else stage.run.vstage]  # a backward's recompute: its stage
     return lo <= i <= hi
 
 
