@@ -29,7 +29,8 @@ def runs_here(stage, indices: dict, path: str) -> bool:
     i = indices.get(path)
     if i is None:
         return True
-    lo, hi = stage.ranges[stage.replay[0] if stage.replay is not None else stage.run.vstage]  # a backward's recompute: its stage
+    vstage = stage.replay[0] if stage.replay is not None else stage.run.vstage  # a backward's recompute: its stage
+    lo, hi = stage.ranges[vstage]
     return lo <= i <= hi
 
 
