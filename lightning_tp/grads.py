@@ -17,7 +17,8 @@ from .marks import marks_of
 BUCKET_BYTES = 25 * 1024 * 1024
 
 
-def _buckets(grads: list, limit: int = BUCKET_BYTES):
+def chunked(grads: list, limit: int = BUCKET_BYTES):
+    """Consecutive runs of ``grads`` (tensors) of one dtype and at most ``limit`` bytes (one may exceed it alone)."""
     bucket, size = [], 0
     for g in grads:
         if bucket and (size + g.numel() * g.element_size() > limit or g.dtype != bucket[0].dtype):
@@ -50,7 +51,7 @@ def _reduce(grads: list, group, scale: float = 1.0) -> None:
     """All-reduce (sum) the grads in flat buckets, launched together and waited on once."""
     if not grads or comm.group_size(group) == 1:
         return
-    settle([start_all_reduce(bucket, group) for bucket in _buckets(grads)], scale)
+    settle([start_all_reduce(bucket, group) for bucket in chunked(grads)], scale)
 
 
 def _sum_tied(params, group) -> None:
@@ -162,7 +163,7 @@ def average_over_dp(params: list, group, scale: float, always: bool = False) -> 
             if p.grad is not None:
                 p.grad.mul_(scale)
         return
-    buckets = [(bucket, with_flags(bucket)) for bucket in _buckets(params)]
+    buckets = [(bucket, with_flags(bucket)) for bucket in chunked(params)]
     settle([start_all_reduce(tensors, group) for _, tensors in buckets], scale)
     for bucket, tensors in buckets:
         adopt(bucket, tensors)

@@ -255,7 +255,7 @@ def _broadcast_initial_weights(module, device) -> None:
     from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
     tensors = [t.data for t in list(module.parameters()) + list(module.buffers())]
-    for bucket in grads._buckets(tensors):
+    for bucket in grads.chunked(tensors):
         flat = _flatten_dense_tensors(bucket).to(device)
         dist.broadcast(flat, src=0)
         for t, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):

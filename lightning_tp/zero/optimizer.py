@@ -10,12 +10,9 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
-from ..grads import replica_buffer_numel
+from ..grads import chunked, replica_buffer_numel
 from ..marks import marks_of
 from .shards import Bucket, check_optimizer
-
-BUCKET_BYTES = 25 * 1024 * 1024
-
 
 class ShardedOptimizer:
     """What :func:`shard_optimizers` did to one optimizer: its buckets, and each group's parameters as the
@@ -39,7 +36,7 @@ class ShardedOptimizer:
                 for early in (True, False):
                     chunk_params = [p for p in reversed(params) if _final_at_backward(p) == early]
                     new += [Bucket(chunk, group, size, rank, mesh.tp_rank, mesh.pp_rank, expert=expert, early=early)
-                            for chunk in _chunks(chunk_params)]
+                            for chunk in chunked(chunk_params)]
             self.buckets += new
             g["params"] = kept + [s.param for b in new for s in b.slices]
         self.slice_of = {id(s.param): (b, s) for b in self.buckets for s in b.slices}
@@ -162,18 +159,6 @@ def _final_at_backward(p) -> bool:
 
 def _shardable(p) -> bool:
     return p.requires_grad and p.is_floating_point()
-
-
-def _chunks(params: list, limit: int = BUCKET_BYTES):
-    chunk, size = [], 0
-    for p in params:
-        if chunk and (size + p.numel() * p.element_size() > limit or p.dtype != chunk[0].dtype):
-            yield chunk
-            chunk, size = [], 0
-        chunk.append(p)
-        size += p.numel() * p.element_size()
-    if chunk:
-        yield chunk
 
 
 def _per_element(value, param) -> bool:
