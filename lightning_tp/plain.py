@@ -46,7 +46,11 @@ def _read_hf_dir(path: Path) -> dict:
 
 
 def read_full_state_dict(path) -> dict:
+    """The whole model's state_dict from a plain checkpoint, a Hugging Face directory or one of this project's
+    sharded checkpoint directories (merged by consolidate)."""
     path = Path(path)
+    if path.is_dir() and (path / META).is_file():
+        return consolidate(path)
     if path.is_dir():
         return _read_hf_dir(path)
     obj = safe_load(path)

@@ -66,6 +66,10 @@ def test_plain_checkpoint_in_and_out(tmp_path, kind):
     fresh.load_state_dict(state, strict=True)
     for key, value in source.state_dict().items():
         torch.testing.assert_close(state[key], value, atol=0, rtol=0, msg=lambda m: f"{key}: {m}")
+    # load_full also takes one of this project's sharded checkpoint directories (merged in one process)
+    merged = read_full_state_dict(tmp_path / "start.ckpt")
+    for key, value in source.state_dict().items():
+        torch.testing.assert_close(merged[key], value, atol=0, rtol=0, msg=lambda m: f"{key}: {m}")
 
 
 @pytest.mark.parametrize("safe", [True, False])
