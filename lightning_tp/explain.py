@@ -32,6 +32,7 @@ from .marks import marks_of, set_marks
 from .dp_overlap import DPOverlap
 from .zero import ShardedOptimizer
 from .explain_report import format_report
+from .explain_split import split_decisions
 
 
 @dataclass
@@ -73,6 +74,10 @@ class Explanation:
     decoder_ops: list = field(default_factory=list)  # an encoder-decoder's: those of the decoder's block 0
     ranks: list = field(default_factory=list)
     actions: list = field(default_factory=list)  # under a pipeline: each pp rank's action list, as the run's
+    # a split backward (pp > 1): per block class, the custom Functions B takes whole, and the weight groups
+    # deferred to W (None: the block could not run alone, decided at the first step); see .explain_split
+    split_in_b: dict = field(default_factory=dict)
+    split_deferred: dict = field(default_factory=dict)
 
     def rank(self, stage: int, tp_rank: int = 0) -> RankEstimate:
         return next(r for r in self.ranks if (r.stage, r.tp_rank) == (stage, tp_rank))
@@ -245,6 +250,8 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
                      "between": [n for n, _ in groups["between"] + groups["decoder_in"]]}
         rep.layer_ops = list(ops[("block", 0)])
         rep.decoder_ops = list(ops[("block", layout.decoder_start)]) if layout.lists else []
+        if pp > 1 and (split_backward or schedule == "zb_h1"):  # virtual stage 0 runs its backward whole
+            rep.split_in_b, rep.split_deferred = split_decisions(module, offset, layout.ranges[0][1] + 1, hidden)
     tokens = B * T * acc
     tied_ranks = layout.replica_ranks() if layout and layout.lists else (0, pp - 1)
     n_blocks = layout.ranges[-1][1] + 1 if layout else 0

@@ -37,6 +37,18 @@ def format_memory(rep) -> list:
     return lines
 
 
+def _split_note(fns, deferred) -> str:
+    """What a split backward does with one block class's weights (see .explain_split)."""
+    if fns is None:
+        return "decided at the first step (a block did not run alone on its hidden states)"
+    if fns == ["CompiledFunctionBackward"] and not deferred:
+        return "a compiled region: B runs the whole backward"
+    note = f"weights of {deferred} group{'s' * (deferred != 1)} deferred to W"
+    if fns:
+        note += f"; taken in B with the input gradient: {', '.join(fns)} (a custom Function computing both)"
+    return note
+
+
 def format_report(rep) -> str:
     """The printed report of an :class:`~lightning_tp.explain.Explanation`."""
     c = rep.config
@@ -77,6 +89,8 @@ def format_report(rep) -> str:
                  "last forward split, input half first (split_backward)"}.get(c.get("split_backward"), "")
         lines.append(f"  pipeline bubble: {c['bubble']:.1%} of a step idle on each stage (equal blocks, backward = 2 "
                      f"forwards, free transfers{split}; more microbatches or virtual stages shrink it)")
+        lines += [f"  split backward: {name}: {_split_note(fns, rep.split_deferred.get(name))}"
+                  for name, fns in rep.split_in_b.items()]
     lines += ["", "Per rank, per optimizer step (bytes = recorded elements x element size: the payload each rank "
               "passes to a collective or send, not ring wire bytes):",
               f"  {'stage':>5} {'tp':>3} {'params':>12} {'TP act':>11} {'PP send':>11} {'SP grads':>10} "

@@ -429,3 +429,58 @@ def test_explain_takes_zero_from_its_config():
     with pytest.raises(ValueError, match="zero=3 is not built"):
         explain(model, batch_shape=(B, SEQ), config=config, zero=3, print_report=False)
     assert "nothing is sharded" in str(explain(model, zero=1, batch_shape=(B, SEQ), print_report=False))
+
+
+class _Both(torch.autograd.Function):
+    """x @ w.t(), its backward yielding both gradients in one call (a split backward takes it in B)."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x @ w.t()
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g @ w, g.flatten(0, -2).t() @ x.flatten(0, -2)
+
+
+class _BothBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm, self.fc, self.w = torch.nn.LayerNorm(8), torch.nn.Linear(8, 8), torch.nn.Parameter(torch.eye(8))
+
+    def forward(self, x):
+        return x + _Both.apply(self.fc(self.norm(x)), self.w)
+
+
+class _BothNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)
+        self.blocks = torch.nn.ModuleList(_BothBlock() for _ in range(4))
+
+    def forward(self, x):
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_explain_shows_what_a_split_backward_takes_in_b():
+    """Issue 35: a custom Function computing input and weight gradients in one call is taken in B, the
+    rest of the block's weights deferred to W; the example gpt defers all; no split, nothing probed."""
+    net, state = _BothNet(), torch.get_rng_state()
+    rep = explain(net, pp=2, microbatches=2, batch_shape=(B, SEQ), pipeline_blocks="blocks", print_report=False)
+    assert rep.split_in_b == {"_BothBlock": ["_BothBackward"]} and rep.split_deferred == {"_BothBlock": 2}
+    assert "split backward: _BothBlock: weights of 2 groups deferred to W; taken in B with the input gradient: " \
+           "_BothBackward" in str(rep)
+    assert torch.equal(state, torch.get_rng_state()) and all(p.grad is None for p in net.parameters())
+    gpt = make_model("gpt", n_layer=4)
+    for kw in (dict(), dict(schedule="zb_h1")):
+        rep = explain(gpt, pp=2, microbatches=2, batch_shape=(B, SEQ), print_report=False, **kw)
+        assert rep.split_in_b and not any(rep.split_in_b.values()) and all(rep.split_deferred.values())
+    assert explain(gpt, pp=2, microbatches=2, split_backward=False, batch_shape=(B, SEQ), print_report=False).split_in_b == {}
+    # a block that needs more than its hidden states (the decoder's memory): left to the first step
+    rep = explain(make_model("demo_transformer"), pp=2, schedule="zb_h1", batch_shape=(B, SEQ), print_report=False)
+    assert set(rep.split_in_b.values()) == {None} and "decided at the first step" in str(rep)
