@@ -1,0 +1,363 @@
+"""ZeRO-1 against zero=0: bytes per rank and step time, side by side in one run (CPU, gloo).
+
+Two models built as real ones are: the example GPT (LitGPT) and a Hugging Face Llama built from a
+config (byte-level vocabulary), both AdamW, trained on the example's Shakespeare bytes by a Lightning
+Trainer with MegaStrategy(zero=0) and MegaStrategy(zero=1). One launch of dp local processes per
+dp in --dp (2 and 4); in it, every round fits each model with zero=0 and zero=1 (a Trainer per fit,
+the order swapped every round), so load from other processes hits both alike.
+
+Measured on the live objects at the last warm-up step: optimizer state (every state tensor's storage),
+gradients held at the optimizer step (zero=0: the parameters' .grad, all-reduced; zero=1: the slices'
+.grad, reduce-scattered; the parameters' own are dropped), parameters (zero=1 keeps them whole and views
+them in flat buckets padded to a multiple of dp). Bytes are distinct storages on the rank, the most any
+rank holds. Step time: on_train_batch_start to on_train_batch_end after warm-up, median over the steps
+of every round and rank (also: the median of the rounds' ratios, the 20th percentile, and the process's
+CPU time, which other load does not inflate); split by hooks into forward, backward, the gradient sync
+after it (what is left of the all-reduce or reduce-scatter the backward started) and the optimizer step
+(zero=1: with its all-gather). --profile adds one fit of each per round with the sync's parts timed
+(see Parts); those fits are not in the ratios. dp=4 on a 2-core machine runs 4 processes on 2 cores:
+its bytes hold, its times are oversubscribed (the timing claim is dp=2).
+
+    .venv/bin/python bench/zero.py [--dp 2,4] [--models gpt,llama] [--steps 10] [--rounds 5] [--profile]
+                                   [--bucket-mib 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+
+import dist  # noqa: E402  (tests/dist.py: torchrun-like local processes)
+from examples.gpt.lit import LitGPT, ShakespeareData  # noqa: E402
+from lightning_tp import MegaStrategy  # noqa: E402
+
+SEQ, BATCH, WARMUP = 64, 16, 3
+GPT = dict(n_layer=4, n_head=4, n_embd=256, block_size=SEQ)
+LLAMA = dict(vocab_size=256, hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
+             num_key_value_heads=4, max_position_embeddings=SEQ, tie_word_embeddings=False)
+PHASES = ("forward", "backward", "sync", "step")
+PARTS = ("ar_start", "ar_wait", "rs_start", "copy", "flags", "rs_wait", "all_gather")
+
+
+class LlamaLM(L.LightningModule):
+    """A Hugging Face Llama from a config (no download), byte-level, as a user would wrap it."""
+
+    def __init__(self, lr: float = 3e-3):
+        super().__init__()
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        self.lr = lr
+        self.model = LlamaForCausalLM(LlamaConfig(**LLAMA))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self.model(input_ids=x).logits
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
+MODELS = {"gpt": lambda: LitGPT(**GPT), "llama": LlamaLM}
+
+
+def _storages(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views of one buffer counted once)."""
+    seen = {}
+    for t in tensors:
+        if t is not None and torch.is_tensor(t):
+            s = t.untyped_storage()
+            seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
+class Probe(L.Callback):
+    """Step time split by hooks, and bytes per rank on the live objects at the last warm-up step (so
+    counting them is not in a timed step)."""
+
+    def __init__(self, parts=None):
+        self.steps, self.cpus, self.bytes, self.parts = [], [], {}, parts
+
+    def counting(self, trainer) -> bool:
+        return trainer.global_step == WARMUP - 1
+
+    def on_train_batch_start(self, trainer, *args):
+        if self.parts is not None and trainer.global_step == WARMUP:  # --profile: timed steps only
+            self.parts.acc.update({k: 0.0 for k in self.parts.acc})
+        self.t, self.cpu = [time.perf_counter()], time.process_time()
+
+    def on_before_backward(self, *args):
+        self.t.append(time.perf_counter())
+
+    def on_after_backward(self, *args):
+        self.t.append(time.perf_counter())
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.t.append(time.perf_counter())
+        if not self.counting(trainer):
+            return
+        held = [p.grad for g in optimizer.param_groups for p in g["params"]]
+        held += [p.grad for p in pl_module.parameters()]  # zero=1 drops them: none left
+        self.bytes["grads"] = _storages(held)
+        overlap = getattr(trainer.strategy, "_dp_overlap", None)  # private: the buckets the backward starts
+        self.bytes["buckets"] = len(getattr(overlap, "buckets", []))
+
+    def on_train_batch_end(self, trainer, pl_module, *args):
+        self.t.append(time.perf_counter())
+        self.steps.append([b - a for a, b in zip(self.t, self.t[1:])])
+        self.cpus.append(time.process_time() - self.cpu)
+        if trainer.global_step != WARMUP:  # (counted after the optimizer step)
+            return
+        opt = trainer.optimizers[0]
+        self.bytes["state"] = _storages(t for s in opt.state.values() for t in s.values())
+        self.bytes["params"] = _storages(list(pl_module.parameters())
+                                         + [p for g in opt.param_groups for p in g["params"]])
+
+
+class Parts:
+    """--profile: the gradient sync's and the step's parts, timed by wrapping what lightning_tp calls
+    (nothing in it is changed; a part whose function is not there stays 0). zero=0: ``ar_start`` (a
+    bucket's flatten and launch, in the backward), ``ar_wait`` (waiting for the all-reduces after it, and
+    the copy back). zero=1: ``rs_start`` (a bucket's copy into the flat buffer and launch; in the
+    backward where it is overlapped), ``copy`` (that copy alone), ``flags`` (the all-reduce of which
+    parameters had a gradient), ``rs_wait`` (waiting for the reduce-scatters), ``all_gather``."""
+
+    def __init__(self):
+        from lightning_tp import comm, dp_overlap
+        from lightning_tp.zero import optimizer as zopt
+        from lightning_tp.zero import shards
+
+        self.acc = {k: 0.0 for k in PARTS}
+        self.patches, acc, inside = [], self.acc, {"flags": 0, "copy": None}
+
+        def wrap(owner, name, key=None, before=None, after=None):
+            original = getattr(owner, name, None)
+            if original is None:
+                return
+
+            def wrapper(*a, **k):
+                t = time.perf_counter()
+                if before:
+                    before(t)
+                try:
+                    return original(*a, **k)
+                finally:
+                    if after:
+                        after()
+                    if key:
+                        acc[key] += time.perf_counter() - t
+            self.patches.append((owner, name, original))
+            setattr(owner, name, wrapper)
+
+        def enter(_):
+            inside["flags"] += 1
+
+        def leave():
+            inside["flags"] -= 1
+        # the flags all-reduce: the comm.all_reduce made inside these
+        wrap(zopt.ShardedOptimizer, "reduce_scatter", before=enter, after=leave)
+        try:
+            from lightning_tp.zero import overlap
+            wrap(overlap.ZeroOverlap, "finish", before=enter, after=leave)
+        except ImportError:
+            pass
+        all_reduce = comm.all_reduce
+
+        def flags(*a, **k):
+            if not inside["flags"]:
+                return all_reduce(*a, **k)
+            t = time.perf_counter()
+            try:
+                return all_reduce(*a, **k)
+            finally:
+                acc["flags"] += time.perf_counter() - t
+        self.patches.append((comm, "all_reduce", all_reduce))
+        comm.all_reduce = flags
+        # copy: start_reduce_scatter's body up to the collective (it records it just before launching)
+
+        def started(t):
+            inside["copy"] = t
+
+        def done():
+            inside["copy"] = None
+        wrap(shards.Bucket, "start_reduce_scatter", "rs_start", before=started, after=done)
+        record = comm.record
+
+        def record_(op, t, group):
+            if inside["copy"] is not None and op == "reduce_scatter":
+                acc["copy"] += time.perf_counter() - inside["copy"]
+            return record(op, t, group)
+        self.patches.append((comm, "record", record))
+        comm.record = record_
+        wrap(shards.Bucket, "finish_reduce_scatter", "rs_wait")
+        wrap(zopt.ShardedOptimizer, "all_gather", "all_gather")
+        wrap(dp_overlap.DPOverlap, "_launch", "ar_start")
+        wrap(dp_overlap, "settle", "ar_wait")
+
+    def remove(self):
+        for owner, name, original in reversed(self.patches):
+            setattr(owner, name, original)
+
+
+def _fit(kind: str, zero: int, steps: int, world: int, profile: bool = False) -> dict:
+    L.seed_everything(0, verbose=False)
+    parts = Parts() if profile else None
+    probe = Probe(parts)
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=MegaStrategy(zero=zero, timeout=300),
+                        max_steps=steps, callbacks=[probe], logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+    model = MODELS[kind]()
+    try:
+        trainer.fit(model, ShakespeareData(block_size=SEQ, batch_size=BATCH))
+    finally:
+        if parts is not None:
+            parts.remove()
+    out = dict(steps=probe.steps[WARMUP:], cpus=probe.cpus[WARMUP:], **probe.bytes,
+               numel=sum(p.numel() for p in model.parameters()))
+    if parts is not None:
+        out["parts"] = {k: v / (steps - WARMUP) for k, v in parts.acc.items()}  # per timed step
+    return out
+
+
+def smaller_buckets(mib: float) -> None:
+    """--bucket-mib: zero=0's and zero=1's gradient buckets cut at ``mib`` MiB instead of the library's
+    default (patched in this process only), so that more than one starts during the backward."""
+    import functools
+
+    from lightning_tp import dp_overlap, grads
+    from lightning_tp.zero import optimizer as zopt
+
+    limit = int(mib * 2**20)
+    zopt.chunked = functools.partial(grads.chunked, limit=limit)
+    init = dp_overlap.DPOverlap.__init__
+    dp_overlap.DPOverlap.__init__ = functools.partialmethod(init, bucket_bytes=limit)
+
+
+def work(rank, world, models, steps, rounds, profile, bucket_mib=None):
+    import logging
+
+    import lightning.pytorch.utilities.rank_zero as rz
+
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    rz.rank_zero_info = lambda *a, **k: None
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    if bucket_mib:
+        smaller_buckets(bucket_mib)
+    out = {(kind, zero): [] for kind in models for zero in (0, 1)}
+    prof = {}
+    started = time.perf_counter()
+    for r in range(rounds):
+        for kind in models:
+            for zero in ((0, 1) if r % 2 == 0 else (1, 0)):
+                out[kind, zero].append(_fit(kind, zero, steps, world))
+            if profile:
+                for zero in (0, 1):
+                    prof.setdefault((kind, zero), []).append(_fit(kind, zero, steps, world, profile=True))
+    return dict(runs=out, profile=prof, wall=time.perf_counter() - started, load=os.getloadavg())
+
+
+def _median(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+
+def _quantile(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+def report(dp: int, ranks: list, models, rounds: int, load_before) -> list:
+    """Print one dp's figures; returns the table rows."""
+    rows = []
+    print(f"\n== dp={dp} ({dp} processes, 1 thread each; load average before {load_before[0]:.2f}, after "
+          f"{ranks[0]['load'][0]:.2f}; {ranks[0]['wall']:.0f} s)" + ("  OVERSUBSCRIBED: "
+          f"{dp} processes on {os.cpu_count()} cores, times indicative only" if dp > (os.cpu_count() or 1) else ""))
+    for kind in models:
+        runs = {z: [run for rank in ranks for run in rank["runs"][kind, z]] for z in (0, 1)}
+        total = {z: _median([sum(s) for run in runs[z] for s in run["steps"]]) for z in (0, 1)}
+        phase = {z: [_median([s[i] for run in runs[z] for s in run["steps"]]) for i in range(len(PHASES))]
+                 for z in (0, 1)}
+        per_round = [_median([sum(s) for rank in ranks for s in rank["runs"][kind, 1][i]["steps"]])
+                     / _median([sum(s) for rank in ranks for s in rank["runs"][kind, 0][i]["steps"]])
+                     for i in range(rounds)]
+        last = {z: {k: max(rank["runs"][kind, z][-1][k] for rank in ranks)
+                    for k in ("state", "grads", "params", "numel", "buckets")}
+                for z in (0, 1)}  # the most any rank holds
+        numel = last[0]["numel"]
+        print(f"{kind}: {numel:,} parameters (fp32), AdamW, batch {BATCH} x {SEQ} per rank; gradient buckets "
+              f"zero=0 {last[0]['buckets']}, zero=1 {last[1]['buckets']}")
+        print(f"  {'':24}{'zero=0':>14}{'zero=1':>14}{'zero1/zero0':>13}")
+        for key, name in (("state", "optimizer state"), ("grads", "grads at step"), ("params", "parameters")):
+            a, b = last[0][key], last[1][key]
+            print(f"  {name + ' (MiB/rank)':24}{a / 2**20:14.2f}{b / 2**20:14.2f}{b / a:13.3f}")
+            rows.append((dp, kind, name, a, b))
+        cpu = {z: _median([c for run in runs[z] for c in run["cpus"]]) for z in (0, 1)}
+        print(f"  {'step time (ms, median)':24}{total[0] * 1e3:14.1f}{total[1] * 1e3:14.1f}{total[1] / total[0]:13.3f}"
+              f"   per round: " + ", ".join(f"{x:.3f}" for x in per_round) + f" (median {_median(per_round):.3f})")
+        for i, name in enumerate(PHASES):
+            print(f"    {name:22}{phase[0][i] * 1e3:14.1f}{phase[1][i] * 1e3:14.1f}")
+        print(f"  {'CPU time (ms/step)':24}{cpu[0] * 1e3:14.1f}{cpu[1] * 1e3:14.1f}{cpu[1] / cpu[0]:13.3f}"
+              f"   (the process's CPU, gloo's threads included; waiting not counted)")
+        fast = {z: _quantile([sum(s) for run in runs[z] for s in run["steps"]], 0.2) for z in (0, 1)}
+        print(f"  {'fastest fifth (ms)':24}{fast[0] * 1e3:14.1f}{fast[1] * 1e3:14.1f}{fast[1] / fast[0]:13.3f}"
+              f"   (20th percentile of step times: the steps least hit by other load)")
+        rows.append((dp, kind, "step time", total[0], total[1], per_round, phase, cpu, fast))
+        if ranks[0]["profile"]:
+            for z in (0, 1):
+                parts = {k: _median([run["parts"][k] for rank in ranks for run in rank["profile"][kind, z]])
+                         for k in PARTS}
+                shown = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in parts.items() if v > 0)
+                print(f"    profile zero={z} (ms per step, separate fits): {shown}")
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dp", default="2,4")
+    parser.add_argument("--models", default="gpt,llama")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--bucket-mib", type=float, default=None,
+                        help="gradient buckets of this size for both (default: the library's, 25 MiB)")
+    args = parser.parse_args()
+    models = args.models.split(",")
+    torch.set_num_threads(1)
+    started, rows = time.perf_counter(), []
+    for dp in map(int, args.dp.split(",")):
+        load = os.getloadavg()
+        ranks = dist.run(dp, work, models, args.steps, args.rounds, args.profile, args.bucket_mib, timeout=1800)
+        rows += report(dp, ranks, models, args.rounds, load)
+    print("\nzero1/zero0:")
+    for row in rows:
+        if row[2] == "step time":
+            dp, kind, _, a, b, per_round, _, cpu, fast = row
+            note = "   (oversubscribed)" if dp > (os.cpu_count() or 1) else "   (target <= 1.05)"
+            print(f"  dp={dp} {kind:6} step time {b / a:.3f} (median of rounds {_median(per_round):.3f}, fastest "
+                  f"fifth {fast[1] / fast[0]:.3f}), CPU time {cpu[1] / cpu[0]:.3f}{note}")
+    for row in rows:
+        if row[2] != "step time":
+            dp, kind, name, a, b = row
+            print(f"  dp={dp} {kind:6} {name:16} {b / a:.3f}  ({a / 2**20:.2f} -> {b / 2**20:.2f} MiB per rank)")
+    cut = f"{args.bucket_mib:g} MiB" if args.bucket_mib else "as the library cuts them (25 MiB)"
+    print(f"\ntotal {time.perf_counter() - started:.0f} s; buckets {cut}; steps {args.steps} per fit "
+          f"({WARMUP} warm-up), "
+          f"{args.rounds} rounds, zero=0 / zero=1 order swapped each round")
+
+
+if __name__ == "__main__":
+    main()
