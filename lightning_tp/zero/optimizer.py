@@ -85,8 +85,9 @@ class ShardedOptimizer:
         return out
 
     def all_gather(self) -> None:
-        for b in self.buckets:
-            b.all_gather()
+        """Every bucket's all-gather started at once, then waited on."""
+        for work in [b.all_gather(wait=False) for b in self.buckets]:
+            work.wait()
 
     def _index(self) -> dict:
         return {id(p): i for i, p in enumerate(p for ps in self.original for p in ps)}

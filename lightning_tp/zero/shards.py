@@ -87,11 +87,13 @@ class Bucket:
         for s in self.slices:
             s.param.grad = mine[s.where] if had[s.index] else None
 
-    def all_gather(self) -> None:
-        """Every rank's stepped slices back into the parameters (the flat buffer they view)."""
+    def all_gather(self, wait: bool = True):
+        """Every rank's stepped slices back into the parameters (the flat buffer they view); ``wait=False``:
+        started, its work returned."""
         comm.record("all_gather", self.flat, self.group)
         mine = self.flat[self.rank * self.size:(self.rank + 1) * self.size].clone()
-        dist.all_gather_into_tensor(self.flat, mine, group=self.group)
+        work = dist.all_gather_into_tensor(self.flat, mine, group=self.group, async_op=True)
+        return work.wait() if wait else work
 
     def gather(self, values: dict) -> torch.Tensor:
         """The whole flat tensor from each rank's slices' ``values`` (slice index -> 1-d tensor; zeros
