@@ -249,14 +249,8 @@ def global_grad_norm(params, mesh, norm_type: float = 2.0, zero=None) -> torch.T
     params = [p for p in params if not hasattr(p, "_lightning_tp_zero")]
     parts = []
     for experts in (False, True):  # an ep group's ranks hold different experts: each counted once
-        counted = [g.detach() for p in params if marks_of(p).expert == experts
-                   and not (marks_of(p).pp_tied and mesh.pp_rank > 0) for g in _counted(p, mesh.tp_rank)]
-        if math.isinf(norm_type):  # one reduction on the device, no host sync per tensor
-            part = torch.stack([g.abs().max().float() for g in counted]).max().reshape(()) if counted else \
-                torch.zeros((), device=device)
-        else:
-            part = sum((g.float().norm(norm_type) ** norm_type for g in counted), torch.zeros((), device=device))
-        parts.append(part)
+        parts.append(norm_part([g.detach() for p in params if marks_of(p).expert == experts
+                                for g in counted(p, p.grad, mesh.tp_rank, mesh.pp_rank)], norm_type, device))
     for i, part in enumerate(sliced):
         if part is not None:
             parts[i] = torch.maximum(parts[i], part) if math.isinf(norm_type) else parts[i] + part
@@ -270,14 +264,25 @@ def global_grad_norm(params, mesh, norm_type: float = 2.0, zero=None) -> torch.T
     return comm.all_reduce(local + experts, mesh.mp_group) ** (1.0 / norm_type)
 
 
-def _counted(p, tp_rank: int) -> list:
-    """The parts of p's grad this rank counts in the norm: a replica only on its first holder."""
+def norm_part(tensors: list, norm_type: float, device) -> torch.Tensor:
+    """This rank's part of a norm over ``tensors``: the sum of norm_type-th powers, or the max (inf)."""
+    if math.isinf(norm_type):  # one reduction on the device, no host sync per tensor
+        return torch.stack([t.abs().max().float() for t in tensors]).max().reshape(()) if tensors else \
+            torch.zeros((), device=device)
+    return sum((t.float().norm(norm_type) ** norm_type for t in tensors), torch.zeros((), device=device))
+
+
+def counted(p, t: torch.Tensor, tp_rank: int, pp_rank: int) -> list:
+    """The parts of ``t`` (shaped like ``p``: its grad) this rank counts in the norm: a tp replica only on its
+    first holder, a weight tied over stages only on the first stage."""
+    if marks_of(p).pp_tied and pp_rank > 0:
+        return []
     spec = spec_of(p)
     if spec is None:
-        return [p.grad] if tp_rank == 0 else []
+        return [t] if tp_rank == 0 else []
     if not spec.replicas:
-        return [p.grad]
-    return [g for i, g in enumerate(spec.pieces(p.grad, local=True)) if tp_rank % spec.replica(i) == 0]
+        return [t]
+    return [g for i, g in enumerate(spec.pieces(t, local=True)) if tp_rank % spec.replica(i) == 0]
 
 
 def clip_grad_norm(params, max_norm: float, mesh, norm_type: float = 2.0, zero=None) -> torch.Tensor:

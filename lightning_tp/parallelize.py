@@ -219,7 +219,7 @@ def _block_streams(config, mesh, module, layout, device):
 
 def _dp_overlap(config, mesh, module, runner, grads_armed):
     """dp > 1: the all-reduce of gradients overlapped with the backward (see :mod:`.dp_overlap`)."""
-    if mesh.dp == 1 or config.zero:  # zero=1: gradients reduce-scattered after the backward (see .zero)
+    if mesh.dp == 1 or config.zero:  # zero=1: its own overlap, once the optimizer is sharded (see .zero)
         return None
     params = [p for p in module.parameters() if not marks_of(p).expert]  # experts: synced over expert-dp after
     if runner is None:

@@ -36,7 +36,6 @@ from .parallelize import parallelize
 from .same_batch import BatchBroadcast
 from .zero import shard_optimizers
 from .zero.overlap import ZeroOverlap
-from .zero.shards import check_optimizer
 
 
 def _step_args(args, kwargs, loop_batch_idx) -> tuple:
@@ -250,8 +249,6 @@ class MegaStrategy(ParallelStrategy):
             return []
         if not self.lightning_module.automatic_optimization:
             raise ValueError("MegaStrategy(zero=1) needs automatic optimization; with manual optimization use zero=0.")
-        for optimizer in self.optimizers:
-            check_optimizer(optimizer)
         return shard_optimizers(self.optimizers, self.mesh)
 
     def model_to_device(self) -> None:

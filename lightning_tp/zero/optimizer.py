@@ -10,16 +10,16 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
-from ..grads import chunked, replica_buffer_numel
+from ..grads import chunked, norm_part, replica_buffer_numel
 from ..marks import marks_of
-from .shards import Bucket, check_optimizer
+from .shards import Bucket, check_optimizer, had_gradients
+
 
 class ShardedOptimizer:
     """What :func:`shard_optimizers` did to one optimizer: its buckets, and each group's parameters as the
     user gave them (the layout of its state dict)."""
 
     def __init__(self, optimizer, mesh):
-        check_optimizer(optimizer)
         self.optimizer, self.mesh = optimizer, mesh
         self.original = [list(g["params"]) for g in optimizer.param_groups]
         self.buckets = []
@@ -53,16 +53,9 @@ class ShardedOptimizer:
     def reduce_scatter(self) -> None:
         """Each bucket's gradients into this rank's slices; a parameter no replica had a gradient for
         gets none (one flag each, MAX over dp), so the optimizer skips it as zero=0 does."""
-        for expert in (False, True):  # experts: over the ranks holding the same ones
-            buckets = [b for b in self.buckets if b.expert == expert and not (self.overlapped and b.early)]
-            if not buckets:
-                continue
-            flags = torch.tensor([float(p.grad is not None) for b in buckets for p in b.params],
-                                 device=buckets[0].flat.device)
-            comm.all_reduce(flags, buckets[0].group, op=dist.ReduceOp.MAX)
-            had = iter(flags.tolist())
-            for b in buckets:  # an expert's gradient already sums its ep group's tokens: 1/dp as well
-                b.reduce_scatter([next(had) > 0 for _ in b.params], 1.0 / self.mesh.dp)
+        buckets = [b for b in self.buckets if not (self.overlapped and b.early)]
+        for b, had in zip(buckets, had_gradients(buckets)):  # an expert's gradient sums its ep group's tokens:
+            b.reduce_scatter(had, 1.0 / self.mesh.dp)  # 1/dp as well
 
     def norm_parts(self, norm_type: float, device) -> list:
         """The slices' part of the global gradient norm (norm_type-th power, or max), [dense, experts],
@@ -73,15 +66,10 @@ class ShardedOptimizer:
             if not buckets:
                 out.append(None)
                 continue
-            counted = [s.param.grad.detach().float() * s.counted for b in buckets for s in b.slices
-                       if s.param.grad is not None]
-            if math.isinf(norm_type):
-                part = torch.stack([g.abs().max() for g in counted]).max().reshape(()) if counted else \
-                    torch.zeros((), device=device)
-                out.append(comm.all_reduce(part.clone(), buckets[0].group, op=dist.ReduceOp.MAX))
-            else:
-                part = sum((g.norm(norm_type) ** norm_type for g in counted), torch.zeros((), device=device))
-                out.append(comm.all_reduce(part, buckets[0].group))
+            part = norm_part([s.param.grad.detach() * s.counted for b in buckets for s in b.slices
+                              if s.param.grad is not None], norm_type, device)
+            op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
+            out.append(comm.all_reduce(part, buckets[0].group, op=op))
         return out
 
     def all_gather(self) -> None:
@@ -148,7 +136,9 @@ class ShardedOptimizer:
 
 
 def shard_optimizers(optimizers, mesh) -> list:
-    """Shard each optimizer over ``mesh``'s dp group (see :class:`ShardedOptimizer`)."""
+    """Shard each optimizer over ``mesh``'s dp group (see :class:`ShardedOptimizer`), every one checked first."""
+    for o in optimizers:
+        check_optimizer(o)
     return [ShardedOptimizer(o, mesh) for o in optimizers]
 
 

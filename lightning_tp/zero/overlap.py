@@ -3,10 +3,7 @@ its gradients are final, in order, as the all-reduce of zero=0 does (see ..dp_ov
 
 from __future__ import annotations
 
-import torch
-import torch.distributed as dist
-
-from .. import comm
+from .shards import had_gradients
 
 
 class ZeroOverlap:
@@ -60,15 +57,6 @@ class ZeroOverlap:
         self.launched_early = self.next  # buckets the backward started (read by tests)
         while self.next < len(self.buckets):
             self._launch(self.next)
-        flags = {}
-        for b in self.buckets:
-            flags.setdefault(b.expert, []).extend(float(p.grad is not None) for p in b.params)
-        had = {}
-        for expert, values in flags.items():
-            group = next(b.group for b in self.buckets if b.expert == expert)
-            t = torch.tensor(values, device=self.buckets[0].flat.device)
-            had[expert] = iter(comm.all_reduce(t, group, op=dist.ReduceOp.MAX).tolist())
-        for b, started in zip(self.buckets, self.started_):
-            b.finish_reduce_scatter(started, [next(had[b.expert]) > 0 for _ in b.params],
-                                    1.0 / self.sharded[0].mesh.dp)
+        for b, started, had in zip(self.buckets, self.started_, had_gradients(self.buckets)):
+            b.finish_reduce_scatter(started, had, 1.0 / self.sharded[0].mesh.dp)
         self._reset()

@@ -9,8 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import comm
-from ..layers.shard import spec_of
-from ..marks import marks_of
+from ..grads import counted
 
 # elementwise optimizers: each element is stepped from its own gradient and state alone
 ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "NAdam", "RAdam", "RMSprop", "Rprop", "ASGD")
@@ -108,17 +107,19 @@ class Bucket:
 
 
 def _counted_mask(p, tp_rank: int, pp_rank: int) -> torch.Tensor:
-    """True where an element of ``p`` counts in the global gradient norm on this rank (as grads._counted)."""
+    """True where an element of ``p`` counts in the global gradient norm on this rank (see grads.counted)."""
     mask = torch.zeros(p.shape, dtype=torch.bool, device=p.device)
-    if marks_of(p).pp_tied and pp_rank > 0:
-        return mask
-    spec = spec_of(p)
-    if spec is None:
-        mask.fill_(tp_rank == 0)
-    elif not spec.replicas:
-        mask.fill_(True)
-    else:
-        for i, piece in enumerate(spec.pieces(mask, local=True)):
-            if tp_rank % spec.replica(i) == 0:
-                piece.fill_(True)
+    for piece in counted(p, mask, tp_rank, pp_rank):
+        piece.fill_(True)
     return mask
+
+
+def had_gradients(buckets: list) -> list:
+    """Per bucket, per parameter: whether any rank of its group has a gradient for it (one flag each, MAX
+    over each kind's group: the experts' their own)."""
+    had = {}
+    for expert in {b.expert for b in buckets}:
+        kind = [b for b in buckets if b.expert == expert]
+        flags = torch.tensor([float(p.grad is not None) for b in kind for p in b.params], device=kind[0].flat.device)
+        had[expert] = iter(comm.all_reduce(flags, kind[0].group, op=dist.ReduceOp.MAX).tolist())
+    return [[next(had[b.expert]) > 0 for _ in b.params] for b in buckets]
