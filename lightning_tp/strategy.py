@@ -383,13 +383,13 @@ class MegaStrategy(ParallelStrategy):
         return True  # shard first, then load this rank's shard
 
     def save_checkpoint(self, checkpoint: dict, filepath, storage_options: Optional[Any] = None) -> None:
-        ckpt.save(checkpoint, self.broadcast(str(filepath)), self.mesh, self.lightning_module, self.barrier,
-                  self.broadcast)
+        ckpt.save(checkpoint, self.broadcast(str(filepath)), self.mesh, self.lightning_module, self.optimizers,
+                  self.barrier, self.broadcast)
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict:
         path = self.broadcast(str(checkpoint_path))
         if ckpt.is_sharded(path):
-            return ckpt.load(path, self.mesh)
+            return ckpt.load(path, self.mesh, self.lightning_module, self.optimizers)
         raise ValueError(f"{path} is not a lightning_tp checkpoint directory. To start a parallel run from a plain "
                          f"checkpoint, pass MegaStrategy(load_full={str(path)!r}) instead of ckpt_path.")
 
