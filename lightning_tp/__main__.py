@@ -1,5 +1,6 @@
 """``python -m lightning_tp explain --config config.yaml``: the :func:`lightning_tp.explain.explain`
-report for a LightningCLI config, without starting any process. See docs/design/explain.md."""
+report for a LightningCLI config, without starting any process (docs/design/explain.md);
+``python -m lightning_tp export CKPT --to hf|plain OUT``: a checkpoint's weights (docs/checkpoints.md)."""
 
 from __future__ import annotations
 
@@ -91,7 +92,24 @@ def main(argv=None) -> int:
     p.add_argument("--cli", help="path/to/train.py[:main] or package.module[:main]: a function (args, run=False) "
                                  "returning the LightningCLI (default: a plain LightningCLI if the config's model "
                                  "has a class_path, else the train.py beside the config)")
+    e = sub.add_parser(
+        "export", help="a checkpoint's weights as safetensors (plain) or a Hugging Face directory (hf)",
+        description="Write a lightning_tp checkpoint directory's weights out tensor by tensor (one full tensor in "
+                    "memory at a time), whatever layout wrote it.")
+    e.add_argument("ckpt", help="a checkpoint directory written under MegaStrategy")
+    e.add_argument("--to", choices=("plain", "hf"), default="plain",
+                   help="plain: one .safetensors file under the LightningModule's names; hf: a directory "
+                        "from_pretrained loads (model.safetensors, config.json)")
+    e.add_argument("out", help="the .safetensors file (plain) or directory (hf) to write")
+    e.add_argument("--config", help="hf: the model's config.json, or a directory holding one")
+    e.add_argument("--prefix", help="hf: the LightningModule attribute holding the model, e.g. 'model.' "
+                                    "(default: the one first name all weights share)")
     args, extra = parser.parse_known_args(argv)
+    if args.command == "export":
+        from .checkpoints.export import export
+
+        print(export(args.ckpt, args.out, to=args.to, config=args.config, prefix=args.prefix))
+        return 0
     cli = build_cli(args.config, args.cli, extra)
     from .explain import explain
 

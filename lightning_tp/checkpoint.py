@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from .checkpoints import dcp_io, layout_free, legacy
+from .failures import raise_on_every_rank
 
 META = "meta.pt"
 
@@ -70,13 +71,23 @@ def _meta(path) -> dict:
     return safe_load(Path(path) / META)
 
 
-def load(path, mesh, module, optimizers) -> dict:
+def load(path, mesh, module, optimizers, device) -> dict:
     """This rank's view of a checkpoint: trainer state, its own tensors loaded into ``module`` (any layout),
-    and the optimizers' state dicts in this layout."""
-    meta = _meta(path)
-    if meta.get("lightning_tp", {}).get("format", 1) < layout_free.FORMAT:
-        return legacy.load(path, meta, mesh, safe_load)
-    return layout_free.load(path, meta, module, optimizers, mesh.tp_rank, mesh.tp)
+    and the optimizers' state dicts in this layout. A checkpoint refused on one rank is refused on all."""
+    box = {}
+
+    def check():
+        meta = _meta(path)
+        if meta.get("lightning_tp", {}).get("format", 1) < layout_free.FORMAT:
+            box["checkpoint"] = legacy.load(path, meta, mesh, safe_load)
+        else:
+            box["prepared"], box["checkpoint"] = layout_free.prepare(path, meta, module, optimizers, mesh.tp_rank,
+                                                                     mesh.tp)
+
+    raise_on_every_rank(f"loading checkpoint {path}", check, mesh.rank, device)
+    if "prepared" in box:
+        layout_free.fill(path, box["prepared"])
+    return box["checkpoint"]
 
 
 def consolidate(path) -> dict:

@@ -53,6 +53,8 @@ def read_full_state_dict(path) -> dict:
         return consolidate(path)
     if path.is_dir():
         return _read_hf_dir(path)
+    if path.name.endswith(".safetensors"):  # what `python -m lightning_tp export --to plain` writes
+        return _read_weights(path)
     obj = safe_load(path)
     return obj["state_dict"] if isinstance(obj, dict) and "state_dict" in obj else obj
 

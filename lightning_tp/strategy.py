@@ -389,7 +389,7 @@ class MegaStrategy(ParallelStrategy):
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict:
         path = self.broadcast(str(checkpoint_path))
         if ckpt.is_sharded(path):
-            return ckpt.load(path, self.mesh, self.lightning_module, self.optimizers)
+            return ckpt.load(path, self.mesh, self.lightning_module, self.optimizers, self.root_device)
         raise ValueError(f"{path} is not a lightning_tp checkpoint directory. To start a parallel run from a plain "
                          f"checkpoint, pass MegaStrategy(load_full={str(path)!r}) instead of ckpt_path.")
 

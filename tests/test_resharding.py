@@ -61,7 +61,7 @@ def _phases(rank, world, ckdir, before, after):
 def runs(tmp_path_factory):
     ckdir = str(tmp_path_factory.mktemp("reshard"))
     on = lambda w, i: [n for n, c in CASES.items() if c[i][0] == w]  # noqa: E731
-    results = {}
+    results = {"ckdir": ckdir}
     for world in (4, 2, 1):  # a layout on 4 ranks resumes on 2 or 1; one on 2 on 2 or 1
         results.update(dist.run(world, _phases, ckdir, on(world, 2), on(world, 3), timeout=900)[0])
     return results
@@ -79,3 +79,112 @@ def test_resume_under_another_layout_matches_one_uninterrupted_process(runs, nam
     assert set(weights) == set(ref_weights)
     for key, ref in ref_weights.items():
         torch.testing.assert_close(weights[key], ref, atol=TOL, rtol=0, msg=lambda m: f"{key}: {m}")
+
+
+class _Runs:
+    """A pickle that would create a file when loaded."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _bad(rank, world, ckdir):
+    import os
+    import shutil
+
+    good = f"{ckdir}/gpt_tp2_to_pp2.ckpt"  # tp=2, 2 layers
+    out = {}
+
+    def resume(path, model=None, layout=None):
+        model = model or make_model("gpt")
+        trainer = L.Trainer(devices=world, strategy=MegaStrategy(**(dict(tp=2) if layout is None else layout), timeout=60),
+                            max_epochs=2, **trainer_kwargs())
+        try:
+            trainer.fit(model, TokenData(STEPS * GLOBAL_BATCH, 64, GLOBAL_BATCH), ckpt_path=path)
+        except Exception as e:  # noqa: BLE001 - returned to the test
+            return f"{type(e).__name__}: {e}"
+
+    out["other_model"] = resume(good, make_model("gpt", n_layer=3))
+    out["other_width"] = resume(good, make_model("gpt", n_embd=48))
+    if rank == 0:
+        for name, damage in (("truncated", lambda p: os.truncate(f"{p}/__1_0.distcp", 100)),
+                             ("half_written", lambda p: os.remove(f"{p}/.metadata"))):
+            shutil.copytree(good, f"{ckdir}/{name}.ckpt")
+            damage(f"{ckdir}/{name}.ckpt")
+    torch.distributed.barrier()
+    out["truncated"] = resume(f"{ckdir}/truncated.ckpt")
+    out["half_written"] = resume(f"{ckdir}/half_written.ckpt")
+    # Adafactor's factored moments are shaped unlike a tp-sharded weight: only tp=2 can resume them
+    model = make_model("gpt")
+    model.configure_optimizers = lambda: torch.optim.Adafactor(model.parameters(), lr=1e-2)
+    trainer = L.Trainer(devices=world, strategy=MegaStrategy(tp=2, timeout=60), max_epochs=1, **trainer_kwargs())
+    trainer.fit(model, TokenData(STEPS * GLOBAL_BATCH, 64, GLOBAL_BATCH))
+    trainer.save_checkpoint(f"{ckdir}/adafactor.ckpt")
+    model = make_model("gpt")
+    model.configure_optimizers = lambda: torch.optim.Adafactor(model.parameters(), lr=1e-2)
+    out["adafactor_at_tp1"] = resume(f"{ckdir}/adafactor.ckpt", model, layout={})
+    model = make_model("gpt")
+    model.configure_optimizers = lambda: torch.optim.Adafactor(model.parameters(), lr=1e-2)
+    out["adafactor_at_tp2"] = resume(f"{ckdir}/adafactor.ckpt", model)
+    return out
+
+
+def test_bad_checkpoints_are_refused_on_every_rank_with_what_is_wrong(runs):
+    ckdir = runs["ckdir"]
+    results = dist.run(2, _bad, ckdir, timeout=300)
+    for r in results:
+        assert "has no tensor 'model.transformer.h.2.ln_1.weight'" in r["other_model"], r["other_model"]
+        assert "'model.transformer.wte.weight' has shape (64, 32) there but (64, 48)" in r["other_width"], \
+            r["other_width"]
+        assert "is incomplete: __1_0.distcp holds 100 bytes of the" in r["truncated"], r["truncated"]
+        assert "is incomplete: it has no .metadata" in r["half_written"], r["half_written"]
+        assert "shaped unlike its sharded weight, so only tp=2 can resume it" in r["adafactor_at_tp1"], \
+            r["adafactor_at_tp1"]
+        assert r["adafactor_at_tp2"] is None, r["adafactor_at_tp2"]
+
+
+def test_a_crafted_checkpoint_index_is_refused_and_runs_nothing(runs, tmp_path):
+    import pickle
+    import shutil
+
+    from lightning_tp.checkpoints import dcp_io
+
+    marker, crafted = tmp_path / "ran", tmp_path / "crafted.ckpt"
+    shutil.copytree(runs["ckdir"] + "/gpt_tp2_to_pp2.ckpt", crafted)
+    with open(crafted / ".metadata", "wb") as f:
+        pickle.dump(_Runs(str(marker)), f)
+    for load in (lambda: dcp_io.read_index(crafted), lambda: consolidate(crafted)):
+        with pytest.raises(ValueError, match="without running code from it"):
+            load()
+    assert not marker.exists()
+
+
+def test_export_of_a_tp2_pp2_checkpoint_loads_with_from_pretrained_and_gives_the_same_logits(runs, tmp_path):
+    import subprocess
+    import sys
+
+    import transformers
+    from safetensors.torch import load_file
+
+    from models import Tokens
+
+    ckpt = runs["ckdir"] + "/gpt2_tp2_pp2_to_tp2.ckpt"  # written at tp=2 x pp=2
+    module = make_model("hf_gpt2")
+    module.model.config.save_pretrained(tmp_path / "config")
+    for to, out in (("hf", tmp_path / "hf"), ("plain", tmp_path / "plain.safetensors")):
+        args = [ckpt, "--to", to, str(out)] + (["--config", str(tmp_path / "config")] if to == "hf" else [])
+        subprocess.run([sys.executable, "-m", "lightning_tp", "export", *args], check=True, capture_output=True)
+    state = consolidate(ckpt)
+    assert load_file(tmp_path / "plain.safetensors").keys() == state.keys()
+    for key, value in load_file(tmp_path / "plain.safetensors").items():
+        assert torch.equal(value, state[key]), key
+    module.load_state_dict(state)
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    x, _ = Tokens(4, 64)[0]
+    with torch.no_grad():
+        want, got = module.model(x[None]).logits, exported(x[None]).logits
+    assert torch.equal(got, want)
+    assert (got - make_model("hf_gpt2").model(x[None]).logits).abs().max() > 1e-3  # trained weights, not fresh

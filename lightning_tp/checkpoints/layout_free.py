@@ -162,8 +162,8 @@ def _check_layout_bound(path, index, layout: dict, tp: int) -> None:
                          f"weight, so only tp={layout.get('tp')} can resume it (this run has tp={tp}).")
 
 
-def load(path, meta: dict, module, optimizers, tp_rank: int, tp: int) -> dict:
-    """Fill the module's tensors from ``path`` in place and return Lightning's checkpoint dict for this rank."""
+def prepare(path, meta: dict, module, optimizers, tp_rank: int, tp: int):
+    """Check ``path`` against the module and this layout; (the views to fill, Lightning's checkpoint dict)."""
     index = dcp_io.read_index(path)
     dcp_io.check_complete(path, index)
     layout = meta.pop("lightning_tp")
@@ -180,6 +180,11 @@ def load(path, meta: dict, module, optimizers, tp_rank: int, tp: int) -> dict:
                          f"gave {len(optimizers)}.")
     meta["optimizer_states"] = [_optimizer_targets(path, index, i, opt, names, saved, tp_rank, targets)
                                 for i, (opt, saved) in enumerate(zip(optimizers, layout["optimizers"]))]
-    dcp_io.load(targets, path, index)
     meta["state_dict"] = state
-    return meta
+    return (targets, index), meta
+
+
+def fill(path, prepared) -> None:
+    """Read the prepared views (collective: every rank calls it)."""
+    targets, index = prepared
+    dcp_io.load(targets, path, index)
