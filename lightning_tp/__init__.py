@@ -6,6 +6,7 @@
 from lightning.pytorch.strategies import StrategyRegistry
 
 from .checkpoint import consolidate
+from .checkpoints.export import export
 from .explain import explain
 from .mesh import ParallelMesh, build_mesh
 from .plain import save_consolidated
@@ -17,5 +18,6 @@ __version__ = "0.1.0"
 if "mega" not in StrategyRegistry:
     MegaStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["MegaStrategy", "Plan", "STYLES", "register_plan", "consolidate", "save_consolidated", "explain",
+__all__ = ["MegaStrategy", "Plan", "STYLES", "register_plan", "consolidate", "save_consolidated", "export",
+           "explain",
            "ParallelMesh", "build_mesh"]

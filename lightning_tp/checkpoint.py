@@ -5,13 +5,16 @@ them. See docs/checkpoints.md and docs/design/checkpoints-internals.md."""
 from __future__ import annotations
 
 import glob
+import io
 import os
 import pickle
 import shutil
+import threading
 import uuid
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from .checkpoints import dcp_io, layout_free, legacy
 from .failures import raise_on_every_rank
@@ -29,11 +32,26 @@ def safe_load(path):
                          f"torch.load(..., weights_only=False) and save what you need as tensors. ({e})") from None
 
 
-def save(checkpoint: dict, path, mesh, module, optimizers, barrier, broadcast) -> None:
-    """Called on every rank with the same ``path``; ``barrier``/``broadcast`` are the strategy's."""
+def _replace(tmp: Path, path: Path, token: str) -> None:
+    """Put the finished ``tmp`` directory at ``path`` (rank 0): the previous checkpoint is whole until then."""
+    old = path.with_name(f"{path.name}.old-{token}")
+    if path.exists():
+        os.replace(path, old) if path.is_dir() else path.rename(old)
+    os.replace(tmp, path)
+    if old.is_dir():
+        shutil.rmtree(old)
+    elif old.exists():
+        old.unlink()
+
+
+def save(checkpoint: dict, path, mesh, module, optimizers, barrier, broadcast, writer=None) -> None:
+    """Called on every rank with the same ``path``; ``barrier``/``broadcast`` are the strategy's. ``writer``
+    (an :class:`AsyncWriter`): return once this rank's tensors are copied, the files written behind."""
     path = Path(path)
     token = broadcast(uuid.uuid4().hex[:8])
     tmp = path.with_name(f"{path.name}.tmp-{token}")
+    if writer is not None:
+        writer.wait()  # one write in flight at a time
     if mesh.rank == 0:
         for stale in path.parent.glob(f"{glob.escape(path.name)}.tmp-*"):  # left by an earlier crash
             shutil.rmtree(stale, ignore_errors=True)
@@ -41,31 +59,92 @@ def save(checkpoint: dict, path, mesh, module, optimizers, barrier, broadcast) -
     barrier()
     tensors, described = layout_free.tensors_to_save(checkpoint, module, optimizers, mesh.tp_rank)
     described = layout_free.gather_descriptions(described)
-    dcp_io.save(tensors, tmp)
+    meta = None
     if mesh.rank == 0:
         skip = {"state_dict", "optimizer_states", *described["model_like"]}
-        meta = {k: v for k, v in checkpoint.items() if k not in skip}
-        meta["lightning_tp"] = dict(described, format=layout_free.FORMAT, tp=mesh.tp, pp=mesh.pp, dp=mesh.dp,
-                                    ep=mesh.ep)
-        torch.save(meta, tmp / META)
-    barrier()
-    if mesh.rank == 0:
-        old = path.with_name(f"{path.name}.old-{token}")
-        if path.exists():
-            os.replace(path, old) if path.is_dir() else path.rename(old)
-        os.replace(tmp, path)
-        if old.is_dir():
-            shutil.rmtree(old)
-        elif old.exists():
-            old.unlink()
-    barrier()
+        meta = io.BytesIO()  # serialized now: the trainer goes on changing what it refers to
+        torch.save(dict({k: v for k, v in checkpoint.items() if k not in skip},
+                        lightning_tp=dict(described, format=layout_free.FORMAT, tp=mesh.tp, pp=mesh.pp, dp=mesh.dp,
+                                          ep=mesh.ep)), meta)
+
+    def finish(group=None):
+        if meta is not None:
+            (tmp / META).write_bytes(meta.getvalue())
+        if dist.is_initialized():
+            dist.barrier(group=group)
+        if mesh.rank == 0:
+            _replace(tmp, path, token)
+
+    if writer is None:
+        dcp_io.save(tensors, tmp)
+        finish()
+        barrier()
+    else:
+        writer.start(dcp_io.staged(tensors), tmp, finish)
+
+
+class AsyncWriter:
+    """Writes a checkpoint's staged copies in a background thread, over a gloo group of its own so the
+    training's collectives go on meanwhile; its error is raised at the next :meth:`wait`."""
+
+    def __init__(self):
+        self.group, self.thread, self.error = None, None, None
+
+    def start(self, tensors: dict, tmp: Path, finish) -> None:
+        if self.group is None and dist.is_initialized():
+            self.group = dist.new_group(backend="gloo")
+
+        def run():
+            try:
+                dcp_io.save(tensors, tmp, group=self.group)
+                finish(self.group)
+                if dist.is_initialized():
+                    dist.barrier(group=self.group)  # renamed into place before any rank goes on
+            except BaseException as e:  # noqa: BLE001 - raised again by wait()
+                self.error = e
+
+        self.thread = threading.Thread(target=run, name="lightning_tp checkpoint writer", daemon=True)
+        self.thread.start()
+
+    @property
+    def busy(self) -> bool:
+        return self.thread is not None and self.thread.is_alive()
+
+    def wait(self) -> None:
+        """Until the write in flight (if any) is in place; its error, if it failed."""
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise RuntimeError(f"an asynchronous checkpoint write failed: {error}") from error
 
 
 def is_sharded(path) -> bool:
-    return Path(path).is_dir() and (Path(path) / META).is_file()
+    """A checkpoint directory this project wrote (any format)."""
+    return kind(path) == "lightning_tp"
 
 
-def _meta(path) -> dict:
+def kind(path) -> str | None:
+    """``"lightning_tp"``, ``"lightning_dcp"`` (Lightning's FSDP / ModelParallelStrategy distributed checkpoint),
+    ``"deepspeed"`` (a DeepSpeedStrategy checkpoint directory) or None."""
+    path = Path(path)
+    if not path.is_dir():
+        return None
+    if (path / META).is_file():
+        if not (path / dcp_io.INDEX).is_file():
+            return "lightning_tp"  # the first format
+        try:
+            return "lightning_tp" if "lightning_tp" in safe_load(path / META) else "lightning_dcp"
+        except ValueError:  # Lightning's meta.pt may hold objects weights_only refuses
+            return "lightning_dcp"
+    if (path / "latest").is_file() or (path / "checkpoint").is_dir():
+        return "deepspeed"
+    return None
+
+
+def read_meta(path) -> dict:
+    """A checkpoint directory's ``meta.pt`` (trainer state, layout), read as tensors and plain data."""
     if not is_sharded(path):
         raise ValueError(f"{path} is not a lightning_tp checkpoint directory (no {META} in it).")
     return safe_load(Path(path) / META)
@@ -77,7 +156,7 @@ def load(path, mesh, module, optimizers, device) -> dict:
     box = {}
 
     def check():
-        meta = _meta(path)
+        meta = read_meta(path)
         if meta.get("lightning_tp", {}).get("format", 1) < layout_free.FORMAT:
             box["checkpoint"] = legacy.load(path, meta, mesh, safe_load)
         else:
@@ -92,7 +171,7 @@ def load(path, mesh, module, optimizers, device) -> dict:
 
 def consolidate(path) -> dict:
     """Merge a checkpoint directory into a plain state_dict for the original single-device module."""
-    meta = _meta(path)
+    meta = read_meta(path)
     if meta["lightning_tp"].get("format", 1) < layout_free.FORMAT:
         return legacy.consolidate(path, meta, safe_load)
     index = dcp_io.read_index(path)

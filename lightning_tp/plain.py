@@ -8,7 +8,8 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import META, consolidate, safe_load
+from .checkpoint import META, consolidate, kind, safe_load
+from .checkpoints import dcp_io
 from .layers.shard import shard, spec_of
 
 
@@ -46,11 +47,25 @@ def _read_hf_dir(path: Path) -> dict:
 
 
 def read_full_state_dict(path) -> dict:
-    """The whole model's state_dict from a plain checkpoint, a Hugging Face directory or one of this project's
-    sharded checkpoint directories (merged by consolidate)."""
+    """The whole model's state_dict from a plain checkpoint, a Hugging Face directory, one of this project's
+    checkpoint directories (merged by consolidate) or a Lightning FSDP / ModelParallelStrategy one."""
     path = Path(path)
-    if path.is_dir() and (path / META).is_file():
+    found = kind(path)
+    if found == "lightning_tp":
         return consolidate(path)
+    if found == "lightning_dcp":  # Lightning's FSDP / ModelParallelStrategy: the model's tensors, whole
+        index = dcp_io.read_index(path)
+        dcp_io.check_complete(path, index)
+        names = dcp_io.lightning_model_names(index)
+        return {names[n]: t for n, t in dcp_io.read_whole(path, index, list(names)).items()}
+    if found == "deepspeed":
+        raise ValueError(
+            f"load_full={str(path)!r} is a DeepSpeed checkpoint directory. Its files are pickles only DeepSpeed's "
+            f"own loader reads, and that runs code from them, which lightning_tp does not do on its own. If you "
+            f"trust them, convert them once with Lightning's converter (pip install 'lightning-tp[deepspeed]'):\n"
+            f"    from lightning.pytorch.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict\n"
+            f"    convert_zero_checkpoint_to_fp32_state_dict({str(path)!r}, 'fp32.ckpt')\n"
+            f"then pass load_full='fp32.ckpt'.")
     if path.is_dir():
         return _read_hf_dir(path)
     if path.name.endswith(".safetensors"):  # what `python -m lightning_tp export --to plain` writes

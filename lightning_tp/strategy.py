@@ -75,6 +75,7 @@ class MegaStrategy(ParallelStrategy):
         quant: quantization-aware training: "int8" (W8A8) or "w4a8".
         quant_range: QAT activation ranges: "ema", "delayed" or "learned".
         load_full: a plain checkpoint (Lightning, state_dict, Hugging Face directory) to start from.
+        async_save: write checkpoints in the background: saving returns once this rank's tensors are copied.
         sync_init: broadcast rank 0's initial weights before sharding.
         broadcast_batch: every tp/pp rank of a replica trains on its first rank's batch.
         process_group_backend: "gloo" on CPU and "nccl" on GPU by default.
@@ -92,7 +93,7 @@ class MegaStrategy(ParallelStrategy):
                  split_backward: Union[bool, Literal["auto", "drain"]] = "auto",
                  p2p: Literal["auto", "eager", "batched"] = "auto",
                  kernels: Union[bool, list, None] = False, quant: Optional[str] = None, quant_range: str = "ema",
-                 load_full: Optional[str] = None, sync_init: bool = True, broadcast_batch: bool = True,
+                 load_full: Optional[str] = None, async_save: bool = False, sync_init: bool = True, broadcast_batch: bool = True,
                  process_group_backend: Optional[str] = None,
                  timeout: Optional[Union[timedelta, float]] = default_pg_timeout,
                  start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -120,6 +121,7 @@ class MegaStrategy(ParallelStrategy):
         self._sync_grads = True
         self._batch_broadcast = None
         self._failures = None  # this run's notes of which rank failed first (see .failures)
+        self._writer = ckpt.AsyncWriter() if async_save else None
         self.mesh: ParallelMesh = ParallelMesh()
 
     # ------------------------------------------------------------------ topology
@@ -382,14 +384,29 @@ class MegaStrategy(ParallelStrategy):
     def restore_checkpoint_after_setup(self) -> bool:
         return True  # shard first, then load this rank's shard
 
+    def optimizer_state(self, optimizer) -> dict:
+        """A zero=1 optimizer's state is saved from its slices by each rank (see .checkpoints): nothing gathered."""
+        inner = getattr(optimizer, "_optimizer", optimizer)
+        if getattr(inner, "_lightning_tp_zero", None) is not None:
+            return {ckpt.layout_free.ZERO_SLICES: True}
+        return super().optimizer_state(optimizer)
+
     def save_checkpoint(self, checkpoint: dict, filepath, storage_options: Optional[Any] = None) -> None:
         ckpt.save(checkpoint, self.broadcast(str(filepath)), self.mesh, self.lightning_module, self.optimizers,
-                  self.barrier, self.broadcast)
+                  self.barrier, self.broadcast, writer=self._writer)
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict:
+        if self._writer is not None:
+            self._writer.wait()
         path = self.broadcast(str(checkpoint_path))
-        if ckpt.is_sharded(path):
+        found = ckpt.kind(path)
+        if found == "lightning_tp":
             return ckpt.load(path, self.mesh, self.lightning_module, self.optimizers, self.root_device)
+        if found in ("lightning_dcp", "deepspeed"):
+            other = "DeepSpeedStrategy" if found == "deepspeed" else "FSDP or ModelParallelStrategy"
+            raise ValueError(f"{path} is a checkpoint of Lightning's {other}: MegaStrategy resumes its own "
+                             f"checkpoints only. Start from its weights with MegaStrategy(load_full={str(path)!r}) "
+                             f"instead of ckpt_path (the optimizer starts afresh).")
         raise ValueError(f"{path} is not a lightning_tp checkpoint directory. To start a parallel run from a plain "
                          f"checkpoint, pass MegaStrategy(load_full={str(path)!r}) instead of ckpt_path.")
 
@@ -410,6 +427,8 @@ class MegaStrategy(ParallelStrategy):
         the process exits aborts it ("terminate called without an active exception")."""
         if self._batch_broadcast is not None:
             self._batch_broadcast.finish()
+        if self._writer is not None:  # the last checkpoint in place before the processes go
+            self._writer.wait()
         super().teardown()
 
     @classmethod

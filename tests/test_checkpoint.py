@@ -4,6 +4,7 @@ exact resume, a crash mid-save that leaves the previous checkpoint whole, and co
 original single-device module."""
 
 import os
+import time
 from unittest import mock
 
 import lightning as L
@@ -64,6 +65,33 @@ def _scenario(rank, world, ckdir):
     out["step_before"] = step_before
     _, _, out["after_crash_resume"] = _fit(world, ckdir + "_again", ckpt_path=last, epochs=EPOCHS + 1)
 
+    # asynchronous writes: the same checkpoints, written while training goes on
+    _, _, out["async_full"] = _fit(world, ckdir + "_async", layout=dict(TP, async_save=True))
+    _, _, out["async_resumed"] = _fit(world, ckdir + "_async_resumed", layout=dict(TP, async_save=True),
+                                      ckpt_path=os.path.join(ckdir + "_async", "epoch=1.ckpt"))
+    writer, real = C.AsyncWriter(), C.dcp_io._SavePlanner.resolve_data
+    trainer2.strategy._writer = writer
+
+    def slow(self, item):
+        time.sleep(0.05)
+        return real(self, item)
+
+    with mock.patch.object(C.dcp_io._SavePlanner, "resolve_data", slow):
+        start = time.monotonic()
+        trainer2.save_checkpoint(last)
+        out["returned_after"], out["busy"] = time.monotonic() - start, writer.busy
+        writer.wait()
+        out["written_after"] = time.monotonic() - start
+    out["async_step"] = C.safe_load(os.path.join(last, C.META))["global_step"]  # trainer2's: one epoch
+    with mock.patch.object(C.dcp_io._SavePlanner, "resolve_data", failing_write):
+        trainer2.save_checkpoint(last)  # returns: the write fails behind
+        try:
+            writer.wait()
+            out["async_crash_raised"] = False
+        except RuntimeError as e:
+            out["async_crash_raised"] = "disk full" in str(e)
+    out["after_async_crash_step"] = C.safe_load(os.path.join(last, C.META))["global_step"]
+
     _, _, out["pp_full"] = _fit(world, ckdir + "_pp", layout=PP)
     _, _, out["pp_resumed"] = _fit(world, ckdir + "_pp_resumed", ckpt_path=os.path.join(ckdir + "_pp", "epoch=1.ckpt"),
                                    layout=PP)
@@ -83,7 +111,7 @@ def scenario(tmp_path_factory):
     return dist.run(2, _scenario, ckdir), ckdir
 
 
-@pytest.mark.parametrize("run", ["", "pp_", "ed_", "ema_"])
+@pytest.mark.parametrize("run", ["", "pp_", "ed_", "ema_", "async_"])
 def test_resume_reproduces_the_uninterrupted_run_exactly(scenario, run):
     results, _ = scenario
     full, resumed = results[0][run + "full"], results[0][run + "resumed"]
@@ -121,3 +149,12 @@ def test_consolidate_loads_into_the_single_device_module(scenario):
     loss = float(model.model(x[None], y[None])[1])
     assert abs(loss - results[0]["final_loss"]) < 1e-5
     assert abs(loss - float(make_model("gpt").model(x[None], y[None])[1])) > 1e-3  # training changed it
+
+
+def test_asynchronous_save_returns_before_the_write_and_keeps_the_previous_checkpoint_on_failure(scenario):
+    results, _ = scenario
+    for r in results:
+        assert r["async_full"] == r["full"]  # the same run, the same checkpoints (resumed above)
+        assert r["busy"] and r["returned_after"] < r["written_after"] / 3, r
+        assert r["async_step"] == BATCHES
+        assert r["async_crash_raised"] and r["after_async_crash_step"] == BATCHES

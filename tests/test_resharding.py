@@ -21,6 +21,7 @@ CASES = {
                                 (2, dict(PP, schedule="interleaved_1f1b", virtual_stages=2))),
     "gpt_tp2_pp2_to_one": ("gpt", {}, (4, dict(tp=2, **PP)), (1, {})),
     "gpt_dp2_zero1_to_one": ("gpt", {}, (2, dict(zero=1)), (1, {})),
+    "gpt_tp2_dp2_zero1_to_pp2_dp2_zero1": ("gpt", {}, (4, dict(tp=2, zero=1)), (4, dict(PP, zero=1))),  # slices moved
     "llama_tp2_to_pp2": ("hf_llama", {}, (2, dict(tp=2)), (2, PP)),  # GQA: 4 heads, 2 kv heads
     "llama_tp4_to_tp2_sp": ("hf_llama", {}, (4, dict(tp=4)), (2, dict(tp=2, sp=True))),  # kv heads copied at tp=4
     "llama_pp2_to_tp2_sp": ("hf_llama", {}, (2, PP), (2, dict(tp=2, sp=True))),
@@ -188,3 +189,66 @@ def test_export_of_a_tp2_pp2_checkpoint_loads_with_from_pretrained_and_gives_the
         want, got = module.model(x[None]).logits, exported(x[None]).logits
     assert torch.equal(got, want)
     assert (got - make_model("hf_gpt2").model(x[None]).logits).abs().max() > 1e-3  # trained weights, not fresh
+
+
+def _from_lightning_model_parallel(rank, world, ckdir):
+    """A checkpoint of Lightning's own ModelParallelStrategy (FSDP2 over dp=2, a DCP directory), then a
+    MegaStrategy(tp=2) run started from it with load_full."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    from torch.distributed.fsdp import fully_shard
+
+    from lightning_tp.plain import read_full_state_dict
+    from models import GPT_SMALL, ParityGPT
+
+    class Sharded(ParityGPT):
+        def configure_model(self):
+            for block in self.model.transformer.h:
+                fully_shard(block, mesh=self.device_mesh["data_parallel"])
+            fully_shard(self.model, mesh=self.device_mesh["data_parallel"])
+
+    L.seed_everything(0, verbose=False)
+    model = Sharded(**GPT_SMALL)
+    trainer = L.Trainer(devices=world, strategy=ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1),
+                        max_steps=3, **trainer_kwargs())
+    trainer.fit(model, TokenData(24, 64, 4))
+    path = f"{ckdir}/model_parallel.ckpt"
+    trainer.save_checkpoint(path)
+    trained = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    read = read_full_state_dict(path)
+    rec = LossRecorder()
+    started = make_model("gpt")
+    trainer = L.Trainer(devices=world, strategy=MegaStrategy(tp=2, load_full=path, timeout=60), max_steps=1,
+                        callbacks=[rec], **trainer_kwargs())
+    trainer.fit(started, TokenData(8, 64, 4))
+    refused = None
+    try:
+        L.Trainer(devices=world, strategy=MegaStrategy(tp=2, timeout=60), max_steps=1, **trainer_kwargs()).fit(
+            make_model("gpt"), TokenData(8, 64, 4), ckpt_path=path)
+    except ValueError as e:
+        refused = str(e)
+    return dict(trained=trained, read=read, first_loss=rec.losses[0], refused=refused)
+
+
+def test_a_lightning_model_parallel_checkpoint_starts_a_run_through_load_full(tmp_path):
+    r = dist.run(2, _from_lightning_model_parallel, str(tmp_path), timeout=300)[0]
+    assert r["read"].keys() == r["trained"].keys()
+    for key, value in r["trained"].items():
+        assert torch.equal(r["read"][key], value), key
+    model = make_model("gpt")
+    model.load_state_dict(r["read"])
+    loader = TokenData(8, 64, 4, single=True).train_dataloader()  # the first batch a dp=1 run sees
+    x, y = next(iter(loader))
+    with torch.no_grad():
+        assert abs(float(model.model(x, y)[1]) - r["first_loss"]) < TOL
+    fresh = float(make_model("gpt").model(x, y)[1])
+    assert abs(fresh - r["first_loss"]) > 1e-3  # the trained weights, not the seeded ones
+    assert "Lightning's FSDP or ModelParallelStrategy" in r["refused"] and "load_full=" in r["refused"]
+
+
+def test_a_deepspeed_checkpoint_is_not_unpickled_and_the_message_says_how_to_convert_it(tmp_path):
+    from lightning_tp.plain import read_full_state_dict
+
+    (tmp_path / "checkpoint").mkdir()  # what Lightning's DeepSpeedStrategy writes: DeepSpeed's own pickles
+    (tmp_path / "latest").write_text("checkpoint")
+    with pytest.raises(ValueError, match="convert_zero_checkpoint_to_fp32_state_dict"):
+        read_full_state_dict(tmp_path)

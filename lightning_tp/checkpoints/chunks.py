@@ -4,6 +4,7 @@ save and load these chunks under the single-device name (see docs/design/checkpo
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -39,19 +40,72 @@ def full_shape(local: torch.Tensor, spec: ShardSpec | None) -> tuple:
     return tuple(shape)
 
 
-def chunks_of(local: torch.Tensor, spec: ShardSpec | None, rank: int) -> Chunked:
-    """The chunks of the full tensor held by ``local`` on tensor-parallel ``rank`` (padding left out)."""
+def _pieces(shape, spec: ShardSpec | None, rank: int) -> list:
+    """(local start, length, full start, owner) along ``spec.dim`` of each piece of the full tensor a local
+    tensor of ``shape`` holds on tensor-parallel ``rank`` (padding left out)."""
     if spec is None:
-        return Chunked(tuple(local.shape), [Chunk((0,) * local.dim(), local)])
+        return []
     sizes = spec.sections or [spec.full // spec.chunks] * spec.chunks
-    out, start = [], 0
-    for i, (piece, size) in enumerate(zip(spec.pieces(local, local=True), sizes)):
-        step = piece.shape[spec.dim]
+    local = [s // spec.slices(i) for i, s in enumerate(sizes)] if spec.sections else \
+        [shape[spec.dim] // spec.chunks] * spec.chunks
+    out, start, at = [], 0, 0
+    for i, (size, step) in enumerate(zip(sizes, local)):
         offset = rank // spec.replica(i) * step
         valid = max(0, min(step, size - offset))  # the rest is padding (a vocabulary padded to tp)
         if valid:
-            offsets = [0] * local.dim()
-            offsets[spec.dim] = start + offset
-            out.append(Chunk(tuple(offsets), piece.narrow(spec.dim, 0, valid), owner=rank % spec.replica(i) == 0))
-        start += size
-    return Chunked(full_shape(local, spec), out)
+            out.append((at, valid, start + offset, rank % spec.replica(i) == 0))
+        start, at = start + size, at + step
+    return out
+
+
+def _placed(offsets: tuple, view: torch.Tensor, spec, pieces: list) -> list:
+    """The chunks of the full tensor a local block (its local ``offsets``, its values ``view``) covers."""
+    if spec is None:
+        return [Chunk(tuple(offsets), view)]
+    d, lo = spec.dim, offsets[spec.dim]
+    out = []
+    for at, valid, full_at, owner in pieces:
+        a, b = max(lo, at), min(lo + view.shape[d], at + valid)
+        if a < b:
+            placed = list(offsets)
+            placed[d] = full_at + a - at
+            out.append(Chunk(tuple(placed), view.narrow(d, a - lo, b - a), owner))
+    return out
+
+
+def chunks_of(local: torch.Tensor, spec: ShardSpec | None, rank: int) -> Chunked:
+    """The chunks of the full tensor held by ``local`` on tensor-parallel ``rank``."""
+    return Chunked(full_shape(local, spec), _placed((0,) * local.dim(), local, spec,
+                                                    _pieces(local.shape, spec, rank)))
+
+
+def _blocks(shape: tuple, start: int, end: int) -> list:
+    """Elements [start, end) of a C-ordered tensor of ``shape`` as blocks (offsets, sizes), in order."""
+    if start >= end:
+        return []
+    if not shape:
+        return [((), ())]
+    inner = math.prod(shape[1:])
+    (r0, c0), (r1, c1) = divmod(start, inner), divmod(end, inner)
+    row = lambda r, a, b: [((r,) + o, (1,) + z) for o, z in _blocks(shape[1:], a, b)]  # noqa: E731
+    if r0 == r1:
+        return row(r0, c0, c1)
+    out = row(r0, c0, inner) if c0 else []
+    r0 += bool(c0)
+    if r1 > r0:
+        out.append(((r0,) + (0,) * (len(shape) - 1), (r1 - r0,) + tuple(shape[1:])))
+    return out + (row(r1, 0, c1) if c1 else [])
+
+
+def flat_chunks_of(values: torch.Tensor, shape: tuple, spec: ShardSpec | None, rank: int, start: int) -> Chunked:
+    """The chunks of the full tensor covered by ``values``: elements ``start``... of the (flattened) local
+    tensor of ``shape`` on tensor-parallel ``rank`` (a ZeRO slice's state)."""
+    pieces, out, at = _pieces(shape, spec, rank), [], 0
+    for offsets, sizes in _blocks(tuple(shape), start, start + values.numel()):
+        n = math.prod(sizes)
+        out += _placed(offsets, values[at:at + n].view(sizes), spec, pieces)
+        at += n
+    full = list(shape)
+    if spec is not None:
+        full[spec.dim] = spec.full
+    return Chunked(tuple(full), out)

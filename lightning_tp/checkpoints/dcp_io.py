@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystem
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from .chunks import Chunked
+from .chunks import Chunk, Chunked
 
 INDEX = ".metadata"  # DCP's index file
 _ALLOWED = {("torch.distributed.checkpoint.metadata", n) for n in (
@@ -140,11 +140,17 @@ def _reported(what: str, path):
                            f"{type(error).__name__}: {error}") from error
 
 
-def save(tensors: dict, path, no_dist: bool = False) -> None:
-    """Write ``{name: Chunked}`` (every rank its own) into directory ``path``."""
+def save(tensors: dict, path, no_dist: bool = False, group=None) -> None:
+    """Write ``{name: Chunked}`` (every rank its own) into directory ``path`` (collective over ``group``)."""
     with _reported("saving checkpoint", path):
         dcp.save(tensors, storage_writer=FileSystemWriter(str(path), single_file_per_rank=True),
-                 planner=_SavePlanner(), no_dist=no_dist)
+                 planner=_SavePlanner(), no_dist=no_dist, process_group=group)
+
+
+def staged(tensors: dict) -> dict:
+    """``{name: Chunked}`` with each owned chunk copied (what an asynchronous write reads while training goes on)."""
+    return {n: Chunked(t.shape, [Chunk(c.offsets, c.view.detach().clone(), c.owner) for c in t.chunks if c.owner])
+            for n, t in tensors.items()}
 
 
 def load(tensors: dict, path, index: md.Metadata, no_dist: bool = False) -> None:
@@ -159,6 +165,17 @@ def read_whole(path, index: md.Metadata, names) -> dict:
     for name in names:
         meta = index.state_dict_metadata[name]
         out[name] = torch.empty(meta.size, dtype=meta.properties.dtype)
-    from .chunks import Chunk
     load({n: Chunked(tuple(t.shape), [Chunk((0,) * t.dim(), t)]) for n, t in out.items()}, path, index, no_dist=True)
+    return out
+
+
+def lightning_model_names(index: md.Metadata) -> dict:
+    """{saved name: state-dict key} of the model's tensors in a Lightning FSDP / ModelParallelStrategy
+    checkpoint (saved under ``state_dict`` or ``model``)."""
+    paths = index.planner_data or {}
+    out = {}
+    for name, meta in index.state_dict_metadata.items():
+        path = paths.get(name) or tuple(name.split(".", 1))
+        if isinstance(meta, md.TensorStorageMetadata) and len(path) == 2 and path[0] in ("state_dict", "model"):
+            out[name] = path[1]
     return out

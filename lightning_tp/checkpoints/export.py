@@ -57,9 +57,9 @@ def export(ckpt, out, to: str = "plain", config=None, prefix: str | None = None)
     """Write checkpoint directory ``ckpt``'s weights to ``out``: ``to="plain"`` a safetensors file of the
     LightningModule's state dict; ``to="hf"`` a directory ``from_pretrained`` loads (``config``: a Hugging
     Face config object, a ``config.json`` or a directory holding one; ``prefix``: the module's attribute)."""
-    from ..checkpoint import _meta
+    from ..checkpoint import read_meta
 
-    meta = _meta(ckpt)
+    meta = read_meta(ckpt)
     if meta["lightning_tp"].get("format", 1) < 2:
         raise ValueError(f"{ckpt} is in lightning_tp's first format: resume it once with the layout that wrote it "
                          f"and save again, or use lightning_tp.save_consolidated.")

@@ -9,9 +9,10 @@ import torch.distributed as dist
 
 from ..layers.shard import spec_of
 from . import dcp_io
-from .chunks import Chunk, Chunked, chunks_of, full_shape
+from .chunks import Chunk, Chunked, chunks_of, flat_chunks_of, full_shape
 
 FORMAT = 2
+ZERO_SLICES = "lightning_tp_zero_slices"  # an optimizer state given as a zero=1 optimizer's own slices
 
 
 def _specs(module) -> dict:
@@ -55,6 +56,9 @@ def tensors_to_save(checkpoint: dict, module, optimizers, tp_rank: int):
             out[prefix + k] = chunks_of(t.detach(), specs.get(k), tp_rank)
     described = []
     for i, (opt, sd) in enumerate(zip(optimizers, checkpoint.get("optimizer_states", []))):
+        if sd.get(ZERO_SLICES):
+            described.append(_zero_slices_to_save(i, opt, names, tp_rank, out))
+            continue
         params = [p for group in state_order(opt) for p in group]
         groups = [{k: v for k, v in g.items() if k != "params"} for g in sd["param_groups"]]
         where, plain = {}, {}
@@ -77,6 +81,39 @@ def tensors_to_save(checkpoint: dict, module, optimizers, tp_rank: int):
                         plain.setdefault(n, {})[key] = v
         described.append({"groups": groups, "group_of": where, "plain": plain})
     return out, {"model_like": model_like, "optimizers": described}
+
+
+def _slices(opt) -> dict:
+    """id(what a zero=1 optimizer steps) -> (the whole parameter, where the slice starts in it); whole
+    parameters (not bucketed) map to themselves."""
+    zero = getattr(opt, "_lightning_tp_zero", None)
+    out = {id(p): (p, None) for g in opt.param_groups for p in g["params"]}
+    if zero is not None:
+        out.update({id(s.param): (b.params[s.index], s.part.start) for b in zero.buckets for s in b.slices})
+    return out
+
+
+def _zero_slices_to_save(i: int, opt, names: dict, tp_rank: int, out: dict) -> dict:
+    """A zero=1 optimizer's state as this rank holds it (its slices), each slice's moments placed in the full
+    tensors (chunks of them): no rank gathers anything."""
+    zero, sliced = opt._lightning_tp_zero, _slices(opt)
+    where = {n: g for g, group in enumerate(zero.original) for p in group for n in names.get(id(p), [])}
+    plain = {}
+    for p in (p for g in opt.param_groups for p in g["params"]):
+        q, start = sliced[id(p)]
+        for n in names[id(q)]:
+            for key, v in opt.state.get(p, {}).items():
+                name = f"optim{i}/{n}/{key}"
+                if torch.is_tensor(v) and v.dim() > 0 and start is not None:
+                    out[name] = flat_chunks_of(v.detach().reshape(-1), tuple(q.shape), spec_of(q), tp_rank, start)
+                elif _like(v, q):
+                    out[name] = chunks_of(v.detach(), spec_of(q), tp_rank)
+                elif torch.is_tensor(v):  # zero=1 takes elementwise optimizers only: a step count
+                    out[name] = _whole(v.detach())
+                else:
+                    plain.setdefault(n, {})[key] = v
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    return {"groups": groups, "group_of": where, "plain": plain}
 
 
 def merge_descriptions(parts: list) -> dict:
@@ -117,16 +154,20 @@ def _check_model(path, index, module, specs) -> dict:
 
 
 def _optimizer_targets(path, index, i, opt, names, saved: dict, tp_rank: int, targets: dict) -> dict:
-    """The optimizer's state dict in this layout's indices, its tensors to be filled through ``targets``."""
+    """The optimizer's state dict in this layout's indices, its tensors to be filled through ``targets``; a
+    zero=1 optimizer's in its slices' (it loads that as it is)."""
+    zero = getattr(opt, "_lightning_tp_zero", None)
     order = state_order(opt)
     if len(saved["groups"]) != len(order):
         raise ValueError(f"checkpoint {path}: optimizer {i} had {len(saved['groups'])} parameter groups, this one "
                          f"has {len(order)} (configure_optimizers must build the same groups).")
-    stored = index.state_dict_metadata
+    stored, sliced = index.state_dict_metadata, _slices(opt)
+    steps = [list(g["params"]) for g in opt.param_groups] if zero is not None else order
     state, j = {}, 0
-    for group in order:
+    for group in steps:
         for p in group:
-            for n in names.get(id(p), []):
+            q, start = sliced[id(p)]
+            for n in names.get(id(q), []):
                 prefix = f"optim{i}/{n}/"
                 keys = [k[len(prefix):] for k in stored if k.startswith(prefix)]
                 if not keys and n not in saved["plain"]:
@@ -138,9 +179,13 @@ def _optimizer_targets(path, index, i, opt, names, saved: dict, tp_rank: int, ta
                         key, rank = key.rsplit("@tp", 1)
                         if int(rank) != tp_rank:
                             continue
-                    if "@tp" not in target and tuple(meta.size) == full_shape(p, spec_of(p)) and p.dim() > 0:
-                        v = torch.zeros(p.shape, dtype=meta.properties.dtype)
-                        targets[target] = chunks_of(v, spec_of(p), tp_rank)
+                    per_element = "@tp" not in target and tuple(meta.size) == full_shape(q, spec_of(q)) and q.dim() > 0
+                    if per_element and start is not None:
+                        v = torch.zeros(p.numel(), dtype=meta.properties.dtype)
+                        targets[target] = flat_chunks_of(v, tuple(q.shape), spec_of(q), tp_rank, start)
+                    elif per_element:
+                        v = torch.zeros(q.shape, dtype=meta.properties.dtype)
+                        targets[target] = chunks_of(v, spec_of(q), tp_rank)
                     else:
                         v = torch.zeros(tuple(meta.size), dtype=meta.properties.dtype)
                         targets[target] = _whole(v)
@@ -149,10 +194,10 @@ def _optimizer_targets(path, index, i, opt, names, saved: dict, tp_rank: int, ta
                 break
             j += 1
     groups, start = [], 0
-    for hyper, group in zip(saved["groups"], order):
+    for hyper, group in zip(saved["groups"], steps):
         groups.append(dict(hyper, params=list(range(start, start + len(group)))))
         start += len(group)
-    return {"state": state, "param_groups": groups}
+    return {"state": state, "param_groups": groups, **({ZERO_SLICES: True} if zero is not None else {})}
 
 
 def _check_layout_bound(path, index, layout: dict, tp: int) -> None:

@@ -115,7 +115,10 @@ class ShardedOptimizer:
         return {"state": state, "param_groups": groups}
 
     def load_state_dict(self, full: dict) -> None:
-        """Take a state dict in zero=0's layout (saved at any dp size), keeping this rank's slices."""
+        """Take a state dict in zero=0's layout (saved at any dp size), keeping this rank's slices; one a
+        checkpoint filled slice by slice (``lightning_tp_zero_slices``) as it is."""
+        if full.get("lightning_tp_zero_slices"):
+            return self._load_state_dict({k: v for k, v in full.items() if k != "lightning_tp_zero_slices"})
         index, saved, state = self._index(), full["state"], {}
         current = [p for g in self.optimizer.param_groups for p in g["params"]]
         for j, p in enumerate(current):

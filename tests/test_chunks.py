@@ -1,0 +1,44 @@
+"""Where a rank's local tensor (or a ZeRO slice of it) lies in the full one: every chunk holds exactly the
+full tensor's values at its offsets, for each kind of ShardSpec, and all but the padding is covered."""
+
+import pytest
+import torch
+
+from lightning_tp.checkpoints.chunks import chunks_of, flat_chunks_of
+from lightning_tp.layers.shard import ShardSpec, shard
+
+W = 2
+SPECS = {
+    "qkv_sections": ((12, 4), ShardSpec(dim=0, world=W, full=12, chunks=3)),
+    "padded_vocab": ((7, 4), ShardSpec(dim=0, world=W, full=7, padded=8)),
+    "copied_kv_heads": ((4, 8), ShardSpec(dim=0, world=W, full=4, sections=(2, 1, 1), replicas=(1, W, W))),
+    "rows": ((5, 6), ShardSpec(dim=1, world=W, full=6)),
+    "last_dim_chunks": ((3, 2, 6), ShardSpec(dim=2, world=W, full=6, chunks=3)),
+    "whole_1d": ((6,), None),
+    "whole_3d": ((2, 3, 4), None),
+}
+
+
+def _check(full, chunks):
+    for c in chunks:
+        where = tuple(slice(o, o + n) for o, n in zip(c.offsets, c.view.shape))
+        assert torch.equal(full[where], c.view), c.offsets
+    return sum(c.view.numel() for c in chunks)
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_chunks_place_every_local_element_at_its_full_offset(name):
+    shape, spec = SPECS[name]
+    full = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    owned = 0
+    for rank in range(W):
+        local = full.clone() if spec is None else shard(full, spec, rank)
+        real = local.numel() if spec is None else int(shard(torch.ones(shape), spec, rank).sum())  # no padding
+        assert _check(full, chunks_of(local, spec, rank).chunks) == real
+        owned += sum(c.view.numel() for c in chunks_of(local, spec, rank).chunks if c.owner)
+        for a in range(local.numel() + 1):  # every flat range: what a ZeRO slice can be
+            for b in range(a, local.numel() + 1):
+                got = flat_chunks_of(local.reshape(-1)[a:b].clone(), tuple(local.shape), spec, rank, a)
+                assert _check(full, got.chunks) == int((shard(torch.ones(shape), spec, rank) if spec else
+                                                        torch.ones(shape)).reshape(-1)[a:b].sum())
+    assert owned == full.numel() * (W if spec is None else 1)  # a copied slice is owned by one rank
