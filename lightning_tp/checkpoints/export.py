@@ -38,7 +38,7 @@ def write_safetensors(out, path, index, names: dict) -> int:
         f.write(raw)
         for saved in names:
             t = dcp_io.read_whole(path, index, [saved])[saved]
-            f.write(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+            f.write(t.reshape(-1).view(torch.uint8).numpy().data)  # no copy
             del t
     return largest
 
