@@ -25,10 +25,32 @@ CASES = {
     "llama_tp2_to_pp2": ("hf_llama", {}, (2, dict(tp=2)), (2, PP)),  # GQA: 4 heads, 2 kv heads
     "llama_tp4_to_tp2_sp": ("hf_llama", {}, (4, dict(tp=4)), (2, dict(tp=2, sp=True))),  # kv heads copied at tp=4
     "llama_pp2_to_tp2_sp": ("hf_llama", {}, (2, PP), (2, dict(tp=2, sp=True))),
+    "llama_tp2_pp2_to_one": ("hf_llama", {}, (4, dict(tp=2, **PP)), (1, {})),
+    "llama_1f1b_to_interleaved": ("hf_llama", dict(layers=4), (2, PP),
+                                  (2, dict(PP, schedule="interleaved_1f1b", virtual_stages=2))),
+    "llama_dp2_zero1_to_one": ("hf_llama", {}, (2, dict(zero=1)), (1, {})),
     "gpt2_tp2_to_pp2": ("hf_gpt2", {}, (2, dict(tp=2)), (2, PP)),  # q, k, v in one fused Conv1D
+    "gpt2_pp2_to_tp2_sp": ("hf_gpt2", {}, (2, PP), (2, dict(tp=2, sp=True))),
+    "gpt2_tp2_pp2_to_one": ("hf_gpt2", {}, (4, dict(tp=2, **PP)), (1, {})),
+    "gpt2_1f1b_to_interleaved": ("hf_gpt2", dict(layers=4), (2, PP),
+                                 (2, dict(PP, schedule="interleaved_1f1b", virtual_stages=2))),
+    "gpt2_dp2_zero1_to_one": ("hf_gpt2", {}, (2, dict(zero=1)), (1, {})),
     "gpt2_tp2_pp2_to_tp2": ("hf_gpt2", {}, (4, dict(tp=2, **PP)), (2, dict(tp=2))),
     "mixtral_ep2_to_ep1": ("hf_mixtral", {}, (2, dict(ep=2)), (2, {})),
+    "gpt_first_format": ("gpt", {}, (1, {}), (1, {})),  # saved as the first format did: still resumes
 }
+FIRST_FORMAT = {"gpt_first_format"}
+
+
+def _save_first_format(trainer, path):
+    """What a one-process checkpoint of the first format held: meta.pt and model_tp0_pp0.pt."""
+    import os
+
+    checkpoint = trainer._checkpoint_connector.dump_checkpoint()
+    os.makedirs(path)
+    shard = {k: checkpoint.pop(k) for k in ("state_dict", "optimizer_states")}
+    torch.save(dict(shard, specs={}, rest={}), f"{path}/model_tp0_pp0.pt")
+    torch.save(dict(checkpoint, lightning_tp=dict(format=1, tp=1, pp=1, dp=1, ep=1)), f"{path}/meta.pt")
 
 
 def _fit(world, kind, model_kw, layout, epochs, ckpt_path=None):
@@ -47,7 +69,7 @@ def _phases(rank, world, ckdir, before, after):
     for name in before:
         kind, model_kw, (_, layout), _ = CASES[name]
         trainer, losses = _fit(world, kind, model_kw, layout, 1)
-        trainer.save_checkpoint(f"{ckdir}/{name}.ckpt")
+        (_save_first_format if name in FIRST_FORMAT else type(trainer).save_checkpoint)(trainer, f"{ckdir}/{name}.ckpt")
         out[name + "/before"] = losses
     for name in after:
         kind, model_kw, _, (_, layout) = CASES[name]
@@ -108,6 +130,7 @@ def _bad(rank, world, ckdir):
         except Exception as e:  # noqa: BLE001 - returned to the test
             return f"{type(e).__name__}: {e}"
 
+    out["first_format_at_tp2"] = resume(f"{ckdir}/gpt_first_format.ckpt")
     out["other_model"] = resume(good, make_model("gpt", n_layer=3))
     out["other_width"] = resume(good, make_model("gpt", n_embd=48))
     if rank == 0:
@@ -145,6 +168,8 @@ def test_bad_checkpoints_are_refused_on_every_rank_with_what_is_wrong(runs):
         assert "shaped unlike its sharded weight, so only tp=2 can resume it" in r["adafactor_at_tp1"], \
             r["adafactor_at_tp1"]
         assert r["adafactor_at_tp2"] is None, r["adafactor_at_tp2"]
+        assert "first format, which resumes only under the layout that wrote it: tp=1" in r["first_format_at_tp2"], \
+            r["first_format_at_tp2"]
 
 
 def test_a_crafted_checkpoint_index_is_refused_and_runs_nothing(runs, tmp_path):
