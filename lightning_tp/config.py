@@ -47,6 +47,7 @@ class ParallelConfig:
     pipeline_blocks: Any = None
     stage_layers: Optional[tuple] = None
     activation_checkpointing: Union[bool, int] = False
+    selective: bool = False  # activation_checkpointing="selective": the attention core only (see .selective)
     zb_keep_recomputed: bool = False
     p2p: str = "auto"
     kernels: tuple = ()
@@ -82,7 +83,8 @@ class ParallelConfig:
             raise ValueError(f"MegaStrategy(zero={zero!r}): choose 0 (every dp replica keeps the whole optimizer "
                              f"state) or 1 (optimizer state sharded over dp). zero=3 is not built yet.")
         pipelined = pp > 1 or microbatches > 1
-        split_default = resolve_split_backward(split_backward, schedule, pp, activation_checkpointing)
+        whole_blocks = activation_checkpointing if activation_checkpointing != "selective" else False
+        split_default = resolve_split_backward(split_backward, schedule, pp, whole_blocks)
         if pipelined:  # names and counts
             build_schedule(schedule, pp, microbatches, virtual_stages, split_default)
         if quant is not None:
@@ -93,12 +95,13 @@ class ParallelConfig:
             raise ValueError(f"MegaStrategy(quant_range={quant_range!r}) needs quant='int8' or 'w4a8' as well.")
         recompute.check_option(activation_checkpointing, quant, schedule if pipelined else None,
                                zb_keep_recomputed, split_default)
+        selective = activation_checkpointing == "selective"
         config = cls(tp=tp, pp=pp, sp=bool(sp) and tp > 1, ep=ep, moe_capacity=moe_capacity, zero=zero,
                      microbatches=microbatches, schedule=schedule,
                      virtual_stages=virtual_stages, split_backward=split_backward, pipeline_blocks=pipeline_blocks,
                      stage_layers=tuple(stage_layers) if stage_layers is not None else None,
-                     activation_checkpointing=activation_checkpointing, zb_keep_recomputed=zb_keep_recomputed,
-                     p2p=p2p, kernels=kernel_names(kernels), quant=quant, quant_range=quant_range,
+                     activation_checkpointing=whole_blocks, selective=selective,
+                     zb_keep_recomputed=zb_keep_recomputed, p2p=p2p, kernels=kernel_names(kernels), quant=quant, quant_range=quant_range,
                      load_full=load_full, plan=plan, sync_init=sync_init, broadcast_batch=broadcast_batch)
         return config.with_world(world_size) if world_size is not None else config
 

@@ -9,7 +9,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from . import grads, recompute
+from . import grads, recompute, selective
 from .config import ModelChoices, ParallelConfig
 from .dp_overlap import DPOverlap
 from .experts import router_carry
@@ -82,6 +82,8 @@ def parallelize(config: ParallelConfig, mesh, module, device, grads_armed: Calla
     recomputed = recompute.targets(module, choices.recompute, layout, mesh.pp_rank,
                                    config.pipeline_blocks or _plan_blocks(module, config.plan)) \
         if choices.recompute else []
+    selected = selective.places(module, layout, mesh.pp_rank, config.pipeline_blocks or
+                                _plan_blocks(module, config.plan)) if config.selective else []
     full_keys = list(module.state_dict().keys())
     # 2. one set of initial weights, then keep this rank's stage and shards
     if config.sync_init and mesh.world_size > 1:
@@ -100,6 +102,7 @@ def parallelize(config: ParallelConfig, mesh, module, device, grads_armed: Calla
     if config.load_full is not None:
         load_full(module, config.load_full, full_keys, mesh.tp_rank)
     recompute.apply(module, recomputed, split=config.pipelined and config.zb_keep_recomputed)  # inside the stage wrappers
+    selective.apply(selective.blocks_at(module, selected))
     runner = None
     if config.pipelined:
         silence = [(module.get_submodule(name), twin, runs) for name, (twin, runs) in split["silence"].items()]
@@ -138,8 +141,8 @@ def stage_layout(config: ParallelConfig, module):
 def _reuse(config, mesh, module, done: Parallelized, device):
     """A module parallelized before: the same layout, the new strategy's groups."""
     old = done.config
-    if (old.tp, old.sp, old.pp, old.activation_checkpointing) != \
-            (config.tp, config.sp, config.pp, config.activation_checkpointing):
+    if (old.tp, old.sp, old.pp, old.activation_checkpointing, old.selective) != \
+            (config.tp, config.sp, config.pp, config.activation_checkpointing, config.selective):
         raise ValueError(f"{type(module).__name__} was already parallelized with tp={old.tp}, sp={old.sp}, "
                          f"pp={old.pp}, activation_checkpointing={old.activation_checkpointing}; build a fresh module "
                          f"for this layout.")

@@ -21,13 +21,19 @@ def check_option(value, quant, schedule: str | None = None, keep_recomputed: boo
     """Check ``activation_checkpointing`` (False or 0, True, or a positive int) and ``zb_keep_recomputed``
     against quantization and a split backward. See docs/design/rng-and-recompute.md."""
     split = schedule == "zb_h1" or (schedule is not None and (split_backward is True or split_backward == "drain"))
+    if value == "selective":  # the attention core only (see lightning_tp.selective)
+        if keep_recomputed:
+            raise ValueError("MegaStrategy(zb_keep_recomputed=True) keeps whole blocks' recomputation; with "
+                             "activation_checkpointing='selective' leave it False.")
+        return
     if isinstance(value, bool) or value is None:
         ok = True
     else:
         ok = isinstance(value, int) and value >= 0
     if not ok:
-        raise ValueError(f"MegaStrategy(activation_checkpointing={value!r}): use True (every block), False, or a "
-                         f"positive int n (the first n blocks of each pipeline stage).")
+        raise ValueError(f"MegaStrategy(activation_checkpointing={value!r}): use True (every block), False, a "
+                         f"positive int n (the first n blocks of each pipeline stage), or 'selective' (each "
+                         f"block's attention core).")
     if value and quant is not None:
         raise ValueError(f"MegaStrategy(activation_checkpointing=..., quant={quant!r}) is not supported: the "
                          f"recomputed forward would update the quantizers' activation ranges a second time. "

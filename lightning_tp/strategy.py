@@ -67,7 +67,7 @@ class MegaStrategy(ParallelStrategy):
         virtual_stages: model chunks per rank for the interleaved schedule.
         pipeline_blocks: path of the repeated block list (an encoder-decoder's two, as a list).
         stage_layers: blocks per (virtual) stage, instead of the parameter-balanced split.
-        activation_checkpointing: recompute blocks in backward: True for all, n for the first n of each stage.
+        activation_checkpointing: recompute in backward: True every block, n the first n of each stage, "selective" attention cores.
         zb_keep_recomputed: with a split backward and checkpointing: recompute once, in B, and keep it for W.
         split_backward: input gradient first, weights after: "auto" (drain at pp > 1), "drain", True, False.
         p2p: pipeline transfers: "auto", "eager" (gloo) or "batched" (NCCL).
@@ -89,7 +89,8 @@ class MegaStrategy(ParallelStrategy):
                  zero: Literal[0, 1] = 0, plan: Any = "auto",
                  microbatches: Optional[int] = None, schedule: str = "1f1b", virtual_stages: int = 1,
                  pipeline_blocks: Optional[Union[str, list[str]]] = None, stage_layers: Optional[list] = None,
-                 activation_checkpointing: Union[bool, int] = False, zb_keep_recomputed: bool = False,
+                 activation_checkpointing: Union[bool, int, Literal["selective"]] = False,
+                 zb_keep_recomputed: bool = False,
                  split_backward: Union[bool, Literal["auto", "drain"]] = "auto",
                  p2p: Literal["auto", "eager", "batched"] = "auto",
                  kernels: Union[bool, list, None] = False, quant: Optional[str] = None, quant_range: str = "ema",

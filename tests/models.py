@@ -288,7 +288,7 @@ class HFCausalLM(L.LightningModule):
         config = configs[family]()
         for k, v in (config_kw or {}).items():  # e.g. output_router_logits=True (an MoE's aux loss)
             setattr(config, k, v)
-        config._attn_implementation = "eager" if hidden_loss else "sdpa"  # eager: attention maps to return
+        config._attn_implementation = "eager" if hidden_loss else (config_kw or {}).get("_attn_implementation", "sdpa")
         self.model = T.AutoModelForCausalLM.from_config(config)
         if grad_ckpt:  # Hugging Face's own gradient checkpointing (reentrant, its default)
             self.model.gradient_checkpointing_enable()

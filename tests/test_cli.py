@@ -62,3 +62,8 @@ def test_example_config_parses():
 def test_registered_name():
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy="mega", logger=False)
     assert isinstance(trainer.strategy, lightning_tp.MegaStrategy)
+
+
+def test_yaml_activation_checkpointing_takes_selective(tmp_path):
+    strategy = _strategy_from_yaml(tmp_path, {"tp": 2, "activation_checkpointing": "selective"})
+    assert strategy.config.selective and strategy.config.activation_checkpointing is False

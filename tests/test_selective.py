@@ -1,0 +1,143 @@
+"""activation_checkpointing="selective": each block's attention core recomputed in backward, nothing else.
+Against one process (fp32, 10 AdamW steps, per-step loss and consolidated weights within 1e-5): the example
+GPT and Hugging Face Llama (sdpa and eager attention) at tp=2+sp, pp=2 (1F1B, ZB-H1) and tp=2 x pp=2; with
+dropout, the same numbers as the same layout without recomputation; the core really recomputed, and its
+s² activations no longer stored."""
+
+import pytest
+import torch
+
+from helpers import check, train_launch
+from models import make_model
+
+PP = dict(pp=2, microbatches=2)
+TEN = dict(max_steps=10)
+SEL = dict(activation_checkpointing="selective")
+EAGER = dict(config_kw=dict(_attn_implementation="eager"))
+
+WORLD2 = {
+    "gpt_tp2_sp": ("gpt", {}, dict(tp=2, sp=True, **SEL), TEN),
+    "gpt_pp2_1f1b": ("gpt", {}, dict(PP, **SEL), TEN),
+    "gpt_pp2_zb_h1": ("gpt", {}, dict(PP, schedule="zb_h1", **SEL), TEN),
+    "llama_tp2_sp": ("hf_llama", {}, dict(tp=2, sp=True, **SEL), TEN),
+    "llama_eager_tp2_sp": ("hf_llama", EAGER, dict(tp=2, sp=True, **SEL), TEN),
+    "llama_eager_pp2_1f1b": ("hf_llama", EAGER, dict(PP, **SEL), TEN),
+    "llama_pp2_zb_h1": ("hf_llama", {}, dict(PP, schedule="zb_h1", **SEL), TEN),
+    "litgpt_tp2_sp": ("litgpt", {}, dict(tp=2, sp=True, **SEL), TEN),
+    "encoder_tp2": ("encoder", {}, dict(tp=2, **SEL), TEN),  # nn.TransformerEncoder's MultiheadAttention
+    "bart_tp2": ("hf_bart", {}, dict(tp=2, **SEL), TEN),  # an encoder-decoder: self- and cross-attention
+}
+# with dropout (in the attention core too): the same numbers as the same layout without recomputation
+DROPOUT = {f"gpt_dropout_tp2_sp_{how}": ("gpt", dict(dropout=0.1), dict(tp=2, sp=True, activation_checkpointing=ac), TEN)
+           for how, ac in (("selective", "selective"), ("none", False))}
+DROPOUT.update({f"llama_eager_dropout_pp2_zb_h1_{how}": (
+    "hf_llama", dict(config_kw=dict(_attn_implementation="eager", attention_dropout=0.1)),
+    dict(PP, schedule="zb_h1", activation_checkpointing=ac), TEN) for how, ac in (("selective", "selective"),
+                                                                                  ("none", False))})
+WORLD4 = {
+    "gpt_tp2_pp2": ("gpt", {}, dict(tp=2, **PP, **SEL), TEN),
+    "llama_eager_tp2_sp_pp2_zb_h1": ("hf_llama", EAGER, dict(tp=2, sp=True, schedule="zb_h1", **PP, **SEL), TEN),
+}
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory):
+    return train_launch(2, {**WORLD2, **DROPOUT}, tmp_path_factory, "selective2")
+
+
+@pytest.fixture(scope="module")
+def world4(tmp_path_factory):
+    return train_launch(4, WORLD4, tmp_path_factory, "selective4")
+
+
+@pytest.mark.parametrize("name", list(WORLD2))
+def test_selective_world2(world2, name):
+    check(world2, name, WORLD2, 2)
+
+
+@pytest.mark.parametrize("name", list(WORLD4))
+def test_selective_world4(world4, name):
+    check(world4, name, WORLD4, 4)
+
+
+@pytest.mark.parametrize("model", ["gpt_dropout_tp2_sp", "llama_eager_dropout_pp2_zb_h1"])
+def test_with_dropout_selective_gives_the_numbers_of_no_recomputation(world2, model):
+    for r in world2:
+        sel, none = r[model + "_selective"], r[model + "_none"]
+        assert sel["losses"] == none["losses"]
+        assert len(set(sel["losses"])) > 5  # dropout on: training moves
+    sel, none = world2[0][model + "_selective"]["weights"], world2[0][model + "_none"]["weights"]
+    for key, value in none.items():
+        assert torch.equal(sel[key], value), key
+
+
+def _stored_bytes(model, selective_on: bool) -> int:
+    """Bytes of the distinct tensors autograd keeps for backward in one training step of ``model``."""
+    from lightning_tp import selective
+    from models import Tokens
+
+    if selective_on:
+        assert selective.apply(selective.blocks_at(model, selective.places(model))) == 2
+    kept = {}
+
+    def pack(t):
+        kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    x, y = Tokens(4, 64)[0]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model.training_step((x[None].repeat(2, 1), y[None].repeat(2, 1)), 0)
+    loss.backward()
+    return sum(kept.values())
+
+
+@pytest.mark.parametrize("kind,kw", [("hf_llama", EAGER), ("hf_llama", dict(config_kw=dict(
+    _attn_implementation="eager", attention_dropout=0.1)))], ids=["llama_eager", "llama_eager_dropout"])
+def test_the_attention_core_is_not_stored(kind, kw):
+    """Per layer the core's probabilities (batch x heads x s x s, fp32) and what derives from them are no
+    longer kept: at least one such tensor per layer less."""
+    from models import SEQ
+
+    probs = 2 * 4 * SEQ * SEQ * 4  # batch 2, 4 heads
+    model = make_model(kind, **kw)
+    model.log = lambda *a, **k: None
+    plain = make_model(kind, **kw)
+    plain.log = model.log
+    none, sel = _stored_bytes(plain, False), _stored_bytes(model, True)
+
+    assert none - sel >= 2 * probs, (none, sel, probs)
+
+
+FAMILIES = [("gpt", {}), ("hf_llama", {}), ("hf_llama", EAGER), ("hf_gpt2", {}), ("litgpt", {}), ("encoder", {}),
+            ("demo_transformer", {}), ("hf_bart", {})]
+
+
+@pytest.mark.parametrize("kind,kw", FAMILIES, ids=[k + ("_eager" if kw else "") for k, kw in FAMILIES])
+def test_each_family_runs_its_attention_core_under_a_checkpoint(kind, kw):
+    """The example GPT, Hugging Face sdpa and eager attention, litgpt, nn.MultiheadAttention (its
+    F.multi_head_attention_forward's call), BART's self- and cross-attention: one checkpointed core call
+    per attention module and step."""
+    from lightning_tp import selective
+    from models import Tokens
+
+    model = make_model(kind, **kw)
+    model.log = lambda *a, **k: None
+    blocks = selective.blocks_at(model, selective.places(model))
+    assert selective.apply(blocks) >= 2
+    x, y = Tokens(2, 64)[0]
+    model.training_step((x[None].repeat(2, 1), y[None].repeat(2, 1)), 0).backward()
+    hits = [a._lightning_tp_selective_hits for b in blocks for a in selective.attention_modules(b)]
+    assert hits and all(h == 1 for h in hits), hits
+
+
+def test_an_attention_written_out_by_hand_is_named_in_a_warning():
+    """T5 computes its attention with matmul and softmax in its own forward: nothing to checkpoint there."""
+    from lightning_tp import selective
+    from models import Tokens
+
+    model = make_model("hf_t5")
+    model.log = lambda *a, **k: None
+    selective.apply(selective.blocks_at(model, selective.places(model)))
+    x, y = Tokens(2, 64)[0]
+    with pytest.warns(UserWarning, match="T5Attention computed its attention without"):
+        model.training_step((x[None].repeat(2, 1), y[None].repeat(2, 1)), 0).backward()
