@@ -82,8 +82,9 @@ def parallelize(config: ParallelConfig, mesh, module, device, grads_armed: Calla
     recomputed = recompute.targets(module, choices.recompute, layout, mesh.pp_rank,
                                    config.pipeline_blocks or _plan_blocks(module, config.plan)) \
         if choices.recompute else []
+    core = planner.core_of(module, config.plan) if config.selective else ()
     selected = selective.places(module, layout, mesh.pp_rank, config.pipeline_blocks or
-                                _plan_blocks(module, config.plan)) if config.selective else []
+                                _plan_blocks(module, config.plan), core) if config.selective else []
     full_keys = list(module.state_dict().keys())
     # 2. one set of initial weights, then keep this rank's stage and shards
     if config.sync_init and mesh.world_size > 1:
@@ -102,7 +103,7 @@ def parallelize(config: ParallelConfig, mesh, module, device, grads_armed: Calla
     if config.load_full is not None:
         load_full(module, config.load_full, full_keys, mesh.tp_rank)
     recompute.apply(module, recomputed, split=config.pipelined and config.zb_keep_recomputed)  # inside the stage wrappers
-    selective.apply(selective.blocks_at(module, selected))
+    selective.apply(selective.blocks_at(module, selected), core)
     runner = None
     if config.pipelined:
         silence = [(module.get_submodule(name), twin, runs) for name, (twin, runs) in split["silence"].items()]

@@ -4,7 +4,9 @@ are recomputed in backward instead of stored. See docs/design/rng-and-recompute.
 
 from __future__ import annotations
 
+import fnmatch
 import functools
+import importlib
 import sys
 import types
 
@@ -27,9 +29,10 @@ def attention_modules(block: nn.Module) -> list:
     return [m for m in found if not any(o is not m and any(c is o for c in m.modules()) for o in found)]
 
 
-def places(model: nn.Module, layout=None, pp_rank: int = 0, name=None) -> list:
+def places(model: nn.Module, layout=None, pp_rank: int = 0, name=None, core: tuple = ()) -> list:
     """(list path, index) of the blocks whose attention core is recomputed: this rank's stage's under a
-    pipeline ``layout``, else every block of the model's lists; an error if none holds an attention module."""
+    pipeline ``layout``, else every block of the model's lists; an error if none holds an attention module
+    (or, with a plan's ``core``, a module it names) or a named function does not exist."""
     from .pipeline.cut.block_lists import block_at
     from .recompute import block_lists
 
@@ -38,11 +41,39 @@ def places(model: nn.Module, layout=None, pp_rank: int = 0, name=None) -> list:
                for i in range(layout.ranges[k][0], layout.ranges[k][1] + 1)]
     else:
         out = [(path, i) for path in block_lists(model, name) for i in range(len(model.get_submodule(path)))]
-    if out and not any(attention_modules(block_at(model.get_submodule(p), i)) for p, i in out):
+    functions, globs = split_core(core)
+    blocks = [block_at(model.get_submodule(p), i) for p, i in out]
+    if globs and not any(_named(b, globs) for b in blocks):
+        raise ValueError(f"MegaStrategy(activation_checkpointing='selective'): the plan's core {list(globs)} names no "
+                         f"submodule of {type(model).__name__}'s blocks (paths are relative to a block).")
+    if out and not globs and not functions and not any(attention_modules(b) for b in blocks):
         raise ValueError(f"MegaStrategy(activation_checkpointing='selective') recomputes each block's attention "
                          f"core, but no module whose class name says attention is in {type(model).__name__}'s "
-                         f"blocks. Use activation_checkpointing=True (whole blocks).")
+                         f"blocks. Name the core in your plan (Plan(core='attn.core' or 'package.module:function')), "
+                         f"or use activation_checkpointing=True (whole blocks).")
     return out
+
+
+def split_core(core: tuple) -> tuple:
+    """A plan's core entries as ((namespace, name) of functions, submodule globs); an unknown function is an error."""
+    functions, globs = [], []
+    for entry in core or ():
+        if ":" in entry:
+            where, _, name = entry.partition(":")
+            try:
+                space = importlib.import_module(where)
+            except ImportError as e:
+                raise ValueError(f"Plan(core={entry!r}): cannot import {where!r} ({e}).") from None
+            if not callable(getattr(space, name, None)):
+                raise ValueError(f"Plan(core={entry!r}): {where} has no function {name!r}.")
+            functions.append((space, name))
+        else:
+            globs.append(entry)
+    return tuple(functions), tuple(globs)
+
+
+def _named(block: nn.Module, globs) -> list:
+    return [m for n, m in block.named_modules() if n and any(fnmatch.fnmatchcase(n, g) for g in globs)]
 
 
 def blocks_at(model: nn.Module, places: list) -> list:
@@ -52,22 +83,42 @@ def blocks_at(model: nn.Module, places: list) -> list:
     return [part for path, i in places for _, part in called_parts(block_at(model.get_submodule(path), i))]
 
 
-def apply(blocks: list, core=None) -> int:
-    """Recompute the attention core of each block (``core``: (namespace, name) of the functions that are the
-    core, default torch.nn.functional's scaled_dot_product_attention; Hugging Face's eager attention function
-    is found per model family); returns how many attention modules were wrapped."""
+def apply(blocks: list, core: tuple = ()) -> int:
+    """Recompute the attention core of each block: the plan's ``core`` entries (functions
+    'package.module:name', replaced while the block's attention modules run, or submodule globs relative
+    to a block, checkpointed whole), besides torch.nn.functional's scaled_dot_product_attention and a
+    Hugging Face family's eager attention function; returns how many modules were wrapped."""
+    functions, globs = split_core(core)
     n = 0
     for block in blocks:
-        for attn in attention_modules(block):
+        for sub in _named(block, globs):
+            if not getattr(sub, "_lightning_tp_selective", False):
+                _checkpoint_module(sub)
+                n += 1
+        holders = [] if globs else attention_modules(block) or ([block] if functions else [])
+        for attn in holders:  # a named function is replaced while they run (the whole block, if none is found)
             if getattr(attn, "_lightning_tp_selective", False):
                 continue
             _wrap_eager(attn)
             attn._lightning_tp_selective = True
-            attn._lightning_tp_selective_core = tuple(core) if core else CORE
+            attn._lightning_tp_selective_core = CORE + functions
             attn._lightning_tp_selective_inner = attn.forward
             attn.forward = types.MethodType(_selective_forward, attn)
             n += 1
     return n
+
+
+def _checkpoint_module(sub: nn.Module) -> None:
+    """A plan-named core module: its whole forward under a checkpoint."""
+    inner = sub.forward
+    sub._lightning_tp_selective, sub._lightning_tp_selective_hits = True, 0
+
+    def forward(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return inner(*args, **kwargs)
+        return _checkpointed(sub, inner, *args, **kwargs)
+
+    sub.forward = forward
 
 
 def _selective_forward(self, *args, **kwargs):

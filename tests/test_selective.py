@@ -141,3 +141,130 @@ def test_an_attention_written_out_by_hand_is_named_in_a_warning():
     x, y = Tokens(2, 64)[0]
     with pytest.warns(UserWarning, match="T5Attention computed its attention without"):
         model.training_step((x[None].repeat(2, 1), y[None].repeat(2, 1)), 0).backward()
+
+
+# ------------------------------------------------------------------ a custom model names its core in its plan
+
+def hand_core(q, k, v):
+    """An attention core written out by hand, a module-level function (what Plan(core='module:function') names)."""
+    return torch.softmax(q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5, dim=-1) @ v
+
+
+class _Core(torch.nn.Module):
+    def forward(self, q, k, v):
+        return hand_core(q, k, v)
+
+
+class HandBlock(torch.nn.Module):
+    def __init__(self, d=16, as_module=False):
+        super().__init__()
+        self.norm, self.qkv, self.out = torch.nn.LayerNorm(d), torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
+        self.core = _Core() if as_module else None
+
+    def forward(self, x):
+        q, k, v = self.qkv(self.norm(x)).chunk(3, dim=-1)
+        return x + self.out(self.core(q, k, v) if self.core is not None else hand_core(q, k, v))
+
+
+def _hand_model(as_module=False):
+    import lightning as L
+
+    class HandLM(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.embed, self.head = torch.nn.Embedding(64, 16), torch.nn.Linear(16, 64)
+            self.blocks = torch.nn.ModuleList(HandBlock(as_module=as_module) for _ in range(2))
+
+        def forward(self, x):
+            h = self.embed(x)
+            for b in self.blocks:
+                h = b(h)
+            return self.head(h)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = torch.nn.functional.cross_entropy(self(x).flatten(0, 1), y.flatten())
+            self.log("train_loss", loss)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    return HandLM()
+
+
+@pytest.mark.parametrize("core,as_module", [("test_selective:hand_core", False), ("core", True)],
+                         ids=["function", "module"])
+def test_a_plan_names_the_core_of_a_custom_model(core, as_module):
+    from lightning_tp import selective
+    from lightning_tp.plans import Plan
+    from lightning_tp.plans.apply import core_of
+    from models import Tokens
+
+    plan = Plan(name="hand", blocks="blocks", core=core)
+    x, y = Tokens(2, 64)[0]
+    batch = (x[None].repeat(2, 1), y[None].repeat(2, 1))
+    grads = {}
+    for on in (False, True):
+        model = _hand_model(as_module)
+        model.log = lambda *a, **k: None
+        if on:
+            named = core_of(model, plan)
+            assert named == (core,)
+            blocks = selective.blocks_at(model, selective.places(model, name="blocks", core=named))
+            assert selective.apply(blocks, named) == 2
+        kept = {}
+        with torch.autograd.graph.saved_tensors_hooks(
+                lambda t: kept.__setitem__(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) or t,
+                lambda t: t):
+            loss = model.training_step(batch, 0)
+        loss.backward()
+        grads[on] = ({n: p.grad for n, p in model.named_parameters()}, sum(kept.values()))
+        if on:
+            hits = [getattr(m, "_lightning_tp_selective_hits", 0) for b in blocks for m in b.modules()
+                    if getattr(m, "_lightning_tp_selective", False)]
+            assert hits == [1, 1], hits
+    for name, g in grads[False][0].items():
+        assert torch.equal(grads[True][0][name], g), name
+    assert grads[True][1] < grads[False][1]  # the softmax's s x s output no longer kept
+
+
+def test_a_plan_core_that_names_nothing_is_refused():
+    from lightning_tp import selective
+
+    with pytest.raises(ValueError, match="no function 'nope'"):
+        selective.places(_hand_model(), name="blocks", core=("test_selective:nope",))
+    with pytest.raises(ValueError, match="names no submodule"):
+        selective.places(_hand_model(), name="blocks", core=("attn.core",))
+    with pytest.raises(ValueError, match="Name the core in your plan"):
+        selective.places(_hand_model(), name="blocks")
+
+
+def _hand_pipeline(rank, world):
+    import lightning as L
+
+    from lightning_tp import MegaStrategy
+    from lightning_tp.plans import Plan
+    from models import LossRecorder, TokenData, trainer_kwargs
+
+    out = {}
+    for on in (False, True):
+        model, rec = _hand_model(), LossRecorder()
+        strategy = MegaStrategy(pp=2, microbatches=2, plan=Plan(name="hand", blocks="blocks",
+                                                                core="test_selective:hand_core"),
+                                activation_checkpointing="selective" if on else False, timeout=60)
+        L.Trainer(devices=world, strategy=strategy, max_steps=4, callbacks=[rec], **trainer_kwargs()).fit(
+            model, TokenData(16, 64, 4))
+        out[on] = rec.losses
+        out[f"hits{on}"] = [getattr(b, "_lightning_tp_selective_hits", None) for b in model.blocks
+                            if getattr(b, "_lightning_tp_selective", False)]
+    return out
+
+
+def test_a_plan_core_under_a_pipeline_gives_the_numbers_of_no_recomputation():
+    import dist
+
+    for r in dist.run(2, _hand_pipeline, timeout=300):
+        assert r[True] == r[False] and len(r[True]) == 4
+        assert r["hitsTrue"] == [1], r  # this rank's block (one a stage), its core checkpointed each microbatch

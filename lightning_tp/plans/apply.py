@@ -426,6 +426,18 @@ def blocks_path(model: nn.Module, plan):
     return None
 
 
+def core_of(model: nn.Module, plan) -> tuple:
+    """What a plan names as the attention core for selective recomputation (``Plan.core``), if any."""
+    try:
+        found = _find(model, plan, blocks_only=True)
+    except ValueError:
+        return ()
+    for _, p in found:
+        if p.core:
+            return (p.core,) if isinstance(p.core, str) else tuple(p.core)
+    return ()
+
+
 def _set_submodule(model: nn.Module, path: str, new: nn.Module) -> None:
     parent_path, _, leaf = path.rpartition(".")
     parent = model.get_submodule(parent_path) if parent_path else model

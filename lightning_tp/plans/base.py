@@ -83,7 +83,7 @@ def split_style(value) -> tuple:
 @dataclass
 class Plan:
     """How to parallelize one model family: ``styles``, ``attrs``, ``sp_start``, ``sp_end``, ``seq_dim``,
-    ``blocks``, ``outputs``, ``pipeline``, ``targets``, ``requires``. Each field: docs/design/plans.md."""
+    ``blocks``, ``outputs``, ``pipeline``, ``targets``, ``requires``, ``core``. Each field: docs/design/plans.md."""
 
     name: str
     styles: dict = field(default_factory=dict)
@@ -96,6 +96,7 @@ class Plan:
     pipeline: bool = True
     targets: tuple = ()
     requires: tuple = ()
+    core: Optional[Union[str, tuple]] = None  # activation_checkpointing="selective": what the attention core is
 
     def __post_init__(self):
         for glob, value in self.styles.items():
