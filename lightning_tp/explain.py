@@ -25,7 +25,7 @@ from . import recompute
 from .config import ParallelConfig
 from .mesh import ParallelMesh
 from .parallelize import stage_layout
-from .explain_costs import cost_entries, saved_widths, t5_head_counts, t5_side, tp_ops, weight_grad_widths, width_in
+from .explain_costs import cost_entries, saved_scores, saved_widths, t5_head_counts, t5_side, tp_ops, weight_grad_widths, width_in
 from .experts.families import find_moe_blocks
 from .experts.layer import expert_parallel
 from .marks import marks_of, set_marks
@@ -123,11 +123,12 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
             batch_shape=(8, 128), schedule: str = "1f1b", virtual_stages: int = 1, plan="auto", dp: int = 1,
             dtype_bytes: int = 4, *, grad_bytes=None, accumulate_grad_batches: int = 1, pipeline_blocks=None,
             stage_layers=None, activation_checkpointing=False, zb_keep_recomputed: bool = False,
-            split_backward="auto", ep: int = 1, zero=None, optimizer_state_bytes=None,
+            split_backward="auto", ep: int = 1, zero=None, optimizer_state_bytes=None, score_copies: int = 0,
             config: ParallelConfig | None = None, print_report: bool = True) -> Explanation:
     """Parameters, stages, communication and memory per rank of ``MegaStrategy(tp, pp, sp, ..., zero)`` with ``dp``
     replicas on ``module`` (or of ``config``, a resolved layout with its dp; ``zero`` defaults to its), for a
-    per-process ``batch_shape`` (B, T). Prints the report unless ``print_report=False``; ``str()`` gives its text."""
+    per-process ``batch_shape`` (B, T); ``score_copies``: s x s tensors an attention core keeps per head (0: SDPA's
+    fused kernels). Prints the report unless ``print_report=False``; ``str()`` gives its text."""
     if getattr(module, "_lightning_tp", None) is not None:
         raise ValueError("explain() needs the user's module before MegaStrategy parallelized it.")
     if config is None:
@@ -226,6 +227,10 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
     t5_heads = t5_head_counts(base) if layout is not None and layout.lists else None
     ops, style_of = tp_ops(base, matches, sp, tp, hidden, locate, locate_end)
     width = saved_widths(base, style_of, tp, locate)
+    scores = saved_scores(base, style_of, tp, locate, T, score_copies)  # recomputed, not kept, under selective
+    if not config.selective:
+        for loc, n in scores.items():
+            width[loc] += n
     w_grads = weight_grad_widths(base, style_of, tp, locate) if schedule == "zb_h1" else {}
     sp_on = any(sp and mt.sp_start is not None for mt in matches)
 
@@ -234,6 +239,7 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
                            accumulate_grad_batches=acc, zero=config.zero, optimizer_state_bytes=state_bytes,
                            blocks=bpath, hidden=hidden, bubble=bubble,
                            split_backward=split_backward, activation_checkpointing=activation_checkpointing,
+                           selective=config.selective, score_copies=score_copies,
                            plans=[(mt.prefix, mt.plan.name) for mt in matches]))
     rep.actions = [list(a) for a in actions] if actions is not None else []
     counts = {}
@@ -273,6 +279,9 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
         transient = max((sum(width[("block", i)] for i in again if lo <= i <= hi) if zb_w
                          else max((width[("block", i)] for i in again if lo <= i <= hi), default=0)
                          for lo, hi in ranges), default=0)
+        if config.selective:  # one attention core's scores at a time, during its recompute
+            transient = max([transient] + ([scores.get(("block", i), 0) for lo, hi in ranges for i in range(lo, hi + 1)]
+                                           if ranges else list(scores.values())))
         act = heaviest({**width, **kept})
         held, to_w = peaks[r] * act, 0
         if schedule == "zb_h1" and layout and pp > 1:  # what each microbatch keeps from its B until its W

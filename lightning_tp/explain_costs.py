@@ -130,6 +130,31 @@ def saved_widths(base, style_of, tp, locate):
     return width
 
 
+def saved_scores(base, style_of, tp, locate, seq: int, copies: int):
+    """Elements per token each location's attention cores keep as s x s tensors: ``copies`` per head
+    (0 for SDPA's fused kernels) x heads / tp x the sequence length (see docs/design/explain.md)."""
+    scores = defaultdict(float)
+    for name, mod in base.named_modules():
+        st = style_of.get(name, (None,))[0]
+        if copies and st in ("region", "mha") and _attention(mod, name, style_of):
+            scores[locate(name)] += copies * _heads(mod) / tp * seq
+    return scores
+
+
+def _attention(mod, name, style_of) -> bool:
+    if style_of[name][0] == "mha":
+        return True
+    inner = [n for n, c in mod.named_modules(prefix=name) if _io(c)]
+    return sum(style_of[n][2].get("chunks", 1) for n in inner if style_of.get(n, ("",))[0] == "colwise_local") >= 3
+
+
+def _heads(mod) -> int:
+    for attr in ("num_heads", "n_head", "n_heads", "num_attention_heads"):
+        if isinstance(getattr(mod, attr, None), int):
+            return getattr(mod, attr)
+    raise ValueError(f"explain(score_copies=...): {type(mod).__name__} has no head count (num_heads, n_head).")
+
+
 def weight_grad_widths(base, style_of, tp, locate):
     """Elements per token, per location, of the gradients ZB-H1's B keeps for W to start from: each
     weight op's output gradient (a Linear's output on this tp rank, a norm's width)."""

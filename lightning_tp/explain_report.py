@@ -113,4 +113,8 @@ def format_report(rep) -> str:
                      f" keeps its input only; act mem includes one block's recompute, up to "
                      f"{size(max(r.recompute_bytes for r in rep.ranks))}; TP act counts its forward collectives "
                      f"twice, at most {size(max(r.tp_recompute_bytes for r in rep.ranks))} more)")
+    if c.get("selective"):
+        lines.append(f"(selective recomputation: each block's attention core keeps only its inputs; act mem includes "
+                     f"one core's s x s tensors during its recompute, up to {size(max(r.recompute_bytes for r in rep.ranks))}"
+                     f"{'' if c.get('score_copies') else ' (score_copies=0: fused attention keeps none anyway)'})")
     return "\n".join(lines)

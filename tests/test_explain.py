@@ -274,6 +274,34 @@ def test_activation_model_with_checkpointing_against_saved_tensors(n):
                                                      print_report=False))
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_selective_recomputation_keeps_what_explain_counts_without_the_cores_scores(tp):
+    """Attention dropout sends CPU SDPA down its math path, which keeps three s x s tensors per head (the
+    probabilities, the dropout mask, the dropped probabilities): explain(score_copies=3). Selective
+    recomputation drops exactly those, and holds one core's during its recompute."""
+    from lightning_tp import selective
+
+    kw = dict(n_layer=3, n_embd=64, vocab_size=63, dropout=0.1)
+    est, measured = {}, {}
+    for on in (False, True):
+        est[on] = explain(make_model("gpt", **kw), tp=tp, batch_shape=(B, SEQ), score_copies=3, print_report=False,
+                          activation_checkpointing="selective" if on else False).rank(0)
+        model = make_model("gpt", **kw)
+        if tp > 1:
+            planner.apply(model, planner.resolve(model, tp, False), None, tp, 0, False)
+        if on:
+            assert selective.apply(selective.blocks_at(model, selective.places(model))) == 3
+        measured[on] = _saved_bytes(model)
+    kept = {on: est[on].act_bytes - est[on].recompute_bytes for on in est}
+    scores = 3 * 4 // tp * B * SEQ * SEQ * 4 * 3  # copies x heads/tp x B x T x T x fp32, 3 layers
+    assert measured[False] - measured[True] == kept[False] - kept[True] == scores
+    assert est[True].recompute_bytes == scores // 3 and est[False].recompute_bytes == 0
+    for on in est:  # the rest as explain models it; dropout masks are left out of the model
+        assert measured[on] == pytest.approx(kept[on], rel=0.2)
+    assert "selective recomputation" in str(explain(make_model("gpt", **kw), activation_checkpointing="selective",
+                                                    print_report=False))
+
+
 def test_command_on_the_example_config(capsys):
     config = os.path.join(ROOT, "examples", "gpt", "config.yaml")
     run = subprocess.run([sys.executable, "-m", "lightning_tp", "explain", "--config", config], cwd=ROOT,
