@@ -302,6 +302,37 @@ def test_selective_recomputation_keeps_what_explain_counts_without_the_cores_sco
                                                     print_report=False))
 
 
+def _selective_under_sp(rank, world):
+    """Saved bytes of one forward on tp rank ``rank`` of a real tp=2 + sp group, without and with selective."""
+    import torch.distributed as torch_dist
+
+    from lightning_tp import selective
+
+    torch_dist.init_process_group("gloo")
+    out = {}
+    for on in (False, True):
+        model = make_model("gpt", n_layer=3, n_embd=64, vocab_size=63, dropout=0.1)
+        planner.apply(model, planner.resolve(model, world, True), torch_dist.group.WORLD, world, rank, True)
+        if on:
+            selective.apply(selective.blocks_at(model, selective.places(model)))
+        out[on] = _saved_bytes(model)
+    return out
+
+
+def test_selective_recomputation_under_sp_drops_the_scores_explain_counts():
+    """Under sequence parallelism the attention still runs on the whole sequence (its heads split over tp):
+    the scores selective drops are the same heads/tp x T per token, measured on a real tp=2 + sp group."""
+    kw = dict(n_layer=3, n_embd=64, vocab_size=63, dropout=0.1)
+    est = {on: explain(make_model("gpt", **kw), tp=2, sp=True, batch_shape=(B, SEQ), score_copies=3,
+                       activation_checkpointing="selective" if on else False, print_report=False).rank(0)
+           for on in (False, True)}
+    kept = {on: e.act_bytes - e.recompute_bytes for on, e in est.items()}
+    for measured in dist.run(2, _selective_under_sp):
+        assert measured[False] - measured[True] == kept[False] - kept[True] == 3 * 2 * B * SEQ * SEQ * 4 * 3
+        for on in kept:
+            assert measured[on] == pytest.approx(kept[on], rel=0.2)
+
+
 def test_command_on_the_example_config(capsys):
     config = os.path.join(ROOT, "examples", "gpt", "config.yaml")
     run = subprocess.run([sys.executable, "-m", "lightning_tp", "explain", "--config", config], cwd=ROOT,
