@@ -71,13 +71,14 @@ def main():
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--dropout", type=float, default=0.0)
     parser.add_argument("--rounds", type=int, default=ROUNDS)
+    parser.add_argument("--steps", type=int, default=STEPS, help=f"per fit; the first {WARMUP} are not timed")
     args = parser.parse_args()
     torch.set_num_threads(1)
     saved = {c: sum(fit(c, 2, SavedBytes(), args).per_step[-1].values()) for c in CHOICES}
     times = {c: [] for c in CHOICES}
     for _ in range(args.rounds):
         for c in CHOICES:
-            times[c] += fit(c, STEPS, StepTimer(), args).times[WARMUP:]
+            times[c] += fit(c, args.steps, StepTimer(), args).times[WARMUP:]
     base_t, base_m = statistics.median(times[False]), saved[False]
     print(f"example GPT (4 blocks, width {args.width}, {args.heads} heads, batch {args.batch} x {args.seq} tokens, "
           f"dropout {args.dropout}, fp32, 1 CPU thread), MegaStrategy(tp=1, pp=1); 5as/h = "

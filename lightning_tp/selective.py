@@ -7,20 +7,36 @@ from __future__ import annotations
 import fnmatch
 import functools
 import importlib
+import os
 import sys
 import types
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend
 from torch.utils.checkpoint import checkpoint
 
 CORE = ((F, "scaled_dot_product_attention"),)  # (namespace, name) of the functions that are the core
+_SDPA = F.scaled_dot_product_attention  # the function itself (the name is replaced while a core runs)
 
 
 def _checkpointed(module: nn.Module, fn, *args, **kwargs):
     module._lightning_tp_selective_hits += 1
+    if fn is _SDPA and not _keeps_scores(args, kwargs):
+        return fn(*args, **kwargs)  # a fused kernel keeps no s x s scores: recomputing it would only cost time
     return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+
+
+def _keeps_scores(args, kwargs) -> bool:
+    """Whether scaled_dot_product_attention would take its math path (which keeps the s x s probabilities)
+    rather than a fused kernel; LIGHTNING_TP_SELECTIVE_FUSED=1 recomputes fused ones too (for tests)."""
+    if os.environ.get("LIGHTNING_TP_SELECTIVE_FUSED") == "1":
+        return True
+    try:
+        return int(torch._fused_sdp_choice(*args, **kwargs)) == int(SDPBackend.MATH)
+    except (TypeError, RuntimeError, AttributeError):  # another torch: recompute, to be safe
+        return True
 
 
 def attention_modules(block: nn.Module) -> list:

@@ -40,6 +40,17 @@ WORLD4 = {
 }
 
 
+@pytest.fixture(scope="module", autouse=True)
+def recompute_fused_cores_too():
+    """Selective skips a core SDPA runs fused (it keeps no scores); the tests recompute those too, so the
+    dropout-free parity runs go through the checkpoint (the workers inherit the variable)."""
+    import os
+
+    os.environ["LIGHTNING_TP_SELECTIVE_FUSED"] = "1"
+    yield
+    del os.environ["LIGHTNING_TP_SELECTIVE_FUSED"]
+
+
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
     return train_launch(2, {**WORLD2, **DROPOUT}, tmp_path_factory, "selective2")
@@ -268,3 +279,22 @@ def test_a_plan_core_under_a_pipeline_gives_the_numbers_of_no_recomputation():
     for r in dist.run(2, _hand_pipeline, timeout=300):
         assert r[True] == r[False] and len(r[True]) == 4
         assert r["hitsTrue"] == [1], r  # this rank's block (one a stage), its core checkpointed each microbatch
+
+
+def test_a_core_sdpa_runs_fused_is_not_recomputed(monkeypatch):
+    """Without dropout CPU SDPA runs its flash kernel, which keeps no s x s scores: nothing is checkpointed."""
+    from lightning_tp import selective
+    from models import Tokens
+
+    monkeypatch.delenv("LIGHTNING_TP_SELECTIVE_FUSED")
+    calls = []
+    real = selective.checkpoint
+    monkeypatch.setattr(selective, "checkpoint", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for dropout, recomputed in ((0.0, 0), (0.1, 2)):  # attention dropout: the math path, one call a block
+        calls.clear()
+        model = make_model("gpt", dropout=dropout)
+        model.log = lambda *a, **k: None
+        selective.apply(selective.blocks_at(model, selective.places(model)))
+        x, y = Tokens(2, 64)[0]
+        model.training_step((x[None].repeat(2, 1), y[None].repeat(2, 1)), 0).backward()
+        assert len(calls) == recomputed, (dropout, len(calls))
