@@ -126,9 +126,8 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
             split_backward="auto", ep: int = 1, zero=None, optimizer_state_bytes=None, score_copies: int = 0,
             config: ParallelConfig | None = None, print_report: bool = True) -> Explanation:
     """Parameters, stages, communication and memory per rank of ``MegaStrategy(tp, pp, sp, ..., zero)`` with ``dp``
-    replicas on ``module`` (or of ``config``, a resolved layout with its dp; ``zero`` defaults to its), for a
-    per-process ``batch_shape`` (B, T); ``score_copies``: s x s tensors an attention core keeps per head (0: SDPA's
-    fused kernels). Prints the report unless ``print_report=False``; ``str()`` gives its text."""
+    replicas on ``module`` (or of ``config``, with its dp) for a per-process ``batch_shape`` (B, T); ``score_copies``:
+    s x s tensors an attention core keeps per head (0: fused SDPA). Prints the report unless ``print_report=False``."""
     if getattr(module, "_lightning_tp", None) is not None:
         raise ValueError("explain() needs the user's module before MegaStrategy parallelized it.")
     if config is None:

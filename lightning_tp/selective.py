@@ -100,10 +100,9 @@ def blocks_at(model: nn.Module, places: list) -> list:
 
 
 def apply(blocks: list, core: tuple = ()) -> int:
-    """Recompute the attention core of each block: the plan's ``core`` entries (functions
-    'package.module:name', replaced while the block's attention modules run, or submodule globs relative
-    to a block, checkpointed whole), besides torch.nn.functional's scaled_dot_product_attention and a
-    Hugging Face family's eager attention function; returns how many modules were wrapped."""
+    """Recompute the attention core of each block: SDPA, a Hugging Face family's eager attention, and the plan's
+    ``core`` entries ('package.module:name' functions, or submodule globs relative to a block, checkpointed
+    whole); returns how many modules were wrapped."""
     functions, globs = split_core(core)
     n = 0
     for block in blocks:
