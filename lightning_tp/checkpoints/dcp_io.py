@@ -149,9 +149,10 @@ def save(tensors: dict, path, no_dist: bool = False, group=None) -> None:
 
 
 def staged(tensors: dict) -> dict:
-    """``{name: Chunked}`` with each owned chunk copied (what an asynchronous write reads while training goes on)."""
-    return {n: Chunked(t.shape, [Chunk(c.offsets, c.view.detach().clone(), c.owner) for c in t.chunks if c.owner])
-            for n, t in tensors.items()}
+    """``{name: Chunked}`` with each owned chunk copied to host memory (what an asynchronous write reads while
+    training goes on)."""
+    return {n: Chunked(t.shape, [Chunk(c.offsets, c.view.detach().to("cpu", copy=True), c.owner)
+                                 for c in t.chunks if c.owner]) for n, t in tensors.items()}
 
 
 def load(tensors: dict, path, index: md.Metadata, no_dist: bool = False) -> None:
