@@ -192,21 +192,17 @@ def _block_streams(config, mesh, module, layout, device):
         return None
     seed = torch.tensor([torch.initial_seed() & ((1 << 63) - 1)], dtype=torch.int64, device=device)
     dist.broadcast(seed, src=0)
-    if layout is not None:
-        found = [layout.locate(i) for k in layout.vstages_of(mesh.pp_rank)
-                 for i in range(layout.ranges[k][0], layout.ranges[k][1] + 1)]
-    else:
-        try:
-            found = [(path, i) for path in recompute.block_lists(module, config.pipeline_blocks or _plan_blocks(module, config.plan))
-                     for i in range(len(module.get_submodule(path)))]
-        except ValueError:
-            if config.tp > 1 and any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in module.modules()):
-                from lightning.pytorch.utilities import rank_zero_warn
+    try:
+        found = recompute.block_places(module, layout, mesh.pp_rank,
+                                       config.pipeline_blocks or _plan_blocks(module, config.plan))
+    except ValueError:  # no block list (only without a pipeline)
+        if config.tp > 1 and any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in module.modules()):
+            from lightning.pytorch.utilities import rank_zero_warn
 
-                rank_zero_warn(f"{type(module).__name__} has dropout but no repeated block list was found: under "
-                               f"tp its split activations draw alike masks on every rank. Name the list with "
-                               f"MegaStrategy(pipeline_blocks='path.to.blocks') for a stream per rank.")
-            return None
+            rank_zero_warn(f"{type(module).__name__} has dropout but no repeated block list was found: under "
+                           f"tp its split activations draw alike masks on every rank. Name the list with "
+                           f"MegaStrategy(pipeline_blocks='path.to.blocks') for a stream per rank.")
+        return None
     blocks = [(f"{path}.{block_key(module.get_submodule(path), i)}", block_at(module.get_submodule(path), i))
               for path, i in found]
     if layout is not None:  # modules of lists walked with the blocks (zip) run with them

@@ -90,18 +90,21 @@ def _outermost_lists(model: nn.Module, others: bool) -> list[str]:
     return found
 
 
+def block_places(model: nn.Module, layout=None, pp_rank: int = 0, name: str | None = None,
+                 first: int | None = None) -> list[tuple[str, int]]:
+    """(list path, index) of this rank's blocks: under a pipeline ``layout`` its virtual stages' (the first
+    ``first`` of each), else every block of the model's lists (the first ``first`` of each)."""
+    if layout is not None:
+        return [layout.locate(i) for k in layout.vstages_of(pp_rank)
+                for i in range(layout.ranges[k][0], layout.ranges[k][1] + 1)[:first]]
+    return [(path, i) for path in block_lists(model, name) for i in range(len(model.get_submodule(path)))[:first]]
+
+
 def targets(model: nn.Module, n, layout=None, pp_rank: int = 0, name: str | None = None) -> list[tuple[str, int]]:
     """(list path, index) of each block to checkpoint: with a pipeline ``layout``, this rank's blocks
     (all of them, or the first ``n`` of each virtual stage); without, every block of the lists (or
     the first n of each list). Found before anything changes, so a bad model fails on every rank."""
-    first = None if n is True else n
-    if layout is not None:
-        out = []
-        for k in layout.vstages_of(pp_rank):
-            lo, hi = layout.ranges[k]
-            out += [layout.locate(i) for i in range(lo, hi + 1)][:first]
-    else:
-        out = [(path, i) for path in block_lists(model, name) for i in range(len(model.get_submodule(path)))[:first]]
+    out = block_places(model, layout, pp_rank, name, None if n is True else n)
     block = lambda path, i: block_at(model.get_submodule(path), i)  # noqa: E731
     called = lambda path, i: f"{path}.{block_key(model.get_submodule(path), i)}"  # noqa: E731
     twice = [called(path, i) for path, i in out if getattr(block(path, i), "gradient_checkpointing", False)]

@@ -50,13 +50,9 @@ def places(model: nn.Module, layout=None, pp_rank: int = 0, name=None, core: tup
     pipeline ``layout``, else every block of the model's lists; an error if none holds an attention module
     (or, with a plan's ``core``, a module it names) or a named function does not exist."""
     from .pipeline.cut.block_lists import block_at
-    from .recompute import block_lists
+    from .recompute import block_places
 
-    if layout is not None:
-        out = [layout.locate(i) for k in layout.vstages_of(pp_rank)
-               for i in range(layout.ranges[k][0], layout.ranges[k][1] + 1)]
-    else:
-        out = [(path, i) for path in block_lists(model, name) for i in range(len(model.get_submodule(path)))]
+    out = block_places(model, layout, pp_rank, name)
     functions, globs = split_core(core)
     blocks = [block_at(model.get_submodule(p), i) for p, i in out]
     if globs and not any(_named(b, globs) for b in blocks):
