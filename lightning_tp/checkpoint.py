@@ -132,12 +132,13 @@ def kind(path) -> str | None:
     if not path.is_dir():
         return None
     if (path / META).is_file():
-        if not (path / dcp_io.INDEX).is_file():
-            return "lightning_tp"  # the first format
         try:
-            return "lightning_tp" if "lightning_tp" in safe_load(path / META) else "lightning_dcp"
-        except ValueError:  # Lightning's meta.pt may hold objects weights_only refuses
-            return "lightning_dcp"
+            ours = "lightning_tp" in safe_load(path / META)  # both formats record their layout there
+        except ValueError:  # Lightning's meta.pt may hold objects weights_only refuses; any other says so
+            if not (path / dcp_io.INDEX).is_file():
+                raise
+            ours = False
+        return "lightning_tp" if ours else "lightning_dcp" if (path / dcp_io.INDEX).is_file() else None
     if (path / "latest").is_file() or (path / "checkpoint").is_dir():
         return "deepspeed"
     return None
@@ -145,9 +146,10 @@ def kind(path) -> str | None:
 
 def read_meta(path) -> dict:
     """A checkpoint directory's ``meta.pt`` (trainer state, layout), read as tensors and plain data."""
-    if not is_sharded(path):
-        raise ValueError(f"{path} is not a lightning_tp checkpoint directory (no {META} in it).")
-    return safe_load(Path(path) / META)
+    meta = safe_load(Path(path) / META) if (Path(path) / META).is_file() else {}
+    if "lightning_tp" not in meta:
+        raise ValueError(f"{path} is not a lightning_tp checkpoint directory (no {META} with its layout in it).")
+    return meta
 
 
 def load(path, mesh, module, optimizers, device) -> dict:

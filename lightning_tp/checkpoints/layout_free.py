@@ -54,32 +54,8 @@ def tensors_to_save(checkpoint: dict, module, optimizers, tp_rank: int):
         prefix = "model/" if entry == "state_dict" else f"extra/{entry}/"
         for k, t in checkpoint.get(entry, {}).items():
             out[prefix + k] = chunks_of(t.detach(), specs.get(k), tp_rank)
-    described = []
-    for i, (opt, sd) in enumerate(zip(optimizers, checkpoint.get("optimizer_states", []))):
-        if sd.get(ZERO_SLICES):
-            described.append(_zero_slices_to_save(i, opt, names, tp_rank, out))
-            continue
-        params = [p for group in state_order(opt) for p in group]
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in sd["param_groups"]]
-        where, plain = {}, {}
-        for g, group in enumerate(state_order(opt)):
-            for p in group:
-                for n in names.get(id(p), []):
-                    where[n] = g
-        for j, state in sd["state"].items():
-            p = params[j]
-            for n in names[id(p)]:  # under every name, so a layout holding the weight under another finds it
-                for key, v in state.items():
-                    name = f"optim{i}/{n}/{key}"
-                    if _like(v, p):
-                        out[name] = chunks_of(v.detach(), spec_of(p), tp_rank)
-                    elif torch.is_tensor(v) and (v.dim() == 0 or spec_of(p) is None):
-                        out[name] = _whole(v.detach())
-                    elif torch.is_tensor(v):  # shaped otherwise on a sharded weight: only this layout reads it
-                        out[f"{name}@tp{tp_rank}"] = _whole(v.detach())
-                    else:
-                        plain.setdefault(n, {})[key] = v
-        described.append({"groups": groups, "group_of": where, "plain": plain})
+    described = [_optimizer_to_save(i, opt, sd, names, tp_rank, out)
+                 for i, (opt, sd) in enumerate(zip(optimizers, checkpoint.get("optimizer_states", [])))]
     return out, {"model_like": model_like, "optimizers": described}
 
 
@@ -93,27 +69,35 @@ def _slices(opt) -> dict:
     return out
 
 
-def _zero_slices_to_save(i: int, opt, names: dict, tp_rank: int, out: dict) -> dict:
-    """A zero=1 optimizer's state as this rank holds it (its slices), each slice's moments placed in the full
-    tensors (chunks of them): no rank gathers anything."""
-    zero, sliced = opt._lightning_tp_zero, _slices(opt)
-    where = {n: g for g, group in enumerate(zero.original) for p in group for n in names.get(id(p), [])}
+def _optimizer_to_save(i: int, opt, sd: dict, names: dict, tp_rank: int, out: dict) -> dict:
+    """Put optimizer ``i``'s state tensors into ``out`` under its weights' names; returns its description. A
+    zero=1 optimizer's (``sd`` only says so) is this rank's slices, read from the optimizer: nothing gathered."""
+    if sd.get(ZERO_SLICES):
+        sliced = _slices(opt)
+        entries = [(*sliced[id(p)], opt.state.get(p, {})) for g in opt.param_groups for p in g["params"]]
+        hyper = opt.param_groups
+    else:
+        params = [p for group in state_order(opt) for p in group]
+        entries = [(params[j], None, state) for j, state in sd["state"].items()]
+        hyper = sd["param_groups"]
     plain = {}
-    for p in (p for g in opt.param_groups for p in g["params"]):
-        q, start = sliced[id(p)]
-        for n in names[id(q)]:
-            for key, v in opt.state.get(p, {}).items():
+    for q, start, state in entries:
+        for n in names[id(q)]:  # under every name, so a layout holding the weight under another finds it
+            for key, v in state.items():
                 name = f"optim{i}/{n}/{key}"
-                if torch.is_tensor(v) and v.dim() > 0 and start is not None:
+                if torch.is_tensor(v) and v.dim() > 0 and start is not None:  # a zero=1 slice of the moments
                     out[name] = flat_chunks_of(v.detach().reshape(-1), tuple(q.shape), spec_of(q), tp_rank, start)
                 elif _like(v, q):
                     out[name] = chunks_of(v.detach(), spec_of(q), tp_rank)
-                elif torch.is_tensor(v):  # zero=1 takes elementwise optimizers only: a step count
+                elif torch.is_tensor(v) and (v.dim() == 0 or spec_of(q) is None):
                     out[name] = _whole(v.detach())
+                elif torch.is_tensor(v):  # shaped otherwise on a sharded weight: only this layout reads it
+                    out[f"{name}@tp{tp_rank}"] = _whole(v.detach())
                 else:
                     plain.setdefault(n, {})[key] = v
-    groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
-    return {"groups": groups, "group_of": where, "plain": plain}
+    where = {n: g for g, group in enumerate(state_order(opt)) for p in group for n in names.get(id(p), [])}
+    return {"groups": [{k: v for k, v in g.items() if k != "params"} for g in hyper], "group_of": where,
+            "plain": plain}
 
 
 def merge_descriptions(parts: list) -> dict:
@@ -153,9 +137,9 @@ def _check_model(path, index, module, specs) -> dict:
     return state
 
 
-def _optimizer_targets(path, index, i, opt, names, saved: dict, tp_rank: int, targets: dict) -> dict:
+def _optimizer_targets(path, index, keys_of, i, opt, names, saved: dict, tp_rank: int, targets: dict) -> dict:
     """The optimizer's state dict in this layout's indices, its tensors to be filled through ``targets``; a
-    zero=1 optimizer's in its slices' (it loads that as it is)."""
+    zero=1 optimizer's in its slices' (it loads that as it is). ``keys_of``: 'optim<i>/<weight>/' -> its saved keys."""
     zero = getattr(opt, "_lightning_tp_zero", None)
     order = state_order(opt)
     if len(saved["groups"]) != len(order):
@@ -169,7 +153,7 @@ def _optimizer_targets(path, index, i, opt, names, saved: dict, tp_rank: int, ta
             q, start = sliced[id(p)]
             for n in names.get(id(q), []):
                 prefix = f"optim{i}/{n}/"
-                keys = [k[len(prefix):] for k in stored if k.startswith(prefix)]
+                keys = keys_of.get(prefix, [])
                 if not keys and n not in saved["plain"]:
                     continue
                 entry = dict(saved["plain"].get(n, {}))
@@ -223,7 +207,12 @@ def prepare(path, meta: dict, module, optimizers, tp_rank: int, tp: int):
     if len(layout["optimizers"]) != len(optimizers):
         raise ValueError(f"checkpoint {path} holds {len(layout['optimizers'])} optimizers' state, configure_optimizers "
                          f"gave {len(optimizers)}.")
-    meta["optimizer_states"] = [_optimizer_targets(path, index, i, opt, names, saved, tp_rank, targets)
+    keys_of: dict = {}  # the index's optimizer entries by weight, read once
+    for name in index.state_dict_metadata:
+        if name.startswith("optim"):
+            prefix, _, key = name.rpartition("/")
+            keys_of.setdefault(prefix + "/", []).append(key)
+    meta["optimizer_states"] = [_optimizer_targets(path, index, keys_of, i, opt, names, saved, tp_rank, targets)
                                 for i, (opt, saved) in enumerate(zip(optimizers, layout["optimizers"]))]
     meta["state_dict"] = state
     return (targets, index), meta
