@@ -14,9 +14,10 @@ from .mesh import data_parallel_size
 from .pipeline.schedule.schedules import build_schedule, resolve_split_backward
 from .quant import bits_of
 from .quant.fake_quant import RANGE_MODES
+from .zero.fsdp import check_zero3
 
 P2P_MODES = ("auto", "eager", "batched")
-ZERO_STAGES = (0, 1)
+ZERO_STAGES = (0, 1, 3)
 
 
 @dataclass(frozen=True)
@@ -81,8 +82,11 @@ class ParallelConfig:
                              f"(1.0: each expert takes its even share of a rank's tokens x top_k); None is dropless.")
         if zero not in ZERO_STAGES or isinstance(zero, bool):
             raise ValueError(f"MegaStrategy(zero={zero!r}): choose 0 (every dp replica keeps the whole optimizer "
-                             f"state) or 1 (optimizer state sharded over dp). zero=3 is not built yet.")
+                             f"state), 1 (optimizer state sharded over dp) or 3 (parameters, gradients and optimizer "
+                             f"state sharded over dp).")
         pipelined = pp > 1 or microbatches > 1
+        if zero == 3:
+            check_zero3(pp, microbatches, ep, quant)
         whole_blocks = activation_checkpointing if activation_checkpointing != "selective" else False
         split_default = resolve_split_backward(split_backward, schedule, pp, whole_blocks)
         if pipelined:  # names and counts

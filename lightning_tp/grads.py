@@ -13,6 +13,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from . import comm
 from .layers.shard import spec_of
 from .marks import marks_of
+from .local_shards import is_sharded, local
 
 BUCKET_BYTES = 25 * 1024 * 1024
 
@@ -89,14 +90,15 @@ def sync_gradients(params, mesh, dp_overlap=None, repeated: bool = False, zero=(
     summed = [p for p in params if marks_of(p).sp_partial or _replicated_pieces(p, 0)] \
         if repeated else []  # (found only where a step syncs more than once: manual optimization)
     before = _summed_before(summed)
-    _reduce([p.grad for p in params if marks_of(p).sp_partial], mesh.tp_group)
+    _reduce([local(p.grad) for p in params if marks_of(p).sp_partial], mesh.tp_group)  # zero=3: shards alike
     _sum_replicas(params, mesh)
     if repeated:
         _remember_summed(summed, before)
     # without an overlap every grad; with one, those of parameters it does not know (made trainable
     # after setup, e.g. by a fine-tuning callback)
     bucketed = set().union(*(z.bucketed() for z in zero))
-    left = [p for p in trainable if (dp_overlap is None or id(p) not in dp_overlap.bucket_of) and id(p) not in bucketed]
+    left = [p for p in trainable if (dp_overlap is None or id(p) not in dp_overlap.bucket_of) and id(p) not in bucketed
+            and not is_sharded(p)]  # zero=3: FSDP2 reduce-scattered them in the backward
     for z in zero:
         z.reduce_scatter()
     average_over_dp([p for p in left if not marks_of(p).expert], mesh.dp_group, 1.0 / mesh.dp)
@@ -250,18 +252,19 @@ def global_grad_norm(params, mesh, norm_type: float = 2.0, zero=None) -> torch.T
     parts = []
     for experts in (False, True):  # an ep group's ranks hold different experts: each counted once
         parts.append(norm_part([g.detach() for p in params if marks_of(p).expert == experts
-                                for g in counted(p, p.grad, mesh.tp_rank, mesh.pp_rank)], norm_type, device))
+                                for g in counted(p, local(p.grad), mesh.tp_rank, mesh.pp_rank)], norm_type, device))
     for i, part in enumerate(sliced):
         if part is not None:
             parts[i] = torch.maximum(parts[i], part) if math.isinf(norm_type) else parts[i] + part
-    local, experts = parts
+    mine, experts = parts
+    group = dist.group.WORLD if any(is_sharded(p) for p in params) else mesh.mp_group  # zero=3: dp ranks hold parts too
     if math.isinf(norm_type):
         if mesh.ep > 1:
             experts = comm.all_reduce(experts.clone(), mesh.ep_group, op=dist.ReduceOp.MAX)
-        return comm.all_reduce(torch.maximum(local, experts).clone(), mesh.mp_group, op=dist.ReduceOp.MAX)
+        return comm.all_reduce(torch.maximum(mine, experts).clone(), group, op=dist.ReduceOp.MAX)
     if mesh.ep > 1:
         experts = comm.all_reduce(experts, mesh.ep_group)
-    return comm.all_reduce(local + experts, mesh.mp_group) ** (1.0 / norm_type)
+    return comm.all_reduce(mine + experts, group) ** (1.0 / norm_type)
 
 
 def norm_part(tensors: list, norm_type: float, device) -> torch.Tensor:
@@ -290,5 +293,5 @@ def clip_grad_norm(params, max_norm: float, mesh, norm_type: float = 2.0, zero=N
     total = global_grad_norm(params, mesh, norm_type, zero)
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
     for p in params:
-        p.grad.detach().mul_(coef.to(p.grad.dtype))
+        local(p.grad).detach().mul_(coef.to(p.grad.dtype))
     return total

@@ -23,6 +23,7 @@ from .pipeline.cut.block_lists import block_at, block_key, called_parts
 from .pipeline.run.executor import PipelineRunner
 from .pipeline.cut.placeholders import meta_twins
 from .tp_in_pp.sharded_twins import shard_twins
+from .zero import fsdp
 from .pipeline.run.side_inputs import SideInputCheck
 from .tp_in_pp import sp_stages
 from .pipeline.cut.split import apply_split, plan_stages
@@ -260,6 +261,20 @@ def _broadcast_initial_weights(module, device) -> None:
         dist.broadcast(flat, src=0)
         for t, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
             t.copy_(synced)
+
+
+def shard_over_dp(config: ParallelConfig, mesh, module) -> bool:
+    """zero=3 at dp > 1: the parameters sharded over dp with FSDP2, each block a unit (see .zero.fsdp);
+    whether they were. Call after the module has its tp layout, dtype and device."""
+    if config.zero != 3 or mesh.dp == 1:
+        return False
+    fsdp.check_shardable(module)
+    try:
+        places = recompute.block_places(module, None, 0, config.pipeline_blocks or _plan_blocks(module, config.plan))
+    except ValueError:  # no block list: the whole model one unit
+        places = []
+    fsdp.shard_parameters(module, mesh.device_mesh["dp"], [block_at(module.get_submodule(p), i) for p, i in places])
+    return True
 
 
 def _plan_blocks(module, plan):

@@ -32,7 +32,7 @@ from .failures import FailureNotes, raise_on_every_rank
 from .mesh import ParallelMesh, build_mesh, gloo_twin_of_mp_group
 from .pipeline.run.epoch_end import install as install_epoch_end_sync
 from .pipeline.run.executor import PipelineRunner
-from .parallelize import parallelize
+from .parallelize import parallelize, shard_over_dp
 from .same_batch import BatchBroadcast
 from .zero import shard_optimizers
 from .zero.overlap import ZeroOverlap
@@ -115,6 +115,7 @@ class MegaStrategy(ParallelStrategy):
         self._runner = None
         self._dp_overlap = None
         self._zero = []  # zero=1: the sharded optimizers (see .zero)
+        self._fsdp = False  # zero=3: the parameters sharded over dp by FSDP2 (see .zero.fsdp)
         self._process_group_backend = process_group_backend
         self._timeout = timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout
         self._start_method = start_method
@@ -224,6 +225,8 @@ class MegaStrategy(ParallelStrategy):
         for twin in self.lightning_module._lightning_tp.twins:  # placeholders' zeros in the model's dtype
             self.precision_plugin.convert_module(twin)
         self.model_to_device()
+        if not reused:
+            self._fsdp = shard_over_dp(self.config, self.mesh, self.lightning_module)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             raise_on_every_rank("configure_optimizers", lambda: self.setup_optimizers(trainer), self.global_rank,
@@ -238,12 +241,13 @@ class MegaStrategy(ParallelStrategy):
                 self._dp_overlap = ZeroOverlap(self._zero, lambda: self._sync_grads)
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
         scaler = getattr(self.precision_plugin, "scaler", None)
-        if scaler is not None and (self.tp * self.pp > 1 or self._zero):  # fp16 AMP: one skip-or-step decision
-            # for all (under zero=1 each dp rank unscales only its slices)
+        if scaler is not None and (self.tp * self.pp > 1 or self._zero or self._fsdp):  # fp16 AMP: one skip-or-step decision
+            # for all (under zero=1/3 each dp rank unscales only its slices)
             grads.agree_on_overflow(scaler)
 
     def _shard_optimizers(self) -> list:
-        """zero=1 at dp > 1: each optimizer sharded over dp (checked on every rank first); a warning at dp = 1."""
+        """zero=1 at dp > 1: each optimizer sharded over dp (checked on every rank first); a warning at dp = 1
+        (zero=3: FSDP2 has sharded the parameters, and so the optimizer's state, already)."""
         if not self.config.zero:
             return []
         if self.mesh.dp == 1:
@@ -251,8 +255,9 @@ class MegaStrategy(ParallelStrategy):
                            f"(world {self.world_size} / (tp={self.tp} x pp={self.pp})): nothing is sharded.")
             return []
         if not self.lightning_module.automatic_optimization:
-            raise ValueError("MegaStrategy(zero=1) needs automatic optimization; with manual optimization use zero=0.")
-        return shard_optimizers(self.optimizers, self.mesh)
+            raise ValueError(f"MegaStrategy(zero={self.config.zero}) needs automatic optimization; with manual "
+                             f"optimization use zero=0.")
+        return [] if self._fsdp else shard_optimizers(self.optimizers, self.mesh)
 
     def model_to_device(self) -> None:
         assert self.model is not None
@@ -267,6 +272,9 @@ class MegaStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ pipeline steps
 
     def training_step(self, *args, **kwargs):
+        if self._fsdp:  # through the module's call, which runs FSDP2's hooks
+            with self.precision_plugin.train_step_context():
+                return self._forward_redirection(self.model, self.lightning_module, "training_step", *args, **kwargs)
         if self._runner is None:
             return super().training_step(*args, **kwargs)
         if not self.lightning_module.automatic_optimization:
@@ -287,6 +295,9 @@ class MegaStrategy(ParallelStrategy):
         return {"loss": loss, **extras} if extras else loss
 
     def _eval_step(self, hook, context, *args, **kwargs):
+        if self._fsdp:
+            with context():
+                return self._forward_redirection(self.model, self.lightning_module, hook, *args, **kwargs)
         if self._runner is None:
             return getattr(super(), hook)(*args, **kwargs)
         batch, rest, batch_idx = _step_args(args, kwargs, 0)
@@ -430,7 +441,14 @@ class MegaStrategy(ParallelStrategy):
             self._batch_broadcast.finish()
         if self._writer is not None:  # the last checkpoint in place before the processes go
             self._writer.wait()
-        super().teardown()
+        if not self._fsdp:
+            return super().teardown()
+        # zero=3, as Lightning's ModelParallelStrategy: the module stays where it is (moving FSDP2's DTensors
+        # would make new parameter objects, apart from the optimizer's and without their marks)
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
 
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:

@@ -36,8 +36,11 @@ def test_the_strategy_holds_the_resolved_config():
     (dict(microbatches=0), "microbatches must be a positive integer"),
     (dict(pp=2, virtual_stages=0), "virtual_stages must be a positive integer"),
     (dict(ep=0), "ep must be a positive integer"),
-    (dict(zero=2), r"zero=2\): choose 0 .* or 1 "),
-    (dict(zero=3), "zero=3 is not built yet"),
+    (dict(zero=2), r"zero=2\): choose 0 .*, 1 .* or 3 "),
+    (dict(zero=3, pp=2), r"zero=3\) with pp=2, microbatches=2: .* Use zero=1 with a pipeline"),
+    (dict(zero=3, microbatches=2), r"zero=3\) with pp=1, microbatches=2"),
+    (dict(zero=3, ep=2), r"zero=3\) with ep=2: expert weights differ .* Use zero=1"),
+    (dict(zero=3, quant="int8"), r"zero=3\) with quant='int8'"),
     (dict(zero=True), "choose 0"),
 ])
 def test_bad_options_are_refused_by_config_and_strategy_alike(kw, message):

@@ -22,6 +22,10 @@ CASES = {
     "gpt_tp2_pp2_to_one": ("gpt", {}, (4, dict(tp=2, **PP)), (1, {})),
     "gpt_dp2_zero1_to_one": ("gpt", {}, (2, dict(zero=1)), (1, {})),
     "gpt_tp2_dp2_zero1_to_pp2_dp2_zero1": ("gpt", {}, (4, dict(tp=2, zero=1)), (4, dict(PP, zero=1))),  # slices moved
+    # zero=3: FSDP2's DTensor shards (runs of whole rows) written and read as chunks, moments included
+    "gpt_tp2_dp2_zero3_to_pp2_dp2_zero1": ("gpt", {}, (4, dict(tp=2, zero=3)), (4, dict(PP, zero=1))),
+    "gpt_tp2_sp_dp2_zero1_to_tp2_dp2_zero3": ("gpt", {}, (4, dict(tp=2, sp=True, zero=1)), (4, dict(tp=2, zero=3))),
+    "gpt_dp4_zero3_to_dp2_zero3": ("gpt", {}, (4, dict(zero=3)), (2, dict(zero=3))),
     "llama_tp2_to_pp2": ("hf_llama", {}, (2, dict(tp=2)), (2, PP)),  # GQA: 4 heads, 2 kv heads
     "llama_tp4_to_tp2_sp": ("hf_llama", {}, (4, dict(tp=4)), (2, dict(tp=2, sp=True))),  # kv heads copied at tp=4
     "llama_pp2_to_tp2_sp": ("hf_llama", {}, (2, PP), (2, dict(tp=2, sp=True))),
@@ -29,6 +33,7 @@ CASES = {
     "llama_1f1b_to_interleaved": ("hf_llama", dict(layers=4), (2, PP),
                                   (2, dict(PP, schedule="interleaved_1f1b", virtual_stages=2))),
     "llama_dp2_zero1_to_one": ("hf_llama", {}, (2, dict(zero=1)), (1, {})),
+    "llama_dp2_zero3_to_one": ("hf_llama", {}, (2, dict(zero=3)), (1, {})),
     "gpt2_tp2_to_pp2": ("hf_gpt2", {}, (2, dict(tp=2)), (2, PP)),  # q, k, v in one fused Conv1D
     "gpt2_pp2_to_tp2_sp": ("hf_gpt2", {}, (2, PP), (2, dict(tp=2, sp=True))),
     "gpt2_tp2_pp2_to_one": ("hf_gpt2", {}, (4, dict(tp=2, **PP)), (1, {})),

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from ..layers.shard import spec_of
+from ..local_shards import is_sharded, local, local_range
 from . import dcp_io
 from .chunks import Chunk, Chunked, chunks_of, flat_chunks_of, full_shape
 
@@ -41,6 +42,21 @@ def _like(value, param) -> bool:
     return torch.is_tensor(value) and value.shape == param.shape
 
 
+def _chunks(t: torch.Tensor, spec, tp_rank: int) -> Chunked:
+    """``chunks_of``, also for a zero=3 DTensor: its local shard, a run of whole rows of the tp-local tensor."""
+    if is_sharded(t):
+        return flat_chunks_of(local(t).reshape(-1), tuple(t.shape), spec, tp_rank, local_range(t)[0])
+    return chunks_of(t, spec, tp_rank)
+
+
+def _dtensor_zeros(q, dtype):
+    """Zeros shaped and sharded like the zero=3 parameter ``q`` (a DTensor), on the CPU."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(torch.zeros(local(q).shape, dtype=dtype), q.device_mesh, q.placements,
+                              run_check=False, shape=q.shape, stride=q.stride())
+
+
 def _whole(t: torch.Tensor) -> Chunked:
     return Chunked(tuple(t.shape), [Chunk((0,) * t.dim(), t)])
 
@@ -53,7 +69,7 @@ def tensors_to_save(checkpoint: dict, module, optimizers, tp_rank: int):
     for entry in ["state_dict"] + model_like:
         prefix = "model/" if entry == "state_dict" else f"extra/{entry}/"
         for k, t in checkpoint.get(entry, {}).items():
-            out[prefix + k] = chunks_of(t.detach(), specs.get(k), tp_rank)
+            out[prefix + k] = _chunks(t.detach(), specs.get(k), tp_rank)
     described = [_optimizer_to_save(i, opt, sd, names, tp_rank, out)
                  for i, (opt, sd) in enumerate(zip(optimizers, checkpoint.get("optimizer_states", [])))]
     return out, {"model_like": model_like, "optimizers": described}
@@ -88,7 +104,7 @@ def _optimizer_to_save(i: int, opt, sd: dict, names: dict, tp_rank: int, out: di
                 if torch.is_tensor(v) and v.dim() > 0 and start is not None:  # a zero=1 slice of the moments
                     out[name] = flat_chunks_of(v.detach().reshape(-1), tuple(q.shape), spec_of(q), tp_rank, start)
                 elif _like(v, q):
-                    out[name] = chunks_of(v.detach(), spec_of(q), tp_rank)
+                    out[name] = _chunks(v.detach(), spec_of(q), tp_rank)
                 elif torch.is_tensor(v) and (v.dim() == 0 or spec_of(q) is None):
                     out[name] = _whole(v.detach())
                 elif torch.is_tensor(v):  # shaped otherwise on a sharded weight: only this layout reads it
@@ -167,6 +183,9 @@ def _optimizer_targets(path, index, keys_of, i, opt, names, saved: dict, tp_rank
                     if per_element and start is not None:
                         v = torch.zeros(p.numel(), dtype=meta.properties.dtype)
                         targets[target] = flat_chunks_of(v, tuple(q.shape), spec_of(q), tp_rank, start)
+                    elif per_element and is_sharded(q):  # zero=3: this rank's shard of it, as a DTensor
+                        v = _dtensor_zeros(q, meta.properties.dtype)
+                        targets[target] = _chunks(v, spec_of(q), tp_rank)
                     elif per_element:
                         v = torch.zeros(q.shape, dtype=meta.properties.dtype)
                         targets[target] = chunks_of(v, spec_of(q), tp_rank)
@@ -199,11 +218,11 @@ def prepare(path, meta: dict, module, optimizers, tp_rank: int, tp: int):
     _check_layout_bound(path, index, layout, tp)
     specs, names = _specs(module), _names(module)
     state = _check_model(path, index, module, specs)
-    targets = {"model/" + k: chunks_of(t, specs.get(k), tp_rank) for k, t in state.items()}
+    targets = {"model/" + k: _chunks(t, specs.get(k), tp_rank) for k, t in state.items()}
     for entry in layout["model_like"]:
         meta[entry] = {k: torch.zeros_like(t) for k, t in state.items() if f"extra/{entry}/{k}" in
                        index.state_dict_metadata}
-        targets.update({f"extra/{entry}/{k}": chunks_of(t, specs.get(k), tp_rank) for k, t in meta[entry].items()})
+        targets.update({f"extra/{entry}/{k}": _chunks(t, specs.get(k), tp_rank) for k, t in meta[entry].items()})
     if len(layout["optimizers"]) != len(optimizers):
         raise ValueError(f"checkpoint {path} holds {len(layout['optimizers'])} optimizers' state, configure_optimizers "
                          f"gave {len(optimizers)}.")

@@ -1,0 +1,48 @@
+"""zero=3: parameters, gradients and optimizer state sharded over dp by torch's FSDP2 (``fully_shard``),
+each block one unit and the rest of the model the root's. See docs/zero.md."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ..layers.shard import spec_of
+from ..marks import marks_of
+
+
+def check_zero3(pp: int, microbatches: int, ep: int, quant) -> None:
+    """The layouts zero=3 composes with, checked with the options (the same error on every rank)."""
+    if pp > 1 or microbatches > 1:
+        raise ValueError(f"MegaStrategy(zero=3) with pp={pp}, microbatches={microbatches}: FSDP2 gathers a block's "
+                         f"parameters per forward and reduce-scatters per backward, which the pipeline's per-microbatch "
+                         f"passes do not drive yet. Use zero=1 with a pipeline, or pp=1 and microbatches=1.")
+    if ep > 1:
+        raise ValueError(f"MegaStrategy(zero=3) with ep={ep}: expert weights differ between the ep ranks, so they cannot "
+                         f"be sharded over all of dp. Use zero=1 with experts.")
+    if quant is not None:
+        raise ValueError(f"MegaStrategy(zero=3) with quant={quant!r}: quantization-aware layers keep ranges next to their "
+                         f"weights that FSDP2 does not shard; use zero=1.")
+
+
+def check_shardable(module: nn.Module) -> None:
+    """Refuse parameters whose gradients are summed over tp piece by piece (key/value heads copied to several
+    tp ranks): FSDP2 would reduce-scatter them before that sum could see whole rows."""
+    for name, p in module.named_parameters():
+        spec = spec_of(p)
+        if spec is not None and spec.replicas:
+            raise ValueError(f"MegaStrategy(zero=3): {name} holds key/value heads copied to several tp ranks "
+                             f"({spec.replicas}); their gradients are summed per head, which FSDP2's sharding does not "
+                             f"allow. Use zero=1, or tp at most the number of key/value heads.")
+
+
+def shard_parameters(module: nn.Module, dp_mesh, blocks: list) -> None:
+    """``fully_shard`` each block, then the whole module, over ``dp_mesh``; the new parameters keep the old
+    ones' marks (tp sharding, sequence-parallel partial gradients)."""
+    from torch.distributed.fsdp import fully_shard
+
+    marks = {name: marks_of(p) for name, p in module.named_parameters(remove_duplicate=False)}
+    for block in blocks:
+        fully_shard(block, mesh=dp_mesh)
+    fully_shard(module, mesh=dp_mesh)
+    for name, p in module.named_parameters(remove_duplicate=False):
+        p._lightning_tp = marks[name]

@@ -1,0 +1,117 @@
+"""zero=3 (parameters, gradients and optimizer state sharded over dp by FSDP2) against the single-process
+ground truth, with the parity harness of helpers.py."""
+
+import pytest
+
+from helpers import check, train_launch
+
+CLIP_ACCUMULATE = dict(gradient_clip_val=0.05, accumulate_grad_batches=2)
+
+TEN = dict(max_steps=10)
+
+# name: (model kind, model kwargs, strategy kwargs, trainer kwargs); the gpt model steps AdamW on an LR schedule
+WORLD2 = {
+    "dp2_zero3": ("gpt", {}, dict(zero=3), {}),
+    "dp2_zero3_clip_accumulate_bf16": ("gpt", {}, dict(zero=3), dict(precision="bf16-mixed", **CLIP_ACCUMULATE, **TEN)),
+    "dp2_zero3_recompute": ("gpt", {}, dict(zero=3, activation_checkpointing=True), TEN),
+    "dp2_zero3_hf_llama": ("hf_llama", {}, dict(zero=3), TEN),
+}
+WORLD4 = {
+    "tp2_sp_dp2_zero3_clip_accumulate": ("gpt", {}, dict(tp=2, sp=True, zero=3), CLIP_ACCUMULATE),
+    "tp2_dp2_zero3_hf_llama": ("hf_llama", {}, dict(tp=2, zero=3), TEN),
+    # 66 rows over 4 ranks: FSDP2 pads the last shard
+    "dp4_zero3_uneven": ("gpt", dict(vocab_size=66), dict(zero=3), dict(gradient_clip_val=0.05, **TEN)),
+}
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory):
+    return train_launch(2, WORLD2, tmp_path_factory, "z3a")
+
+
+@pytest.fixture(scope="module")
+def world4(tmp_path_factory):
+    return train_launch(4, WORLD4, tmp_path_factory, "z3b")
+
+
+@pytest.mark.parametrize("name", list(WORLD2))
+def test_zero3_world2(world2, name):
+    check(world2, name, WORLD2, 2)
+
+
+@pytest.mark.parametrize("name", list(WORLD4))
+def test_zero3_world4(world4, name):
+    check(world4, name, WORLD4, 4)
+
+
+def _bytes(rank, world):
+    """Parameter and optimizer-state elements this rank holds after training, zero=0 then zero=3; and
+    those of a gradient at the optimizer step."""
+    import lightning as L
+    import torch
+    import torch.distributed as torch_dist
+
+    from lightning_tp import MegaStrategy
+    from lightning_tp.local_shards import local
+    from models import TokenData, make_model, trainer_kwargs
+
+    class Grads(L.Callback):
+        def on_before_optimizer_step(self, trainer, module, optimizer):
+            self.numel = sum(local(p.grad).numel() for p in module.parameters() if p.grad is not None)
+
+    torch_dist.init_process_group("gloo")
+    out = {}
+    for zero in (0, 3):
+        model, grads = make_model("gpt"), Grads()
+        trainer = L.Trainer(devices=world, strategy=MegaStrategy(zero=zero, timeout=120), max_steps=3,
+                            callbacks=[grads], **trainer_kwargs())
+        trainer.fit(model, TokenData(3 * 4 * world, 64, 4))
+        state = [v for s in trainer.optimizers[0].state.values() for v in s.values()
+                 if isinstance(v, torch.Tensor) and v.dim() > 0]
+        params = list(model.parameters())
+        out[zero] = dict(params=sum(local(p).numel() for p in params), state=sum(local(v).numel() for v in state),
+                         grads=grads.numel, rows=sum(p[0].numel() if p.dim() > 1 else 1 for p in params),
+                         kinds={type(p).__name__ for p in params})
+    return out
+
+
+def test_zero3_holds_a_dp_share_of_parameters_gradients_and_optimizer_state():
+    import dist
+
+    for r in dist.run(2, _bytes, timeout=300):
+        whole, sharded = r[0], r[3]
+        assert whole["kinds"] == {"Parameter"} and sharded["kinds"] == {"DTensor"}, (whole, sharded)
+        assert whole["state"] == 2 * whole["params"] == 2 * whole["grads"]  # AdamW: two moments per parameter
+        # each tensor split by rows over dp=2: this rank's half, up to one row per tensor where rows are odd
+        for key, per_param in (("params", 1), ("grads", 1), ("state", 2)):
+            assert abs(sharded[key] - whole[key] / 2) <= per_param * whole["rows"], (key, sharded, whole)
+            assert sharded[key] < 0.6 * whole[key], (key, sharded, whole)
+
+
+def _bad(rank, world):
+    import warnings
+
+    import torch.distributed as torch_dist
+
+    from helpers import expect_error
+    from lightning_tp import MegaStrategy
+    from models import make_model
+
+    torch_dist.init_process_group("gloo")
+    out = {"copied_kv": expect_error(world, make_model("hf_llama", kv_heads=1), MegaStrategy(tp=2, zero=3, timeout=60))[0]}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out["tp4_dp1"] = expect_error(world, make_model("gpt"), MegaStrategy(tp=4, zero=3, timeout=60))[0]
+    out["warned"] = [str(w.message) for w in caught if "zero=3" in str(w.message)]
+    return out
+
+
+def test_zero3_refuses_copied_kv_heads_on_every_rank_and_warns_at_dp1():
+    import dist
+
+    got = dist.run(4, _bad, timeout=300)
+    for r in got:
+        assert r["copied_kv"] is not None and "MegaStrategy(zero=3): model.model.layers.0.self_attn.k_proj" in \
+            r["copied_kv"] and "Use zero=1, or tp at most the number of key/value heads" in r["copied_kv"], r
+        assert r["tp4_dp1"] is None  # trains, unsharded
+    assert any("dp=1 here" in w and "nothing is sharded" in w for w in got[0]["warned"]), got[0]["warned"]
