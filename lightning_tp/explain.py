@@ -24,13 +24,14 @@ from .plans import apply as planner
 from . import recompute
 from .config import ParallelConfig
 from .mesh import ParallelMesh
-from .parallelize import stage_layout
+from .parallelize import plan_blocks, stage_layout
 from .explain_costs import cost_entries, saved_scores, saved_widths, t5_head_counts, t5_side, tp_ops, weight_grad_widths, width_in
 from .experts.families import find_moe_blocks
 from .experts.layer import expert_parallel
 from .marks import marks_of, set_marks
 from .dp_overlap import DPOverlap
 from .zero import ShardedOptimizer
+from .zero.fsdp import check_zero3
 from .explain_report import format_report
 from .explain_split import split_decisions
 
@@ -61,6 +62,7 @@ class RankEstimate:
     grad_held_bytes: int = 0
     grad_whole_bytes: int = 0
     optim_state_bytes: int = 0
+    weight_gathered_bytes: int = 0  # zero=3: whole weights gathered at once at most (the root's and two blocks')
     dp_ops: list = field(default_factory=list)  # gradient collectives per step: (op, "dp"/"edp", calls, bytes)
 
 
@@ -140,6 +142,8 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
         raise ValueError("explain(config=...) needs a config with its world size: config.with_world(n).")
     elif zero is not None:  # checked as MegaStrategy checks it
         config = dataclasses.replace(config, zero=ParallelConfig.resolve(zero=zero).zero)
+        if zero == 3:
+            check_zero3(config.pp, config.microbatches, config.ep, config.quant)
     tp, pp, sp, m, dp, schedule = config.tp, config.pp, config.sp, config.microbatches, config.dp, config.schedule
     plan, pipeline_blocks, activation_checkpointing = config.plan, config.pipeline_blocks, config.activation_checkpointing
     v = config.virtual_stages if pp > 1 else 1
@@ -307,7 +311,9 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
             partial = sum(p.numel() for p in params if p.requires_grad and marks_of(p).sp_partial)
             partial += sum(replica_buffer_numel(p) for p in params if p.requires_grad)
             tied = sum(p.numel() for p in params if p.requires_grad and marks_of(p).pp_tied)
-            dp_costs = _dp_costs(params, experts if config.ep > 1 else set(), config, r, t, grad_bytes, state_bytes)
+            dp_costs = _fsdp_costs(local, params, config, acc, grad_bytes, state_bytes) \
+                if config.zero == 3 and dp > 1 else \
+                _dp_costs(params, experts if config.ep > 1 else set(), config, r, t, grad_bytes, state_bytes)
             rep.ranks.append(dataclasses.replace(RankEstimate(
                 stage=r, tp_rank=t, params=sum(p.numel() for p in params),
                 tp_bytes=round(tokens * (tp_elems + tp_again) * dtype_bytes) if tp > 1 else 0,
@@ -360,6 +366,40 @@ def _dp_costs(params: list, experts: set, config, pp_rank: int, tp_rank: int, gr
         ops.append(("all_reduce", "edp", _chunk_count(left), (sum(p.numel() for p in left) + len(left)) * gb))
     return dict(out, weight_bytes=sum(p.numel() for p in params) * gb, grad_held_bytes=held * gb,
                 grad_whole_bytes=whole * gb, optim_state_bytes=held * state_bytes, dp_ops=ops)
+
+
+def _fsdp_costs(local: nn.Module, params: list, config, acc: int, gb: int, state_bytes: int) -> dict:
+    """zero=3 (FSDP2): dp rank 0's shards (ceil(rows / dp) of each tensor), and per step each unit's all-gather
+    (a block's twice: forward and backward; the root's once) and reduce-scatter, padded to dp x a shard."""
+    dp = config.dp
+    try:
+        places = recompute.block_places(local, None, 0, config.pipeline_blocks or plan_blocks(local, config.plan))
+    except ValueError:
+        places = []
+    blocks = [list(block_at(local.get_submodule(path), i).parameters()) for path, i in places]
+    in_blocks = {id(p) for b in blocks for p in b}
+    root = [p for p in params if id(p) not in in_blocks]
+    shard = lambda ps: sum(_rows_of(p, dp) for p in ps)  # noqa: E731
+    whole = lambda ps: sum(p.numel() for p in ps)  # noqa: E731
+    trained = lambda ps: [p for p in ps if p.requires_grad]  # noqa: E731
+    units = [u for u in blocks + [root] if u]
+    gathers = sum(dp * shard(u) for u in units) + sum(dp * shard(b) for b in blocks if b)
+    scatters = [u for u in units if trained(u)]
+    ops = [("all_gather", "dp", acc * (len(units) + len([b for b in blocks if b])), acc * gathers * gb),
+           ("reduce_scatter", "dp", acc * len(scatters), acc * sum(dp * shard(trained(u)) for u in scatters) * gb)]
+    biggest = max((whole(b) for b in blocks), default=0)
+    return dict(weight_bytes=shard(params) * gb, grad_held_bytes=shard(trained(params)) * gb,
+                grad_whole_bytes=(whole(trained(root)) + max((whole(trained(b)) for b in blocks), default=0)) * gb,
+                optim_state_bytes=shard(trained(params)) * state_bytes,
+                weight_gathered_bytes=(whole(root) + 2 * biggest) * gb,
+                dp_bytes=ops[0][3] + ops[1][3], dp_ops=ops)
+
+
+def _rows_of(p, dp: int) -> int:
+    """Elements of ``p`` on dp rank 0 under FSDP2: ceil(rows / dp) rows (dim 0)."""
+    if p.dim() == 0:
+        return 1
+    return -(-p.shape[0] // dp) * (p.numel() // max(1, p.shape[0]))
 
 
 def _chunk_count(params: list) -> int:

@@ -23,14 +23,20 @@ def format_memory(rep) -> list:
         ops = ", ".join(f"{n} x {op}{' (expert-dp)' if g == 'edp' else ''} {size(b)}" for op, g, n, b in r.dp_ops)
         lines.append(f"  {r.stage:>5} {r.tp_rank:>3} {size(r.weight_bytes):>11} {size(r.grad_held_bytes):>11} "
                      f"{size(r.optim_state_bytes):>12}  {ops or '-'}")
-    if sharded:
+    if sharded and zero == 3:
+        lines.append(f"(zero=3, FSDP2: weights, grads and optim state are dp rank 0's shards, ceil(rows / dp) of each "
+                     f"tensor; each block's weights are all-gathered for its forward and again for its backward, the "
+                     f"rest of the model's once a step, up to {size(max(r.weight_gathered_bytes for r in rep.ranks))} "
+                     f"whole at once; the backward makes a block's whole gradients at a time, up to "
+                     f"{size(max(r.grad_whole_bytes for r in rep.ranks))}, and reduce-scatters them)")
+    elif sharded:
         lines.append(f"(zero=1: grads and optim state are what dp rank 0 holds at the optimizer step, its 1/dp slice of "
                      f"each bucket (up to 25 MiB, padded to a multiple of dp); the backward still makes whole "
                      f"gradients, up to {size(max(r.grad_whole_bytes for r in rep.ranks))}, before the reduce-scatter; "
                      f"weights stay whole, the all-gather brings the stepped slices back (DP grads above: both); the "
                      f"all-reduce: one has-a-gradient flag per parameter)")
     elif zero:
-        lines.append("(zero=1 at dp=1: nothing is sharded)")
+        lines.append(f"(zero={zero} at dp=1: nothing is sharded)")
     elif c["dp"] > 1:
         lines.append("(zero=0: every dp rank holds whole gradients and optimizer state; one all-reduce per bucket of "
                      "gradients, one has-a-gradient flag per parameter included)")

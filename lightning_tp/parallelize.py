@@ -81,11 +81,11 @@ def parallelize(config: ParallelConfig, mesh, module, device, grads_armed: Calla
     if hf_modules:
         _take_over_hf_checkpointing(hf_modules)
     recomputed = recompute.targets(module, choices.recompute, layout, mesh.pp_rank,
-                                   config.pipeline_blocks or _plan_blocks(module, config.plan)) \
+                                   config.pipeline_blocks or plan_blocks(module, config.plan)) \
         if choices.recompute else []
     core = planner.core_of(module, config.plan) if config.selective else ()
     selected = selective.places(module, layout, mesh.pp_rank, config.pipeline_blocks or
-                                _plan_blocks(module, config.plan), core) if config.selective else []
+                                plan_blocks(module, config.plan), core) if config.selective else []
     full_keys = list(module.state_dict().keys())
     # 2. one set of initial weights, then keep this rank's stage and shards
     if config.sync_init and mesh.world_size > 1:
@@ -195,7 +195,7 @@ def _block_streams(config, mesh, module, layout, device):
     dist.broadcast(seed, src=0)
     try:
         found = recompute.block_places(module, layout, mesh.pp_rank,
-                                       config.pipeline_blocks or _plan_blocks(module, config.plan))
+                                       config.pipeline_blocks or plan_blocks(module, config.plan))
     except ValueError:  # no block list (only without a pipeline)
         if config.tp > 1 and any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in module.modules()):
             from lightning.pytorch.utilities import rank_zero_warn
@@ -270,14 +270,14 @@ def shard_over_dp(config: ParallelConfig, mesh, module) -> bool:
         return False
     fsdp.check_shardable(module)
     try:
-        places = recompute.block_places(module, None, 0, config.pipeline_blocks or _plan_blocks(module, config.plan))
+        places = recompute.block_places(module, None, 0, config.pipeline_blocks or plan_blocks(module, config.plan))
     except ValueError:  # no block list: the whole model one unit
         places = []
     fsdp.shard_parameters(module, mesh.device_mesh["dp"], [block_at(module.get_submodule(p), i) for p, i in places])
     return True
 
 
-def _plan_blocks(module, plan):
+def plan_blocks(module, plan):
     """The block list(s) a plan names, if one does and can be staged (else activation checkpointing
     without a pipeline looks for every list of same-class blocks)."""
     try:

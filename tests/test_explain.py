@@ -485,8 +485,11 @@ def test_explain_takes_zero_from_its_config():
     plain = explain(model, batch_shape=(B, SEQ), config=config, zero=0, print_report=False)  # the argument wins
     assert plain.as_dict() == explain(model, dp=2, batch_shape=(B, SEQ), print_report=False).as_dict()
     assert [op for op, *_ in plain.rank(0).dp_ops] == ["all_reduce"]
-    with pytest.raises(ValueError, match="zero=3 is not built"):
-        explain(model, batch_shape=(B, SEQ), config=config, zero=3, print_report=False)
+    with pytest.raises(ValueError, match=r"zero=2\): choose 0"):
+        explain(model, batch_shape=(B, SEQ), config=config, zero=2, print_report=False)
+    piped = ParallelConfig.resolve(pp=2, world_size=4)
+    with pytest.raises(ValueError, match=r"zero=3\) with pp=2"):
+        explain(make_model("gpt"), batch_shape=(B, SEQ), config=piped, zero=3, print_report=False)
     assert "nothing is sharded" in str(explain(model, zero=1, batch_shape=(B, SEQ), print_report=False))
 
 

@@ -1,6 +1,9 @@
 """zero=3 (parameters, gradients and optimizer state sharded over dp by FSDP2) against the single-process
 ground truth, with the parity harness of helpers.py."""
 
+import contextlib
+from unittest import mock
+
 import pytest
 
 from helpers import check, train_launch
@@ -65,20 +68,42 @@ def _bytes(rank, world):
         model, grads = make_model("gpt"), Grads()
         trainer = L.Trainer(devices=world, strategy=MegaStrategy(zero=zero, timeout=120), max_steps=3,
                             callbacks=[grads], **trainer_kwargs())
-        trainer.fit(model, TokenData(3 * 4 * world, 64, 4))
+        counted = {}
+        with counting(counted, "all_gather_single", 0, "output"), counting(counted, "reduce_scatter_single", 1, "input"):
+            trainer.fit(model, TokenData(3 * 4 * world, 64, 4))
         state = [v for s in trainer.optimizers[0].state.values() for v in s.values()
                  if isinstance(v, torch.Tensor) and v.dim() > 0]
         params = list(model.parameters())
         out[zero] = dict(params=sum(local(p).numel() for p in params), state=sum(local(v).numel() for v in state),
                          grads=grads.numel, rows=sum(p[0].numel() if p.dim() > 1 else 1 for p in params),
-                         kinds={type(p).__name__ for p in params})
+                         kinds={type(p).__name__ for p in params},
+                         collectives={k: (n / 3, b / 3) for k, (n, b) in counted.items()})  # per step
     return out
+
+
+@contextlib.contextmanager
+def counting(counted: dict, name: str, at: int, key: str):
+    """Count calls of ``torch.distributed.<name>`` (what FSDP2 calls) and the bytes of its argument ``at``
+    or ``key`` (the gathered output, the scattered input)."""
+    import torch.distributed as torch_dist
+
+    real = getattr(torch_dist, name)
+
+    def wrapper(*args, **kwargs):
+        n, b = counted.get(name, (0, 0))
+        whole = kwargs[key] if key in kwargs else args[at]
+        counted[name] = (n + 1, b + whole.numel() * whole.element_size())
+        return real(*args, **kwargs)
+
+    with mock.patch.object(torch_dist, name, wrapper):
+        yield
 
 
 def test_zero3_holds_a_dp_share_of_parameters_gradients_and_optimizer_state():
     import dist
 
-    for r in dist.run(2, _bytes, timeout=300):
+    dist_results = dist.run(2, _bytes, timeout=300)
+    for r in dist_results:
         whole, sharded = r[0], r[3]
         assert whole["kinds"] == {"Parameter"} and sharded["kinds"] == {"DTensor"}, (whole, sharded)
         assert whole["state"] == 2 * whole["params"] == 2 * whole["grads"]  # AdamW: two moments per parameter
@@ -86,6 +111,17 @@ def test_zero3_holds_a_dp_share_of_parameters_gradients_and_optimizer_state():
         for key, per_param in (("params", 1), ("grads", 1), ("state", 2)):
             assert abs(sharded[key] - whole[key] / 2) <= per_param * whole["rows"], (key, sharded, whole)
             assert sharded[key] < 0.6 * whole[key], (key, sharded, whole)
+    # explain counts the same: rank 0's shards, and each step's all-gathers and reduce-scatters
+    from lightning_tp import explain
+    from models import make_model
+
+    rank0 = r0 = dist_results[0][3]
+    est = explain(make_model("gpt"), dp=2, zero=3, batch_shape=(4, 64), print_report=False).rank(0)
+    assert est.weight_bytes == 4 * r0["params"] and est.optim_state_bytes == 4 * r0["state"], (est, rank0)
+    assert est.grad_held_bytes == 4 * r0["grads"], (est, rank0)
+    ops = {op: (n, b) for op, _, n, b in est.dp_ops}
+    assert ops["all_gather"] == r0["collectives"]["all_gather_single"], (ops, r0["collectives"])
+    assert ops["reduce_scatter"] == r0["collectives"]["reduce_scatter_single"], (ops, r0["collectives"])
 
 
 def _bad(rank, world):

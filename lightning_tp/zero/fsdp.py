@@ -3,7 +3,6 @@ each block one unit and the rest of the model the root's. See docs/zero.md."""
 
 from __future__ import annotations
 
-import torch
 import torch.nn as nn
 
 from ..layers.shard import spec_of
