@@ -1,15 +1,16 @@
-"""ZeRO-1 against zero=0: bytes per rank and step time, side by side in one run (CPU, gloo).
+"""ZeRO-1 and ZeRO-3 against zero=0: bytes per rank and step time, side by side in one run (CPU, gloo).
 
 Two models built as real ones are: the example GPT (LitGPT) and a Hugging Face Llama built from a
 config (byte-level vocabulary), both AdamW, trained on the example's Shakespeare bytes by a Lightning
-Trainer with MegaStrategy(zero=0) and MegaStrategy(zero=1). One launch of dp local processes per
-dp in --dp (2 and 4); in it, every round fits each model with zero=0 and zero=1 (a Trainer per fit,
-the order swapped every round), so load from other processes hits both alike.
+Trainer with MegaStrategy(zero=0), zero=1 and zero=3 (FSDP2). One launch of dp local processes per
+dp in --dp (2 and 4); in it, every round fits each model with each zero (a Trainer per fit, the order
+rotated every round), so load from other processes hits them alike.
 
 Measured on the live objects at the last warm-up step: optimizer state (every state tensor's storage),
 gradients held at the optimizer step (zero=0: the parameters' .grad, all-reduced; zero=1: the slices'
-.grad, reduce-scattered; the parameters' own are dropped), parameters (zero=1 keeps them whole and views
-them in flat buckets padded to a multiple of dp). Bytes are distinct storages on the rank, the most any
+.grad, reduce-scattered; the parameters' own are dropped; zero=3: the local shards of the DTensor
+gradients), parameters (zero=1 keeps them whole and views them in flat buckets padded to a multiple of
+dp; zero=3 holds its shards between steps, and a block's whole weights while it runs, not counted). Bytes are distinct storages on the rank, the most any
 rank holds. Step time: on_train_batch_start to on_train_batch_end after warm-up, median over the steps
 of every round and rank (also: the median of the rounds' ratios, the 20th percentile, and the process's
 CPU time, which other load does not inflate); split by hooks into forward, backward, the gradient sync
@@ -18,8 +19,8 @@ after it (what is left of the all-reduce or reduce-scatter the backward started)
 (see Parts); those fits are not in the ratios. dp=4 on a 2-core machine runs 4 processes on 2 cores:
 its bytes hold, its times are oversubscribed (the timing claim is dp=2).
 
-    .venv/bin/python bench/zero.py [--dp 2,4] [--models gpt,llama] [--steps 10] [--rounds 5] [--profile]
-                                   [--bucket-mib 4]
+    .venv/bin/python bench/zero.py [--dp 2,4] [--models gpt,llama] [--zero 0,1,3] [--steps 10] [--rounds 5]
+                                   [--profile] [--bucket-mib 4]
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import torch  # noqa: E402
 import dist  # noqa: E402  (tests/dist.py: torchrun-like local processes)
 from examples.gpt.lit import LitGPT, ShakespeareData  # noqa: E402
 from lightning_tp import MegaStrategy  # noqa: E402
+from lightning_tp.local_shards import local  # noqa: E402
 
 SEQ, BATCH, WARMUP = 64, 16, 3
 GPT = dict(n_layer=4, n_head=4, n_embd=256, block_size=SEQ)
@@ -79,7 +81,7 @@ def _storages(tensors) -> int:
     seen = {}
     for t in tensors:
         if t is not None and torch.is_tensor(t):
-            s = t.untyped_storage()
+            s = local(t).untyped_storage()  # zero=3: the DTensor's local shard
             seen[s.data_ptr()] = s.nbytes()
     return sum(seen.values())
 
@@ -246,7 +248,7 @@ def smaller_buckets(mib: float) -> None:
     dp_overlap.DPOverlap.__init__ = functools.partialmethod(init, bucket_bytes=limit)
 
 
-def work(rank, world, models, steps, rounds, profile, bucket_mib=None):
+def work(rank, world, models, steps, rounds, profile, bucket_mib=None, zeros=(0, 1)):
     import logging
 
     import lightning.pytorch.utilities.rank_zero as rz
@@ -258,15 +260,15 @@ def work(rank, world, models, steps, rounds, profile, bucket_mib=None):
     warnings.filterwarnings("ignore")
     if bucket_mib:
         smaller_buckets(bucket_mib)
-    out = {(kind, zero): [] for kind in models for zero in (0, 1)}
+    out = {(kind, zero): [] for kind in models for zero in zeros}
     prof = {}
     started = time.perf_counter()
     for r in range(rounds):
         for kind in models:
-            for zero in ((0, 1) if r % 2 == 0 else (1, 0)):
+            for zero in zeros[r % len(zeros):] + zeros[:r % len(zeros)]:  # each first in turn
                 out[kind, zero].append(_fit(kind, zero, steps, world))
             if profile:
-                for zero in (0, 1):
+                for zero in zeros:
                     prof.setdefault((kind, zero), []).append(_fit(kind, zero, steps, world, profile=True))
     return dict(runs=out, profile=prof, wall=time.perf_counter() - started, load=os.getloadavg())
 
@@ -280,44 +282,45 @@ def _quantile(xs, q):
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
-def report(dp: int, ranks: list, models, rounds: int, load_before) -> list:
-    """Print one dp's figures; returns the table rows."""
+def report(dp: int, ranks: list, models, rounds: int, load_before, zeros) -> list:
+    """Print one dp's figures; returns the table rows (each against zero=0)."""
     rows = []
     print(f"\n== dp={dp} ({dp} processes, 1 thread each; load average before {load_before[0]:.2f}, after "
           f"{ranks[0]['load'][0]:.2f}; {ranks[0]['wall']:.0f} s)" + ("  OVERSUBSCRIBED: "
           f"{dp} processes on {os.cpu_count()} cores, times indicative only" if dp > (os.cpu_count() or 1) else ""))
+    others = [z for z in zeros if z]
     for kind in models:
-        runs = {z: [run for rank in ranks for run in rank["runs"][kind, z]] for z in (0, 1)}
-        total = {z: _median([sum(s) for run in runs[z] for s in run["steps"]]) for z in (0, 1)}
+        runs = {z: [run for rank in ranks for run in rank["runs"][kind, z]] for z in zeros}
+        total = {z: _median([sum(s) for run in runs[z] for s in run["steps"]]) for z in zeros}
         phase = {z: [_median([s[i] for run in runs[z] for s in run["steps"]]) for i in range(len(PHASES))]
-                 for z in (0, 1)}
-        per_round = [_median([sum(s) for rank in ranks for s in rank["runs"][kind, 1][i]["steps"]])
-                     / _median([sum(s) for rank in ranks for s in rank["runs"][kind, 0][i]["steps"]])
-                     for i in range(rounds)]
-        last = {z: {k: max(rank["runs"][kind, z][-1][k] for rank in ranks)
+                 for z in zeros}
+        step = lambda z, i: _median([sum(s) for rank in ranks for s in rank["runs"][kind, z][i]["steps"]])  # noqa: E731
+        per_round = {z: [step(z, i) / step(0, i) for i in range(rounds)] for z in others}
+        last = {z: {k: max(rank["runs"][kind, z][-1].get(k, 0) for rank in ranks)
                     for k in ("state", "grads", "params", "numel", "buckets")}
-                for z in (0, 1)}  # the most any rank holds
+                for z in zeros}  # the most any rank holds
         numel = last[0]["numel"]
         print(f"{kind}: {numel:,} parameters (fp32), AdamW, batch {BATCH} x {SEQ} per rank; gradient buckets "
-              f"zero=0 {last[0]['buckets']}, zero=1 {last[1]['buckets']}")
-        print(f"  {'':24}{'zero=0':>14}{'zero=1':>14}{'zero1/zero0':>13}")
+              + ", ".join(f"zero={z} {last[z]['buckets']}" for z in zeros if z != 3))
+        print(f"  {'':24}" + "".join(f"{f'zero={z}':>14}" for z in zeros) + "".join(f"{f'zero{z}/zero0':>13}" for z in others))
         for key, name in (("state", "optimizer state"), ("grads", "grads at step"), ("params", "parameters")):
-            a, b = last[0][key], last[1][key]
-            print(f"  {name + ' (MiB/rank)':24}{a / 2**20:14.2f}{b / 2**20:14.2f}{b / a:13.3f}")
-            rows.append((dp, kind, name, a, b))
-        cpu = {z: _median([c for run in runs[z] for c in run["cpus"]]) for z in (0, 1)}
-        print(f"  {'step time (ms, median)':24}{total[0] * 1e3:14.1f}{total[1] * 1e3:14.1f}{total[1] / total[0]:13.3f}"
-              f"   per round: " + ", ".join(f"{x:.3f}" for x in per_round) + f" (median {_median(per_round):.3f})")
+            print(f"  {name + ' (MiB/rank)':24}" + "".join(f"{last[z][key] / 2**20:14.2f}" for z in zeros)
+                  + "".join(f"{last[z][key] / last[0][key]:13.3f}" for z in others))
+            rows += [(dp, kind, name, z, last[0][key], last[z][key]) for z in others]
+        cpu = {z: _median([c for run in runs[z] for c in run["cpus"]]) for z in zeros}
+        print(f"  {'step time (ms, median)':24}" + "".join(f"{total[z] * 1e3:14.1f}" for z in zeros)
+              + "".join(f"{total[z] / total[0]:13.3f}" for z in others) + "   per round: "
+              + "; ".join(f"zero={z} " + ", ".join(f"{x:.3f}" for x in per_round[z]) for z in others))
         for i, name in enumerate(PHASES):
-            print(f"    {name:22}{phase[0][i] * 1e3:14.1f}{phase[1][i] * 1e3:14.1f}")
-        print(f"  {'CPU time (ms/step)':24}{cpu[0] * 1e3:14.1f}{cpu[1] * 1e3:14.1f}{cpu[1] / cpu[0]:13.3f}"
-              f"   (the process's CPU, gloo's threads included; waiting not counted)")
-        fast = {z: _quantile([sum(s) for run in runs[z] for s in run["steps"]], 0.2) for z in (0, 1)}
-        print(f"  {'fastest fifth (ms)':24}{fast[0] * 1e3:14.1f}{fast[1] * 1e3:14.1f}{fast[1] / fast[0]:13.3f}"
-              f"   (20th percentile of step times: the steps least hit by other load)")
-        rows.append((dp, kind, "step time", total[0], total[1], per_round, phase, cpu, fast))
+            print(f"    {name:22}" + "".join(f"{phase[z][i] * 1e3:14.1f}" for z in zeros))
+        print(f"  {'CPU time (ms/step)':24}" + "".join(f"{cpu[z] * 1e3:14.1f}" for z in zeros)
+              + "".join(f"{cpu[z] / cpu[0]:13.3f}" for z in others) + "   (the process's CPU, gloo's threads included)")
+        fast = {z: _quantile([sum(s) for run in runs[z] for s in run["steps"]], 0.2) for z in zeros}
+        print(f"  {'fastest fifth (ms)':24}" + "".join(f"{fast[z] * 1e3:14.1f}" for z in zeros)
+              + "".join(f"{fast[z] / fast[0]:13.3f}" for z in others) + "   (20th percentile of step times)")
+        rows += [(dp, kind, "step time", z, total[0], total[z], per_round[z], cpu, fast) for z in others]
         if ranks[0]["profile"]:
-            for z in (0, 1):
+            for z in zeros:
                 parts = {k: _median([run["parts"][k] for rank in ranks for run in rank["profile"][kind, z]])
                          for k in PARTS}
                 shown = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in parts.items() if v > 0)
@@ -329,6 +332,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--dp", default="2,4")
     parser.add_argument("--models", default="gpt,llama")
+    parser.add_argument("--zero", default="0,1,3", help="the stages to compare (0 always included)")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--profile", action="store_true")
@@ -336,27 +340,28 @@ def main():
                         help="gradient buckets of this size for both (default: the library's, 25 MiB)")
     args = parser.parse_args()
     models = args.models.split(",")
+    zeros = tuple(sorted({0} | set(map(int, args.zero.split(",")))))
     torch.set_num_threads(1)
     started, rows = time.perf_counter(), []
     for dp in map(int, args.dp.split(",")):
         load = os.getloadavg()
-        ranks = dist.run(dp, work, models, args.steps, args.rounds, args.profile, args.bucket_mib, timeout=1800)
-        rows += report(dp, ranks, models, args.rounds, load)
-    print("\nzero1/zero0:")
+        ranks = dist.run(dp, work, models, args.steps, args.rounds, args.profile, args.bucket_mib, zeros, timeout=1800)
+        rows += report(dp, ranks, models, args.rounds, load, zeros)
+    print("\nagainst zero=0:")
     for row in rows:
         if row[2] == "step time":
-            dp, kind, _, a, b, per_round, _, cpu, fast = row
-            note = "   (oversubscribed)" if dp > (os.cpu_count() or 1) else "   (target <= 1.05)"
-            print(f"  dp={dp} {kind:6} step time {b / a:.3f} (median of rounds {_median(per_round):.3f}, fastest "
-                  f"fifth {fast[1] / fast[0]:.3f}), CPU time {cpu[1] / cpu[0]:.3f}{note}")
+            dp, kind, _, z, a, b, per_round, cpu, fast = row
+            note = "   (oversubscribed)" if dp > (os.cpu_count() or 1) else ("   (target <= 1.05)" if z == 1 else "")
+            print(f"  dp={dp} {kind:6} zero={z} step time {b / a:.3f} (median of rounds {_median(per_round):.3f}, "
+                  f"fastest fifth {fast[z] / fast[0]:.3f}), CPU time {cpu[z] / cpu[0]:.3f}{note}")
     for row in rows:
         if row[2] != "step time":
-            dp, kind, name, a, b = row
-            print(f"  dp={dp} {kind:6} {name:16} {b / a:.3f}  ({a / 2**20:.2f} -> {b / 2**20:.2f} MiB per rank)")
+            dp, kind, name, z, a, b = row
+            print(f"  dp={dp} {kind:6} zero={z} {name:16} {b / a:.3f}  ({a / 2**20:.2f} -> {b / 2**20:.2f} MiB per rank)")
     cut = f"{args.bucket_mib:g} MiB" if args.bucket_mib else "as the library cuts them (25 MiB)"
     print(f"\ntotal {time.perf_counter() - started:.0f} s; buckets {cut}; steps {args.steps} per fit "
           f"({WARMUP} warm-up), "
-          f"{args.rounds} rounds, zero=0 / zero=1 order swapped each round")
+          f"{args.rounds} rounds, the order of {zeros} rotated each round")
 
 
 if __name__ == "__main__":
