@@ -60,7 +60,8 @@ class MegaStrategy(ParallelStrategy):
         sp: sequence parallelism: norms, dropout and the residual stream on sequence shards (needs tp > 1).
         ep: expert parallelism: mixture-of-experts experts split over ep data-parallel ranks.
         moe_capacity: capacity factor: each expert keeps at most its share x factor of a rank's tokens (None: dropless).
-        zero: 1 shards the optimizer state over data-parallel ranks (a distributed optimizer); 0 keeps it whole.
+        zero: 1 shards the optimizer state over data-parallel ranks (a distributed optimizer); 3 parameters and
+            gradients too (FSDP2); 0 keeps them whole.
         plan: "auto" (a built-in plan by module class), or a lightning_tp.Plan / dict of yours.
         microbatches: microbatches per batch under a pipeline (default: pp); must divide the batch size.
         schedule: "gpipe", "1f1b", "interleaved_1f1b" or "zb_h1".
@@ -86,7 +87,7 @@ class MegaStrategy(ParallelStrategy):
     strategy_name = "mega"
 
     def __init__(self, tp: int = 1, pp: int = 1, sp: bool = False, ep: int = 1, moe_capacity: Optional[float] = None,
-                 zero: Literal[0, 1] = 0, plan: Any = "auto",
+                 zero: Literal[0, 1, 3] = 0, plan: Any = "auto",
                  microbatches: Optional[int] = None, schedule: str = "1f1b", virtual_stages: int = 1,
                  pipeline_blocks: Optional[Union[str, list[str]]] = None, stage_layers: Optional[list] = None,
                  activation_checkpointing: Union[bool, int, Literal["selective"]] = False,
@@ -235,10 +236,14 @@ class MegaStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
             self._zero = self._shard_optimizers()
-            if self._zero and self._runner is None:  # its reduce-scatter overlapped with the backward
+            if self._zero:  # its reduce-scatter overlapped with the backward (a pipeline's: each chunk's last)
                 if self._dp_overlap is not None:
                     self._dp_overlap.remove()
-                self._dp_overlap = ZeroOverlap(self._zero, lambda: self._sync_grads)
+                if self._runner is None:
+                    self._dp_overlap = ZeroOverlap(self._zero, lambda: self._sync_grads)
+                else:  # only without accumulation over batches (then the step's tensor is the gradient)
+                    self._dp_overlap = self._runner.dp_overlap = ZeroOverlap(
+                        self._zero, lambda: self._sync_grads and trainer.accumulate_grad_batches == 1, hooked=False)
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
         scaler = getattr(self.precision_plugin, "scaler", None)
         if scaler is not None and (self.tp * self.pp > 1 or self._zero or self._fsdp):  # fp16 AMP: one skip-or-step decision

@@ -20,6 +20,10 @@ WORLD2 = {
 WORLD4 = {
     "tp2_sp_dp2_zero1_clip_accumulate": ("gpt", {}, dict(tp=2, sp=True, zero=1), CLIP_ACCUMULATE),
     "pp2_dp2_zero1": ("gpt", {}, dict(pp=2, microbatches=2, zero=1), {}),
+    # each chunk's last W starts its buckets; with accumulation none starts in the step (after the last)
+    "pp2_dp2_zero1_zb_h1": ("gpt", {}, dict(pp=2, microbatches=2, schedule="zb_h1", zero=1), dict(max_steps=10)),
+    "pp2_dp2_zero1_accumulate": ("gpt", {}, dict(pp=2, microbatches=2, zero=1),
+                                 dict(accumulate_grad_batches=2, max_steps=10)),
     "pp2_dp2_zero1_interleaved": ("gpt", dict(n_layer=4), dict(pp=2, microbatches=2, schedule="interleaved_1f1b",
                                                                 virtual_stages=2, zero=1), dict(max_steps=10)),
     # a parameter some replicas' batches do not reach (and, some steps, none): skipped as zero=0 skips it

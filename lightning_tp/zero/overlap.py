@@ -1,5 +1,6 @@
-"""zero=1's reduce-scatter overlapped with the backward (without a pipeline): a bucket starts as soon as
-its gradients are final, in order, as the all-reduce of zero=0 does (see ..dp_overlap). See docs/zero.md."""
+"""zero=1's reduce-scatter overlapped with the backward: a bucket starts as soon as its gradients are final,
+in order, as the all-reduce of zero=0 does (see ..dp_overlap); under a pipeline, in each chunk's final
+backward pass. See docs/zero.md."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ from .shards import had_gradients
 
 class ZeroOverlap:
     """The early buckets of ``sharded`` (ShardedOptimizers) reduce-scattered while the backward runs; the
-    rest (gradients summed over tp or stages first) after it. ``armed()``: this backward syncs."""
+    rest (gradients summed over tp or stages first) after it. ``armed()``: this backward syncs; ``hooked``:
+    hooks kept from now on (a pipeline's runner hooks them around each chunk's final pass instead)."""
 
-    def __init__(self, sharded: list, armed):
+    def __init__(self, sharded: list, armed, hooked: bool = True):
         self.sharded, self.armed = sharded, armed
         self.buckets = [b for z in sharded for b in z.buckets if b.early]
         self.early_buckets = len(self.buckets)
@@ -18,7 +20,8 @@ class ZeroOverlap:
         for z in sharded:
             z.overlapped = True
         self.hooks = []
-        self.hook()
+        if hooked:
+            self.hook()
         self._reset()
 
     def hook(self) -> None:
@@ -36,6 +39,7 @@ class ZeroOverlap:
 
     def _reset(self) -> None:
         self.seen, self.next, self.started_ = [set() for _ in self.buckets], 0, []
+        self.taken, self.after = {}, []  # id(grad taken at launch) -> its parameter; (parameter, addend)
 
     def started(self, p) -> bool:
         return self.bucket_of.get(id(p), len(self.buckets)) < self.next
@@ -47,8 +51,14 @@ class ZeroOverlap:
         while self.next < len(self.buckets) and len(self.seen[self.next]) == len(self.buckets[self.next].params):
             self._launch(self.next)
 
+    def add_after_sync(self, grad, addend) -> None:
+        """``grad`` (taken by a started reduce-scatter) ``+= addend`` once reduce-scattered: ``addend`` alike on
+        every dp rank (what ``.grad`` held before a pipeline's step), added to this rank's slices of it."""
+        self.after.append((self.taken[id(grad)], addend))
+
     def _launch(self, i: int) -> None:
         self.next = i + 1
+        self.taken.update({id(p.grad): p for p in self.buckets[i].params if p.grad is not None})
         self.started_.append(self.buckets[i].start_reduce_scatter())
 
     def finish(self) -> None:
@@ -59,4 +69,9 @@ class ZeroOverlap:
             self._launch(self.next)
         for b, started, had in zip(self.buckets, self.started_, had_gradients(self.buckets)):
             b.finish_reduce_scatter(started, had, 1.0 / self.sharded[0].mesh.dp)
+        for p, addend in self.after:
+            b = self.buckets[self.bucket_of[id(p)]]
+            for s in (s for s in b.slices if b.params[s.index] is p):
+                part = addend.reshape(-1)[s.part]
+                s.param.grad = part.clone() if s.param.grad is None else s.param.grad.add_(part)
         self._reset()
