@@ -229,7 +229,8 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
     hidden = width_in(block_at(base.get_submodule(lists[0][0]), 0) if bpath else base)
     t5_heads = t5_head_counts(base) if layout is not None and layout.lists else None
     ops, style_of = tp_ops(base, matches, sp, tp, hidden, locate, locate_end)
-    width = saved_widths(base, style_of, tp, locate)
+    sp_starts = {start for mt in matches if sp and tp > 1 and mt.sp_start is not None for start in mt.sp_starts()}
+    width = saved_widths(base, style_of, tp, locate, fused=not score_copies, sp_starts=sp_starts)
     scores = saved_scores(base, style_of, tp, locate, T, score_copies)  # recomputed, not kept, under selective
     if not config.selective:
         for loc, n in scores.items():

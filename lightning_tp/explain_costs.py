@@ -104,12 +104,16 @@ def tp_ops(base, matches, sp, tp, hidden, locate, locate_end):
     return ops, style_of
 
 
-def saved_widths(base, style_of, tp, locate):
-    """Elements per token saved for backward on one tp rank, per location (see docs/design/explain.md)."""
+def saved_widths(base, style_of, tp, locate, fused: bool = True, sp_starts=()):
+    """Elements per token saved for backward on one tp rank, per location (see docs/design/explain.md);
+    ``fused``: attention cores run SDPA's fused kernels (which keep a log-sum-exp per head); ``sp_starts``:
+    the modules given sequence shards under SP."""
     width, skip, last_out = defaultdict(float), None, 0
     for name, mod in base.named_modules():
         if skip and name.startswith(skip):
             continue
+        if name in sp_starts:
+            last_out /= tp
         (st, msp, _), loc, io = style_of.get(name, (None, False, {})), locate(name) if name else ("first",), _io(mod)
         if st in ("region", "mha"):
             inner = [n for n, c in mod.named_modules(prefix=name) if _io(c)]
@@ -117,17 +121,29 @@ def saved_widths(base, style_of, tp, locate):
             qkv = sum(style_of[n][2].get("chunks", 1) for n in inner if style_of.get(n, ("",))[0] == "colwise_local")
             a = rows[0] if rows else width_in(mod)
             attention = st == "mha" or qkv >= 3  # q, k, v: attention (not a gated MLP)
-            width[loc] += width_in(mod) + (4 * a / tp if attention else 0) + (a / tp if st == "mha" else 0)
+            # the input, and the core's q, k, v (its output is the row-parallel projection's input, counted there)
+            width[loc] += width_in(mod) + (3 * a / tp if attention else 0) + (a / tp if st == "mha" else 0)
+            if attention and fused:
+                width[loc] += _heads(mod, 0) / tp  # a log-sum-exp per head and token
             if st == "mha":
                 skip, last_out = name + ".", mod.embed_dim
         elif io:
             width[loc] += {"colwise_local": 0, "rowwise": io[0] / tp}.get(st, io[0])
             last_out = _out_per_rank(st, msp, io, tp)
         elif "Norm" in type(mod).__name__:
-            width[loc] += _norm_width(mod, st, msp, tp)
+            width[loc] += _norm_width(mod, st, msp, tp) + _norm_statistics(mod) / (tp if st == "sp_norm" and msp else 1)
         elif type(mod).__module__ in _ACTIVATIONS or isinstance(mod, nn.modules.loss._Loss):
             width[loc] += last_out
+        elif isinstance(mod, nn.Dropout) and mod.p > 0:  # its mask, in the activations' dtype (CPU)
+            width[loc] += last_out
+        elif isinstance(mod, nn.Embedding):  # its output, whole on every tp rank (a vocab-parallel one's summed)
+            last_out = mod.embedding_dim
     return width
+
+
+def _norm_statistics(mod) -> int:
+    """Per-token statistics a norm keeps for its backward: LayerNorm's mean and 1/std, RMSNorm's 1/rms."""
+    return 2 if isinstance(mod, nn.LayerNorm) else 1 if isinstance(mod, getattr(nn, "RMSNorm", ())) else 0
 
 
 def saved_scores(base, style_of, tp, locate, seq: int, copies: int):
@@ -148,10 +164,15 @@ def _attention(mod, name, style_of) -> bool:
     return sum(style_of[n][2].get("chunks", 1) for n in inner if style_of.get(n, ("",))[0] == "colwise_local") >= 3
 
 
-def _heads(mod) -> int:
+def _heads(mod, default=None) -> int:
     for attr in ("num_heads", "n_head", "n_heads", "num_attention_heads"):
         if isinstance(getattr(mod, attr, None), int):
             return getattr(mod, attr)
+    config = getattr(mod, "config", None)  # Hugging Face attention modules
+    if isinstance(getattr(config, "num_attention_heads", None), int):
+        return config.num_attention_heads
+    if default is not None:
+        return default
     raise ValueError(f"explain(score_copies=...): {type(mod).__name__} has no head count (num_heads, n_head).")
 
 

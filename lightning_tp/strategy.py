@@ -60,8 +60,7 @@ class MegaStrategy(ParallelStrategy):
         sp: sequence parallelism: norms, dropout and the residual stream on sequence shards (needs tp > 1).
         ep: expert parallelism: mixture-of-experts experts split over ep data-parallel ranks.
         moe_capacity: capacity factor: each expert keeps at most its share x factor of a rank's tokens (None: dropless).
-        zero: 1 shards the optimizer state over data-parallel ranks (a distributed optimizer); 3 parameters and
-            gradients too (FSDP2); 0 keeps them whole.
+        zero: 1 shards the optimizer state over data-parallel ranks; 3 parameters and gradients too (FSDP2); 0 none.
         plan: "auto" (a built-in plan by module class), or a lightning_tp.Plan / dict of yours.
         microbatches: microbatches per batch under a pipeline (default: pp); must divide the batch size.
         schedule: "gpipe", "1f1b", "interleaved_1f1b" or "zb_h1".

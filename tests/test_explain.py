@@ -236,7 +236,7 @@ def test_activation_model_against_saved_tensors(tp):
     estimate = explain(model, tp=tp, batch_shape=(B, SEQ), print_report=False).rank(0).act_bytes
     if tp > 1:
         planner.apply(model, planner.resolve(model, tp, False), None, tp, 0, False)
-    assert _saved_bytes(model) == pytest.approx(estimate, rel=0.1)
+    assert _saved_bytes(model) == pytest.approx(estimate, rel=0.01)  # what is left: int64 token ids
 
 
 def _saved_bytes(model, forward=None) -> int:
@@ -296,8 +296,8 @@ def test_selective_recomputation_keeps_what_explain_counts_without_the_cores_sco
     scores = 3 * 4 // tp * B * SEQ * SEQ * 4 * 3  # copies x heads/tp x B x T x T x fp32, 3 layers
     assert measured[False] - measured[True] == kept[False] - kept[True] == scores
     assert est[True].recompute_bytes == scores // 3 and est[False].recompute_bytes == 0
-    for on in est:  # the rest as explain models it; dropout masks are left out of the model
-        assert measured[on] == pytest.approx(kept[on], rel=0.2)
+    for on in est:  # the rest as explain models it, dropout masks included (but int64 token ids)
+        assert measured[on] == pytest.approx(kept[on], rel=0.01)
     assert "selective recomputation" in str(explain(make_model("gpt", **kw), activation_checkpointing="selective",
                                                     print_report=False))
 
@@ -330,7 +330,7 @@ def test_selective_recomputation_under_sp_drops_the_scores_explain_counts():
     for measured in dist.run(2, _selective_under_sp):
         assert measured[False] - measured[True] == kept[False] - kept[True] == 3 * 2 * B * SEQ * SEQ * 4 * 3
         for on in kept:
-            assert measured[on] == pytest.approx(kept[on], rel=0.2)
+            assert measured[on] == pytest.approx(kept[on], rel=0.01)
 
 
 def test_command_on_the_example_config(capsys):
