@@ -302,6 +302,45 @@ def test_selective_recomputation_keeps_what_explain_counts_without_the_cores_sco
                                                     print_report=False))
 
 
+def _per_layer(rank, world, kw, sp):
+    """Bytes one more block saves (a 3-block model's saved bytes less a 2-block one's), without and with
+    selective recomputation, on tp rank ``rank`` (``world`` > 1: a real tp group)."""
+    import torch.distributed as torch_dist
+
+    from lightning_tp import selective
+
+    if world > 1:
+        torch_dist.init_process_group("gloo")
+    out = {}
+    for on in (False, True):
+        saved = []
+        for n in (2, 3):
+            model = make_model("gpt", n_layer=n, **kw)
+            if world > 1:
+                planner.apply(model, planner.resolve(model, world, sp), torch_dist.group.WORLD, world, rank, sp)
+            if on:
+                selective.apply(selective.blocks_at(model, selective.places(model)))
+            saved.append(_saved_bytes(model))
+        out[on] = saved[1] - saved[0]
+    return out
+
+
+@pytest.mark.parametrize("dropout, tp, sp", [(0.0, 1, False), (0.1, 1, False), (0.1, 2, True)])
+def test_one_layer_saves_exactly_what_explain_counts(dropout, tp, sp):
+    """Per layer, explain's activation bytes equal those autograd saves, with and without SP and with
+    selective recomputation (the whole model's differ only by the integer token ids)."""
+    kw = dict(n_embd=96, vocab_size=63, dropout=dropout)
+    copies = 3 if dropout else 0  # attention dropout: CPU SDPA's math path
+    est = {on: [explain(make_model("gpt", n_layer=n, **kw), tp=tp, sp=sp, batch_shape=(B, SEQ), score_copies=copies,
+                        activation_checkpointing="selective" if on else False, print_report=False).rank(0)
+                for n in (2, 3)] for on in (False, True)}
+    layer = {on: (e[1].act_bytes - e[1].recompute_bytes) - (e[0].act_bytes - e[0].recompute_bytes)
+             for on, e in est.items()}
+    got = dist.run(tp, _per_layer, kw, sp) if tp > 1 else [_per_layer(0, 1, kw, sp)]
+    for measured in got:
+        assert measured == layer, (measured, layer)
+
+
 def _selective_under_sp(rank, world):
     """Saved bytes of one forward on tp rank ``rank`` of a real tp=2 + sp group, without and with selective."""
     import torch.distributed as torch_dist
