@@ -1,6 +1,6 @@
-"""``python -m lightning_tp explain --config config.yaml``: the :func:`lightning_tp.explain.explain`
-report for a LightningCLI config, without starting any process (docs/design/explain.md);
-``python -m lightning_tp export CKPT --to hf|plain OUT``: a checkpoint's weights (docs/checkpoints.md)."""
+"""``python -m lightning_tp explain --config config.yaml``: the explain report for a LightningCLI config
+(docs/design/explain.md); ``plan --config config.yaml --gpus N``: the ranked layouts (docs/planner.md);
+``export CKPT --to hf|plain OUT``: a checkpoint's weights (docs/checkpoints.md)."""
 
 from __future__ import annotations
 
@@ -104,7 +104,23 @@ def main(argv=None) -> int:
     e.add_argument("--config", help="hf: the model's config.json, or a directory holding one")
     e.add_argument("--prefix", help="hf: the LightningModule attribute holding the model, e.g. 'model.' "
                                     "(default: the one first name all weights share)")
+    q = sub.add_parser(
+        "plan", help="the layouts for the config's model on a cluster, fastest first",
+        description="Estimate memory and step time of every layout MegaStrategy can run for the config's model "
+                    "(built on the meta device: nothing is allocated) on a cluster, and rank them.")
+    q.add_argument("--config", required=True, help="a LightningCLI YAML with the model (as for explain)")
+    q.add_argument("--cli", help="as for explain")
+    q.add_argument("--gpus", type=int, required=True)
+    q.add_argument("--gpus-per-node", type=int, default=8)
+    q.add_argument("--gpu-memory-gib", type=float, default=80.0)
+    q.add_argument("--peak-tflops", type=float, default=989.0)
+    q.add_argument("--intra-node-gbps", type=float, default=3600.0)
+    q.add_argument("--inter-node-gbps", type=float, default=400.0)
+    q.add_argument("--global-batch", type=int, default=512, help="sequences per optimizer step")
+    q.add_argument("--seq-len", type=int, default=None, help="default: the config's block_size")
     args, extra = parser.parse_known_args(argv)
+    if args.command == "plan":
+        return _plan(args, extra)
     if args.command == "export":
         from .checkpoints.export import export
 
@@ -116,6 +132,20 @@ def main(argv=None) -> int:
     act, grad = _bytes(cli.trainer.precision)
     explain(cli.model, batch_shape=_batch_shape(cli, args.batch_shape), dtype_bytes=act, grad_bytes=grad,
             accumulate_grad_batches=cli.trainer.accumulate_grad_batches, config=_config(cli.trainer))
+    return 0
+
+
+def _plan(args, extra) -> int:
+    import torch
+
+    from .planner import plan
+
+    with torch.device("meta"):
+        cli = build_cli(args.config, args.cli, extra)
+    seq = args.seq_len or _batch_shape(cli, None)[1]
+    print(plan(cli.model, gpus=args.gpus, gpus_per_node=args.gpus_per_node, gpu_memory_gib=args.gpu_memory_gib,
+               peak_tflops=args.peak_tflops, intra_node_gbps=args.intra_node_gbps,
+               inter_node_gbps=args.inter_node_gbps, global_batch=args.global_batch, seq_len=seq))
     return 0
 
 

@@ -1,0 +1,125 @@
+"""One layout's memory and step time on a cluster: compute at the GEMM sizes per rank, elementwise traffic,
+tp/pp/dp communication, the schedule's bubble and recomputation. See docs/planner.md."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+from ..pipeline.schedule.schedules import build_schedule
+from ..pipeline.schedule.simulate import simulate
+
+GIB = 2 ** 30
+BYTES = dict(weight=2, grad=4, optim=12)  # bf16 weights, fp32 gradients, fp32 main copy + Adam's two moments
+
+
+@dataclass
+class Candidate:
+    """A layout (what MegaStrategy takes, and the microbatch size) with its estimates; ``why``: the step's
+    parts (seconds), ``overflow``: what does not fit (empty when it does)."""
+
+    tp: int
+    pp: int
+    dp: int
+    sp: bool
+    microbatch_size: int
+    microbatches: int
+    schedule: str
+    virtual_stages: int
+    activation_checkpointing: object
+    zero: int
+    memory_gib: float = 0.0
+    memory: dict = field(default_factory=dict)
+    step_s: float = 0.0
+    tokens_per_s: float = 0.0
+    mfu: float = 0.0
+    hardware_tflops: float = 0.0
+    why: dict = field(default_factory=dict)
+    overflow: str = ""
+
+    def strategy_kwargs(self) -> dict:
+        """The MegaStrategy options of this layout (without a pipeline the microbatches are Lightning's
+        accumulate_grad_batches, see :meth:`trainer_kwargs`)."""
+        out = dict(tp=self.tp, pp=self.pp, sp=self.sp, zero=self.zero,
+                   activation_checkpointing=self.activation_checkpointing)
+        if self.pp > 1:
+            out.update(microbatches=self.microbatches, schedule=self.schedule, virtual_stages=self.virtual_stages)
+        return out
+
+    def trainer_kwargs(self) -> dict:
+        """The Trainer options: GPUs, and accumulation where there is no pipeline to take the microbatches."""
+        out = dict(devices=self.tp * self.pp * self.dp)
+        if self.pp == 1 and self.microbatches > 1:
+            out["accumulate_grad_batches"] = self.microbatches
+        return out
+
+
+@functools.lru_cache(maxsize=None)
+def peak_inflight(schedule: str, pp: int, v: int, m: int) -> int:
+    """Microbatch-chunks the first stage holds at once (it holds the most), from a replay of the schedule."""
+    if pp == 1:
+        return 1
+    m = min(m, 2 * pp * v)  # the peak no longer grows past a few rounds
+    m -= m % pp if schedule == "interleaved_1f1b" and m > pp else 0
+    return max(simulate(build_schedule(schedule, pp, m, v), pp, v).peak_inflight)
+
+
+def pipeline_seconds(pp: int, v: int, m: int, f: float, b: float) -> float:
+    """1F1B (and interleaved) makespan with per-stage forward ``f`` and backward ``b`` per microbatch."""
+    return m * (f + b) + (pp - 1) * (f + b) / v
+
+
+def estimate(c: Candidate, prof, cluster, global_batch: int) -> Candidate:
+    """Fill ``c``'s memory, step time and rates (see docs/planner.md for each term)."""
+    s, h, t, L = prof.seq, prof.hidden, c.tp, prof.layers
+    tokens = c.microbatch_size * s  # per microbatch
+    per_block_act, outer_act, transient = prof.act[(t, c.sp, c.activation_checkpointing)]
+    block_p, outer_p = prof.params_at[t]
+    layers_here = L // c.pp
+    params_here = layers_here * block_p + outer_p  # the first (or last) stage: the heaviest
+    # memory: weights, gradients, optimizer state (zero=1: state / dp; zero=3: all three / dp), activations
+    shard = c.dp if c.zero == 3 else 1
+    memory = dict(weights=params_here * BYTES["weight"] / shard, grads=params_here * BYTES["grad"] / shard,
+                  optimizer=params_here * BYTES["optim"] / (c.dp if c.zero else 1))
+    inflight = peak_inflight(c.schedule, c.pp, c.virtual_stages, c.microbatches)
+    chunk = layers_here // c.virtual_stages
+    memory["activations"] = c.microbatch_size * (inflight * chunk * per_block_act + outer_act + transient)
+    c.memory = {k: v / GIB for k, v in memory.items()}
+    c.memory_gib = sum(c.memory.values())
+    # compute per microbatch on one stage: GEMMs at this rank's size, elementwise traffic, tp collectives
+    gemm = tokens * h * (h / t) * 2 / 1e9  # one h x h/t product, GFLOP
+    fwd_flops = tokens * (prof.block_flops / t) * layers_here
+    core = tokens * (prof.core_flops / t) * layers_here
+    recompute = {False: 0.0, "selective": core, True: fwd_flops}[c.activation_checkpointing]
+    head = tokens * prof.outer_flops / t
+    f_gemm = cluster.gemm_seconds(fwd_flops + head, gemm)
+    # elementwise kernels stream each activation a forward makes about three times (written, read by the
+    # next op, read back in the backward): what the block saves without recomputation
+    made = prof.act[(t, c.sp, False)][0]
+    traffic = cluster.memory_seconds(3 * c.microbatch_size * made * layers_here)
+    tp_one = cluster.collective_seconds("all_reduce", tokens * h * 2, t)  # sp's reduce-scatter + all-gather alike
+    tp_fwd = 2 * layers_here * tp_one
+    f = f_gemm + traffic + tp_fwd
+    again = {False: 0.0, "selective": 0.0, True: 1.0}[c.activation_checkpointing]  # a whole forward again
+    b = 2 * f_gemm + (2 + again) * traffic + (1 + again) * tp_fwd + cluster.gemm_seconds(recompute, gemm)
+    p2p = cluster.collective_seconds("p2p", tokens * h * 2 / (t if c.sp else 1), 2, t * c.dp) if c.pp > 1 else 0.0
+    f, b = f + p2p, b + p2p
+    pipe = pipeline_seconds(c.pp, c.virtual_stages, c.microbatches, f, b)
+    # data parallel: the gradient all-reduce (zero=1: reduce-scatter + all-gather, zero=3: also the weights'
+    # gathers), overlapped with the last microbatch's backward; the optimizer streams its state once
+    dp_bytes = params_here * BYTES["grad"] * (1.5 if c.zero == 3 else 1)
+    dp_time = cluster.collective_seconds("all_reduce", dp_bytes, c.dp, t)
+    exposed = max(0.0, dp_time - b)
+    optimizer = cluster.memory_seconds(params_here / (c.dp if c.zero else 1) * (BYTES["optim"] + 6) * 2)
+    c.step_s = pipe + exposed + optimizer
+    c.why = dict(compute=c.microbatches * (f_gemm * 3 + cluster.gemm_seconds(recompute, gemm)),
+                 elementwise=c.microbatches * traffic * 3, tp=c.microbatches * (2 * tp_fwd), pp_p2p=c.microbatches * 2 * p2p,
+                 bubble=(c.pp - 1) * (f + b) / c.virtual_stages, dp_exposed=exposed, optimizer=optimizer)
+    c.tokens_per_s = global_batch * s / c.step_s
+    model_flops = 3 * (L * prof.block_flops + prof.outer_flops) * global_batch * s  # forward + backward
+    hardware = model_flops + (L * (prof.core_flops if c.activation_checkpointing == "selective" else prof.block_flops)
+                              * global_batch * s if c.activation_checkpointing else 0.0)
+    gpus = c.tp * c.pp * c.dp
+    c.mfu = model_flops / (c.step_s * gpus * cluster.peak_tflops * 1e12)
+    c.hardware_tflops = hardware / (c.step_s * gpus) / 1e12
+    return c

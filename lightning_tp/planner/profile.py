@@ -1,0 +1,120 @@
+"""What a plan needs to know of a model, read once from the module (meta tensors are enough): its blocks,
+their parameters and FLOPs per token, and explain's exact activation bytes per block for each tp layout.
+See docs/planner.md."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from ..explain import explain
+from ..plans import apply as planner
+
+HEAD_ATTRS = ("num_heads", "n_head", "n_heads", "num_attention_heads")
+
+
+@dataclass
+class ModelProfile:
+    """Per block (all alike) and outside the blocks: parameters, forward FLOPs per token (the attention core's
+    apart), and ``act[(tp, sp, recompute)]`` = (kept per block, kept outside, one block's recompute) bytes per
+    sequence of ``seq`` tokens at 2 bytes an element."""
+
+    layers: int
+    hidden: int
+    heads: int
+    vocab: int
+    seq: int
+    block_params: int
+    outer_params: int
+    block_flops: float
+    core_flops: float
+    outer_flops: float
+    act: dict = field(default_factory=dict)
+    params_at: dict = field(default_factory=dict)  # tp -> (per block, outside) on one tp rank
+
+    @property
+    def params(self) -> int:
+        return self.layers * self.block_params + self.outer_params
+
+    def tps(self, most: int) -> list:
+        """tp sizes this model splits into (dividing its heads), up to ``most``."""
+        return [t for t in range(1, most + 1) if self.heads % t == 0 and self.hidden % t == 0]
+
+
+def _linear_flops(module: nn.Module) -> float:
+    """Forward FLOPs per token of the matrix products of ``module``'s Linear (and Hugging Face Conv1D) layers."""
+    total = 0.0
+    for m in module.modules():
+        if isinstance(m, nn.Linear):
+            total += 2 * m.in_features * m.out_features
+        elif type(m).__name__ == "Conv1D" and hasattr(m, "nf"):
+            total += 2 * m.weight.shape[0] * m.weight.shape[1]
+    return total
+
+
+def _heads(block: nn.Module) -> int:
+    for m in block.modules():
+        for attr in HEAD_ATTRS:
+            if isinstance(getattr(m, attr, None), int):
+                return getattr(m, attr)
+        config = getattr(m, "config", None)
+        if isinstance(getattr(config, "num_attention_heads", None), int):
+            return config.num_attention_heads
+    raise ValueError(f"plan(): found no attention head count in {type(block).__name__} (num_heads, n_head, "
+                     f"num_attention_heads).")
+
+
+@contextlib.contextmanager
+def first_blocks(module: nn.Module, path: str, n: int):
+    """``module`` with its block list at ``path`` cut to the first ``n`` blocks, for the ``with`` body."""
+    parent_path, _, leaf = path.rpartition(".")
+    parent = module.get_submodule(parent_path) if parent_path else module
+    blocks = getattr(parent, leaf)
+    if not isinstance(blocks, (nn.ModuleList, nn.Sequential)):
+        raise ValueError(f"plan(): the blocks at {path} are a {type(blocks).__name__}; an nn.ModuleList or "
+                         f"nn.Sequential is needed.")
+    setattr(parent, leaf, type(blocks)(list(blocks)[:n]))
+    try:
+        yield module
+    finally:
+        setattr(parent, leaf, blocks)
+
+
+def profile(module: nn.Module, seq: int, tps, flash: bool = True, plan="auto") -> ModelProfile:
+    """Read ``module`` (its blocks from its plan) for sequences of ``seq`` tokens; activation bytes for
+    each tp in ``tps`` dividing its heads (and sp, recompute none/selective/full) from explain on 2 and 3 blocks."""
+    path = planner.blocks_path(module, plan)
+    blocks = module.get_submodule(path)
+    if len(blocks) < 3:
+        raise ValueError(f"plan(): {path} holds {len(blocks)} blocks; a plan needs at least 3.")
+    block = blocks[0]
+    in_blocks = {id(p) for p in blocks.parameters()}
+    outer = {id(p): p for p in module.parameters() if id(p) not in in_blocks}
+    embeddings = [m for m in module.modules() if isinstance(m, nn.Embedding)]
+    vocab = max((m.num_embeddings for m in embeddings), default=0)
+    hidden = next((m.in_features for m in block.modules() if isinstance(m, nn.Linear)), 0)
+    out = ModelProfile(layers=len(blocks), hidden=hidden, heads=_heads(block), vocab=vocab, seq=seq,
+                       block_params=sum(p.numel() for p in block.parameters()),
+                       outer_params=sum(p.numel() for p in outer.values()),
+                       block_flops=_linear_flops(block) + 4 * seq * hidden, core_flops=4 * seq * hidden,
+                       outer_flops=_linear_flops(module) - len(blocks) * _linear_flops(block))
+    copies = 0 if flash else 3  # s x s tensors an attention core keeps per head (explain's score_copies)
+    for t in out.tps(max(tps)):
+        if t not in tps:
+            continue
+        for sp in ((False, True) if t > 1 else (False,)):
+            for mode in (False, "selective", True):
+                kept, transient, params = [], 0, []
+                for n in (2, 3):
+                    with first_blocks(module, path, n):
+                        r = explain(module, tp=t, sp=sp, batch_shape=(1, seq), dtype_bytes=2, grad_bytes=2,
+                                    activation_checkpointing=mode, score_copies=copies, plan=plan,
+                                    print_report=False).rank(0)
+                    kept.append(r.act_bytes - r.recompute_bytes)
+                    transient, params = r.recompute_bytes, params + [r.params]
+                per_block = kept[1] - kept[0]
+                out.act[(t, sp, mode)] = (per_block, kept[0] - 2 * per_block, transient)
+                out.params_at[t] = (params[1] - params[0], params[0] - 2 * (params[1] - params[0]))
+    return out

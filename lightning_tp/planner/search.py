@@ -1,0 +1,104 @@
+"""``plan(model, gpus=..., ...)``: every layout MegaStrategy can run for the model on the cluster, estimated
+and ranked by step time; those that do not fit listed apart with what overflows. See docs/planner.md."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .cluster import Cluster
+from .estimate import Candidate, estimate
+from .profile import profile
+
+RECOMPUTE = (False, "selective", True)
+MICROBATCH_SIZES = (1, 2, 4, 8)
+
+
+@dataclass
+class Plan:
+    """Candidates that fit, fastest first, and those that do not (smallest memory first)."""
+
+    fits: list
+    overflows: list
+    cluster: Cluster
+
+    def __getitem__(self, i):
+        return self.fits[i]
+
+    def __len__(self):
+        return len(self.fits)
+
+    def __str__(self):
+        from .report import format_plan
+
+        return format_plan(self)
+
+
+def _divisors(n: int) -> list:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(prof, cluster: Cluster, global_batch: int, zeros=(0, 1), tp_most: int | None = None):
+    """Every (tp, sp, pp, dp, microbatch size, schedule, virtual stages, recompute, zero) that divides the
+    model (heads, layers) and the batch."""
+    most = min(cluster.gpus, tp_most or 2 * cluster.gpus_per_node)
+    for t in prof.tps(most):
+        for pp in _divisors(min(prof.layers, cluster.gpus // t)):
+            if cluster.gpus % (t * pp) or prof.layers % pp:
+                continue
+            dp = cluster.gpus // (t * pp)
+            if global_batch % dp:
+                continue
+            for mbs in MICROBATCH_SIZES:
+                if (global_batch // dp) % mbs:
+                    continue
+                m = global_batch // dp // mbs
+                if pp > 1 and m < pp:
+                    continue
+                schedules = [("1f1b", 1)]
+                if pp > 1:
+                    schedules += [("interleaved_1f1b", v) for v in (2, 4) if (prof.layers // pp) % v == 0 and m % pp == 0]
+                for schedule, v in schedules:
+                    for sp in ((False, True) if t > 1 else (False,)):
+                        for ckpt in RECOMPUTE:
+                            for zero in zeros:
+                                if zero and dp == 1 or (zero == 3 and pp > 1):
+                                    continue
+                                yield Candidate(tp=t, pp=pp, dp=dp, sp=sp, microbatch_size=mbs,
+                                                microbatches=m, schedule=schedule,
+                                                virtual_stages=v, activation_checkpointing=ckpt, zero=zero)
+
+
+def plan(model, gpus: int, gpus_per_node: int = 8, gpu_memory_gib: float = 80.0, peak_tflops: float = 989.0,
+         intra_node_gbps: float = 3600.0, inter_node_gbps: float = 400.0, global_batch: int = 512, seq_len: int = 2048,
+         *, hbm_gbps: float = 26800.0, flash: bool = True, zeros=(0, 1), cluster: Cluster | None = None,
+         model_plan="auto") -> Plan:
+    """The layouts for ``model`` (meta tensors are enough) on ``gpus`` GPUs, fastest first (``plan[0]``);
+    ``flash``: attention keeps no s x s scores (fused kernels). Raises when none fits, naming what overflows."""
+    cluster = cluster or Cluster(gpus=gpus, gpus_per_node=gpus_per_node, gpu_memory_gib=gpu_memory_gib,
+                                 peak_tflops=peak_tflops, intra_node_gbps=intra_node_gbps,
+                                 inter_node_gbps=inter_node_gbps, hbm_gbps=hbm_gbps)
+    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
+        raise ValueError(f"plan(global_batch={global_batch!r}): a positive integer (sequences per step).")
+    tps = [t for t in range(1, min(cluster.gpus, 2 * cluster.gpus_per_node) + 1) if cluster.gpus % t == 0]
+    prof = profile(model, seq_len, tps, flash=flash, plan=model_plan)
+    found = [estimate(c, prof, cluster, global_batch) for c in candidates(prof, cluster, global_batch, zeros)]
+    if not found:
+        raise ValueError(f"plan(): no layout of {cluster.gpus} GPUs divides this model ({prof.layers} blocks, "
+                         f"{prof.heads} heads) and global_batch={global_batch}.")
+    fits = sorted((c for c in found if c.memory_gib <= cluster.gpu_memory_gib), key=lambda c: c.step_s)
+    over = sorted((c for c in found if c.memory_gib > cluster.gpu_memory_gib), key=lambda c: c.memory_gib)
+    for c in over:
+        c.overflow = (f"{c.memory_gib:.1f} GiB > {cluster.gpu_memory_gib:g} GiB: " +
+                      ", ".join(f"{k} {v:.1f}" for k, v in c.memory.items()))
+    if not fits:
+        raise ValueError(f"plan(): nothing fits in {cluster.gpu_memory_gib:g} GiB per GPU. The smallest layout, "
+                         f"{_name(over[0])}, needs {over[0].overflow}. Add GPUs or memory, or shorten "
+                         f"seq_len / the global batch.")
+    return Plan(fits, over, cluster)
+
+
+def _name(c: Candidate) -> str:
+    return (f"tp={c.tp}{' sp' if c.sp else ''} pp={c.pp} dp={c.dp} microbatch {c.microbatch_size}"
+            f" x {c.microbatches}"
+            f"{f' {c.schedule} v={c.virtual_stages}' if c.pp > 1 else ''} recompute={c.activation_checkpointing} "
+            f"zero={c.zero}")

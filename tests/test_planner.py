@@ -1,0 +1,103 @@
+"""The planner: candidates that divide the model and the batch, its pipeline arithmetic against the schedule
+replay, its memory against explain, the published Megatron-LM runs, a 175B plan's speed, and bad input."""
+
+import importlib.util
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from examples.gpt.model import GPT, GPTConfig
+from lightning_tp import MegaStrategy, explain
+from lightning_tp.pipeline.schedule.schedules import build_schedule
+from lightning_tp.pipeline.schedule.simulate import simulate
+from lightning_tp.planner import Cluster, plan
+from lightning_tp.planner.estimate import pipeline_seconds
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("plan_megatron", ROOT / "bench" / "plan_megatron.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _gpt(**kw):
+    with torch.device("meta"):
+        return GPT(GPTConfig(**kw))
+
+
+@pytest.mark.parametrize("schedule, pp, v, m", [("1f1b", 4, 1, 8), ("1f1b", 2, 1, 5), ("interleaved_1f1b", 4, 2, 8),
+                                                ("interleaved_1f1b", 2, 4, 6)])
+def test_pipeline_time_is_the_schedule_replayed(schedule, pp, v, m):
+    f, b = 3.0, 7.0  # per stage and microbatch; a chunk's is 1/v of it
+    replayed = simulate(build_schedule(schedule, pp, m, v), pp, v, {"F": f / v, "B": b / v}).makespan
+    assert pipeline_seconds(pp, v, m, f, b) == pytest.approx(replayed)
+
+
+def test_candidates_divide_the_model_and_the_batch_and_build_a_strategy():
+    p = plan(_gpt(n_layer=8, n_head=8, n_embd=256, block_size=512, vocab_size=1024), gpus=16, gpus_per_node=4,
+             global_batch=32, seq_len=512)
+    assert len(p) > 20
+    for c in p.fits + p.overflows:
+        assert c.tp * c.pp * c.dp == 16 and 8 % c.tp == 0 and 8 % c.pp == 0
+        assert c.microbatch_size * c.microbatches * c.dp == 32
+        MegaStrategy(**c.strategy_kwargs())  # every option valid
+    assert [c.step_s for c in p.fits] == sorted(c.step_s for c in p.fits)
+    assert all(c.memory_gib <= 80 for c in p.fits) and all(c.memory_gib > 80 for c in p.overflows)
+
+
+@pytest.mark.parametrize("tp, sp, ckpt", [(1, False, False), (2, True, False), (2, False, "selective"), (4, True, True)])
+def test_activation_memory_is_explains(tp, sp, ckpt):
+    """Without a pipeline the planner's activations equal explain's for the same layout (per-process batch)."""
+    model = _gpt(n_layer=4, n_head=8, n_embd=128, block_size=256, vocab_size=512)
+    p = plan(model, gpus=8, gpus_per_node=8, global_batch=16, seq_len=256, flash=False)
+    c = next(c for c in p.fits + p.overflows if (c.tp, c.sp, c.pp, c.activation_checkpointing, c.microbatch_size)
+             == (tp, sp, 1, ckpt, 2))
+    est = explain(model, tp=tp, sp=sp, batch_shape=(2, 256), dtype_bytes=2, grad_bytes=2, score_copies=3,
+                  activation_checkpointing=ckpt, print_report=False).rank(0)
+    assert c.memory["activations"] * 2 ** 30 == pytest.approx(est.act_bytes, rel=1e-6)
+
+
+def test_a_175b_plan_returns_within_a_minute_with_tp_inside_a_node():
+    model = _gpt(n_layer=96, n_head=96, n_embd=12288, block_size=2048, vocab_size=51200)
+    started = time.perf_counter()
+    p = plan(model, gpus=1024, gpus_per_node=8, gpu_memory_gib=80, peak_tflops=989, global_batch=1536, seq_len=2048)
+    assert time.perf_counter() - started < 60
+    best = p[0]
+    assert best.tp <= 8 and best.memory_gib <= 80 and 0 < best.mfu < 1
+    assert "lightning_tp plan: 1024 GPUs" in str(p) and "#1:" in str(p)
+
+
+@pytest.mark.parametrize("row", [0, 3, 6])
+def test_published_megatron_runs_within_15_percent(row):
+    """Megatron-LM 2021, Table 1 (1.7B at tp=1, 18.4B at tp=8, 145.6B at tp=8 x pp=8; the full table:
+    bench/plan_megatron.py): the per-GPU throughput predicted at the published layout."""
+    bench = _bench()
+    tflops, at, best, _ = bench.predict(bench.TABLE_1[row])
+    published = bench.TABLE_1[row][-1]
+    assert abs(tflops / published - 1) < 0.15, (tflops, published, at)
+    assert best.tp <= 8  # the recommended tp stays inside a node
+
+
+def test_nothing_fits_says_what_overflows():
+    with pytest.raises(ValueError, match=r"nothing fits in 0.05 GiB per GPU\. The smallest layout, tp=\d.* needs .* GiB "
+                                         r"> 0.05 GiB: weights .*, optimizer .*, activations"):
+        plan(_gpt(n_layer=4, n_head=8, n_embd=1024, block_size=1024, vocab_size=512), gpus=8, gpu_memory_gib=0.05,
+             global_batch=8, seq_len=1024)
+    with pytest.raises(ValueError, match="whole nodes only"):
+        Cluster(gpus=12, gpus_per_node=8)
+    with pytest.raises(ValueError, match="global_batch=0"):
+        plan(_gpt(n_layer=4), gpus=2, global_batch=0)
+
+
+def test_command_ranks_the_example_configs_model(capsys):
+    from lightning_tp.__main__ import main
+
+    config = str(ROOT / "examples" / "gpt" / "config.yaml")
+    assert main(["plan", "--config", config, "--gpus", "16", "--global-batch", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "lightning_tp plan: 16 GPUs (8 a node, 80 GiB, 989 TFLOP/s)" in out and "#1:" in out, out
