@@ -10,6 +10,7 @@ from .checkpoints.export import export
 from .explain import explain
 from .mesh import ParallelMesh, build_mesh
 from .plain import save_consolidated
+from .planner import plan
 from .plans import STYLES, Plan, register_plan
 from .strategy import MegaStrategy
 
@@ -19,5 +20,5 @@ if "mega" not in StrategyRegistry:
     MegaStrategy.register_strategies(StrategyRegistry)
 
 __all__ = ["MegaStrategy", "Plan", "STYLES", "register_plan", "consolidate", "save_consolidated", "export",
-           "explain",
+           "explain", "plan",
            "ParallelMesh", "build_mesh"]

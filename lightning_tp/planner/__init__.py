@@ -3,6 +3,6 @@ estimated, fastest first. See docs/planner.md."""
 
 from .cluster import Cluster
 from .estimate import Candidate
-from .search import Plan, plan
+from .search import Ranking, plan
 
-__all__ = ["Cluster", "Candidate", "Plan", "plan"]
+__all__ = ["Cluster", "Candidate", "Ranking", "plan"]

@@ -14,7 +14,7 @@ MICROBATCH_SIZES = (1, 2, 4, 8)
 
 
 @dataclass
-class Plan:
+class Ranking:
     """Candidates that fit, fastest first, and those that do not (smallest memory first)."""
 
     fits: list
@@ -71,7 +71,7 @@ def candidates(prof, cluster: Cluster, global_batch: int, zeros=(0, 1), tp_most:
 def plan(model, gpus: int, gpus_per_node: int = 8, gpu_memory_gib: float = 80.0, peak_tflops: float = 989.0,
          intra_node_gbps: float = 3600.0, inter_node_gbps: float = 400.0, global_batch: int = 512, seq_len: int = 2048,
          *, hbm_gbps: float = 26800.0, flash: bool = True, zeros=(0, 1), cluster: Cluster | None = None,
-         model_plan="auto") -> Plan:
+         model_plan="auto") -> Ranking:
     """The layouts for ``model`` (meta tensors are enough) on ``gpus`` GPUs, fastest first (``plan[0]``);
     ``flash``: attention keeps no s x s scores (fused kernels). Raises when none fits, naming what overflows."""
     cluster = cluster or Cluster(gpus=gpus, gpus_per_node=gpus_per_node, gpu_memory_gib=gpu_memory_gib,
@@ -94,7 +94,7 @@ def plan(model, gpus: int, gpus_per_node: int = 8, gpu_memory_gib: float = 80.0,
         raise ValueError(f"plan(): nothing fits in {cluster.gpu_memory_gib:g} GiB per GPU. The smallest layout, "
                          f"{_name(over[0])}, needs {over[0].overflow}. Add GPUs or memory, or shorten "
                          f"seq_len / the global batch.")
-    return Plan(fits, over, cluster)
+    return Ranking(fits, over, cluster)
 
 
 def _name(c: Candidate) -> str:
