@@ -11,6 +11,7 @@ from .explain import explain
 from .mesh import ParallelMesh, build_mesh
 from .plain import save_consolidated
 from .planner import plan
+from .timeline import PipelineTimeline
 from .plans import STYLES, Plan, register_plan
 from .strategy import MegaStrategy
 
@@ -20,5 +21,5 @@ if "mega" not in StrategyRegistry:
     MegaStrategy.register_strategies(StrategyRegistry)
 
 __all__ = ["MegaStrategy", "Plan", "STYLES", "register_plan", "consolidate", "save_consolidated", "export",
-           "explain", "plan",
+           "explain", "plan", "PipelineTimeline",
            "ParallelMesh", "build_mesh"]

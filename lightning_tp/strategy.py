@@ -275,6 +275,11 @@ class MegaStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ pipeline steps
 
+    @property
+    def runner(self):
+        """The pipeline runner (pp > 1 or microbatches > 1), else None."""
+        return self._runner
+
     def training_step(self, *args, **kwargs):
         if self._fsdp:  # through the module's call, which runs FSDP2's hooks
             with self.precision_plugin.train_step_context():

@@ -5,4 +5,12 @@ from .cluster import Cluster
 from .estimate import Candidate
 from .search import Ranking, plan
 
-__all__ = ["Cluster", "Candidate", "Ranking", "plan"]
+
+def trace_png(trace, path) -> None:
+    """Draw a measured trace (a PipelineTimeline's JSON) to ``path`` as a PNG, a row per rank."""
+    from .picture import draw, trace_rows
+
+    draw(trace_rows(trace), path)
+
+
+__all__ = ["Cluster", "Candidate", "Ranking", "plan", "trace_png"]

@@ -36,6 +36,7 @@ class Candidate:
     hardware_tflops: float = 0.0
     why: dict = field(default_factory=dict)
     overflow: str = ""
+    stage_seconds: tuple = (0.0, 0.0)  # one stage's forward and backward of one microbatch
 
     def strategy_kwargs(self) -> dict:
         """The MegaStrategy options of this layout (without a pipeline the microbatches are Lightning's
@@ -45,6 +46,17 @@ class Candidate:
         if self.pp > 1:
             out.update(microbatches=self.microbatches, schedule=self.schedule, virtual_stages=self.virtual_stages)
         return out
+
+    def timeline_png(self, path):
+        """Draw this layout's step, as estimated, to ``path`` (a PNG, a row per pp rank); returns the replay."""
+        from .picture import draw, schedule_rows
+
+        f, b = self.stage_seconds
+        v = self.virtual_stages
+        result = simulate(build_schedule(self.schedule, self.pp, self.microbatches, v), self.pp, v,
+                          {"F": f / v, "B": b / v})
+        draw(schedule_rows(result), path)
+        return result
 
     def trainer_kwargs(self) -> dict:
         """The Trainer options: GPUs, and accumulation where there is no pipeline to take the microbatches."""
@@ -105,6 +117,7 @@ def estimate(c: Candidate, prof, cluster, global_batch: int) -> Candidate:
     p2p = cluster.collective_seconds("p2p", tokens * h * 2 / (t if c.sp else 1), 2, t * c.dp) if c.pp > 1 else 0.0
     f, b = f + p2p, b + p2p
     pipe = pipeline_seconds(c.pp, c.virtual_stages, c.microbatches, f, b)
+    c.stage_seconds = (f, b)
     # data parallel: the gradient all-reduce (zero=1: reduce-scatter + all-gather, zero=3: also the weights'
     # gathers), overlapped with the last microbatch's backward; the optimizer streams its state once
     dp_bytes = params_here * BYTES["grad"] * (1.5 if c.zero == 3 else 1)

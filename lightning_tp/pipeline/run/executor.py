@@ -153,6 +153,7 @@ class PipelineRunner:
         self._plans = {}  # microbatch count -> the training step's .loop.StepPlan
         self._shapes = {"in": {}, "out": {}}  # per P2P channel, last step's shapes (see ..transport)
         self._results_checked = False  # the first training step's stage results were checked for NaN
+        self.trace = None  # an ActionTrace (see .loop) while a PipelineTimeline callback records
         self._use(microbatches)
 
     @property
@@ -231,7 +232,7 @@ class PipelineRunner:
         device = self._device()  # the run's device even on a stage without trainable parameters
         st = TrainingStep(self, self.plan, split_marked(batch, m), rest, scale / m, params, device,
                           not self._results_checked)
-        walk(self.plan, st, transport_for(self.plan, st, self.ranks.routes(), device, self._shapes))
+        walk(self.plan, st, transport_for(self.plan, st, self.ranks.routes(), device, self._shapes), self.trace)
         for p, old in zip(params, saved):
             p._pp_fresh_grad, p.grad = p.grad, old
         self.step_extras = merge_outputs(st.extras) if st.extras else {}

@@ -4,6 +4,7 @@ compute actions with the transfers around them. See docs/design/pipeline-run.md.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from ..schedule.schedules import Action, sent_early, turns
@@ -37,12 +38,39 @@ def step_plan(actions, slots, routes, **training) -> StepPlan:
                     routes.expected(actions) if slots is None else {}, **training)
 
 
-def walk(plan: StepPlan, step, transport) -> None:
+def walk(plan: StepPlan, step, transport, trace=None) -> None:
     """The one action loop, of training and forward-only steps alike: each compute action in order, given
-    what it receives, then what it sends (``transport``: eager or per slot, see .transfers)."""
+    what it receives, then what it sends (``transport``: eager or per slot, see .transfers); ``trace``: an
+    :class:`ActionTrace` noting when each wait and action ran."""
     for a in plan.computes:
-        step.compute(a, transport.receive(a), transport)
+        if trace is None:
+            step.compute(a, transport.receive(a), transport)
+            transport.after(a)
+            continue
+        start = time.time_ns()
+        received = transport.receive(a)
+        computed = time.time_ns()
+        step.compute(a, received, transport)
         transport.after(a)
+        trace.note(a, start, computed, time.time_ns())
     transport.finish()
+
+
+class ActionTrace:
+    """Chrome/Perfetto trace events of the actions walked while ``on``: process ``pid`` (the global rank), its
+    compute actions on one row and the waits for their inputs on another; ``rank``: its pp rank."""
+
+    def __init__(self, rank: int, stages: int, pid: int):
+        self.rank, self.stages, self.pid, self.on, self.events = rank, stages, pid, False, []
+
+    def note(self, a: Action, start: int, computed: int, end: int) -> None:
+        if not self.on:
+            return
+        k = a.chunk * self.stages + self.rank
+        if computed - start > 1000:  # over a microsecond waiting for the input
+            self.events.append(dict(name="wait", ph="X", pid=self.pid, tid=1, ts=start / 1e3,
+                                    dur=(computed - start) / 1e3, args=dict(microbatch=a.microbatch, stage=k)))
+        self.events.append(dict(name=a.kind, ph="X", pid=self.pid, tid=0, ts=computed / 1e3, dur=(end - computed) / 1e3,
+                                args=dict(microbatch=a.microbatch, chunk=a.chunk, stage=k)))
 
 
