@@ -52,7 +52,7 @@ def predict(row) -> tuple:
     with torch.device("meta"):
         model = GPT(GPTConfig(n_layer=layers, n_head=heads, n_embd=hidden, block_size=SEQ, vocab_size=VOCAB,
                               dropout=0.1))
-    p = plan(model, gpus=gpus, global_batch=batch, seq_len=SEQ, flash=False, zeros=(0,),
+    p = plan(model, gpus=gpus, global_batch=batch, seq_len=SEQ, flash=False, zeros=(0,), precision="megatron",
              cluster=Cluster(gpus=gpus, **A100))
     at = [c for c in p.fits + p.overflows if (c.tp, c.pp, c.sp, c.activation_checkpointing) == (tp, pp, False, True)]
     fits = [c for c in at if not c.overflow]

@@ -50,13 +50,14 @@ def test_a_pp2_run_writes_every_ranks_actions_in_causal_order(tmp_path):
         assert kinds.count("F") == kinds.count("B") == 2 * M and set(kinds) <= {"F", "B", "W"}, kinds
         mine.sort(key=lambda e: e["ts"])  # one action at a time on a rank
         assert all(a["ts"] + a["dur"] <= b["ts"] + 1 for a, b in zip(mine, mine[1:]))
-    # each microbatch's forward starts on stage 1 after stage 0 began it (its send is made inside the action),
-    # its backward on stage 0 after stage 1 began its own
+    # each microbatch's forward ends on stage 1 after stage 0 began it, its backward on stage 0 after stage 1
+    # began its own (one clock on one machine)
     for step in range(2):
         def at(rank, kind, mb):
             return [e for e in acts if (e["pid"], e["name"], e["args"]["microbatch"]) == (rank, kind, mb)][step]
         for mb in range(M):
-            assert at(1, "F", mb)["ts"] > at(0, "F", mb)["ts"] and at(0, "B", mb)["ts"] > at(1, "B", mb)["ts"]
+            assert at(1, "F", mb)["ts"] + at(1, "F", mb)["dur"] > at(0, "F", mb)["ts"]
+            assert at(0, "B", mb)["ts"] + at(0, "B", mb)["dur"] > at(1, "B", mb)["ts"]
     png = tmp_path / "measured.png"
     trace_png(path, png)
     assert _png_size(png) == (1600, 2 * 28 + 10)

@@ -10,7 +10,11 @@ from ..pipeline.schedule.schedules import build_schedule
 from ..pipeline.schedule.simulate import simulate
 
 GIB = 2 ** 30
-BYTES = dict(weight=2, grad=4, optim=12)  # bf16 weights, fp32 gradients, fp32 main copy + Adam's two moments
+# per precision: (activation bytes, per-parameter weight, gradient and Adam-state bytes)
+PRECISIONS = {"bf16-mixed": (2, dict(weight=4, grad=4, optim=8)),  # fp32 parameters under autocast
+              "megatron": (2, dict(weight=2, grad=4, optim=12)),  # bf16 weights, fp32 gradients and main copy
+              "bf16-true": (2, dict(weight=2, grad=2, optim=4)),
+              "32-true": (4, dict(weight=4, grad=4, optim=8))}
 
 
 @dataclass
@@ -84,6 +88,7 @@ def pipeline_seconds(pp: int, v: int, m: int, f: float, b: float) -> float:
 def estimate(c: Candidate, prof, cluster, global_batch: int) -> Candidate:
     """Fill ``c``'s memory, step time and rates (see docs/planner.md for each term)."""
     s, h, t, L = prof.seq, prof.hidden, c.tp, prof.layers
+    act_bytes, BYTES = PRECISIONS[prof.precision]
     tokens = c.microbatch_size * s  # per microbatch
     per_block_act, outer_act, transient = prof.act[(t, c.sp, c.activation_checkpointing)]
     block_p, outer_p = prof.params_at[t]
@@ -109,12 +114,13 @@ def estimate(c: Candidate, prof, cluster, global_batch: int) -> Candidate:
     # next op, read back in the backward): what the block saves without recomputation
     made = prof.act[(t, c.sp, False)][0]
     traffic = cluster.memory_seconds(3 * c.microbatch_size * made * layers_here)
-    tp_one = cluster.collective_seconds("all_reduce", tokens * h * 2, t)  # sp's reduce-scatter + all-gather alike
+    tp_one = cluster.collective_seconds("all_reduce", tokens * h * act_bytes, t)  # sp's reduce-scatter + all-gather alike
     tp_fwd = 2 * layers_here * tp_one
     f = f_gemm + traffic + tp_fwd
     again = {False: 0.0, "selective": 0.0, True: 1.0}[c.activation_checkpointing]  # a whole forward again
     b = 2 * f_gemm + (2 + again) * traffic + (1 + again) * tp_fwd + cluster.gemm_seconds(recompute, gemm)
-    p2p = cluster.collective_seconds("p2p", tokens * h * 2 / (t if c.sp else 1), 2, t * c.dp) if c.pp > 1 else 0.0
+    p2p = cluster.collective_seconds("p2p", tokens * h * act_bytes / (t if c.sp else 1), 2, t * c.dp) \
+        if c.pp > 1 else 0.0
     f, b = f + p2p, b + p2p
     pipe = pipeline_seconds(c.pp, c.virtual_stages, c.microbatches, f, b)
     c.stage_seconds = (f, b)
@@ -123,7 +129,7 @@ def estimate(c: Candidate, prof, cluster, global_batch: int) -> Candidate:
     dp_bytes = params_here * BYTES["grad"] * (1.5 if c.zero == 3 else 1)
     dp_time = cluster.collective_seconds("all_reduce", dp_bytes, c.dp, t)
     exposed = max(0.0, dp_time - b)
-    optimizer = cluster.memory_seconds(params_here / (c.dp if c.zero else 1) * (BYTES["optim"] + 6) * 2)
+    optimizer = cluster.memory_seconds(params_here / (c.dp if c.zero else 1) * (BYTES["optim"] + 2 * BYTES["grad"]) * 2)
     c.step_s = pipe + exposed + optimizer
     c.why = dict(compute=c.microbatches * (f_gemm * 3 + cluster.gemm_seconds(recompute, gemm)),
                  elementwise=c.microbatches * traffic * 3, tp=c.microbatches * (2 * tp_fwd), pp_p2p=c.microbatches * 2 * p2p,

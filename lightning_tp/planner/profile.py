@@ -11,6 +11,7 @@ from torch import nn
 
 from ..explain import explain
 from ..plans import apply as planner
+from .estimate import PRECISIONS
 
 HEAD_ATTRS = ("num_heads", "n_head", "n_heads", "num_attention_heads")
 
@@ -19,7 +20,7 @@ HEAD_ATTRS = ("num_heads", "n_head", "n_heads", "num_attention_heads")
 class ModelProfile:
     """Per block (all alike) and outside the blocks: parameters, forward FLOPs per token (the attention core's
     apart), and ``act[(tp, sp, recompute)]`` = (kept per block, kept outside, one block's recompute) bytes per
-    sequence of ``seq`` tokens at 2 bytes an element."""
+    sequence of ``seq`` tokens at the precision's activation bytes."""
 
     layers: int
     hidden: int
@@ -31,6 +32,7 @@ class ModelProfile:
     block_flops: float
     core_flops: float
     outer_flops: float
+    precision: str = "megatron"  # see .estimate.PRECISIONS
     act: dict = field(default_factory=dict)
     params_at: dict = field(default_factory=dict)  # tp -> (per block, outside) on one tp rank
 
@@ -82,7 +84,8 @@ def first_blocks(module: nn.Module, path: str, n: int):
         setattr(parent, leaf, blocks)
 
 
-def profile(module: nn.Module, seq: int, tps, flash: bool = True, plan="auto") -> ModelProfile:
+def profile(module: nn.Module, seq: int, tps, flash: bool = True, plan="auto",
+            precision: str = "megatron") -> ModelProfile:
     """Read ``module`` (its blocks from its plan) for sequences of ``seq`` tokens; activation bytes for
     each tp in ``tps`` dividing its heads (and sp, recompute none/selective/full) from explain on 2 and 3 blocks."""
     path = planner.blocks_path(module, plan)
@@ -99,7 +102,8 @@ def profile(module: nn.Module, seq: int, tps, flash: bool = True, plan="auto") -
                        block_params=sum(p.numel() for p in block.parameters()),
                        outer_params=sum(p.numel() for p in outer.values()),
                        block_flops=_linear_flops(block) + 4 * seq * hidden, core_flops=4 * seq * hidden,
-                       outer_flops=_linear_flops(module) - len(blocks) * _linear_flops(block))
+                       outer_flops=_linear_flops(module) - len(blocks) * _linear_flops(block), precision=precision)
+    act_bytes = PRECISIONS[precision][0]
     copies = 0 if flash else 3  # s x s tensors an attention core keeps per head (explain's score_copies)
     for t in out.tps(max(tps)):
         if t not in tps:
@@ -109,7 +113,7 @@ def profile(module: nn.Module, seq: int, tps, flash: bool = True, plan="auto") -
                 kept, transient, params = [], 0, []
                 for n in (2, 3):
                     with first_blocks(module, path, n):
-                        r = explain(module, tp=t, sp=sp, batch_shape=(1, seq), dtype_bytes=2, grad_bytes=2,
+                        r = explain(module, tp=t, sp=sp, batch_shape=(1, seq), dtype_bytes=act_bytes, grad_bytes=act_bytes,
                                     activation_checkpointing=mode, score_copies=copies, plan=plan,
                                     print_report=False).rank(0)
                     kept.append(r.act_bytes - r.recompute_bytes)

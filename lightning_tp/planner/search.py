@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .cluster import Cluster
-from .estimate import Candidate, estimate
+from .estimate import PRECISIONS, Candidate, estimate
 from .profile import profile
 
 RECOMPUTE = (False, "selective", True)
@@ -37,7 +37,8 @@ def _divisors(n: int) -> list:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidates(prof, cluster: Cluster, global_batch: int, zeros=(0, 1), tp_most: int | None = None):
+def candidates(prof, cluster: Cluster, global_batch: int, zeros=(0, 1), recompute=RECOMPUTE,
+               tp_most: int | None = None):
     """Every (tp, sp, pp, dp, microbatch size, schedule, virtual stages, recompute, zero) that divides the
     model (heads, layers) and the batch."""
     most = min(cluster.gpus, tp_most or 2 * cluster.gpus_per_node)
@@ -59,7 +60,7 @@ def candidates(prof, cluster: Cluster, global_batch: int, zeros=(0, 1), tp_most:
                     schedules += [("interleaved_1f1b", v) for v in (2, 4) if (prof.layers // pp) % v == 0 and m % pp == 0]
                 for schedule, v in schedules:
                     for sp in ((False, True) if t > 1 else (False,)):
-                        for ckpt in RECOMPUTE:
+                        for ckpt in recompute:
                             for zero in zeros:
                                 if zero and dp == 1 or (zero == 3 and pp > 1):
                                     continue
@@ -71,17 +72,20 @@ def candidates(prof, cluster: Cluster, global_batch: int, zeros=(0, 1), tp_most:
 def plan(model, gpus: int, gpus_per_node: int = 8, gpu_memory_gib: float = 80.0, peak_tflops: float = 989.0,
          intra_node_gbps: float = 3600.0, inter_node_gbps: float = 400.0, global_batch: int = 512, seq_len: int = 2048,
          *, hbm_gbps: float = 26800.0, flash: bool = True, zeros=(0, 1), cluster: Cluster | None = None,
-         model_plan="auto") -> Ranking:
+         model_plan="auto", precision: str = "bf16-mixed", recompute=RECOMPUTE) -> Ranking:
     """The layouts for ``model`` (meta tensors are enough) on ``gpus`` GPUs, fastest first (``plan[0]``);
-    ``flash``: attention keeps no s x s scores (fused kernels). Raises when none fits, naming what overflows."""
+    ``flash``: attention keeps no s x s scores (fused kernels); ``precision``: bf16-mixed, bf16-true, 32-true or
+    megatron (bf16 weights, fp32 main copy). Raises when none fits, naming what overflows."""
     cluster = cluster or Cluster(gpus=gpus, gpus_per_node=gpus_per_node, gpu_memory_gib=gpu_memory_gib,
                                  peak_tflops=peak_tflops, intra_node_gbps=intra_node_gbps,
                                  inter_node_gbps=inter_node_gbps, hbm_gbps=hbm_gbps)
+    if precision not in PRECISIONS:
+        raise ValueError(f"plan(precision={precision!r}): choose one of {sorted(PRECISIONS)}.")
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
         raise ValueError(f"plan(global_batch={global_batch!r}): a positive integer (sequences per step).")
     tps = [t for t in range(1, min(cluster.gpus, 2 * cluster.gpus_per_node) + 1) if cluster.gpus % t == 0]
-    prof = profile(model, seq_len, tps, flash=flash, plan=model_plan)
-    found = [estimate(c, prof, cluster, global_batch) for c in candidates(prof, cluster, global_batch, zeros)]
+    prof = profile(model, seq_len, tps, flash=flash, plan=model_plan, precision=precision)
+    found = [estimate(c, prof, cluster, global_batch) for c in candidates(prof, cluster, global_batch, zeros, recompute)]
     if not found:
         raise ValueError(f"plan(): no layout of {cluster.gpus} GPUs divides this model ({prof.layers} blocks, "
                          f"{prof.heads} heads) and global_batch={global_batch}.")
