@@ -101,3 +101,13 @@ def test_command_ranks_the_example_configs_model(capsys):
     assert main(["plan", "--config", config, "--gpus", "16", "--global-batch", "64"]) == 0
     out = capsys.readouterr().out
     assert "lightning_tp plan: 16 GPUs (8 a node, 80 GiB, 989 TFLOP/s)" in out and "#1:" in out, out
+
+
+def test_calibrating_this_machine_gives_a_cluster_plan_takes():
+    from lightning_tp.planner.calibrate import calibrate
+
+    cluster = calibrate(world=1)
+    assert cluster.peak_tflops > 0 and cluster.hbm_gbps > 0 and 0 < cluster.step_overhead_s < 1
+    p = plan(_gpt(n_layer=4, n_head=4, n_embd=64, block_size=64), gpus=1, cluster=cluster, global_batch=8, seq_len=64,
+             precision="32-true")
+    assert p[0].step_s > cluster.step_overhead_s

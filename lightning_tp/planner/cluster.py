@@ -19,7 +19,11 @@ class Cluster:
     hbm_gbps: float = 26800.0  # device memory bandwidth (Gbit/s): 3350 GB/s
     gemm_efficiency: float = 0.85  # the best share of peak a large GEMM reaches
     gemm_half_gflop: float = 4.0  # a GEMM of this many GFLOP runs at half that share
-    latency_us: float = 10.0  # per collective step across nodes (inside a node: a fifth)
+    latency_us: float = 10.0  # per collective step across nodes
+    intra_latency_us: float = 2.0  # per collective step inside a node
+    ops: tuple = ()  # measured (op, Gbit/s, latency s) inside a node, overriding the link's (see .calibrate)
+    step_overhead_s: float = 0.0  # per optimizer step: the training loop's own time (see .calibrate)
+    action_overhead_s: float = 0.0  # per pipeline action (a microbatch's forward or backward on a stage)
 
     def __post_init__(self):
         for name in ("gpus", "gpus_per_node"):
@@ -46,8 +50,8 @@ class Cluster:
         """(Gbit/s, latency s) of a group of ``span`` ranks ``stride`` apart (tp fastest): inside a node
         when they all fit in one, else across nodes."""
         inside = span * stride <= self.gpus_per_node
-        return (self.intra_node_gbps, self.latency_us * 0.2e-6) if inside else (self.inter_node_gbps,
-                                                                                   self.latency_us * 1e-6)
+        return (self.intra_node_gbps, self.intra_latency_us * 1e-6) if inside else (self.inter_node_gbps,
+                                                                                      self.latency_us * 1e-6)
 
     def collective_seconds(self, op: str, nbytes: float, span: int, stride: int = 1) -> float:
         """A ring ``op`` ("all_reduce", "all_gather", "reduce_scatter", "p2p") of ``nbytes`` (the whole
@@ -55,6 +59,9 @@ class Cluster:
         if span <= 1 or nbytes <= 0:
             return 0.0
         gbps, latency = self.link(span, stride)
+        measured = {name: (g, lat) for name, g, lat in self.ops}
+        if op in measured and span * stride <= self.gpus_per_node:
+            gbps, latency = measured[op]
         if op == "p2p":
             return nbytes * 8 / (gbps * 1e9) + latency
         steps = 2 * (span - 1) if op == "all_reduce" else span - 1

@@ -114,7 +114,10 @@ def estimate(c: Candidate, prof, cluster, global_batch: int) -> Candidate:
     # next op, read back in the backward): what the block saves without recomputation
     made = prof.act[(t, c.sp, False)][0]
     traffic = cluster.memory_seconds(3 * c.microbatch_size * made * layers_here)
-    tp_one = cluster.collective_seconds("all_reduce", tokens * h * act_bytes, t)  # sp's reduce-scatter + all-gather alike
+    hidden_bytes = tokens * h * act_bytes
+    tp_one = (cluster.collective_seconds("reduce_scatter", hidden_bytes, t) +
+              cluster.collective_seconds("all_gather", hidden_bytes, t)) if c.sp else \
+        cluster.collective_seconds("all_reduce", hidden_bytes, t)
     tp_fwd = 2 * layers_here * tp_one
     f = f_gemm + traffic + tp_fwd
     again = {False: 0.0, "selective": 0.0, True: 1.0}[c.activation_checkpointing]  # a whole forward again
@@ -126,14 +129,25 @@ def estimate(c: Candidate, prof, cluster, global_batch: int) -> Candidate:
     c.stage_seconds = (f, b)
     # data parallel: the gradient all-reduce (zero=1: reduce-scatter + all-gather, zero=3: also the weights'
     # gathers), overlapped with the last microbatch's backward; the optimizer streams its state once
-    dp_bytes = params_here * BYTES["grad"] * (1.5 if c.zero == 3 else 1)
-    dp_time = cluster.collective_seconds("all_reduce", dp_bytes, c.dp, t)
-    exposed = max(0.0, dp_time - b)
+    grads = params_here * BYTES["grad"]
+    if c.zero:  # the reduce-scatter overlapped; the stepped slices' all-gather after the step (zero=3: the
+        # weights' gathers, twice a block, inside the forward and backward)
+        dp_time = cluster.collective_seconds("reduce_scatter", grads, c.dp, t)
+        gather = cluster.collective_seconds("all_gather", params_here * BYTES["weight"], c.dp, t) * \
+            (2 * c.microbatches if c.zero == 3 else 1)
+    else:
+        dp_time, gather = cluster.collective_seconds("all_reduce", grads, c.dp, t), 0.0
+    exposed = max(0.0, dp_time - b) + gather
     optimizer = cluster.memory_seconds(params_here / (c.dp if c.zero else 1) * (BYTES["optim"] + 2 * BYTES["grad"]) * 2)
-    c.step_s = pipe + exposed + optimizer
+    if c.pp > 1:  # one training step, each microbatch a forward and a backward per chunk
+        overhead = cluster.step_overhead_s + 2 * c.microbatches * c.virtual_stages * cluster.action_overhead_s
+    else:  # Lightning's accumulation: a training step per microbatch
+        overhead = c.microbatches * cluster.step_overhead_s
+    c.step_s = pipe + exposed + optimizer + overhead
     c.why = dict(compute=c.microbatches * (f_gemm * 3 + cluster.gemm_seconds(recompute, gemm)),
                  elementwise=c.microbatches * traffic * 3, tp=c.microbatches * (2 * tp_fwd), pp_p2p=c.microbatches * 2 * p2p,
-                 bubble=(c.pp - 1) * (f + b) / c.virtual_stages, dp_exposed=exposed, optimizer=optimizer)
+                 bubble=(c.pp - 1) * (f + b) / c.virtual_stages, dp_exposed=exposed, optimizer=optimizer,
+                 overhead=overhead)
     c.tokens_per_s = global_batch * s / c.step_s
     model_flops = 3 * (L * prof.block_flops + prof.outer_flops) * global_batch * s  # forward + backward
     hardware = model_flops + (L * (prof.core_flops if c.activation_checkpointing == "selective" else prof.block_flops)

@@ -10,7 +10,7 @@ from .estimate import PRECISIONS, Candidate, estimate
 from .profile import profile
 
 RECOMPUTE = (False, "selective", True)
-MICROBATCH_SIZES = (1, 2, 4, 8)
+MICROBATCH_SIZES = (1, 2, 4, 8, 16, 32)
 
 
 @dataclass

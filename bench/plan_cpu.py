@@ -1,0 +1,135 @@
+"""The planner's step time against measured CPU runs: this machine calibrated (planner.calibrate: GEMM rate and
+curve, memory bandwidth, gloo latency and bandwidth), then the example GPT trained under each layout by a
+Lightning Trainer (fp32, global batch 16 x 64) with its step time measured (median after warm-up), beside
+the planner's estimate of the same layout; the ratio per layout and the rank correlation.
+
+    .venv/bin/python bench/plan_cpu.py [--width 256] [--layers 4] [--steps 12]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+
+import dist  # noqa: E402  (tests/dist.py: torchrun-like local processes)
+
+SEQ, BATCH, WARMUP = 64, 16, 3
+PP2 = dict(pp=2, split_backward=False)
+# name: (world, MegaStrategy kwargs)
+LAYOUTS = {
+    "one process": (1, {}),
+    "dp2": (2, {}),
+    "dp2 zero1": (2, dict(zero=1)),
+    "dp2 full recompute": (2, dict(activation_checkpointing=True)),
+    "tp2": (2, dict(tp=2)),
+    "tp2 sp": (2, dict(tp=2, sp=True)),
+    "tp2 full recompute": (2, dict(tp=2, activation_checkpointing=True)),
+    "pp2 m2": (2, dict(PP2, microbatches=2)),
+    "pp2 m4": (2, dict(PP2, microbatches=4)),
+    "pp2 m8": (2, dict(PP2, microbatches=8)),
+    "pp2 m4 interleaved": (2, dict(PP2, microbatches=4, schedule="interleaved_1f1b", virtual_stages=2)),
+    "pp2 m4 full recompute": (2, dict(PP2, microbatches=4, activation_checkpointing=True)),
+}
+
+
+class StepTimes(L.Callback):
+    def __init__(self):
+        self.times = []
+
+    def on_train_batch_start(self, *args):
+        self.t = time.perf_counter()
+
+    def on_train_batch_end(self, *args):
+        self.times.append(time.perf_counter() - self.t)
+
+
+def measure(rank, world, names, width, layers, steps):
+    import warnings
+
+    import torch.distributed as torch_dist
+
+    from examples.gpt.lit import LitGPT, ShakespeareData
+    from lightning_tp import MegaStrategy
+
+    warnings.filterwarnings("ignore")
+    if world > 1:
+        torch_dist.init_process_group("gloo")
+    out = {}
+    for name in names:
+        _, kw = LAYOUTS[name]
+        dp = world // (kw.get("tp", 1) * kw.get("pp", 1))
+        probe = StepTimes()
+        L.seed_everything(0, verbose=False)
+        trainer = L.Trainer(accelerator="cpu", devices=world, max_steps=steps, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                            strategy=MegaStrategy(**kw, timeout=300), callbacks=[probe])
+        trainer.fit(LitGPT(n_layer=layers, n_head=4, n_embd=width, block_size=SEQ),
+                    ShakespeareData(block_size=SEQ, batch_size=BATCH // dp))
+        out[name] = statistics.median(probe.times[WARMUP:])
+    return out
+
+
+def predict(name, ranking):
+    world, kw = LAYOUTS[name]
+    tp, pp = kw.get("tp", 1), kw.get("pp", 1)
+    dp = world // (tp * pp)
+    m = kw.get("microbatches", 1)
+    want = (tp, pp, dp, kw.get("sp", False), BATCH // dp // m, m, kw.get("schedule", "1f1b"),
+            kw.get("virtual_stages", 1), kw.get("activation_checkpointing", False), kw.get("zero", 0))
+    return next(c for c in ranking.fits + ranking.overflows if (
+        c.tp, c.pp, c.dp, c.sp, c.microbatch_size, c.microbatches, c.schedule, c.virtual_stages,
+        c.activation_checkpointing, c.zero) == want)
+
+
+def spearman(xs, ys) -> float:
+    rank = lambda v: {i: r for r, i in enumerate(sorted(range(len(v)), key=lambda i: v[i]))}  # noqa: E731
+    rx, ry = rank(xs), rank(ys)
+    n = len(xs)
+    return 1 - 6 * sum((rx[i] - ry[i]) ** 2 for i in range(n)) / (n * (n * n - 1))
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=12)
+    args = parser.parse_args()
+    from examples.gpt.model import GPT, GPTConfig
+    from lightning_tp.planner import plan
+    from lightning_tp.planner.calibrate import calibrate
+
+    clusters = {w: calibrate(w) for w in (1, 2)}
+    print("calibrated:", {w: (round(c.peak_tflops * 1e3), round(c.gemm_half_gflop, 4), round(c.hbm_gbps),
+                              round(c.intra_node_gbps, 1), round(c.latency_us)) for w, c in clusters.items()},
+          "(GFLOP/s, half GFLOP, memory Gbit/s, gloo Gbit/s, latency us)")
+    with torch.device("meta"):
+        model = GPT(GPTConfig(n_layer=args.layers, n_head=4, n_embd=args.width, block_size=SEQ))
+    rankings = {w: plan(model, gpus=w, cluster=clusters[w], global_batch=BATCH, seq_len=SEQ, precision="32-true",
+                        zeros=(0, 1)) for w in (1, 2)}
+    measured = {}
+    for world in (1, 2):
+        names = [n for n, (w, _) in LAYOUTS.items() if w == world]
+        measured.update(dist.run(world, measure, names, args.width, args.layers, args.steps, timeout=1800)[0])
+    print(f"\n{'layout':24} {'measured ms':>12} {'predicted ms':>13} {'ratio':>7}")
+    pred = {}
+    for name, (world, _) in LAYOUTS.items():
+        pred[name] = predict(name, rankings[world]).step_s
+        print(f"{name:24} {measured[name] * 1e3:12.1f} {pred[name] * 1e3:13.1f} {pred[name] / measured[name]:7.3f}")
+    names = list(LAYOUTS)
+    worst = max(abs(pred[n] / measured[n] - 1) for n in names)
+    print(f"\nlargest deviation {worst:.1%} (target 15%); rank correlation (Spearman) "
+          f"{spearman([measured[n] for n in names], [pred[n] for n in names]):.3f} (target 0.8)")
+
+
+if __name__ == "__main__":
+    main()

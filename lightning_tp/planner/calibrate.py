@@ -1,0 +1,163 @@
+"""``calibrate()``: this machine as a Cluster, measured: the matrix-product rate and its curve over GEMM
+sizes, the memory bandwidth, and gloo's all-reduce latency and bandwidth between local processes, each
+process using the threads MegaStrategy would give it. See docs/planner.md."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import torch
+
+from .cluster import Cluster
+
+SIZES = (32, 64, 128, 256, 512)  # GEMM widths: (1024 x n) @ (n x n)
+
+
+def _best(fn, repeat: int = 7) -> float:
+    fn()
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def gemm_curve(threads: int) -> tuple:
+    """(peak GFLOP/s, GFLOP at half of it) of fp32 products on ``threads`` threads: the rate of the largest
+    size, and the half point that fits the smallest."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        rates = {}
+        for n in SIZES:
+            a, b = torch.randn(1024, n), torch.randn(n, n)
+            rates[2 * 1024 * n * n / 1e9] = 2 * 1024 * n * n / _best(lambda: a @ b) / 1e9
+        big = sorted(rates)
+        peak = max(rates.values())
+        small = big[0]
+        return peak, small * max(peak / rates[small] - 1, 0.0)
+    finally:
+        torch.set_num_threads(before)
+
+
+def stream_gbps(threads: int) -> float:
+    """Memory bandwidth (Gbit/s) of an elementwise product over 4 MiB (an activation's size here), read and
+    written into a new tensor, as a training step's elementwise kernels do."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        x = torch.randn(2 ** 20)
+        return 2 * x.numel() * 4 * 8 / _best(lambda: x * 1.0001) / 1e9
+    finally:
+        torch.set_num_threads(before)
+
+
+SIZES_BYTES = (256, 2 ** 20, 4 * 2 ** 20)
+
+
+def _gloo_worker(rank: int, world: int, port: int, out) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    results = {}
+    for n in SIZES_BYTES:  # the whole tensor's bytes
+        whole, part = torch.ones(n // 4), torch.ones(n // 4 // world)
+        results["all_reduce", n] = _best(lambda: dist.all_reduce(whole), repeat=9)
+        results["reduce_scatter", n] = _best(lambda: dist.reduce_scatter_tensor(part, whole), repeat=9)
+        results["all_gather", n] = _best(lambda: dist.all_gather_into_tensor(whole, part), repeat=9)
+    dist.destroy_process_group()
+    if rank == 0:
+        out.put(results)
+
+
+def gloo_ops(world: int = 2) -> tuple:
+    """(op, Gbit/s, latency s) of gloo's all-reduce, reduce-scatter and all-gather between ``world`` local
+    processes, each fitted to a ring's steps (2(n-1) for an all-reduce, n-1 else) from 256 B, 1 and 4 MiB."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_gloo_worker, args=(r, world, port, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results = out.get(timeout=300)
+    for p in procs:
+        p.join(timeout=60)
+    fitted = []
+    for op in ("all_reduce", "reduce_scatter", "all_gather"):
+        steps = 2 * (world - 1) if op == "all_reduce" else world - 1
+        small, big, bigger = SIZES_BYTES
+        per_byte = (results[op, bigger] - results[op, big]) / ((bigger - big) * steps / world)
+        fitted.append((op, 8 / max(per_byte, 1e-15) / 1e9, results[op, small] / steps))
+    return tuple(fitted)
+
+
+class _Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(8, 8) for _ in range(2)])
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def loop_overheads(steps: int = 30) -> tuple:
+    """(seconds per optimizer step, per pipeline action) the training loop itself takes here: a Lightning
+    fit of a tiny module, plain and with MegaStrategy(microbatches=4) (four forwards and backwards a step)."""
+    import lightning as L
+
+    from ..strategy import MegaStrategy
+
+    class Tiny(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = _Tiny()
+
+        def training_step(self, batch, batch_idx):
+            return self.net(batch).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters())
+
+    class Times(L.Callback):
+        def __init__(self):
+            self.t = []
+
+        def on_train_batch_start(self, *args):
+            self.start = time.perf_counter()
+
+        def on_train_batch_end(self, *args):
+            self.t.append(time.perf_counter() - self.start)
+
+    median = {}
+    for m in (1, 4):
+        times = Times()
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, callbacks=[times],
+                            strategy=MegaStrategy(microbatches=m, pipeline_blocks="net.blocks"))
+        trainer.fit(Tiny(), torch.utils.data.DataLoader(torch.randn(steps * 4, 8), batch_size=4))
+        median[m] = sorted(times.t[5:])[len(times.t[5:]) // 2]
+    return median[1], max(median[4] - median[1], 0.0) / 8
+
+
+def calibrate(world: int = 2, threads: int | None = None) -> Cluster:
+    """This machine as a Cluster of ``world`` local processes (threads each: cores // world, as MegaStrategy
+    sets them), its rates measured now (seconds)."""
+    threads = threads or max(1, (os.cpu_count() or 1) // world)
+    peak, half = gemm_curve(threads)
+    ops = gloo_ops(world) if world > 1 else ()
+    gbps, latency = (ops[0][1], ops[0][2]) if ops else (1e6, 0.0)
+    step, action = loop_overheads()
+    return Cluster(gpus=world, gpus_per_node=world, gpu_memory_gib=1e6, peak_tflops=peak / 1e3,
+                   intra_node_gbps=gbps, inter_node_gbps=gbps, hbm_gbps=stream_gbps(threads),
+                   gemm_efficiency=1.0, gemm_half_gflop=max(half, 1e-6), latency_us=latency * 1e6,
+                   intra_latency_us=latency * 1e6, ops=ops, step_overhead_s=step, action_overhead_s=action)
