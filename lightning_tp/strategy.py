@@ -35,6 +35,7 @@ from .pipeline.run.executor import PipelineRunner
 from .parallelize import parallelize, shard_over_dp
 from .same_batch import BatchBroadcast
 from .zero import shard_optimizers
+from .zero import fsdp
 from .zero.overlap import ZeroOverlap
 
 
@@ -225,8 +226,8 @@ class MegaStrategy(ParallelStrategy):
         for twin in self.lightning_module._lightning_tp.twins:  # placeholders' zeros in the model's dtype
             self.precision_plugin.convert_module(twin)
         self.model_to_device()
-        if not reused:
-            self._fsdp = shard_over_dp(self.config, self.mesh, self.lightning_module)
+        self._fsdp = fsdp.sharded_before(self.lightning_module) if reused else \
+            shard_over_dp(self.config, self.mesh, self.lightning_module)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             raise_on_every_rank("configure_optimizers", lambda: self.setup_optimizers(trainer), self.global_rank,

@@ -56,7 +56,7 @@ def _bytes(rank, world):
 
     from lightning_tp import MegaStrategy
     from lightning_tp.local_shards import local
-    from models import TokenData, make_model, trainer_kwargs
+    from models import LossRecorder, TokenData, make_model, trainer_kwargs
 
     class Grads(L.Callback):
         def on_before_optimizer_step(self, trainer, module, optimizer):
@@ -65,9 +65,9 @@ def _bytes(rank, world):
     torch_dist.init_process_group("gloo")
     out = {}
     for zero in (0, 3):
-        model, grads = make_model("gpt"), Grads()
+        model, grads, first = make_model("gpt"), Grads(), LossRecorder()
         trainer = L.Trainer(devices=world, strategy=MegaStrategy(zero=zero, timeout=120), max_steps=3,
-                            callbacks=[grads], **trainer_kwargs())
+                            callbacks=[grads, first], **trainer_kwargs())
         counted = {}
         with counting(counted, "all_gather_single", 0, "output"), counting(counted, "reduce_scatter_single", 1, "input"):
             trainer.fit(model, TokenData(3 * 4 * world, 64, 4))
@@ -76,8 +76,13 @@ def _bytes(rank, world):
         params = list(model.parameters())
         out[zero] = dict(params=sum(local(p).numel() for p in params), state=sum(local(v).numel() for v in state),
                          grads=grads.numel, rows=sum(p[0].numel() if p.dim() > 1 else 1 for p in params),
-                         kinds={type(p).__name__ for p in params},
+                         kinds={type(p).__name__ for p in params}, first_loss=first.losses[0],
                          collectives={k: (n / 3, b / 3) for k, (n, b) in counted.items()})  # per step
+    # the sharded module fitted again by a second Trainer: its steps still go through FSDP2's hooks
+    rec = LossRecorder()
+    L.Trainer(devices=world, strategy=MegaStrategy(zero=3, timeout=120), max_steps=3, callbacks=[rec],
+              **trainer_kwargs()).fit(model, TokenData(3 * 4 * world, 64, 4))
+    out["again"] = dict(losses=rec.losses, kinds={type(p).__name__ for p in model.parameters()})
     return out
 
 
@@ -111,6 +116,9 @@ def test_zero3_holds_a_dp_share_of_parameters_gradients_and_optimizer_state():
         for key, per_param in (("params", 1), ("grads", 1), ("state", 2)):
             assert abs(sharded[key] - whole[key] / 2) <= per_param * whole["rows"], (key, sharded, whole)
             assert sharded[key] < 0.6 * whole[key], (key, sharded, whole)
+    for r in dist_results:
+        assert len(r["again"]["losses"]) == 3 and r["again"]["kinds"] == {"DTensor"}, r["again"]
+        assert max(r["again"]["losses"]) < r[0]["first_loss"], (r["again"], r[0]["first_loss"])
     # explain counts the same: rank 0's shards, and each step's all-gathers and reduce-scatters
     from lightning_tp import explain
     from models import make_model

@@ -45,3 +45,10 @@ def shard_parameters(module: nn.Module, dp_mesh, blocks: list) -> None:
     fully_shard(module, mesh=dp_mesh)
     for name, p in module.named_parameters(remove_duplicate=False):
         p._lightning_tp = marks[name]
+
+
+def sharded_before(module: nn.Module) -> bool:
+    """Whether ``module`` was sharded by FSDP2 already (a module a second Trainer fits again)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
