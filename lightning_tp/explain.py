@@ -24,7 +24,7 @@ from .plans import apply as planner
 from . import recompute
 from .config import ParallelConfig
 from .mesh import ParallelMesh
-from .parallelize import plan_blocks, stage_layout
+from .parallelize import fsdp_blocks, stage_layout
 from .explain_costs import cost_entries, saved_scores, saved_widths, t5_head_counts, t5_side, tp_ops, weight_grad_widths, width_in
 from .experts.families import find_moe_blocks
 from .experts.layer import expert_parallel
@@ -373,11 +373,7 @@ def _fsdp_costs(local: nn.Module, params: list, config, acc: int, gb: int, state
     """zero=3 (FSDP2): dp rank 0's shards (ceil(rows / dp) of each tensor), and per step each unit's all-gather
     (a block's twice: forward and backward; the root's once) and reduce-scatter, padded to dp x a shard."""
     dp = config.dp
-    try:
-        places = recompute.block_places(local, None, 0, config.pipeline_blocks or plan_blocks(local, config.plan))
-    except ValueError:
-        places = []
-    blocks = [list(block_at(local.get_submodule(path), i).parameters()) for path, i in places]
+    blocks = [list(b.parameters()) for b in fsdp_blocks(config, local)]
     in_blocks = {id(p) for b in blocks for p in b}
     root = [p for p in params if id(p) not in in_blocks]
     shard = lambda ps: sum(_rows_of(p, dp) for p in ps)  # noqa: E731

@@ -124,7 +124,7 @@ def saved_widths(base, style_of, tp, locate, fused: bool = True, sp_starts=()):
             # the input, and the core's q, k, v (its output is the row-parallel projection's input, counted there)
             width[loc] += width_in(mod) + (3 * a / tp if attention else 0) + (a / tp if st == "mha" else 0)
             if attention and fused:
-                width[loc] += _heads(mod, 0) / tp  # a log-sum-exp per head and token
+                width[loc] += heads_of(mod, 0) / tp  # a log-sum-exp per head and token
             if st == "mha":
                 skip, last_out = name + ".", mod.embed_dim
         elif io:
@@ -153,7 +153,7 @@ def saved_scores(base, style_of, tp, locate, seq: int, copies: int):
     for name, mod in base.named_modules():
         st = style_of.get(name, (None,))[0]
         if copies and st in ("region", "mha") and _attention(mod, name, style_of):
-            scores[locate(name)] += copies * _heads(mod) / tp * seq
+            scores[locate(name)] += copies * heads_of(mod) / tp * seq
     return scores
 
 
@@ -164,7 +164,7 @@ def _attention(mod, name, style_of) -> bool:
     return sum(style_of[n][2].get("chunks", 1) for n in inner if style_of.get(n, ("",))[0] == "colwise_local") >= 3
 
 
-def _heads(mod, default=None) -> int:
+def heads_of(mod, default=None) -> int:
     for attr in ("num_heads", "n_head", "n_heads", "num_attention_heads"):
         if isinstance(getattr(mod, attr, None), int):
             return getattr(mod, attr)

@@ -269,12 +269,17 @@ def shard_over_dp(config: ParallelConfig, mesh, module) -> bool:
     if config.zero != 3 or mesh.dp == 1:
         return False
     fsdp.check_shardable(module)
+    fsdp.shard_parameters(module, mesh.device_mesh["dp"], fsdp_blocks(config, module))
+    return True
+
+
+def fsdp_blocks(config: ParallelConfig, module) -> list:
+    """The blocks zero=3 shards as units of their own (none without a block list: the whole model is one)."""
     try:
         places = recompute.block_places(module, None, 0, config.pipeline_blocks or plan_blocks(module, config.plan))
-    except ValueError:  # no block list: the whole model one unit
-        places = []
-    fsdp.shard_parameters(module, mesh.device_mesh["dp"], [block_at(module.get_submodule(p), i) for p, i in places])
-    return True
+    except ValueError:
+        return []
+    return [block_at(module.get_submodule(path), i) for path, i in places]
 
 
 def plan_blocks(module, plan):

@@ -34,8 +34,7 @@ from .pipeline.run.epoch_end import install as install_epoch_end_sync
 from .pipeline.run.executor import PipelineRunner
 from .parallelize import parallelize, shard_over_dp
 from .same_batch import BatchBroadcast
-from .zero import shard_optimizers
-from .zero import fsdp
+from .zero import fsdp, shard_optimizers
 from .zero.overlap import ZeroOverlap
 
 

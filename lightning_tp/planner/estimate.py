@@ -121,9 +121,9 @@ def estimate(c: Candidate, prof, cluster, global_batch: int) -> Candidate:
     tp_fwd = 2 * layers_here * tp_one
     f = f_gemm + traffic + tp_fwd
     again = {False: 0.0, "selective": 0.0, True: 1.0}[c.activation_checkpointing]  # a whole forward again
-    b = 2 * f_gemm + (2 + again) * traffic + (1 + again) * tp_fwd + cluster.gemm_seconds(recompute, gemm)
-    p2p = cluster.collective_seconds("p2p", tokens * h * act_bytes / (t if c.sp else 1), 2, t * c.dp) \
-        if c.pp > 1 else 0.0
+    re_gemm = cluster.gemm_seconds(recompute, gemm)
+    b = 2 * f_gemm + (2 + again) * traffic + (1 + again) * tp_fwd + re_gemm
+    p2p = cluster.collective_seconds("p2p", hidden_bytes / (t if c.sp else 1), 2, t * c.dp) if c.pp > 1 else 0.0
     f, b = f + p2p, b + p2p
     pipe = pipeline_seconds(c.pp, c.virtual_stages, c.microbatches, f, b)
     c.stage_seconds = (f, b)
@@ -144,7 +144,7 @@ def estimate(c: Candidate, prof, cluster, global_batch: int) -> Candidate:
     else:  # Lightning's accumulation: a training step per microbatch
         overhead = c.microbatches * cluster.step_overhead_s
     c.step_s = pipe + exposed + optimizer + overhead
-    c.why = dict(compute=c.microbatches * (f_gemm * 3 + cluster.gemm_seconds(recompute, gemm)),
+    c.why = dict(compute=c.microbatches * (f_gemm * 3 + re_gemm),
                  elementwise=c.microbatches * traffic * 3, tp=c.microbatches * (2 * tp_fwd), pp_p2p=c.microbatches * 2 * p2p,
                  bubble=(c.pp - 1) * (f + b) / c.virtual_stages, dp_exposed=exposed, optimizer=optimizer,
                  overhead=overhead)

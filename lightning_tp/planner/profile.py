@@ -10,11 +10,9 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from ..explain import explain
+from ..explain_costs import heads_of
 from ..plans import apply as planner
 from .estimate import PRECISIONS
-
-HEAD_ATTRS = ("num_heads", "n_head", "n_heads", "num_attention_heads")
-
 
 @dataclass
 class ModelProfile:
@@ -57,13 +55,9 @@ def _linear_flops(module: nn.Module) -> float:
 
 
 def _heads(block: nn.Module) -> int:
-    for m in block.modules():
-        for attr in HEAD_ATTRS:
-            if isinstance(getattr(m, attr, None), int):
-                return getattr(m, attr)
-        config = getattr(m, "config", None)
-        if isinstance(getattr(config, "num_attention_heads", None), int):
-            return config.num_attention_heads
+    found = next((n for m in block.modules() for n in [heads_of(m, 0)] if n), 0)
+    if found:
+        return found
     raise ValueError(f"plan(): found no attention head count in {type(block).__name__} (num_heads, n_head, "
                      f"num_attention_heads).")
 

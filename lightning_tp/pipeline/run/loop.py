@@ -43,16 +43,13 @@ def walk(plan: StepPlan, step, transport, trace=None) -> None:
     what it receives, then what it sends (``transport``: eager or per slot, see .transfers); ``trace``: an
     :class:`ActionTrace` noting when each wait and action ran."""
     for a in plan.computes:
-        if trace is None:
-            step.compute(a, transport.receive(a), transport)
-            transport.after(a)
-            continue
         start = time.time_ns()
         received = transport.receive(a)
         computed = time.time_ns()
         step.compute(a, received, transport)
         transport.after(a)
-        trace.note(a, start, computed, time.time_ns())
+        if trace is not None:
+            trace.note(a, start, computed, time.time_ns())
     transport.finish()
 
 
