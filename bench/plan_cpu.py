@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,17 +41,6 @@ LAYOUTS = {
 }
 
 
-class StepTimes(L.Callback):
-    def __init__(self):
-        self.times = []
-
-    def on_train_batch_start(self, *args):
-        self.t = time.perf_counter()
-
-    def on_train_batch_end(self, *args):
-        self.times.append(time.perf_counter() - self.t)
-
-
 def measure(rank, world, names, width, layers, steps):
     import warnings
 
@@ -60,6 +48,7 @@ def measure(rank, world, names, width, layers, steps):
 
     from examples.gpt.lit import LitGPT, ShakespeareData
     from lightning_tp import MegaStrategy
+    from lightning_tp.planner.calibrate import step_times
 
     warnings.filterwarnings("ignore")
     if world > 1:
@@ -68,7 +57,7 @@ def measure(rank, world, names, width, layers, steps):
     for name in names:
         _, kw = LAYOUTS[name]
         dp = world // (kw.get("tp", 1) * kw.get("pp", 1))
-        probe = StepTimes()
+        probe = step_times()
         L.seed_everything(0, verbose=False)
         trainer = L.Trainer(accelerator="cpu", devices=world, max_steps=steps, logger=False, enable_checkpointing=False,
                             enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,

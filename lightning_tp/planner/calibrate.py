@@ -110,10 +110,28 @@ class _Tiny(torch.nn.Module):
         return x
 
 
+def step_times():
+    """A Lightning callback noting each training batch's wall time (``.times``, seconds)."""
+    import lightning as L
+
+    class StepTimes(L.Callback):
+        def __init__(self):
+            self.times = []
+
+        def on_train_batch_start(self, *args):
+            self.start = time.perf_counter()
+
+        def on_train_batch_end(self, *args):
+            self.times.append(time.perf_counter() - self.start)
+
+    return StepTimes()
+
+
 def loop_overheads(steps: int = 30) -> tuple:
     """(seconds per optimizer step, per pipeline action) the training loop itself takes here: a Lightning
     fit of a tiny module, plain and with MegaStrategy(microbatches=4) (four forwards and backwards a step)."""
     import lightning as L
+    import torch.distributed as dist
 
     from ..strategy import MegaStrategy
 
@@ -128,24 +146,16 @@ def loop_overheads(steps: int = 30) -> tuple:
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters())
 
-    class Times(L.Callback):
-        def __init__(self):
-            self.t = []
-
-        def on_train_batch_start(self, *args):
-            self.start = time.perf_counter()
-
-        def on_train_batch_end(self, *args):
-            self.t.append(time.perf_counter() - self.start)
-
-    median = {}
+    median, started = {}, dist.is_initialized()
     for m in (1, 4):
-        times = Times()
+        times = step_times()
         trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
                             enable_progress_bar=False, enable_model_summary=False, callbacks=[times],
                             strategy=MegaStrategy(microbatches=m, pipeline_blocks="net.blocks"))
         trainer.fit(Tiny(), torch.utils.data.DataLoader(torch.randn(steps * 4, 8), batch_size=4))
-        median[m] = sorted(times.t[5:])[len(times.t[5:]) // 2]
+        median[m] = sorted(times.times[5:])[len(times.times[5:]) // 2]
+    if not started and dist.is_initialized():  # the one-process group MegaStrategy made: not the caller's
+        dist.destroy_process_group()
     return median[1], max(median[4] - median[1], 0.0) / 8
 
 
