@@ -49,7 +49,7 @@ GPT = dict(n_layer=4, n_head=4, n_embd=256, block_size=SEQ)
 LLAMA = dict(vocab_size=256, hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=4, max_position_embeddings=SEQ, tie_word_embeddings=False)
 PHASES = ("forward", "backward", "sync", "step")
-PARTS = ("ar_start", "ar_wait", "rs_start", "copy", "flags", "rs_wait", "all_gather")
+PARTS = ("ar_start", "ar_wait", "rs_start", "copy", "rs_wait", "all_gather")
 
 
 class LlamaLM(L.LightningModule):
@@ -134,8 +134,8 @@ class Parts:
     (nothing in it is changed; a part whose function is not there stays 0). zero=0: ``ar_start`` (a
     bucket's flatten and launch, in the backward), ``ar_wait`` (waiting for the all-reduces after it, and
     the copy back). zero=1: ``rs_start`` (a bucket's copy into the flat buffer and launch; in the
-    backward where it is overlapped), ``copy`` (that copy alone), ``flags`` (the all-reduce of which
-    parameters had a gradient), ``rs_wait`` (waiting for the reduce-scatters), ``all_gather``."""
+    backward where it is overlapped), ``copy`` (that copy alone, the has-a-gradient flags
+    included), ``rs_wait`` (waiting for the reduce-scatters), ``all_gather``."""
 
     def __init__(self):
         from lightning_tp import comm, dp_overlap
@@ -143,7 +143,7 @@ class Parts:
         from lightning_tp.zero import shards
 
         self.acc = {k: 0.0 for k in PARTS}
-        self.patches, acc, inside = [], self.acc, {"flags": 0, "copy": None}
+        self.patches, acc, inside = [], self.acc, {"copy": None}
 
         def wrap(owner, name, key=None, before=None, after=None):
             original = getattr(owner, name, None)
@@ -164,30 +164,6 @@ class Parts:
             self.patches.append((owner, name, original))
             setattr(owner, name, wrapper)
 
-        def enter(_):
-            inside["flags"] += 1
-
-        def leave():
-            inside["flags"] -= 1
-        # the flags all-reduce: the comm.all_reduce made inside these
-        wrap(zopt.ShardedOptimizer, "reduce_scatter", before=enter, after=leave)
-        try:
-            from lightning_tp.zero import overlap
-            wrap(overlap.ZeroOverlap, "finish", before=enter, after=leave)
-        except ImportError:
-            pass
-        all_reduce = comm.all_reduce
-
-        def flags(*a, **k):
-            if not inside["flags"]:
-                return all_reduce(*a, **k)
-            t = time.perf_counter()
-            try:
-                return all_reduce(*a, **k)
-            finally:
-                acc["flags"] += time.perf_counter() - t
-        self.patches.append((comm, "all_reduce", all_reduce))
-        comm.all_reduce = flags
         # copy: start_reduce_scatter's body up to the collective (it records it just before launching)
 
         def started(t):

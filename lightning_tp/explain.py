@@ -342,19 +342,20 @@ def _dp_costs(params: list, experts: set, config, pp_rank: int, tp_rank: int, gr
     trained = [p for p in params if p.requires_grad]
     dense = [p for p in trained if id(p) not in experts]  # ``experts``: those ep > 1 splits, synced over expert-dp
     whole = sum(p.numel() for p in trained)
-    held, ops, out, left = whole, [], {}, [p for p in trained if id(p) in experts]
+    held, ops, out, left, slots = whole, [], {}, [p for p in trained if id(p) in experts], 0
     if config.zero and dp > 1 and trained:
         for p in left:
             set_marks(p, expert=True)  # as the strategy marks them
         mesh = ParallelMesh(tp=config.tp, pp=config.pp, dp=dp, ep=config.ep, rank=pp_rank * dp * config.tp + tp_rank)
         buckets = ShardedOptimizer(torch.optim.AdamW(trained), mesh).buckets
         held -= sum(q.numel() for b in buckets for q in b.params) - sum(b.size for b in buckets)
+        slots = sum(b.flag_slots for b in buckets)  # the slices' gradients view the reduce-scatter's output: flags too
         for group, expert in (("dp", False), ("edp", True)):
             mine = [b for b in buckets if b.expert == expert]
             if mine:
                 padded = sum(b.flat.numel() for b in mine) * gb  # each padded to a multiple of its group's size
-                ops += [("reduce_scatter", group, len(mine), padded), ("all_gather", group, len(mine), padded),
-                        ("all_reduce", group, 1, 4 * sum(len(b.params) for b in mine))]  # has-a-gradient flags
+                flags = sum(len(b.rows) * b.flag_slots for b in mine) * gb  # has-a-gradient flags, sent along
+                ops += [("reduce_scatter", group, len(mine), padded + flags), ("all_gather", group, len(mine), padded)]
                 out[f"{group}_bytes"] = 2 * padded
         bucketed = {id(q) for b in buckets for q in b.params}
         left = [p for p in left if id(p) not in bucketed]
@@ -365,7 +366,7 @@ def _dp_costs(params: list, experts: set, config, pp_rank: int, tp_rank: int, gr
         ops.append(("all_reduce", "dp", calls, (sum(p.numel() for p in dense) + len(dense)) * gb))
     if edp > 1 and left:  # experts kept whole: all-reduced over the ranks holding them, as grads.average_over_dp
         ops.append(("all_reduce", "edp", _chunk_count(left), (sum(p.numel() for p in left) + len(left)) * gb))
-    return dict(out, weight_bytes=sum(p.numel() for p in params) * gb, grad_held_bytes=held * gb,
+    return dict(out, weight_bytes=sum(p.numel() for p in params) * gb, grad_held_bytes=(held + slots) * gb,
                 grad_whole_bytes=whole * gb, optim_state_bytes=held * state_bytes, dp_ops=ops)
 
 

@@ -34,7 +34,7 @@ def format_memory(rep) -> list:
                      f"each bucket (up to 25 MiB, padded to a multiple of dp); the backward still makes whole "
                      f"gradients, up to {size(max(r.grad_whole_bytes for r in rep.ranks))}, before the reduce-scatter; "
                      f"weights stay whole, the all-gather brings the stepped slices back (DP grads above: both); the "
-                     f"all-reduce: one has-a-gradient flag per parameter)")
+                     f"reduce-scatter also sends one has-a-gradient flag per parameter in each rank's range)")
     elif zero:
         lines.append(f"(zero={zero} at dp=1: nothing is sharded)")
     elif c["dp"] > 1:

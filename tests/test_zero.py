@@ -85,8 +85,10 @@ def _bytes(rank, world):
                     if isinstance(v, torch.Tensor) and v.dim() > 0)
         dp = [(op, n) for op, n, group in records if group is strategy.mesh.dp_group]
         out[zero] = dict(state=state, params=sum(p.numel() for p in model.parameters()),
+                         tensors=len(list(model.parameters())),
                          dp={op: sum(n for o, n in dp if o == op) / 3 for op in {o for o, _ in dp}},
-                         buckets=len(getattr(optimizer, "_lightning_tp_zero", None).buckets) if zero else 0)
+                         buckets=len(getattr(optimizer, "_lightning_tp_zero", None).buckets) if zero else 0,
+                         flags=sum(len(b.rows) * b.flag_slots for b in optimizer._lightning_tp_zero.buckets) if zero else 0)
     return out
 
 
@@ -99,11 +101,13 @@ def test_zero1_holds_a_dp_share_of_the_optimizer_state_and_moves_an_all_reduces_
         # each rank holds half of every bucket (one bucket here; its padding at most dp - 1 elements a moment)
         assert abs(sharded["state"] - whole["state"] / 2) <= 2 * (2 - 1) * sharded["buckets"], (sharded, whole)
         # reduce-scatter + all-gather move what an all-reduce does: each the gradients' numel, both 2N
-        n = whole["params"]
+        n, tensors = whole["params"], whole["tensors"]
         rs, ag = sharded["dp"]["reduce_scatter"], sharded["dp"]["all_gather"]
-        assert n <= rs == ag < n + 2 * sharded["buckets"], (sharded["dp"], n)
-        flags = sharded["dp"]["all_reduce"]  # one has-a-gradient flag per parameter tensor, as zero=0 sends
-        assert whole["dp"]["all_reduce"] == n + flags, (whole["dp"], sharded["dp"])
+        assert n <= ag < n + 2 * sharded["buckets"] and "all_reduce" not in sharded["dp"], (sharded["dp"], n)
+        # the reduce-scatter also sends a has-a-gradient flag per parameter tensor and dp rank it touches: a
+        # tensor split between the two ranks' ranges is flagged in both rows, rows padded to the longer one
+        assert rs - ag == sharded["flags"] and tensors <= sharded["flags"] <= 2 * (tensors + 1), (sharded, tensors)
+        assert whole["dp"]["all_reduce"] == n + tensors, (whole["dp"], sharded["dp"])  # zero=0: a flag each too
 
 
 def _fit(world, zero, epochs, ckpt_path=None, save_dir=None, capture=None):

@@ -100,7 +100,15 @@ def estimate(c: Candidate, prof, cluster, global_batch: int) -> Candidate:
                   optimizer=params_here * BYTES["optim"] / (c.dp if c.zero else 1))
     inflight = peak_inflight(c.schedule, c.pp, c.virtual_stages, c.microbatches)
     chunk = layers_here // c.virtual_stages
-    memory["activations"] = c.microbatch_size * (inflight * chunk * per_block_act + outer_act + transient)
+    # under a pipeline the gradients stay while the stage holds its peak microbatches, and a block's backward
+    # makes its input's gradients next to them: one block's activations (recomputed ones count it already)
+    working = per_block_act if c.pp > 1 and not transient else 0
+    memory["activations"] = c.microbatch_size * (inflight * chunk * per_block_act + outer_act + transient + working)
+    if c.zero == 1 and c.pp == 1:  # the forward holds last step's slices of the gradients; the backward's end
+        # every gradient twice (copied into its bucket's buffer): the parts alive at the larger of the two
+        whole, memory["grads"] = memory["grads"], memory["grads"] / c.dp
+        if 2 * whole > memory["grads"] + memory["activations"]:
+            memory.update(grads=2 * whole, activations=0.0)
     c.memory = {k: v / GIB for k, v in memory.items()}
     c.memory_gib = sum(c.memory.values())
     # compute per microbatch on one stage: GEMMs at this rank's size, elementwise traffic, tp collectives

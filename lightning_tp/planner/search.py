@@ -27,6 +27,14 @@ class Ranking:
     def __len__(self):
         return len(self.fits)
 
+    def find(self, **layout) -> Candidate:
+        """The candidate (fitting or not) with these fields, e.g. ``find(tp=2, pp=1, microbatch_size=4)``; the
+        fields not given may take any value (the fastest such is returned)."""
+        for c in self.fits + self.overflows:
+            if all(getattr(c, k) == v for k, v in layout.items()):
+                return c
+        raise KeyError(f"no candidate with {layout} in this plan")
+
     def __str__(self):
         from .report import format_plan
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from .. import comm
 from ..grads import chunked, norm_part, replica_buffer_numel
 from ..marks import marks_of
-from .shards import Bucket, check_optimizer, had_gradients
+from .shards import Bucket, check_optimizer
 
 
 class ShardedOptimizer:
@@ -52,10 +52,10 @@ class ShardedOptimizer:
 
     def reduce_scatter(self) -> None:
         """Each bucket's gradients into this rank's slices; a parameter no replica had a gradient for
-        gets none (one flag each, MAX over dp), so the optimizer skips it as zero=0 does."""
-        buckets = [b for b in self.buckets if not (self.overlapped and b.early)]
-        for b, had in zip(buckets, had_gradients(buckets)):  # an expert's gradient sums its ep group's tokens:
-            b.reduce_scatter(had, 1.0 / self.mesh.dp)  # 1/dp as well
+        gets none (a flag each, sent with the gradients), so the optimizer skips it as zero=0 does."""
+        for b in self.buckets:  # an expert's gradient sums its ep group's tokens: 1/dp as well
+            if not (self.overlapped and b.early):
+                b.reduce_scatter(1.0 / self.mesh.dp)
 
     def norm_parts(self, norm_type: float, device) -> list:
         """The slices' part of the global gradient norm (norm_type-th power, or max), [dense, experts],

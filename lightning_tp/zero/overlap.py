@@ -4,8 +4,6 @@ backward pass. See docs/zero.md."""
 
 from __future__ import annotations
 
-from .shards import had_gradients
-
 
 class ZeroOverlap:
     """The early buckets of ``sharded`` (ShardedOptimizers) reduce-scattered while the backward runs; the
@@ -20,6 +18,7 @@ class ZeroOverlap:
         for z in sharded:
             z.overlapped = True
         self.hooks = []
+        self.keep_grads = not hooked  # a pipeline's runner still holds them (see add_after_sync)
         if hooked:
             self.hook()
         self._reset()
@@ -58,17 +57,18 @@ class ZeroOverlap:
 
     def _launch(self, i: int) -> None:
         self.next = i + 1
-        self.taken.update({id(p.grad): p for p in self.buckets[i].params if p.grad is not None})
-        self.started_.append(self.buckets[i].start_reduce_scatter())
+        if self.keep_grads:
+            self.taken.update({id(p.grad): p for p in self.buckets[i].params if p.grad is not None})
+        self.started_.append(self.buckets[i].start_reduce_scatter(drop=not self.keep_grads))
 
     def finish(self) -> None:
         """Start the buckets not yet started (a parameter without a gradient here), then give each slice its
-        gradient where any replica had one (flags MAX over each bucket's group, as ShardedOptimizer does)."""
+        gradient where any replica had one (the flags sent with the gradients, as ShardedOptimizer does)."""
         self.launched_early = self.next  # buckets the backward started (read by tests)
         while self.next < len(self.buckets):
             self._launch(self.next)
-        for b, started, had in zip(self.buckets, self.started_, had_gradients(self.buckets)):
-            b.finish_reduce_scatter(started, had, 1.0 / self.sharded[0].mesh.dp)
+        for b, started in zip(self.buckets, self.started_):
+            b.finish_reduce_scatter(started, 1.0 / self.sharded[0].mesh.dp)
         for p, addend in self.after:
             b = self.buckets[self.bucket_of[id(p)]]
             for s in (s for s in b.slices if b.params[s.index] is p):

@@ -60,37 +60,62 @@ class Bucket:
                 piece = nn.Parameter(self.flat[start:end])
                 piece._lightning_tp_zero = True  # a slice: its norm part comes from its optimizer (see grads)
                 self.slices.append(Slice(i, piece, slice(start - lo, end - lo), slice(start - at, end - at), counted))
+        # the reduce-scatter sends a (dp, size + flag_slots) buffer: row r is rank r's range of the gradients,
+        # then one has-a-gradient flag per parameter in that range (summed: how many replicas had one)
+        self.pieces = [list(_rows(at, p.numel(), self.size)) for p, at in zip(params, self.offsets)]
+        self.rows = [[i for i, pieces in enumerate(self.pieces) if any(r == row for r, *_ in pieces)]
+                     for row in range(dp)]
+        self.flag_slots = max(len(r) for r in self.rows)
+        self.tail = list(_rows(numel, self.size * dp - numel, self.size))  # the padding
 
-    def reduce_scatter(self, had: list, scale: float) -> None:
+    def reduce_scatter(self, scale: float) -> None:
         """The dp average of the parameters' gradients, this rank's slices into their ``grad`` (none for a
-        parameter no replica had a gradient for, ``had``); the parameters' own gradients are dropped."""
-        self.finish_reduce_scatter(self.start_reduce_scatter(), had, scale)
+        parameter no replica had a gradient for); the parameters' own gradients are dropped."""
+        self.finish_reduce_scatter(self.start_reduce_scatter(), scale)
 
-    def start_reduce_scatter(self) -> tuple:
-        """The parameters' gradients (zeros where one has none) reduce-scattered in the background."""
-        grads = torch.zeros_like(self.flat)
-        for p, at in zip(self.params, self.offsets):
-            if p.grad is not None:
-                grads[at:at + p.numel()].copy_(p.grad.reshape(-1))
-        mine = torch.empty(self.size, dtype=grads.dtype, device=grads.device)
-        comm.record("reduce_scatter", grads, self.group)
-        return dist.reduce_scatter_tensor(mine, grads, group=self.group, async_op=True), mine
+    def start_reduce_scatter(self, drop: bool = False) -> tuple:
+        """The parameters' gradients (zeros where one has none) and their flags reduce-scattered in the background;
+        ``drop``: each parameter's ``grad`` dropped once copied (the buffer holds it, not two copies)."""
+        dp = len(self.rows)
+        buf = torch.empty(dp, self.size + self.flag_slots, dtype=self.flat.dtype, device=self.flat.device)
+        flags = [[float(self.params[i].grad is not None) for i in row] + [0.0] * (self.flag_slots - len(row))
+                 for row in self.rows]
+        for p, pieces in zip(self.params, self.pieces):
+            g = None if p.grad is None else p.grad.reshape(-1)
+            for r, lo, hi, at in pieces:
+                if g is None:
+                    buf[r, at:at + hi - lo].zero_()
+                else:
+                    buf[r, at:at + hi - lo].copy_(g[lo:hi])
+            if drop:
+                p.grad = None
+        for r, lo, hi, at in self.tail:
+            buf[r, at:at + hi - lo].zero_()
+        buf[:, self.size:].copy_(torch.tensor(flags, dtype=buf.dtype))
+        comm.record("reduce_scatter", buf, self.group)
+        if dist.get_backend(self.group) == "gloo":  # gloo's reduce-scatter all-reduces a copy of its input: the
+            return dist.all_reduce(buf, group=self.group, async_op=True), buf  # same, in place (docs/zero.md)
+        mine = torch.empty(self.size + self.flag_slots, dtype=buf.dtype, device=buf.device)
+        return dist.reduce_scatter_tensor(mine, buf.view(-1), group=self.group, async_op=True), mine
 
-    def finish_reduce_scatter(self, started: tuple, had: list, scale: float) -> None:
+    def finish_reduce_scatter(self, started: tuple, scale: float) -> None:
         """Wait for :meth:`start_reduce_scatter`, then as :meth:`reduce_scatter` says."""
         work, mine = started
         work.wait()
-        mine.mul_(scale)
+        if mine.dim() == 2:  # all-reduced in place: this rank's row; the buffer freed now (gloo's worker
+            mine, whole = mine[self.rank].clone(), mine  # thread holds its last work's tensors until its next)
+            whole.untyped_storage().resize_(0)
+        grads, had = mine[:self.size].mul_(scale), mine[self.size:].tolist()
         for p in self.params:
             p.grad = None
-        for s in self.slices:
-            s.param.grad = mine[s.where] if had[s.index] else None
+        for k, s in enumerate(self.slices):  # this rank's slices are its row's parameters, in order
+            s.param.grad = grads[s.where] if had[k] > 0 else None
 
     def all_gather(self, wait: bool = True):
         """Every rank's stepped slices back into the parameters (the flat buffer they view); ``wait=False``:
         started, its work returned."""
         comm.record("all_gather", self.flat, self.group)
-        mine = self.flat[self.rank * self.size:(self.rank + 1) * self.size].clone()
+        mine = self.flat[self.rank * self.size:(self.rank + 1) * self.size]  # in place, as NCCL and gloo allow
         work = dist.all_gather_into_tensor(self.flat, mine, group=self.group, async_op=True)
         return work.wait() if wait else work
 
@@ -114,12 +139,12 @@ def _counted_mask(p, tp_rank: int, pp_rank: int) -> torch.Tensor:
     return mask
 
 
-def had_gradients(buckets: list) -> list:
-    """Per bucket, per parameter: whether any rank of its group has a gradient for it (one flag each, MAX
-    over each kind's group: the experts' their own)."""
-    had = {}
-    for expert in {b.expert for b in buckets}:
-        kind = [b for b in buckets if b.expert == expert]
-        flags = torch.tensor([float(p.grad is not None) for b in kind for p in b.params], device=kind[0].flat.device)
-        had[expert] = iter(comm.all_reduce(flags, kind[0].group, op=dist.ReduceOp.MAX).tolist())
-    return [[next(had[b.expert]) > 0 for _ in b.params] for b in buckets]
+def _rows(at: int, n: int, size: int):
+    """Elements ``at .. at + n`` of a flat buffer cut at multiples of ``size``: (row, from, to, at in the row),
+    ``from``/``to`` counted from ``at``."""
+    done = 0
+    while done < n:
+        row, col = divmod(at + done, size)
+        take = min(n - done, size - col)
+        yield row, done, done + take, col
+        done += take
