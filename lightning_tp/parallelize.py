@@ -261,7 +261,8 @@ def _broadcast_initial_weights(module, device) -> None:
         dist.broadcast(flat, src=0)
         for t, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
             t.copy_(synced)
-        flat.untyped_storage().resize_(0)  # freed now: gloo's worker thread keeps its last work's tensors
+        if all(t.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr() for t in bucket):
+            flat.untyped_storage().resize_(0)  # freed now: gloo's worker thread keeps its last work's tensors
 
 
 def shard_over_dp(config: ParallelConfig, mesh, module) -> bool:
