@@ -1,9 +1,11 @@
 """The planner's step time against measured CPU runs: this machine calibrated (planner.calibrate: GEMM rate and
-curve, memory bandwidth, gloo latency and bandwidth), then the example GPT trained under each layout by a
-Lightning Trainer (fp32, global batch 16 x 64) with its step time measured (median after warm-up), beside
-the planner's estimate of the same layout; the ratio per layout and the rank correlation.
+curve, memory bandwidth, gloo latency and bandwidth, loop overheads) and, with --timed (default), the model's
+own blocks timed at each tp's shapes (planner.timing); then the example GPT trained under each layout by a
+Lightning Trainer (fp32, global batch 16 x 64), the layouts of one process count side by side in rounds (the
+order rotated each round), each step time the median after warm-up, the median over rounds; beside the
+planner's estimate of the same layout: the ratio per layout and the rank correlation.
 
-    .venv/bin/python bench/plan_cpu.py [--width 256] [--layers 4] [--steps 12]
+    .venv/bin/python bench/plan_cpu.py [--width 256] [--layers 4] [--steps 12] [--rounds 3] [--flops]
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ LAYOUTS = {
 }
 
 
-def measure(rank, world, names, width, layers, steps):
+def measure(rank, world, names, width, layers, steps, rounds):
     import warnings
 
     import torch.distributed as torch_dist
@@ -53,19 +55,20 @@ def measure(rank, world, names, width, layers, steps):
     warnings.filterwarnings("ignore")
     if world > 1:
         torch_dist.init_process_group("gloo")
-    out = {}
-    for name in names:
-        _, kw = LAYOUTS[name]
-        dp = world // (kw.get("tp", 1) * kw.get("pp", 1))
-        probe = step_times()
-        L.seed_everything(0, verbose=False)
-        trainer = L.Trainer(accelerator="cpu", devices=world, max_steps=steps, logger=False, enable_checkpointing=False,
-                            enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                            strategy=MegaStrategy(**kw, timeout=300), callbacks=[probe])
-        trainer.fit(LitGPT(n_layer=layers, n_head=4, n_embd=width, block_size=SEQ),
-                    ShakespeareData(block_size=SEQ, batch_size=BATCH // dp))
-        out[name] = statistics.median(probe.times[WARMUP:])
-    return out
+    out = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            _, kw = LAYOUTS[name]
+            dp = world // (kw.get("tp", 1) * kw.get("pp", 1))
+            probe = step_times()
+            L.seed_everything(0, verbose=False)
+            trainer = L.Trainer(accelerator="cpu", devices=world, max_steps=steps, logger=False,
+                                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                                limit_val_batches=0, strategy=MegaStrategy(**kw, timeout=300), callbacks=[probe])
+            trainer.fit(LitGPT(n_layer=layers, n_head=4, n_embd=width, block_size=SEQ),
+                        ShakespeareData(block_size=SEQ, batch_size=BATCH // dp))
+            out[name].append(statistics.median(probe.times[WARMUP:]))
+    return {name: statistics.median(times) for name, times in out.items()}
 
 
 def predict(name, ranking):
@@ -92,6 +95,8 @@ def main():
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--flops", action="store_true", help="compute from FLOP rates, not the blocks timed here")
     args = parser.parse_args()
     from examples.gpt.model import GPT, GPTConfig
     from lightning_tp.planner import plan
@@ -104,16 +109,19 @@ def main():
     with torch.device("meta"):
         model = GPT(GPTConfig(n_layer=args.layers, n_head=4, n_embd=args.width, block_size=SEQ))
     rankings = {w: plan(model, gpus=w, cluster=clusters[w], global_batch=BATCH, seq_len=SEQ, precision="32-true",
-                        zeros=(0, 1)) for w in (1, 2)}
+                        zeros=(0, 1), timed=not args.flops) for w in (1, 2)}
     measured = {}
     for world in (1, 2):
         names = [n for n, (w, _) in LAYOUTS.items() if w == world]
-        measured.update(dist.run(world, measure, names, args.width, args.layers, args.steps, timeout=1800)[0])
-    print(f"\n{'layout':24} {'measured ms':>12} {'predicted ms':>13} {'ratio':>7}")
+        measured.update(dist.run(world, measure, names, args.width, args.layers, args.steps, args.rounds,
+                                 timeout=3600)[0])
+    print(f"\n{'layout':24} {'measured ms':>12} {'predicted ms':>13} {'ratio':>7}   predicted parts (ms)")
     pred = {}
     for name, (world, _) in LAYOUTS.items():
-        pred[name] = predict(name, rankings[world]).step_s
-        print(f"{name:24} {measured[name] * 1e3:12.1f} {pred[name] * 1e3:13.1f} {pred[name] / measured[name]:7.3f}")
+        c = predict(name, rankings[world])
+        pred[name] = c.step_s
+        parts = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in c.why.items() if v > 5e-4)
+        print(f"{name:24} {measured[name] * 1e3:12.1f} {pred[name] * 1e3:13.1f} {pred[name] / measured[name]:7.3f}   {parts}")
     names = list(LAYOUTS)
     worst = max(abs(pred[n] / measured[n] - 1) for n in names)
     print(f"\nlargest deviation {worst:.1%} (target 15%); rank correlation (Spearman) "

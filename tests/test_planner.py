@@ -112,3 +112,32 @@ def test_calibrating_this_machine_gives_a_cluster_plan_takes():
     p = plan(_gpt(n_layer=4, n_head=4, n_embd=64, block_size=64), gpus=1, cluster=cluster, global_batch=8, seq_len=64,
              precision="32-true")
     assert p[0].step_s > cluster.step_overhead_s
+
+
+def test_timed_plan_uses_the_blocks_timed_here():
+    from lightning_tp.planner.timing import time_blocks
+
+    model = _gpt(n_layer=4, n_head=4, n_embd=64, block_size=32, vocab_size=64)
+    got = time_blocks(model, "transformer.h", 32, 64, (1, 2), (False, True), (2,), threads=1, repeat=2)
+    assert set(got) == {(t, m, 2) for t in (1, 2) for m in (False, True)}
+    for key, seconds in got.items():  # each a median difference: zero where noise outweighs a tiny block
+        assert min(seconds) >= 0 and sum(seconds) > 0, (key, got)
+    cluster = Cluster(gpus=2, gpus_per_node=2, peak_tflops=1e-6)  # FLOP rates this slow would take hours a step
+    flops = plan(model, gpus=2, cluster=cluster, global_batch=4, seq_len=32, precision="32-true")
+    timed = plan(model, gpus=2, cluster=cluster, global_batch=4, seq_len=32, precision="32-true", timed=True)
+    assert timed[0].step_s < 10 < flops[0].step_s
+
+
+    class DictOut(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.blocks = torch.nn.Embedding(8, 4), torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
+
+        def forward(self, x):
+            x = self.emb(x)
+            for b in self.blocks:
+                x = b(x)
+            return {"out": x}
+
+    with pytest.raises(ValueError, match=r"timed=True\): the model's forward on token ids returned dict"):
+        time_blocks(DictOut(), "blocks", 4, 8, (1,), (False,), (1,), threads=1, repeat=1)

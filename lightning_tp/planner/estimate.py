@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
+from ..grads import BUCKET_BYTES
 from ..pipeline.schedule.schedules import build_schedule
 from ..pipeline.schedule.simulate import simulate
 
@@ -131,6 +132,12 @@ def estimate(c: Candidate, prof, cluster, global_batch: int) -> Candidate:
     again = {False: 0.0, "selective": 0.0, True: 1.0}[c.activation_checkpointing]  # a whole forward again
     re_gemm = cluster.gemm_seconds(recompute, gemm)
     b = 2 * f_gemm + (2 + again) * traffic + (1 + again) * tp_fwd + re_gemm
+    timed = prof.timed.get((t, c.activation_checkpointing, c.microbatch_size))
+    if timed:  # the model's own blocks timed at this rank's shapes (see .timing): compute as measured
+        block_f, block_b, outer_f, outer_b = timed
+        f_gemm, traffic, re_gemm = layers_here * block_f + outer_f, 0.0, 0.0
+        f = f_gemm + tp_fwd
+        b = layers_here * block_b + outer_b + (1 + again) * tp_fwd
     p2p = cluster.collective_seconds("p2p", hidden_bytes / (t if c.sp else 1), 2, t * c.dp) if c.pp > 1 else 0.0
     f, b = f + p2p, b + p2p
     pipe = pipeline_seconds(c.pp, c.virtual_stages, c.microbatches, f, b)
@@ -145,14 +152,16 @@ def estimate(c: Candidate, prof, cluster, global_batch: int) -> Candidate:
             (2 * c.microbatches if c.zero == 3 else 1)
     else:
         dp_time, gather = cluster.collective_seconds("all_reduce", grads, c.dp, t), 0.0
-    exposed = max(0.0, dp_time - b) + gather
+    # the last bucket starts when the backward ends: its collective is never hidden
+    last = (grads % BUCKET_BYTES or min(grads, BUCKET_BYTES)) / grads if grads else 0.0
+    exposed = max(dp_time - b, dp_time * last) + gather
     optimizer = cluster.memory_seconds(params_here / (c.dp if c.zero else 1) * (BYTES["optim"] + 2 * BYTES["grad"]) * 2)
     if c.pp > 1:  # one training step, each microbatch a forward and a backward per chunk
         overhead = cluster.step_overhead_s + 2 * c.microbatches * c.virtual_stages * cluster.action_overhead_s
     else:  # Lightning's accumulation: a training step per microbatch
         overhead = c.microbatches * cluster.step_overhead_s
     c.step_s = pipe + exposed + optimizer + overhead
-    c.why = dict(compute=c.microbatches * (f_gemm * 3 + re_gemm),
+    c.why = dict(compute=c.microbatches * (f + b - (2 + again) * tp_fwd if timed else f_gemm * 3 + re_gemm),
                  elementwise=c.microbatches * traffic * 3, tp=c.microbatches * (2 * tp_fwd), pp_p2p=c.microbatches * 2 * p2p,
                  bubble=(c.pp - 1) * (f + b) / c.virtual_stages, dp_exposed=exposed, optimizer=optimizer,
                  overhead=overhead)

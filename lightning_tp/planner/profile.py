@@ -33,6 +33,7 @@ class ModelProfile:
     precision: str = "megatron"  # see .estimate.PRECISIONS
     act: dict = field(default_factory=dict)
     params_at: dict = field(default_factory=dict)  # tp -> (per block, outside) on one tp rank
+    timed: dict = field(default_factory=dict)  # (tp, recompute, microbatch size) -> seconds (see .timing)
 
     @property
     def params(self) -> int:

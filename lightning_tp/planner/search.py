@@ -3,11 +3,14 @@ and ranked by step time; those that do not fit listed apart with what overflows.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from .cluster import Cluster
 from .estimate import PRECISIONS, Candidate, estimate
+from ..plans.apply import blocks_path as planner_blocks
 from .profile import profile
+from .timing import time_blocks
 
 RECOMPUTE = (False, "selective", True)
 MICROBATCH_SIZES = (1, 2, 4, 8, 16, 32)
@@ -80,10 +83,10 @@ def candidates(prof, cluster: Cluster, global_batch: int, zeros=(0, 1), recomput
 def plan(model, gpus: int, gpus_per_node: int = 8, gpu_memory_gib: float = 80.0, peak_tflops: float = 989.0,
          intra_node_gbps: float = 3600.0, inter_node_gbps: float = 400.0, global_batch: int = 512, seq_len: int = 2048,
          *, hbm_gbps: float = 26800.0, flash: bool = True, zeros=(0, 1), cluster: Cluster | None = None,
-         model_plan="auto", precision: str = "bf16-mixed", recompute=RECOMPUTE) -> Ranking:
+         model_plan="auto", precision: str = "bf16-mixed", recompute=RECOMPUTE, timed: bool = False) -> Ranking:
     """The layouts for ``model`` (meta tensors are enough) on ``gpus`` GPUs, fastest first (``plan[0]``);
-    ``flash``: attention keeps no s x s scores (fused kernels); ``precision``: bf16-mixed, bf16-true, 32-true or
-    megatron (bf16 weights, fp32 main copy). Raises when none fits, naming what overflows."""
+    ``flash``: attention keeps no s x s scores; ``precision``: bf16-mixed, bf16-true, 32-true or megatron;
+    ``timed``: compute from the model's blocks timed here (CPU). Raises when none fits, naming what overflows."""
     cluster = cluster or Cluster(gpus=gpus, gpus_per_node=gpus_per_node, gpu_memory_gib=gpu_memory_gib,
                                  peak_tflops=peak_tflops, intra_node_gbps=intra_node_gbps,
                                  inter_node_gbps=inter_node_gbps, hbm_gbps=hbm_gbps)
@@ -93,7 +96,12 @@ def plan(model, gpus: int, gpus_per_node: int = 8, gpu_memory_gib: float = 80.0,
         raise ValueError(f"plan(global_batch={global_batch!r}): a positive integer (sequences per step).")
     tps = [t for t in range(1, min(cluster.gpus, 2 * cluster.gpus_per_node) + 1) if cluster.gpus % t == 0]
     prof = profile(model, seq_len, tps, flash=flash, plan=model_plan, precision=precision)
-    found = [estimate(c, prof, cluster, global_batch) for c in candidates(prof, cluster, global_batch, zeros, recompute)]
+    found = list(candidates(prof, cluster, global_batch, zeros, recompute))
+    if timed:
+        prof.timed = time_blocks(model, planner_blocks(model, model_plan), seq_len, prof.vocab, sorted({c.tp for c in found}),
+                                 recompute, sorted({c.microbatch_size for c in found}),
+                                 max(1, (os.cpu_count() or 1) // min(cluster.gpus, cluster.gpus_per_node)), model_plan)
+    found = [estimate(c, prof, cluster, global_batch) for c in found]
     if not found:
         raise ValueError(f"plan(): no layout of {cluster.gpus} GPUs divides this model ({prof.layers} blocks, "
                          f"{prof.heads} heads) and global_batch={global_batch}.")
