@@ -104,8 +104,9 @@ def main():
 
     clusters = {w: calibrate(w) for w in (1, 2)}
     print("calibrated:", {w: (round(c.peak_tflops * 1e3), round(c.gemm_half_gflop, 4), round(c.hbm_gbps),
-                              round(c.intra_node_gbps, 1), round(c.latency_us)) for w, c in clusters.items()},
-          "(GFLOP/s, half GFLOP, memory Gbit/s, gloo Gbit/s, latency us)")
+                              round(c.intra_node_gbps, 1), round(c.latency_us), round(c.compute_slowdown, 2),
+                              round(c.optimizer_s_per_param * 1e9, 2)) for w, c in clusters.items()},
+          "(GFLOP/s, half GFLOP, memory Gbit/s, gloo Gbit/s, latency us, compute slowdown, AdamW ns/param)")
     with torch.device("meta"):
         model = GPT(GPTConfig(n_layer=args.layers, n_head=4, n_embd=args.width, block_size=SEQ))
     rankings = {w: plan(model, gpus=w, cluster=clusters[w], global_batch=BATCH, seq_len=SEQ, precision="32-true",

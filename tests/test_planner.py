@@ -2,6 +2,7 @@
 replay, its memory against explain, the published Megatron-LM runs, a 175B plan's speed, and bad input."""
 
 import importlib.util
+import os
 import time
 from pathlib import Path
 
@@ -106,8 +107,11 @@ def test_command_ranks_the_example_configs_model(capsys):
 def test_calibrating_this_machine_gives_a_cluster_plan_takes():
     from lightning_tp.planner.calibrate import calibrate
 
+    environ = dict(os.environ)
     cluster = calibrate(world=1)
     assert not torch.distributed.is_initialized()  # the fits it timed leave no process group behind
+    assert dict(os.environ) == environ  # nor Lightning's OMP_NUM_THREADS for processes started later
+    assert cluster.optimizer_s_per_param > 0 and cluster.compute_slowdown == 1.0
     assert cluster.peak_tflops > 0 and cluster.hbm_gbps > 0 and 0 < cluster.step_overhead_s < 1
     p = plan(_gpt(n_layer=4, n_head=4, n_embd=64, block_size=64), gpus=1, cluster=cluster, global_batch=8, seq_len=64,
              precision="32-true")

@@ -55,7 +55,7 @@ def stream_gbps(threads: int) -> float:
         torch.set_num_threads(before)
 
 
-SIZES_BYTES = (256, 2 ** 20, 4 * 2 ** 20)
+SIZES_BYTES = (256, 2 ** 20, 4 * 2 ** 20, 16 * 2 ** 20)
 
 
 def _gloo_worker(rank: int, world: int, port: int, out) -> None:
@@ -63,20 +63,105 @@ def _gloo_worker(rank: int, world: int, port: int, out) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    results = {}
+    results = {"together": _workload_seconds(barrier=dist.barrier)}
     for n in SIZES_BYTES:  # the whole tensor's bytes
         whole, part = torch.ones(n // 4), torch.ones(n // 4 // world)
         results["all_reduce", n] = _best(lambda: dist.all_reduce(whole), repeat=9)
         results["reduce_scatter", n] = _best(lambda: dist.reduce_scatter_tensor(part, whole), repeat=9)
         results["all_gather", n] = _best(lambda: dist.all_gather_into_tensor(whole, part), repeat=9)
+    _tp_ops(results, world)
     dist.destroy_process_group()
     if rank == 0:
         out.put(results)
 
 
+def _workload_seconds(barrier=None) -> float:
+    """Median seconds of a transformer block's kind of work (products, GELU, a norm) on one thread; with
+    ``barrier``, every process starts each run together."""
+    a, w = torch.randn(512, 256), torch.randn(256, 1024)
+    times = []
+    for _ in range(9):
+        if barrier:
+            barrier()
+        t = time.perf_counter()
+        for _ in range(4):
+            h = torch.nn.functional.gelu(a @ w)
+            torch.nn.functional.layer_norm(h @ w.t(), (256,))
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2]
+
+
+def slowdown(world: int) -> float:
+    """How much slower a process computes while ``world`` local processes all compute (shared caches and
+    memory), from :func:`gloo_ops`'s workers against this process alone on one thread."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        alone = _workload_seconds()
+    finally:
+        torch.set_num_threads(before)
+    return max(1.0, _last_together[world] / alone) if world in _last_together else 1.0
+
+
+_last_together = {}  # world -> the workload's seconds in gloo_ops's workers, all at once
+
+
+def adamw_seconds_per_param(threads: int, numel: int = 2 ** 21, tensors: int = 48) -> float:
+    """Seconds per parameter of a torch AdamW step (the default, foreach) over ``tensors`` parameters of
+    ``numel`` elements in all (a model's dozens of weights), on ``threads`` threads; the median of runs."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        params = [torch.nn.Parameter(torch.randn(numel // tensors)) for _ in range(tensors)]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt = torch.optim.AdamW(params)
+        return _median(opt.step, repeat=7) / (numel // tensors * tensors)
+    finally:
+        torch.set_num_threads(before)
+
+
+TP_SIZES_BYTES = (2 ** 18, 2 ** 20, 4 * 2 ** 20)
+
+
+def _tp_ops(results: dict, world: int) -> None:
+    """tp's collectives as the parallel layers run them on (batch, sequence, hidden) activations, each after
+    some compute (median, less the compute): the row-parallel output's all-reduce, sp's over the sequence."""
+    from .. import comm
+    import torch.distributed as dist
+
+    group = dist.group.WORLD
+    a, w = torch.randn(256, 256), torch.randn(256, 256)
+
+    def between(op):  # each call after some compute, as in a forward: the ranks arrive apart, as they do there
+        def run():
+            for _ in range(8):
+                a @ w
+            op()
+        return run
+    compute = _median(between(lambda: None))
+    for n in TP_SIZES_BYTES:
+        x = torch.ones(4, n // 4 // (4 * 64), 64)
+        part = torch.ones(4, x.shape[1] // world, 64)
+        for name, op in (("tp_all_reduce", lambda: comm.all_reduce(x.clone(), group)),
+                         ("sp_reduce_scatter", lambda: comm.reduce_scatter(x, 1, group)),
+                         ("sp_all_gather", lambda: comm.all_gather(part, 1, group))):
+            results[name, n] = max(_median(between(op)) - compute, 1e-6)
+
+
+def _median(fn, repeat: int = 15) -> float:
+    fn()
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2]
+
+
 def gloo_ops(world: int = 2) -> tuple:
     """(op, Gbit/s, latency s) of gloo's all-reduce, reduce-scatter and all-gather between ``world`` local
-    processes, each fitted to a ring's steps (2(n-1) for an all-reduce, n-1 else) from 256 B, 1 and 4 MiB."""
+    processes (and tp's, as the layers call them: tp_/sp_), each fitted to a ring's steps from three sizes."""
     import torch.multiprocessing as mp
 
     with socket.socket() as s:
@@ -90,12 +175,16 @@ def gloo_ops(world: int = 2) -> tuple:
     results = out.get(timeout=300)
     for p in procs:
         p.join(timeout=60)
+    _last_together[world] = results.pop("together")
     fitted = []
-    for op in ("all_reduce", "reduce_scatter", "all_gather"):
-        steps = 2 * (world - 1) if op == "all_reduce" else world - 1
-        small, big, bigger = SIZES_BYTES
-        per_byte = (results[op, bigger] - results[op, big]) / ((bigger - big) * steps / world)
-        fitted.append((op, 8 / max(per_byte, 1e-15) / 1e9, results[op, small] / steps))
+    for op in ("all_reduce", "reduce_scatter", "all_gather", "tp_all_reduce", "sp_reduce_scatter", "sp_all_gather"):
+        steps = 2 * (world - 1) if op.endswith("all_reduce") else world - 1
+        sizes = TP_SIZES_BYTES if op.startswith(("tp_", "sp_")) else SIZES_BYTES
+        xs = [n * steps / world for n in sizes]  # bytes each rank sends, in all
+        ys = [results[op, n] for n in sizes]
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        per_byte = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)  # least squares
+        fitted.append((op, 8 / max(per_byte, 1e-15) / 1e9, max(my - per_byte * mx, 0.0) / steps))
     return tuple(fitted)
 
 
@@ -127,7 +216,7 @@ def step_times():
     return StepTimes()
 
 
-def loop_overheads(steps: int = 30) -> tuple:
+def loop_overheads(steps: int = 30, devices: int = 1) -> tuple:
     """(seconds per optimizer step, per pipeline action) the training loop itself takes here: a Lightning
     fit of a tiny module, plain and with MegaStrategy(microbatches=4) (four forwards and backwards a step)."""
     import lightning as L
@@ -146,16 +235,18 @@ def loop_overheads(steps: int = 30) -> tuple:
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters())
 
-    median, started = {}, dist.is_initialized()
+    median, started, environ = {}, dist.is_initialized(), dict(os.environ)
     for m in (1, 4):
         times = step_times()
-        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
+        trainer = L.Trainer(accelerator="cpu", devices=devices, max_steps=steps, logger=False, enable_checkpointing=False,
                             enable_progress_bar=False, enable_model_summary=False, callbacks=[times],
                             strategy=MegaStrategy(microbatches=m, pipeline_blocks="net.blocks"))
         trainer.fit(Tiny(), torch.utils.data.DataLoader(torch.randn(steps * 4, 8), batch_size=4))
         median[m] = sorted(times.times[5:])[len(times.times[5:]) // 2]
     if not started and dist.is_initialized():  # the one-process group MegaStrategy made: not the caller's
         dist.destroy_process_group()
+    os.environ.clear()  # Lightning's fit set OMP_NUM_THREADS, MASTER_PORT, ...: processes started later
+    os.environ.update(environ)  # would inherit them
     return median[1], max(median[4] - median[1], 0.0) / 8
 
 
@@ -170,4 +261,5 @@ def calibrate(world: int = 2, threads: int | None = None) -> Cluster:
     return Cluster(gpus=world, gpus_per_node=world, gpu_memory_gib=1e6, peak_tflops=peak / 1e3,
                    intra_node_gbps=gbps, inter_node_gbps=gbps, hbm_gbps=stream_gbps(threads),
                    gemm_efficiency=1.0, gemm_half_gflop=max(half, 1e-6), latency_us=latency * 1e6,
-                   intra_latency_us=latency * 1e6, ops=ops, step_overhead_s=step, action_overhead_s=action)
+                   intra_latency_us=latency * 1e6, ops=ops, step_overhead_s=step, action_overhead_s=action,
+                   compute_slowdown=slowdown(world), optimizer_s_per_param=adamw_seconds_per_param(threads))

@@ -24,6 +24,8 @@ class Cluster:
     ops: tuple = ()  # measured (op, Gbit/s, latency s) inside a node, overriding the link's (see .calibrate)
     step_overhead_s: float = 0.0  # per optimizer step: the training loop's own time (see .calibrate)
     action_overhead_s: float = 0.0  # per pipeline action (a microbatch's forward or backward on a stage)
+    compute_slowdown: float = 1.0  # timed compute runs this much slower with every process at work (CPU)
+    optimizer_s_per_param: float = 0.0  # an AdamW step's seconds per parameter, measured (else from bandwidth)
 
     def __post_init__(self):
         for name in ("gpus", "gpus_per_node"):
@@ -54,15 +56,18 @@ class Cluster:
                                                                                       self.latency_us * 1e-6)
 
     def collective_seconds(self, op: str, nbytes: float, span: int, stride: int = 1) -> float:
-        """A ring ``op`` ("all_reduce", "all_gather", "reduce_scatter", "p2p") of ``nbytes`` (the whole
-        tensor) over ``span`` ranks ``stride`` apart."""
+        """A ring ``op`` ("all_reduce", "all_gather", "reduce_scatter", "p2p"; "tp_"/"sp_" prefixed: as tp's layers
+        run it, where measured) of ``nbytes`` (the whole tensor) over ``span`` ranks ``stride`` apart."""
         if span <= 1 or nbytes <= 0:
             return 0.0
         gbps, latency = self.link(span, stride)
         measured = {name: (g, lat) for name, g, lat in self.ops}
-        if op in measured and span * stride <= self.gpus_per_node:
-            gbps, latency = measured[op]
+        base = op.split("_", 1)[1] if op.startswith(("tp_", "sp_")) else op  # tp's as its layers run it
+        for name in (op, base):
+            if name in measured and span * stride <= self.gpus_per_node:
+                gbps, latency = measured[name]
+                break
         if op == "p2p":
             return nbytes * 8 / (gbps * 1e9) + latency
-        steps = 2 * (span - 1) if op == "all_reduce" else span - 1
+        steps = 2 * (span - 1) if base == "all_reduce" else span - 1
         return steps * (nbytes / span) * 8 / (gbps * 1e9) + steps * latency

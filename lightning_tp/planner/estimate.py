@@ -124,9 +124,9 @@ def estimate(c: Candidate, prof, cluster, global_batch: int) -> Candidate:
     made = prof.act[(t, c.sp, False)][0]
     traffic = cluster.memory_seconds(3 * c.microbatch_size * made * layers_here)
     hidden_bytes = tokens * h * act_bytes
-    tp_one = (cluster.collective_seconds("reduce_scatter", hidden_bytes, t) +
-              cluster.collective_seconds("all_gather", hidden_bytes, t)) if c.sp else \
-        cluster.collective_seconds("all_reduce", hidden_bytes, t)
+    tp_one = (cluster.collective_seconds("sp_reduce_scatter", hidden_bytes, t) +
+              cluster.collective_seconds("sp_all_gather", hidden_bytes, t)) if c.sp else \
+        cluster.collective_seconds("tp_all_reduce", hidden_bytes, t)
     tp_fwd = 2 * layers_here * tp_one
     f = f_gemm + traffic + tp_fwd
     again = {False: 0.0, "selective": 0.0, True: 1.0}[c.activation_checkpointing]  # a whole forward again
@@ -134,7 +134,7 @@ def estimate(c: Candidate, prof, cluster, global_batch: int) -> Candidate:
     b = 2 * f_gemm + (2 + again) * traffic + (1 + again) * tp_fwd + re_gemm
     timed = prof.timed.get((t, c.activation_checkpointing, c.microbatch_size))
     if timed:  # the model's own blocks timed at this rank's shapes (see .timing): compute as measured
-        block_f, block_b, outer_f, outer_b = timed
+        block_f, block_b, outer_f, outer_b = (x * cluster.compute_slowdown for x in timed)
         f_gemm, traffic, re_gemm = layers_here * block_f + outer_f, 0.0, 0.0
         f = f_gemm + tp_fwd
         b = layers_here * block_b + outer_b + (1 + again) * tp_fwd
@@ -155,7 +155,9 @@ def estimate(c: Candidate, prof, cluster, global_batch: int) -> Candidate:
     # the last bucket starts when the backward ends: its collective is never hidden
     last = (grads % BUCKET_BYTES or min(grads, BUCKET_BYTES)) / grads if grads else 0.0
     exposed = max(dp_time - b, dp_time * last) + gather
-    optimizer = cluster.memory_seconds(params_here / (c.dp if c.zero else 1) * (BYTES["optim"] + 2 * BYTES["grad"]) * 2)
+    stepped = params_here / (c.dp if c.zero else 1)
+    optimizer = stepped * cluster.optimizer_s_per_param if cluster.optimizer_s_per_param else \
+        cluster.memory_seconds(stepped * (BYTES["optim"] + 2 * BYTES["grad"]) * 2)
     if c.pp > 1:  # one training step, each microbatch a forward and a backward per chunk
         overhead = cluster.step_overhead_s + 2 * c.microbatches * c.virtual_stages * cluster.action_overhead_s
     else:  # Lightning's accumulation: a training step per microbatch
