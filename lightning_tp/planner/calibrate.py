@@ -15,14 +15,24 @@ from .cluster import Cluster
 SIZES = (32, 64, 128, 256, 512)  # GEMM widths: (1024 x n) @ (n x n)
 
 
-def _best(fn, repeat: int = 7) -> float:
+def _times(fn, repeat: int) -> list:
+    """Seconds of ``repeat`` calls of ``fn`` after one warm-up."""
     fn()
     times = []
     for _ in range(repeat):
         t = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t)
-    return min(times)
+    return times
+
+
+def _best(fn, repeat: int = 7) -> float:
+    return min(_times(fn, repeat))
+
+
+def _median(fn, repeat: int = 15) -> float:
+    times = sorted(_times(fn, repeat))
+    return times[len(times) // 2]
 
 
 def gemm_curve(threads: int) -> tuple:
@@ -148,15 +158,6 @@ def _tp_ops(results: dict, world: int) -> None:
                          ("sp_all_gather", lambda: comm.all_gather(part, 1, group))):
             results[name, n] = max(_median(between(op)) - compute, 1e-6)
 
-
-def _median(fn, repeat: int = 15) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return sorted(times)[len(times) // 2]
 
 
 def gloo_ops(world: int = 2) -> tuple:
