@@ -73,47 +73,48 @@ def _gloo_worker(rank: int, world: int, port: int, out) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    results = {"together": _workload_seconds(barrier=dist.barrier)}
+    results = {"slowdown": _slowdown_here(rank, world, dist.barrier)}
     for n in SIZES_BYTES:  # the whole tensor's bytes
         whole, part = torch.ones(n // 4), torch.ones(n // 4 // world)
         results["all_reduce", n] = _best(lambda: dist.all_reduce(whole), repeat=9)
         results["reduce_scatter", n] = _best(lambda: dist.reduce_scatter_tensor(part, whole), repeat=9)
         results["all_gather", n] = _best(lambda: dist.all_gather_into_tensor(whole, part), repeat=9)
-    _tp_ops(results, world)
+    _strategy_ops(results, world)
     dist.destroy_process_group()
     if rank == 0:
         out.put(results)
 
 
-def _workload_seconds(barrier=None) -> float:
-    """Median seconds of a transformer block's kind of work (products, GELU, a norm) on one thread; with
-    ``barrier``, every process starts each run together."""
+def _workload() -> float:
+    """Seconds of one run of a transformer block's kind of work (products, GELU, a norm) on one thread."""
     a, w = torch.randn(512, 256), torch.randn(256, 1024)
-    times = []
-    for _ in range(9):
-        if barrier:
+    t = time.perf_counter()
+    for _ in range(4):
+        h = torch.nn.functional.gelu(a @ w)
+        torch.nn.functional.layer_norm(h @ w.t(), (256,))
+    return time.perf_counter() - t
+
+
+def _slowdown_here(rank: int, world: int, barrier) -> float:
+    """Rounds of: each process running the workload alone in turn, then all at once; the medians' ratio."""
+    alone, together = [], []
+    for _ in range(7):
+        for r in range(world):
             barrier()
-        t = time.perf_counter()
-        for _ in range(4):
-            h = torch.nn.functional.gelu(a @ w)
-            torch.nn.functional.layer_norm(h @ w.t(), (256,))
-        times.append(time.perf_counter() - t)
-    return sorted(times)[len(times) // 2]
+            if r == rank:
+                alone.append(_workload())
+        barrier()
+        together.append(_workload())
+    return sorted(together)[len(together) // 2] / sorted(alone)[len(alone) // 2]
 
 
 def slowdown(world: int) -> float:
     """How much slower a process computes while ``world`` local processes all compute (shared caches and
-    memory), from :func:`gloo_ops`'s workers against this process alone on one thread."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        alone = _workload_seconds()
-    finally:
-        torch.set_num_threads(before)
-    return max(1.0, _last_together[world] / alone) if world in _last_together else 1.0
+    memory), as :func:`gloo_ops`'s workers last measured it (1 for one process)."""
+    return max(1.0, _last_slowdown.get(world, 1.0))
 
 
-_last_together = {}  # world -> the workload's seconds in gloo_ops's workers, all at once
+_last_slowdown = {}  # world -> what gloo_ops's workers measured
 
 
 def adamw_seconds_per_param(threads: int, numel: int = 2 ** 21, tensors: int = 48) -> float:
@@ -134,9 +135,9 @@ def adamw_seconds_per_param(threads: int, numel: int = 2 ** 21, tensors: int = 4
 TP_SIZES_BYTES = (2 ** 18, 2 ** 20, 4 * 2 ** 20)
 
 
-def _tp_ops(results: dict, world: int) -> None:
-    """tp's collectives as the parallel layers run them on (batch, sequence, hidden) activations, each after
-    some compute (median, less the compute): the row-parallel output's all-reduce, sp's over the sequence."""
+def _strategy_ops(results: dict, world: int) -> None:
+    """tp's collectives as the parallel layers run them on (batch, sequence, hidden) activations, and dp's
+    gradient all-reduce, each after some compute (median, less the compute)."""
     from .. import comm
     import torch.distributed as dist
 
@@ -157,12 +158,19 @@ def _tp_ops(results: dict, world: int) -> None:
                          ("sp_reduce_scatter", lambda: comm.reduce_scatter(x, 1, group)),
                          ("sp_all_gather", lambda: comm.all_gather(part, 1, group))):
             results[name, n] = max(_median(between(op)) - compute, 1e-6)
+    for n in SIZES_BYTES[1:]:  # dp's gradient all-reduce as the strategy runs it: copied into a flat buffer and back
+        grads, flat = torch.ones(n // 4), torch.empty(n // 4)
 
+        def dp_all_reduce():
+            flat.copy_(grads)
+            dist.all_reduce(flat, group=group)
+            grads.copy_(flat)
+        results["dp_all_reduce", n] = max(_median(between(dp_all_reduce), repeat=9) - compute, 1e-6)
 
 
 def gloo_ops(world: int = 2) -> tuple:
     """(op, Gbit/s, latency s) of gloo's all-reduce, reduce-scatter and all-gather between ``world`` local
-    processes (and tp's, as the layers call them: tp_/sp_), each fitted to a ring's steps from three sizes."""
+    processes (and tp's and dp's as the strategy calls them: tp_/sp_/dp_), each fitted to a ring's steps."""
     import torch.multiprocessing as mp
 
     with socket.socket() as s:
@@ -176,11 +184,13 @@ def gloo_ops(world: int = 2) -> tuple:
     results = out.get(timeout=300)
     for p in procs:
         p.join(timeout=60)
-    _last_together[world] = results.pop("together")
+    _last_slowdown[world] = results.pop("slowdown")
     fitted = []
-    for op in ("all_reduce", "reduce_scatter", "all_gather", "tp_all_reduce", "sp_reduce_scatter", "sp_all_gather"):
+    for op in ("all_reduce", "reduce_scatter", "all_gather", "tp_all_reduce", "sp_reduce_scatter", "sp_all_gather",
+               "dp_all_reduce"):
         steps = 2 * (world - 1) if op.endswith("all_reduce") else world - 1
-        sizes = TP_SIZES_BYTES if op.startswith(("tp_", "sp_")) else SIZES_BYTES
+        sizes = TP_SIZES_BYTES if op.startswith(("tp_", "sp_")) else SIZES_BYTES[1:] if op.startswith("dp_") \
+            else SIZES_BYTES
         xs = [n * steps / world for n in sizes]  # bytes each rank sends, in all
         ys = [results[op, n] for n in sizes]
         mx, my = sum(xs) / len(xs), sum(ys) / len(ys)

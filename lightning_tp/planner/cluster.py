@@ -56,13 +56,13 @@ class Cluster:
                                                                                       self.latency_us * 1e-6)
 
     def collective_seconds(self, op: str, nbytes: float, span: int, stride: int = 1) -> float:
-        """A ring ``op`` ("all_reduce", "all_gather", "reduce_scatter", "p2p"; "tp_"/"sp_" prefixed: as tp's layers
-        run it, where measured) of ``nbytes`` (the whole tensor) over ``span`` ranks ``stride`` apart."""
+        """A ring ``op`` ("all_reduce", "all_gather", "reduce_scatter", "p2p"; "tp_"/"sp_"/"dp_" prefixed: as the
+        strategy runs it, where measured) of ``nbytes`` (the whole tensor) over ``span`` ranks ``stride`` apart."""
         if span <= 1 or nbytes <= 0:
             return 0.0
         gbps, latency = self.link(span, stride)
         measured = {name: (g, lat) for name, g, lat in self.ops}
-        base = op.split("_", 1)[1] if op.startswith(("tp_", "sp_")) else op  # tp's as its layers run it
+        base = op.split("_", 1)[1] if op.startswith(("tp_", "sp_", "dp_")) else op  # as the strategy runs it
         for name in (op, base):
             if name in measured and span * stride <= self.gpus_per_node:
                 gbps, latency = measured[name]

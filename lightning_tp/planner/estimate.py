@@ -151,7 +151,7 @@ def estimate(c: Candidate, prof, cluster, global_batch: int) -> Candidate:
         gather = cluster.collective_seconds("all_gather", params_here * BYTES["weight"], c.dp, t) * \
             (2 * c.microbatches if c.zero == 3 else 1)
     else:
-        dp_time, gather = cluster.collective_seconds("all_reduce", grads, c.dp, t), 0.0
+        dp_time, gather = cluster.collective_seconds("dp_all_reduce", grads, c.dp, t), 0.0
     # the last bucket starts when the backward ends: its collective is never hidden
     last = (grads % BUCKET_BYTES or min(grads, BUCKET_BYTES)) / grads if grads else 0.0
     exposed = max(dp_time - b, dp_time * last) + gather
