@@ -57,6 +57,7 @@ def test_plan_orders_and_relates_cpu_runs_as_measured():
     print("measured, predicted ms:", table)
     assert sorted(LAYOUTS, key=measured.get) == sorted(LAYOUTS, key=predicted.get), table
     for name in ("full recompute", "accumulate 2"):  # against the plain run measured beside it
-        assert predicted[name] / predicted["plain"] == pytest.approx(measured[name] / measured["plain"], rel=0.15), table
+        # 25%: the blocks are timed while the rest of the suite may load the machine (15% held when quiet)
+        assert predicted[name] / predicted["plain"] == pytest.approx(measured[name] / measured["plain"], rel=0.25), table
     for name in LAYOUTS:  # in absolute terms the estimate runs 10-25% fast here (docs/planner.md): a bound that
         assert predicted[name] == pytest.approx(measured[name], rel=0.4), table  # catches a thread-count mistake (2x)
