@@ -6,7 +6,6 @@ alike; the figure is the ratio of median step times (target <= 1.03).
 
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -16,24 +15,14 @@ import torch  # noqa: E402
 
 from examples.gpt.lit import LitGPT, ShakespeareData  # noqa: E402
 from lightning_tp import MegaStrategy  # noqa: E402
+from lightning_tp.planner.calibrate import step_times as step_timer  # noqa: E402
 
 STEPS, WARMUP, ROUNDS = 40, 5, 3
 
 
-class StepTimer(L.Callback):
-    def __init__(self):
-        self.times = []
-
-    def on_train_batch_start(self, *args):
-        self._t = time.perf_counter()
-
-    def on_train_batch_end(self, *args):
-        self.times.append(time.perf_counter() - self._t)
-
-
 def step_times(strategy) -> list:
     L.seed_everything(0, verbose=False)
-    timer = StepTimer()
+    timer = step_timer()
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=STEPS, callbacks=[timer],
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, limit_val_batches=0)

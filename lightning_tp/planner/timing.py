@@ -11,17 +11,14 @@ import torch
 from torch import nn
 
 from ..plans import apply as planner
+from .profile import first_blocks
 
 
 def _materialized(module: nn.Module, path: str, n: int) -> nn.Module:
     """A copy of ``module`` (meta tensors are fine) with its first ``n`` blocks, on the CPU with small random
     weights and zero buffers: the values do not matter, the shapes and the code run do."""
-    out = copy.deepcopy(module)
-    parent_path, _, leaf = path.rpartition(".")
-    parent = out.get_submodule(parent_path) if parent_path else out
-    blocks = getattr(parent, leaf)
-    setattr(parent, leaf, type(blocks)(list(blocks)[:n]))
-    out = out.to_empty(device="cpu")
+    with first_blocks(module, path, n):
+        out = copy.deepcopy(module).to_empty(device="cpu")
     with torch.no_grad():
         for p in out.parameters():
             p.normal_(0.0, 0.02)
