@@ -5,12 +5,12 @@ process using the threads MegaStrategy would give it. See docs/planner.md."""
 from __future__ import annotations
 
 import os
-import socket
 import time
 
 import torch
 
 from .cluster import Cluster
+from .local import on_local_processes
 
 SIZES = (32, 64, 128, 256, 512)  # GEMM widths: (1024 x n) @ (n x n)
 
@@ -28,6 +28,11 @@ def _times(fn, repeat: int) -> list:
 
 def _best(fn, repeat: int = 7) -> float:
     return min(_times(fn, repeat))
+
+
+def _mean(fn, repeat: int = 15) -> float:
+    """The mean of ``repeat`` calls: what a step's many calls add up to, waits for a late peer included."""
+    return sum(_times(fn, repeat)) / repeat
 
 
 def _median(fn, repeat: int = 15) -> float:
@@ -68,25 +73,24 @@ def stream_gbps(threads: int) -> float:
 SIZES_BYTES = (256, 2 ** 20, 4 * 2 ** 20, 16 * 2 ** 20)
 
 
-def _gloo_worker(rank: int, world: int, port: int, out) -> None:
+def _gloo_worker(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     results = {"slowdown": _slowdown_here(rank, world, dist.barrier)}
+    dist.barrier()  # every process steps AdamW at once, as dp replicas do: they share the memory bandwidth
+    results["adamw"] = adamw_seconds_per_param(1)
     for n in SIZES_BYTES:  # the whole tensor's bytes
         whole, part = torch.ones(n // 4), torch.ones(n // 4 // world)
         results["all_reduce", n] = _best(lambda: dist.all_reduce(whole), repeat=9)
         results["reduce_scatter", n] = _best(lambda: dist.reduce_scatter_tensor(part, whole), repeat=9)
         results["all_gather", n] = _best(lambda: dist.all_gather_into_tensor(whole, part), repeat=9)
     _strategy_ops(results, world)
-    dist.destroy_process_group()
-    if rank == 0:
-        out.put(results)
+    results["loop"] = loop_overheads(devices=world)
+    return results
 
 
 def _workload() -> float:
-    """Seconds of one run of a transformer block's kind of work (products, GELU, a norm) on one thread."""
+    """Seconds of one run of a transformer block's kind of work (products, GELU, a norm)."""
     a, w = torch.randn(512, 256), torch.randn(256, 1024)
     t = time.perf_counter()
     for _ in range(4):
@@ -114,31 +118,39 @@ def slowdown(world: int) -> float:
     return max(1.0, _last_slowdown.get(world, 1.0))
 
 
-_last_slowdown = {}  # world -> what gloo_ops's workers measured
+_last_slowdown, _last_adamw, _last_loop = {}, {}, {}  # world -> what gloo_ops's workers measured
 
 
 def adamw_seconds_per_param(threads: int, numel: int = 2 ** 21, tensors: int = 48) -> float:
-    """Seconds per parameter of a torch AdamW step (the default, foreach) over ``tensors`` parameters of
-    ``numel`` elements in all (a model's dozens of weights), on ``threads`` threads; the median of runs."""
+    """Seconds per parameter of a torch AdamW step over ``tensors`` parameters of ``numel`` elements in all (a
+    model's dozens of weights), on ``threads`` threads; the median of runs (see :func:`adamw_step_seconds`)."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        params = [torch.nn.Parameter(torch.randn(numel // tensors)) for _ in range(tensors)]
-        for p in params:
-            p.grad = torch.randn_like(p)
-        opt = torch.optim.AdamW(params)
-        return _median(opt.step, repeat=7) / (numel // tensors * tensors)
+        return adamw_step_seconds([torch.nn.Parameter(torch.randn(numel // tensors)) for _ in range(tensors)])
     finally:
         torch.set_num_threads(before)
 
 
+def adamw_step_seconds(params) -> float:
+    """Seconds per parameter of a torch AdamW step (its default implementation here) over ``params``, given
+    random gradients: the median of 7 steps after one."""
+    params = list(params)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(params)
+    return _median(opt.step, repeat=7) / sum(p.numel() for p in params)
+
+
 TP_SIZES_BYTES = (2 ** 18, 2 ** 20, 4 * 2 ** 20)
+DP_SIZES_BYTES = (2 ** 20, 4 * 2 ** 20, 8 * 2 ** 20, 16 * 2 ** 20)
 
 
 def _strategy_ops(results: dict, world: int) -> None:
     """tp's collectives as the parallel layers run them on (batch, sequence, hidden) activations, and dp's
-    gradient all-reduce, each after some compute (median, less the compute)."""
+    gradient all-reduce, each after some compute (the mean, less the compute's)."""
     from .. import comm
+    from ..grads import settle, start_all_reduce
     import torch.distributed as dist
 
     group = dist.group.WORLD
@@ -150,59 +162,49 @@ def _strategy_ops(results: dict, world: int) -> None:
                 a @ w
             op()
         return run
-    compute = _median(between(lambda: None))
-    for n in TP_SIZES_BYTES:
-        x = torch.ones(4, n // 4 // (4 * 64), 64)
-        part = torch.ones(4, x.shape[1] // world, 64)
-        for name, op in (("tp_all_reduce", lambda: comm.all_reduce(x.clone(), group)),
-                         ("sp_reduce_scatter", lambda: comm.reduce_scatter(x, 1, group)),
-                         ("sp_all_gather", lambda: comm.all_gather(part, 1, group))):
-            results[name, n] = max(_median(between(op)) - compute, 1e-6)
-    for n in SIZES_BYTES[1:]:  # dp's gradient all-reduce as the strategy runs it: copied into a flat buffer and back
-        grads, flat = torch.ones(n // 4), torch.empty(n // 4)
-
-        def dp_all_reduce():
-            flat.copy_(grads)
-            dist.all_reduce(flat, group=group)
-            grads.copy_(flat)
-        results["dp_all_reduce", n] = max(_median(between(dp_all_reduce), repeat=9) - compute, 1e-6)
+    grads = {n: [torch.ones(n // 4 // 12) for _ in range(12)] for n in DP_SIZES_BYTES}  # dp's: a dozen of them
+    rounds = {}  # their times have a long tail and slow spells: the median of rounds' means
+    for _ in range(3):
+        compute = _mean(between(lambda: None), repeat=20)
+        for n in TP_SIZES_BYTES:
+            x = torch.ones(4, n // 4 // (4 * 64), 64)
+            part = torch.ones(4, x.shape[1] // world, 64)
+            for name, op in (("tp_all_reduce", lambda: comm.all_reduce(x.clone(), group)),
+                             ("sp_reduce_scatter", lambda: comm.reduce_scatter(x, 1, group)),
+                             ("sp_all_gather", lambda: comm.all_gather(part, 1, group))):
+                rounds.setdefault((name, n), []).append(max(_mean(between(op), repeat=20) - compute, 1e-6))
+        for n, bucket in grads.items():  # as the strategy runs it: flattened into a new bucket, summed, averaged
+            op = lambda: settle([start_all_reduce(bucket, group)], 0.5)  # noqa: E731  (and copied back)
+            rounds.setdefault(("dp_all_reduce", n), []).append(max(_mean(between(op), repeat=5) - compute, 1e-6))
+    results.update({key: sorted(times)[1] for key, times in rounds.items()})
 
 
 def gloo_ops(world: int = 2) -> tuple:
     """(op, Gbit/s, latency s) of gloo's all-reduce, reduce-scatter and all-gather between ``world`` local
     processes (and tp's and dp's as the strategy calls them: tp_/sp_/dp_), each fitted to a ring's steps."""
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_gloo_worker, args=(r, world, port, out)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = out.get(timeout=300)
-    for p in procs:
-        p.join(timeout=60)
+    results = on_local_processes(world, _gloo_worker, threads=max(1, (os.cpu_count() or 1) // world))
     _last_slowdown[world] = results.pop("slowdown")
+    _last_adamw[world], _last_loop[world] = results.pop("adamw"), results.pop("loop")
     fitted = []
     for op in ("all_reduce", "reduce_scatter", "all_gather", "tp_all_reduce", "sp_reduce_scatter", "sp_all_gather",
                "dp_all_reduce"):
         steps = 2 * (world - 1) if op.endswith("all_reduce") else world - 1
-        sizes = TP_SIZES_BYTES if op.startswith(("tp_", "sp_")) else SIZES_BYTES[1:] if op.startswith("dp_") \
+        sizes = TP_SIZES_BYTES if op.startswith(("tp_", "sp_")) else DP_SIZES_BYTES if op.startswith("dp_") \
             else SIZES_BYTES
         xs = [n * steps / world for n in sizes]  # bytes each rank sends, in all
         ys = [results[op, n] for n in sizes]
         mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
         per_byte = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)  # least squares
         fitted.append((op, 8 / max(per_byte, 1e-15) / 1e9, max(my - per_byte * mx, 0.0) / steps))
+    _, gbps, latency = fitted[-1]  # zero=1's reduce-scatter on gloo is an all-reduce of its bucket in place (see
+    fitted.append(("dp_reduce_scatter", gbps / 2, latency * 2))  # zero.shards): dp's, over a ring's half the steps
     return tuple(fitted)
 
 
 class _Tiny(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, blocks: int):
         super().__init__()
-        self.blocks = torch.nn.ModuleList([torch.nn.Linear(8, 8) for _ in range(2)])
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(8, 8) for _ in range(blocks)])
 
     def forward(self, x):
         for b in self.blocks:
@@ -228,8 +230,8 @@ def step_times():
 
 
 def loop_overheads(steps: int = 30, devices: int = 1) -> tuple:
-    """(seconds per optimizer step, per pipeline action) the training loop itself takes here: a Lightning
-    fit of a tiny module, plain and with MegaStrategy(microbatches=4) (four forwards and backwards a step)."""
+    """(seconds per optimizer step, per pipeline action) the training loop itself takes here: Lightning fits of a
+    tiny module logging its loss on ``devices`` local processes, plain, and with microbatches (a pipeline over them)."""
     import lightning as L
     import torch.distributed as dist
 
@@ -238,27 +240,36 @@ def loop_overheads(steps: int = 30, devices: int = 1) -> tuple:
     class Tiny(L.LightningModule):
         def __init__(self):
             super().__init__()
-            self.net = _Tiny()
+            self.net = _Tiny(max(2, devices))
 
         def training_step(self, batch, batch_idx):
-            return self.net(batch).pow(2).mean()
+            loss = self.net(batch).pow(2).mean()
+            self.log("loss", loss, sync_dist=True)  # as most modules log their loss
+            return loss
 
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters())
 
-    median, started, environ = {}, dist.is_initialized(), dict(os.environ)
-    for m in (1, 4):
+    started, environ = dist.is_initialized(), dict(os.environ)
+
+    def fit(m: int, pp: int) -> float:  # the median step after warm-up
         times = step_times()
         trainer = L.Trainer(accelerator="cpu", devices=devices, max_steps=steps, logger=False, enable_checkpointing=False,
                             enable_progress_bar=False, enable_model_summary=False, callbacks=[times],
-                            strategy=MegaStrategy(microbatches=m, pipeline_blocks="net.blocks"))
-        trainer.fit(Tiny(), torch.utils.data.DataLoader(torch.randn(steps * 4, 8), batch_size=4))
-        median[m] = sorted(times.times[5:])[len(times.times[5:]) // 2]
+                            strategy=MegaStrategy(pp=pp, microbatches=m, pipeline_blocks="net.blocks"))
+        trainer.fit(Tiny(), torch.utils.data.DataLoader(torch.randn(steps * 8 * devices, 8), batch_size=8))
+        return sorted(times.times[5:])[len(times.times[5:]) // 2]
+
+    step = fit(1, 1)
+    if devices > 1:  # a pipeline over all the processes: 8 more actions a rank, each with its sends and receives
+        action = max(fit(8, devices) - fit(4, devices), 0.0) / 8
+    else:  # 4 microbatches: 6 more actions
+        action = max(fit(4, 1) - step, 0.0) / 6
     if not started and dist.is_initialized():  # the one-process group MegaStrategy made: not the caller's
         dist.destroy_process_group()
     os.environ.clear()  # Lightning's fit set OMP_NUM_THREADS, MASTER_PORT, ...: processes started later
     os.environ.update(environ)  # would inherit them
-    return median[1], max(median[4] - median[1], 0.0) / 8
+    return step, action
 
 
 def calibrate(world: int = 2, threads: int | None = None) -> Cluster:
@@ -268,9 +279,10 @@ def calibrate(world: int = 2, threads: int | None = None) -> Cluster:
     peak, half = gemm_curve(threads)
     ops = gloo_ops(world) if world > 1 else ()
     gbps, latency = (ops[0][1], ops[0][2]) if ops else (1e6, 0.0)
-    step, action = loop_overheads()
+    step, action = _last_loop.get(world) or loop_overheads()
     return Cluster(gpus=world, gpus_per_node=world, gpu_memory_gib=1e6, peak_tflops=peak / 1e3,
                    intra_node_gbps=gbps, inter_node_gbps=gbps, hbm_gbps=stream_gbps(threads),
                    gemm_efficiency=1.0, gemm_half_gflop=max(half, 1e-6), latency_us=latency * 1e6,
                    intra_latency_us=latency * 1e6, ops=ops, step_overhead_s=step, action_overhead_s=action,
-                   compute_slowdown=slowdown(world), optimizer_s_per_param=adamw_seconds_per_param(threads))
+                   compute_slowdown=slowdown(world),
+                   optimizer_s_per_param=_last_adamw.get(world) or adamw_seconds_per_param(threads))

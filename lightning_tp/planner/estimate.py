@@ -127,14 +127,15 @@ def estimate(c: Candidate, prof, cluster, global_batch: int) -> Candidate:
     tp_one = (cluster.collective_seconds("sp_reduce_scatter", hidden_bytes, t) +
               cluster.collective_seconds("sp_all_gather", hidden_bytes, t)) if c.sp else \
         cluster.collective_seconds("tp_all_reduce", hidden_bytes, t)
-    tp_fwd = 2 * layers_here * tp_one
+    tp_fwd = 2 * (layers_here + prof.tp_outer.get((t, c.sp), 0.0)) * tp_one  # (the outer ones: half in each pass)
     f = f_gemm + traffic + tp_fwd
     again = {False: 0.0, "selective": 0.0, True: 1.0}[c.activation_checkpointing]  # a whole forward again
     re_gemm = cluster.gemm_seconds(recompute, gemm)
     b = 2 * f_gemm + (2 + again) * traffic + (1 + again) * tp_fwd + re_gemm
     timed = prof.timed.get((t, c.activation_checkpointing, c.microbatch_size))
-    if timed:  # the model's own blocks timed at this rank's shapes (see .timing): compute as measured
-        block_f, block_b, outer_f, outer_b = (x * cluster.compute_slowdown for x in timed)
+    if timed:  # the model's own blocks timed at this rank's shapes (see .timing): compute as measured, with
+        *seconds, together = timed  # every process at work (else the slowdown measured for that applied)
+        block_f, block_b, outer_f, outer_b = (x * (1.0 if together else cluster.compute_slowdown) for x in seconds)
         f_gemm, traffic, re_gemm = layers_here * block_f + outer_f, 0.0, 0.0
         f = f_gemm + tp_fwd
         b = layers_here * block_b + outer_b + (1 + again) * tp_fwd
@@ -147,8 +148,8 @@ def estimate(c: Candidate, prof, cluster, global_batch: int) -> Candidate:
     grads = params_here * BYTES["grad"]
     if c.zero:  # the reduce-scatter overlapped; the stepped slices' all-gather after the step (zero=3: the
         # weights' gathers, twice a block, inside the forward and backward)
-        dp_time = cluster.collective_seconds("reduce_scatter", grads, c.dp, t)
-        gather = cluster.collective_seconds("all_gather", params_here * BYTES["weight"], c.dp, t) * \
+        dp_time = cluster.collective_seconds("dp_reduce_scatter", grads, c.dp, t)
+        gather = cluster.collective_seconds("dp_all_gather", params_here * BYTES["weight"], c.dp, t) * \
             (2 * c.microbatches if c.zero == 3 else 1)
     else:
         dp_time, gather = cluster.collective_seconds("dp_all_reduce", grads, c.dp, t), 0.0
@@ -156,7 +157,8 @@ def estimate(c: Candidate, prof, cluster, global_batch: int) -> Candidate:
     last = (grads % BUCKET_BYTES or min(grads, BUCKET_BYTES)) / grads if grads else 0.0
     exposed = max(dp_time - b, dp_time * last) + gather
     stepped = params_here / (c.dp if c.zero else 1)
-    optimizer = stepped * cluster.optimizer_s_per_param if cluster.optimizer_s_per_param else \
+    per_param = prof.timed.get(("optimizer", t)) or cluster.optimizer_s_per_param  # timed on the model's weights
+    optimizer = stepped * per_param if per_param else \
         cluster.memory_seconds(stepped * (BYTES["optim"] + 2 * BYTES["grad"]) * 2)
     if c.pp > 1:  # one training step, each microbatch a forward and a backward per chunk
         overhead = cluster.step_overhead_s + 2 * c.microbatches * c.virtual_stages * cluster.action_overhead_s

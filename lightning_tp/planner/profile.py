@@ -33,6 +33,7 @@ class ModelProfile:
     precision: str = "megatron"  # see .estimate.PRECISIONS
     act: dict = field(default_factory=dict)
     params_at: dict = field(default_factory=dict)  # tp -> (per block, outside) on one tp rank
+    tp_outer: dict = field(default_factory=dict)  # (tp, sp) -> tp collectives outside the blocks, in blocks' worth
     timed: dict = field(default_factory=dict)  # (tp, recompute, microbatch size) -> seconds (see .timing)
 
     @property
@@ -105,15 +106,18 @@ def profile(module: nn.Module, seq: int, tps, flash: bool = True, plan="auto",
             continue
         for sp in ((False, True) if t > 1 else (False,)):
             for mode in (False, "selective", True):
-                kept, transient, params = [], 0, []
+                kept, transient, params, tp_bytes = [], 0, [], []
                 for n in (2, 3):
                     with first_blocks(module, path, n):
                         r = explain(module, tp=t, sp=sp, batch_shape=(1, seq), dtype_bytes=act_bytes, grad_bytes=act_bytes,
                                     activation_checkpointing=mode, score_copies=copies, plan=plan,
                                     print_report=False).rank(0)
                     kept.append(r.act_bytes - r.recompute_bytes)
-                    transient, params = r.recompute_bytes, params + [r.params]
+                    transient, params, tp_bytes = r.recompute_bytes, params + [r.params], tp_bytes + [r.tp_bytes]
                 per_block = kept[1] - kept[0]
                 out.act[(t, sp, mode)] = (per_block, kept[0] - 2 * per_block, transient)
+                if not mode and t > 1:  # the embedding's and the head's collectives, in blocks' worth
+                    block_tp = tp_bytes[1] - tp_bytes[0]
+                    out.tp_outer[(t, sp)] = (tp_bytes[0] - 2 * block_tp) / block_tp if block_tp else 0.0
                 out.params_at[t] = (params[1] - params[0], params[0] - 2 * (params[1] - params[0]))
     return out

@@ -86,7 +86,7 @@ def plan(model, gpus: int, gpus_per_node: int = 8, gpu_memory_gib: float = 80.0,
          model_plan="auto", precision: str = "bf16-mixed", recompute=RECOMPUTE, timed: bool = False) -> Ranking:
     """The layouts for ``model`` (meta tensors are enough) on ``gpus`` GPUs, fastest first (``plan[0]``);
     ``flash``: attention keeps no s x s scores; ``precision``: bf16-mixed, bf16-true, 32-true or megatron;
-    ``timed``: compute from the model's blocks timed here (CPU). Raises when none fits, naming what overflows."""
+    ``timed``: compute timed here (CPU, a process per GPU). Raises when none fits, naming what overflows."""
     cluster = cluster or Cluster(gpus=gpus, gpus_per_node=gpus_per_node, gpu_memory_gib=gpu_memory_gib,
                                  peak_tflops=peak_tflops, intra_node_gbps=intra_node_gbps,
                                  inter_node_gbps=inter_node_gbps, hbm_gbps=hbm_gbps)
@@ -100,7 +100,8 @@ def plan(model, gpus: int, gpus_per_node: int = 8, gpu_memory_gib: float = 80.0,
     if timed:
         prof.timed = time_blocks(model, planner_blocks(model, model_plan), seq_len, prof.vocab, sorted({c.tp for c in found}),
                                  recompute, sorted({c.microbatch_size for c in found}),
-                                 max(1, (os.cpu_count() or 1) // min(cluster.gpus, cluster.gpus_per_node)), model_plan)
+                                 max(1, (os.cpu_count() or 1) // min(cluster.gpus, cluster.gpus_per_node)), model_plan,
+                                 world=min(cluster.gpus, cluster.gpus_per_node))
     found = [estimate(c, prof, cluster, global_batch) for c in found]
     if not found:
         raise ValueError(f"plan(): no layout of {cluster.gpus} GPUs divides this model ({prof.layers} blocks, "

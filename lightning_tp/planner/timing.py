@@ -1,5 +1,6 @@
 """The model's own blocks timed on this machine at each tp's per-rank shapes (forward, then backward), for a
-plan to use instead of FLOP rates where it runs on the machine it plans for. See docs/planner.md."""
+plan to use instead of FLOP rates where it runs on the machine it plans for: on as many local processes as
+the plan's GPUs, all at once. See docs/planner.md."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 from torch import nn
 
 from ..plans import apply as planner
+from .calibrate import adamw_step_seconds
 from .profile import first_blocks
 
 
@@ -65,11 +67,24 @@ def _fwd_bwd(model, x) -> tuple:
 
 
 def time_blocks(module: nn.Module, path: str, seq: int, vocab: int, tps, modes, sizes, threads: int,
-                plan="auto", repeat: int = 5) -> dict:
-    """(tp, recompute, microbatch size) -> (one block's forward s, its backward s, the rest's forward s,
-    backward s): medians over ``repeat`` alternating runs of the model cut to 2 and 3 blocks, on ``threads``."""
+                plan="auto", repeat: int = 5, world: int = 1) -> dict:
+    """(tp, recompute, microbatch size) -> (one block's forward s, its backward s, the rest's forward s, backward s,
+    together), and ("optimizer", tp) -> AdamW's seconds per parameter: medians of runs of the model cut to 2 and 3
+    blocks on ``threads``; together: on ``world`` > 1 processes at once (as a run's ranks), tp rank 0's shards each."""
+    args = (module, path, seq, vocab, tuple(tps), tuple(modes), tuple(sizes), plan, repeat)
+    if world == 1:
+        return _time_here(0, 1, *args, threads=threads)
+    from .local import on_local_processes
+
+    return on_local_processes(world, _time_here, *args, threads=threads)
+
+
+def _time_here(rank, world, module, path, seq, vocab, tps, modes, sizes, plan, repeat, threads=None) -> dict:
+    """:func:`time_blocks` on this process, one of ``world`` (in a process group of them all when > 1)."""
+    import torch.distributed as dist
+
     before = torch.get_num_threads()
-    torch.set_num_threads(threads)
+    torch.set_num_threads(threads or before)
     out = {}
     try:
         for tp in tps:
@@ -78,6 +93,8 @@ def time_blocks(module: nn.Module, path: str, seq: int, vocab: int, tps, modes, 
                 for mbs in sizes:
                     x = torch.randint(0, max(vocab, 1), (mbs, seq))
                     runs = {n: [] for n in (2, 3)}
+                    if world > 1:  # all start together
+                        dist.barrier()
                     for i in range(repeat + 1):
                         for n in (2, 3):
                             run = _fwd_bwd(models[n], x)
@@ -86,7 +103,11 @@ def time_blocks(module: nn.Module, path: str, seq: int, vocab: int, tps, modes, 
                     block = [max(statistics.median(b[k] - a[k] for a, b in zip(runs[2], runs[3])), 0.0) for k in (0, 1)]
                     two = [statistics.median(r[k] for r in runs[2]) for k in (0, 1)]
                     out[(tp, mode, mbs)] = (block[0], block[1], max(two[0] - 2 * block[0], 0.0),
-                                            max(two[1] - 2 * block[1], 0.0))
+                                            max(two[1] - 2 * block[1], 0.0), world > 1)
+                if not mode:  # AdamW over the model's own weights (tp rank 0's shards), every process stepping
+                    if world > 1:
+                        dist.barrier()
+                    out[("optimizer", tp)] = adamw_step_seconds(models[3].parameters())
     finally:
         torch.set_num_threads(before)
     return out
