@@ -15,6 +15,8 @@ from lightning_tp.pipeline.schedule.schedules import build_schedule
 from lightning_tp.pipeline.schedule.simulate import simulate
 from lightning_tp.planner import Cluster, plan
 from lightning_tp.planner.estimate import pipeline_seconds
+from lightning_tp.planner.profile import profile
+from lightning_tp.config import ParallelConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -150,3 +152,21 @@ def test_timed_plan_uses_the_blocks_timed_here():
 
     with pytest.raises(ValueError, match=r"timed=True\): the model's forward on token ids returned dict"):
         time_blocks(DictOut(), "blocks", 4, 8, (1,), (False,), (1,), threads=1, repeat=1)
+
+
+def test_experts_split_over_ep_as_explain_and_the_strategy_do():
+    model = _gpt(n_layer=4, n_head=4, n_embd=64, block_size=32, vocab_size=64, n_expert=4, n_expert_per_token=2)
+    dense = _gpt(n_layer=4, n_head=4, n_embd=64, block_size=32, vocab_size=64)
+    p = plan(model, gpus=8, global_batch=16, seq_len=32, precision="32-true")
+    found = {(c.tp, c.pp, c.dp, c.ep) for c in p.fits}
+    assert {(1, 1, 8, e) for e in (1, 2, 4)} <= found and not any(e == 8 for *_, e in found)  # ep divides 4 experts
+    assert all(c.dp % c.ep == 0 and (c.zero != 3 or c.ep == 1) for c in p.fits)
+    for ep, tp in ((1, 1), (2, 1), (4, 1), (2, 2)):
+        c = p.find(tp=tp, pp=1, ep=ep, zero=0)
+        r = explain(model, tp=tp, ep=ep, dp=c.dp, batch_shape=(16 // c.dp, 32), print_report=False).rank(0)
+        assert c.memory["weights"] * 2 ** 30 == pytest.approx(r.params * 4)  # this rank's experts: 1/ep of them
+        ParallelConfig.resolve(**c.strategy_kwargs()).with_world(c.tp * c.pp * c.dp)  # MegaStrategy takes it
+        assert (c.why["ep_all_to_all"] > 0) == (ep > 1) and c.strategy_kwargs().get("ep", 1) == ep
+    # a token runs 2 of the 4 experts: the block's FLOPs count two MLPs, as the dense model's one
+    mlp = 2 * 2 * 64 * 256
+    assert profile(model, 32, (1,)).block_flops - profile(dense, 32, (1,)).block_flops == pytest.approx(mlp + 2 * 64 * 4)

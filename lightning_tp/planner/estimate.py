@@ -33,6 +33,7 @@ class Candidate:
     virtual_stages: int
     activation_checkpointing: object
     zero: int
+    ep: int = 1  # experts split over ep of the dp ranks
     memory_gib: float = 0.0
     memory: dict = field(default_factory=dict)
     step_s: float = 0.0
@@ -48,6 +49,8 @@ class Candidate:
         accumulate_grad_batches, see :meth:`trainer_kwargs`)."""
         out = dict(tp=self.tp, pp=self.pp, sp=self.sp, zero=self.zero,
                    activation_checkpointing=self.activation_checkpointing)
+        if self.ep > 1:
+            out["ep"] = self.ep
         if self.pp > 1:
             out.update(microbatches=self.microbatches, schedule=self.schedule, virtual_stages=self.virtual_stages)
         return out
@@ -94,11 +97,15 @@ def estimate(c: Candidate, prof, cluster, global_batch: int) -> Candidate:
     per_block_act, outer_act, transient = prof.act[(t, c.sp, c.activation_checkpointing)]
     block_p, outer_p = prof.params_at[t]
     layers_here = L // c.pp
-    params_here = layers_here * block_p + outer_p  # the first (or last) stage: the heaviest
+    block_experts = prof.expert_params_at.get(t, 0)  # ep: a rank keeps 1/ep of each layer's experts
+    params_here = layers_here * (block_p - block_experts * (1 - 1 / c.ep)) + outer_p  # the first (or last) stage
+    experts_here, edp = layers_here * block_experts / c.ep, c.dp // c.ep  # edp: ranks holding the same experts
+    # the optimizer steps (zero: its slices; dp's of the rest, the expert-dp group's of the experts)
+    stepped = (params_here - experts_here) / c.dp + experts_here / edp if c.zero else params_here
     # memory: weights, gradients, optimizer state (zero=1: state / dp; zero=3: all three / dp), activations
     shard = c.dp if c.zero == 3 else 1
     memory = dict(weights=params_here * BYTES["weight"] / shard, grads=params_here * BYTES["grad"] / shard,
-                  optimizer=params_here * BYTES["optim"] / (c.dp if c.zero else 1))
+                  optimizer=stepped * BYTES["optim"])
     inflight = peak_inflight(c.schedule, c.pp, c.virtual_stages, c.microbatches)
     chunk = layers_here // c.virtual_stages
     # under a pipeline the gradients stay while the stage holds its peak microbatches, and a block's backward
@@ -140,23 +147,28 @@ def estimate(c: Candidate, prof, cluster, global_batch: int) -> Candidate:
         f = f_gemm + tp_fwd
         b = layers_here * block_b + outer_b + (1 + again) * tp_fwd
     p2p = cluster.collective_seconds("p2p", hidden_bytes / (t if c.sp else 1), 2, t * c.dp) if c.pp > 1 else 0.0
-    f, b = f + p2p, b + p2p
+    calls, width = prof.a2a  # ep: each MoE layer's dispatch and combine, forward and backward
+    a2a = layers_here * calls * cluster.collective_seconds("all_to_all", tokens * width * act_bytes, c.ep, t) \
+        if c.ep > 1 else 0.0
+    f, b = f + p2p + a2a / 2, b + p2p + a2a / 2
     pipe = pipeline_seconds(c.pp, c.virtual_stages, c.microbatches, f, b)
     c.stage_seconds = (f, b)
     # data parallel: the gradient all-reduce (zero=1: reduce-scatter + all-gather, zero=3: also the weights'
     # gathers), overlapped with the last microbatch's backward; the optimizer streams its state once
     grads = params_here * BYTES["grad"]
+
+    def over_dp(op, per_param):  # the experts' over the ranks holding the same ones (ep > 1), the rest over dp
+        return cluster.collective_seconds(op, (params_here - experts_here) * per_param, c.dp, t) + \
+            cluster.collective_seconds(op, experts_here * per_param, edp, t * c.ep)
     if c.zero:  # the reduce-scatter overlapped; the stepped slices' all-gather after the step (zero=3: the
         # weights' gathers, twice a block, inside the forward and backward)
-        dp_time = cluster.collective_seconds("dp_reduce_scatter", grads, c.dp, t)
-        gather = cluster.collective_seconds("dp_all_gather", params_here * BYTES["weight"], c.dp, t) * \
-            (2 * c.microbatches if c.zero == 3 else 1)
+        dp_time = over_dp("dp_reduce_scatter", BYTES["grad"])
+        gather = over_dp("dp_all_gather", BYTES["weight"]) * (2 * c.microbatches if c.zero == 3 else 1)
     else:
-        dp_time, gather = cluster.collective_seconds("dp_all_reduce", grads, c.dp, t), 0.0
+        dp_time, gather = over_dp("dp_all_reduce", BYTES["grad"]), 0.0
     # the last bucket starts when the backward ends: its collective is never hidden
     last = (grads % BUCKET_BYTES or min(grads, BUCKET_BYTES)) / grads if grads else 0.0
     exposed = max(dp_time - b, dp_time * last) + gather
-    stepped = params_here / (c.dp if c.zero else 1)
     per_param = prof.timed.get(("optimizer", t)) or cluster.optimizer_s_per_param  # timed on the model's weights
     optimizer = stepped * per_param if per_param else \
         cluster.memory_seconds(stepped * (BYTES["optim"] + 2 * BYTES["grad"]) * 2)
@@ -165,8 +177,9 @@ def estimate(c: Candidate, prof, cluster, global_batch: int) -> Candidate:
     else:  # Lightning's accumulation: a training step per microbatch
         overhead = c.microbatches * cluster.step_overhead_s
     c.step_s = pipe + exposed + optimizer + overhead
-    c.why = dict(compute=c.microbatches * (f + b - (2 + again) * tp_fwd if timed else f_gemm * 3 + re_gemm),
+    c.why = dict(compute=c.microbatches * (f + b - (2 + again) * tp_fwd - 2 * p2p - a2a if timed else f_gemm * 3 + re_gemm),
                  elementwise=c.microbatches * traffic * 3, tp=c.microbatches * (2 * tp_fwd), pp_p2p=c.microbatches * 2 * p2p,
+                 ep_all_to_all=c.microbatches * a2a,
                  bubble=(c.pp - 1) * (f + b) / c.virtual_stages, dp_exposed=exposed, optimizer=optimizer,
                  overhead=overhead)
     c.tokens_per_s = global_batch * s / c.step_s

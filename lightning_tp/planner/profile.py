@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from ..explain import explain
+from ..experts.families import find_moe_blocks
 from ..explain_costs import heads_of
 from ..plans import apply as planner
 from .estimate import PRECISIONS
@@ -33,6 +34,9 @@ class ModelProfile:
     precision: str = "megatron"  # see .estimate.PRECISIONS
     act: dict = field(default_factory=dict)
     params_at: dict = field(default_factory=dict)  # tp -> (per block, outside) on one tp rank
+    experts: int = 0  # the fewest experts of a mixture-of-experts layer (0: none); ep divides it
+    expert_params_at: dict = field(default_factory=dict)  # tp -> one block's expert parameters on a tp rank
+    a2a: tuple = (0, 0)  # per block, under ep: (all-to-alls, elements per token of each): k rows out and back
     tp_outer: dict = field(default_factory=dict)  # (tp, sp) -> tp collectives outside the blocks, in blocks' worth
     timed: dict = field(default_factory=dict)  # (tp, recompute, microbatch size) -> seconds (see .timing)
 
@@ -94,11 +98,16 @@ def profile(module: nn.Module, seq: int, tps, flash: bool = True, plan="auto",
     embeddings = [m for m in module.modules() if isinstance(m, nn.Embedding)]
     vocab = max((m.num_embeddings for m in embeddings), default=0)
     hidden = next((m.in_features for m in block.modules() if isinstance(m, nn.Linear)), 0)
+    moe = find_moe_blocks(block, planner.expert_styles(plan))
+    # a token runs k of a layer's E experts: their products count k / E of all the experts' FLOPs
+    unrouted = sum(_linear_flops(b.experts) * (1 - f.top_k(b) / f.num_experts(b)) for _, b, f in moe)
     out = ModelProfile(layers=len(blocks), hidden=hidden, heads=_heads(block), vocab=vocab, seq=seq,
                        block_params=sum(p.numel() for p in block.parameters()),
                        outer_params=sum(p.numel() for p in outer.values()),
-                       block_flops=_linear_flops(block) + 4 * seq * hidden, core_flops=4 * seq * hidden,
-                       outer_flops=_linear_flops(module) - len(blocks) * _linear_flops(block), precision=precision)
+                       block_flops=_linear_flops(block) - unrouted + 4 * seq * hidden, core_flops=4 * seq * hidden,
+                       outer_flops=_linear_flops(module) - len(blocks) * _linear_flops(block), precision=precision,
+                       experts=min((f.num_experts(b) for _, b, f in moe), default=0),
+                       a2a=(4 * len(moe), max((f.top_k(b) * b.gate.in_features for _, b, f in moe), default=0)))
     act_bytes = PRECISIONS[precision][0]
     copies = 0 if flash else 3  # s x s tensors an attention core keeps per head (explain's score_copies)
     for t in out.tps(max(tps)):
@@ -106,7 +115,7 @@ def profile(module: nn.Module, seq: int, tps, flash: bool = True, plan="auto",
             continue
         for sp in ((False, True) if t > 1 else (False,)):
             for mode in (False, "selective", True):
-                kept, transient, params, tp_bytes = [], 0, [], []
+                kept, transient, params, tp_bytes, experts = [], 0, [], [], []
                 for n in (2, 3):
                     with first_blocks(module, path, n):
                         r = explain(module, tp=t, sp=sp, batch_shape=(1, seq), dtype_bytes=act_bytes, grad_bytes=act_bytes,
@@ -114,10 +123,12 @@ def profile(module: nn.Module, seq: int, tps, flash: bool = True, plan="auto",
                                     print_report=False).rank(0)
                     kept.append(r.act_bytes - r.recompute_bytes)
                     transient, params, tp_bytes = r.recompute_bytes, params + [r.params], tp_bytes + [r.tp_bytes]
+                    experts.append(r.expert_params)
                 per_block = kept[1] - kept[0]
                 out.act[(t, sp, mode)] = (per_block, kept[0] - 2 * per_block, transient)
                 if not mode and t > 1:  # the embedding's and the head's collectives, in blocks' worth
                     block_tp = tp_bytes[1] - tp_bytes[0]
                     out.tp_outer[(t, sp)] = (tp_bytes[0] - 2 * block_tp) / block_tp if block_tp else 0.0
                 out.params_at[t] = (params[1] - params[0], params[0] - 2 * (params[1] - params[0]))
+                out.expert_params_at[t] = experts[1] - experts[0]
     return out

@@ -50,8 +50,8 @@ def _divisors(n: int) -> list:
 
 def candidates(prof, cluster: Cluster, global_batch: int, zeros=(0, 1), recompute=RECOMPUTE,
                tp_most: int | None = None):
-    """Every (tp, sp, pp, dp, microbatch size, schedule, virtual stages, recompute, zero) that divides the
-    model (heads, layers) and the batch."""
+    """Every (tp, sp, pp, dp, microbatch size, schedule, virtual stages, recompute, zero, ep) that divides the
+    model (heads, layers, experts) and the batch."""
     most = min(cluster.gpus, tp_most or 2 * cluster.gpus_per_node)
     for t in prof.tps(most):
         for pp in _divisors(min(prof.layers, cluster.gpus // t)):
@@ -60,6 +60,7 @@ def candidates(prof, cluster: Cluster, global_batch: int, zeros=(0, 1), recomput
             dp = cluster.gpus // (t * pp)
             if global_batch % dp:
                 continue
+            eps = [e for e in _divisors(dp) if prof.experts % e == 0] if prof.experts else [1]  # experts over dp
             for mbs in MICROBATCH_SIZES:
                 if (global_batch // dp) % mbs:
                     continue
@@ -71,13 +72,12 @@ def candidates(prof, cluster: Cluster, global_batch: int, zeros=(0, 1), recomput
                     schedules += [("interleaved_1f1b", v) for v in (2, 4) if (prof.layers // pp) % v == 0 and m % pp == 0]
                 for schedule, v in schedules:
                     for sp in ((False, True) if t > 1 else (False,)):
-                        for ckpt in recompute:
-                            for zero in zeros:
-                                if zero and dp == 1 or (zero == 3 and pp > 1):
-                                    continue
-                                yield Candidate(tp=t, pp=pp, dp=dp, sp=sp, microbatch_size=mbs,
-                                                microbatches=m, schedule=schedule,
-                                                virtual_stages=v, activation_checkpointing=ckpt, zero=zero)
+                        for ckpt, zero, ep in ((c, z, e) for c in recompute for z in zeros for e in eps):
+                            if zero and dp == 1 or (zero == 3 and (pp > 1 or ep > 1)):  # zero=3: not under pp, ep
+                                continue
+                            yield Candidate(tp=t, pp=pp, dp=dp, sp=sp, microbatch_size=mbs, microbatches=m,
+                                            schedule=schedule, virtual_stages=v, activation_checkpointing=ckpt,
+                                            zero=zero, ep=ep)
 
 
 def plan(model, gpus: int, gpus_per_node: int = 8, gpu_memory_gib: float = 80.0, peak_tflops: float = 989.0,
@@ -122,4 +122,4 @@ def _name(c: Candidate) -> str:
     return (f"tp={c.tp}{' sp' if c.sp else ''} pp={c.pp} dp={c.dp} microbatch {c.microbatch_size}"
             f" x {c.microbatches}"
             f"{f' {c.schedule} v={c.virtual_stages}' if c.pp > 1 else ''} recompute={c.activation_checkpointing} "
-            f"zero={c.zero}")
+            f"zero={c.zero}{f' ep={c.ep}' if c.ep > 1 else ''}")
