@@ -5,7 +5,9 @@ Lightning Trainer (fp32, global batch 16 x 64), the layouts of one process count
 order rotated each round), each step time the median after warm-up, the median over rounds; beside the
 planner's estimate of the same layout: the ratio per layout and the rank correlation.
 
-    .venv/bin/python bench/plan_cpu.py [--width 256] [--layers 4] [--steps 12] [--rounds 3] [--flops]
+    .venv/bin/python bench/plan_cpu.py [--width 256] [--layers 4] [--steps 12] [--rounds 3] [--flops] [--experts 4]
+
+--experts N: the example's mixture-of-experts GPT (N experts, 2 a token) instead, with ep=2 layouts added.
 """
 
 from __future__ import annotations
@@ -41,9 +43,10 @@ LAYOUTS = {
     "pp2 m4 interleaved": (2, dict(PP2, microbatches=4, schedule="interleaved_1f1b", virtual_stages=2)),
     "pp2 m4 full recompute": (2, dict(PP2, microbatches=4, activation_checkpointing=True)),
 }
+EP_LAYOUTS = {"dp2 ep2": (2, dict(ep=2)), "dp2 ep2 zero1": (2, dict(ep=2, zero=1))}
 
 
-def measure(rank, world, names, width, layers, steps, rounds):
+def measure(rank, world, names, width, layers, steps, rounds, experts):
     import warnings
 
     import torch.distributed as torch_dist
@@ -58,14 +61,14 @@ def measure(rank, world, names, width, layers, steps, rounds):
     out = {name: [] for name in names}
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
-            _, kw = LAYOUTS[name]
+            _, kw = {**LAYOUTS, **EP_LAYOUTS}[name]
             dp = world // (kw.get("tp", 1) * kw.get("pp", 1))
             probe = step_times()
             L.seed_everything(0, verbose=False)
             trainer = L.Trainer(accelerator="cpu", devices=world, max_steps=steps, logger=False,
                                 enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                                 limit_val_batches=0, strategy=MegaStrategy(**kw, timeout=300), callbacks=[probe])
-            trainer.fit(LitGPT(n_layer=layers, n_head=4, n_embd=width, block_size=SEQ),
+            trainer.fit(LitGPT(n_layer=layers, n_head=4, n_embd=width, block_size=SEQ, n_expert=experts),
                         ShakespeareData(block_size=SEQ, batch_size=BATCH // dp))
             out[name].append(statistics.median(probe.times[WARMUP:]))
     return {name: statistics.median(times) for name, times in out.items()}
@@ -77,10 +80,10 @@ def predict(name, ranking):
     dp = world // (tp * pp)
     m = kw.get("microbatches", 1)
     want = (tp, pp, dp, kw.get("sp", False), BATCH // dp // m, m, kw.get("schedule", "1f1b"),
-            kw.get("virtual_stages", 1), kw.get("activation_checkpointing", False), kw.get("zero", 0))
+            kw.get("virtual_stages", 1), kw.get("activation_checkpointing", False), kw.get("zero", 0), kw.get("ep", 1))
     return next(c for c in ranking.fits + ranking.overflows if (
         c.tp, c.pp, c.dp, c.sp, c.microbatch_size, c.microbatches, c.schedule, c.virtual_stages,
-        c.activation_checkpointing, c.zero) == want)
+        c.activation_checkpointing, c.zero, c.ep) == want)
 
 
 def spearman(xs, ys) -> float:
@@ -97,7 +100,10 @@ def main():
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--flops", action="store_true", help="compute from FLOP rates, not the blocks timed here")
+    parser.add_argument("--experts", type=int, default=0, help="a mixture-of-experts GPT (and ep=2 layouts)")
     args = parser.parse_args()
+    if args.experts:
+        LAYOUTS.update(EP_LAYOUTS)
     from examples.gpt.model import GPT, GPTConfig
     from lightning_tp.planner import plan
     from lightning_tp.planner.calibrate import calibrate
@@ -108,14 +114,14 @@ def main():
                               round(c.optimizer_s_per_param * 1e9, 2)) for w, c in clusters.items()},
           "(GFLOP/s, half GFLOP, memory Gbit/s, gloo Gbit/s, latency us, compute slowdown, AdamW ns/param)")
     with torch.device("meta"):
-        model = GPT(GPTConfig(n_layer=args.layers, n_head=4, n_embd=args.width, block_size=SEQ))
+        model = GPT(GPTConfig(n_layer=args.layers, n_head=4, n_embd=args.width, block_size=SEQ, n_expert=args.experts))
     rankings = {w: plan(model, gpus=w, cluster=clusters[w], global_batch=BATCH, seq_len=SEQ, precision="32-true",
                         zeros=(0, 1), timed=not args.flops) for w in (1, 2)}
     measured = {}
     for world in (1, 2):
         names = [n for n, (w, _) in LAYOUTS.items() if w == world]
         measured.update(dist.run(world, measure, names, args.width, args.layers, args.steps, args.rounds,
-                                 timeout=3600)[0])
+                                 args.experts, timeout=3600)[0])
     print(f"\n{'layout':24} {'measured ms':>12} {'predicted ms':>13} {'ratio':>7}   predicted parts (ms)")
     pred = {}
     for name, (world, _) in LAYOUTS.items():
