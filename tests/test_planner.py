@@ -170,3 +170,22 @@ def test_experts_split_over_ep_as_explain_and_the_strategy_do():
     # a token runs 2 of the 4 experts: the block's FLOPs count two MLPs, as the dense model's one
     mlp = 2 * 2 * 64 * 256
     assert profile(model, 32, (1,)).block_flops - profile(dense, 32, (1,)).block_flops == pytest.approx(mlp + 2 * 64 * 4)
+
+
+def test_backward_hides_the_share_of_dp_buckets_the_cluster_overlaps():
+    from lightning_tp.grads import BUCKET_BYTES
+
+    model = _gpt(n_layer=4, n_head=8, n_embd=512, block_size=64)  # fp32 gradients over two 25 MiB buckets
+    exposed = {}
+    for share in (1.0, 0.5, 0.0):
+        cluster = Cluster(gpus=2, gpus_per_node=2, peak_tflops=1e-3, comm_overlap=share)  # a backward long enough
+        c = plan(model, gpus=2, cluster=cluster, global_batch=8, seq_len=64, precision="32-true",
+                 zeros=(0,)).find(tp=1, pp=1, dp=2, microbatch_size=4, activation_checkpointing=False)
+        grads = sum(p.numel() for p in model.parameters()) * 4
+        assert BUCKET_BYTES < grads < 2 * BUCKET_BYTES
+        whole = cluster.collective_seconds("dp_all_reduce", grads, 2)
+        exposed[share] = c.why["dp_exposed"]
+        last = (grads - BUCKET_BYTES) / grads
+        assert c.stage_seconds[1] > whole  # to cover the first bucket's all-reduce, where the cluster overlaps
+        assert exposed[share] == pytest.approx(whole * (last + (1 - last) * (1 - share)))
+    assert exposed[1.0] < exposed[0.5] < exposed[0.0]

@@ -86,7 +86,30 @@ def _gloo_worker(rank: int, world: int) -> dict:
         results["all_gather", n] = _best(lambda: dist.all_gather_into_tensor(whole, part), repeat=9)
     _strategy_ops(results, world)
     results["loop"] = loop_overheads(devices=world)
+    results["overlap"] = _overlap_here()
     return results
+
+
+def _overlap_here(rounds: int = 3) -> float:
+    """The share of a 16 MiB all-reduce that compute started after it hides (as a backward hides a bucket's),
+    from the times alone and together: the median of ``rounds``."""
+    import torch.distributed as dist
+
+    a, w, flat = torch.randn(1024, 256), torch.randn(256, 256), torch.ones(4 * 2 ** 20)
+
+    def compute():
+        for _ in range(24):
+            a @ w
+
+    def both():
+        work = dist.all_reduce(flat, async_op=True)
+        compute()
+        work.wait()
+    shares = []
+    for _ in range(rounds):
+        alone, reduce, together = _mean(compute, 5), _mean(lambda: dist.all_reduce(flat), 5), _mean(both, 5)
+        shares.append(min(max((alone + reduce - together) / reduce, 0.0), 1.0))
+    return sorted(shares)[len(shares) // 2]
 
 
 def _workload() -> float:
@@ -118,7 +141,7 @@ def slowdown(world: int) -> float:
     return max(1.0, _last_slowdown.get(world, 1.0))
 
 
-_last_slowdown, _last_adamw, _last_loop = {}, {}, {}  # world -> what gloo_ops's workers measured
+_last_slowdown, _last_adamw, _last_loop, _last_overlap = {}, {}, {}, {}  # world -> what gloo_ops's workers measured
 
 
 def adamw_seconds_per_param(threads: int, numel: int = 2 ** 21, tensors: int = 48) -> float:
@@ -185,6 +208,7 @@ def gloo_ops(world: int = 2) -> tuple:
     results = on_local_processes(world, _gloo_worker, threads=max(1, (os.cpu_count() or 1) // world))
     _last_slowdown[world] = results.pop("slowdown")
     _last_adamw[world], _last_loop[world] = results.pop("adamw"), results.pop("loop")
+    _last_overlap[world] = results.pop("overlap")
     fitted = []
     for op in ("all_reduce", "reduce_scatter", "all_gather", "tp_all_reduce", "sp_reduce_scatter", "sp_all_gather",
                "dp_all_reduce"):
@@ -284,5 +308,5 @@ def calibrate(world: int = 2, threads: int | None = None) -> Cluster:
                    intra_node_gbps=gbps, inter_node_gbps=gbps, hbm_gbps=stream_gbps(threads),
                    gemm_efficiency=1.0, gemm_half_gflop=max(half, 1e-6), latency_us=latency * 1e6,
                    intra_latency_us=latency * 1e6, ops=ops, step_overhead_s=step, action_overhead_s=action,
-                   compute_slowdown=slowdown(world),
+                   compute_slowdown=slowdown(world), comm_overlap=_last_overlap.get(world, 1.0),
                    optimizer_s_per_param=_last_adamw.get(world) or adamw_seconds_per_param(threads))

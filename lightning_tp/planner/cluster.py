@@ -25,6 +25,7 @@ class Cluster:
     step_overhead_s: float = 0.0  # per optimizer step: the training loop's own time (see .calibrate)
     action_overhead_s: float = 0.0  # per pipeline action (a microbatch's forward or backward on a stage)
     compute_slowdown: float = 1.0  # timed compute runs this much slower with every process at work (CPU)
+    comm_overlap: float = 1.0  # the share of a dp collective the backward's compute hides (CPU: they share cores)
     optimizer_s_per_param: float = 0.0  # an AdamW step's seconds per parameter, measured (else from bandwidth)
 
     def __post_init__(self):

@@ -166,9 +166,10 @@ def estimate(c: Candidate, prof, cluster, global_batch: int) -> Candidate:
         gather = over_dp("dp_all_gather", BYTES["weight"]) * (2 * c.microbatches if c.zero == 3 else 1)
     else:
         dp_time, gather = over_dp("dp_all_reduce", BYTES["grad"]), 0.0
-    # the last bucket starts when the backward ends: its collective is never hidden
+    # the last bucket starts when the backward ends: its collective is never hidden; the others, the share the
+    # backward hides (on CPU less than all: they share the cores)
     last = (grads % BUCKET_BYTES or min(grads, BUCKET_BYTES)) / grads if grads else 0.0
-    exposed = max(dp_time - b, dp_time * last) + gather
+    exposed = max(dp_time - b, dp_time * (last + (1 - last) * (1 - cluster.comm_overlap))) + gather
     per_param = prof.timed.get(("optimizer", t)) or cluster.optimizer_s_per_param  # timed on the model's weights
     optimizer = stepped * per_param if per_param else \
         cluster.memory_seconds(stepped * (BYTES["optim"] + 2 * BYTES["grad"]) * 2)
