@@ -138,10 +138,10 @@ def _slowdown_here(rank: int, world: int, barrier) -> float:
 def slowdown(world: int) -> float:
     """How much slower a process computes while ``world`` local processes all compute (shared caches and
     memory), as :func:`gloo_ops`'s workers last measured it (1 for one process)."""
-    return max(1.0, _last_slowdown.get(world, 1.0))
+    return max(1.0, _measured.get(world, {}).get("slowdown", 1.0))
 
 
-_last_slowdown, _last_adamw, _last_loop, _last_overlap = {}, {}, {}, {}  # world -> what gloo_ops's workers measured
+_measured = {}  # world -> what gloo_ops's workers measured beside the collectives (slowdown, adamw, loop, overlap)
 
 
 def adamw_seconds_per_param(threads: int, numel: int = 2 ** 21, tensors: int = 48) -> float:
@@ -206,9 +206,7 @@ def gloo_ops(world: int = 2) -> tuple:
     """(op, Gbit/s, latency s) of gloo's all-reduce, reduce-scatter and all-gather between ``world`` local
     processes (and tp's and dp's as the strategy calls them: tp_/sp_/dp_), each fitted to a ring's steps."""
     results = on_local_processes(world, _gloo_worker, threads=max(1, (os.cpu_count() or 1) // world))
-    _last_slowdown[world] = results.pop("slowdown")
-    _last_adamw[world], _last_loop[world] = results.pop("adamw"), results.pop("loop")
-    _last_overlap[world] = results.pop("overlap")
+    _measured[world] = {key: results.pop(key) for key in ("slowdown", "adamw", "loop", "overlap")}
     fitted = []
     for op in ("all_reduce", "reduce_scatter", "all_gather", "tp_all_reduce", "sp_reduce_scatter", "sp_all_gather",
                "dp_all_reduce"):
@@ -303,10 +301,11 @@ def calibrate(world: int = 2, threads: int | None = None) -> Cluster:
     peak, half = gemm_curve(threads)
     ops = gloo_ops(world) if world > 1 else ()
     gbps, latency = (ops[0][1], ops[0][2]) if ops else (1e6, 0.0)
-    step, action = _last_loop.get(world) or loop_overheads()
+    measured = _measured.get(world, {})
+    step, action = measured.get("loop") or loop_overheads()
     return Cluster(gpus=world, gpus_per_node=world, gpu_memory_gib=1e6, peak_tflops=peak / 1e3,
                    intra_node_gbps=gbps, inter_node_gbps=gbps, hbm_gbps=stream_gbps(threads),
                    gemm_efficiency=1.0, gemm_half_gflop=max(half, 1e-6), latency_us=latency * 1e6,
                    intra_latency_us=latency * 1e6, ops=ops, step_overhead_s=step, action_overhead_s=action,
-                   compute_slowdown=slowdown(world), comm_overlap=_last_overlap.get(world, 1.0),
-                   optimizer_s_per_param=_last_adamw.get(world) or adamw_seconds_per_param(threads))
+                   compute_slowdown=slowdown(world), comm_overlap=measured.get("overlap", 1.0),
+                   optimizer_s_per_param=measured.get("adamw") or adamw_seconds_per_param(threads))

@@ -71,20 +71,20 @@ def time_blocks(module: nn.Module, path: str, seq: int, vocab: int, tps, modes, 
     """(tp, recompute, microbatch size) -> (one block's forward s, its backward s, the rest's forward s, backward s,
     together), and ("optimizer", tp) -> AdamW's seconds per parameter: medians of runs of the model cut to 2 and 3
     blocks on ``threads``; together: on ``world`` > 1 processes at once (as a run's ranks), tp rank 0's shards each."""
-    args = (module, path, seq, vocab, tuple(tps), tuple(modes), tuple(sizes), plan, repeat)
+    args = (module, path, seq, vocab, tuple(tps), tuple(modes), tuple(sizes), plan, repeat, threads)
     if world == 1:
-        return _time_here(0, 1, *args, threads=threads)
+        return _time_here(0, 1, *args)
     from .local import on_local_processes
 
     return on_local_processes(world, _time_here, *args, threads=threads)
 
 
-def _time_here(rank, world, module, path, seq, vocab, tps, modes, sizes, plan, repeat, threads=None) -> dict:
+def _time_here(rank, world, module, path, seq, vocab, tps, modes, sizes, plan, repeat, threads) -> dict:
     """:func:`time_blocks` on this process, one of ``world`` (in a process group of them all when > 1)."""
     import torch.distributed as dist
 
     before = torch.get_num_threads()
-    torch.set_num_threads(threads or before)
+    torch.set_num_threads(threads)
     out = {}
     try:
         for tp in tps:
