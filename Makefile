@@ -1,11 +1,17 @@
 # Two entry points for a fresh clone: `make demo` and `make test`.
 # torch is pinned to the 2.13.0 CPU wheel and installed first, so pip never resolves a CUDA build.
+# Two environments: $(VENV) has the transformers users install today (5.x) and runs the whole suite;
+# $(COMPAT) has litgpt, whose pins pull transformers 4.x, and runs the model-family tests again there.
 VENV   ?= .venv
+COMPAT ?= .venv-compat
 PY     := $(VENV)/bin/python
+PY4    := $(COMPAT)/bin/python
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
+STAMP4 := $(COMPAT)/.installed
+COMPAT_TESTS ?= tests/test_hf.py tests/test_experts.py tests/test_expert_load.py tests/test_selective.py
 
-.PHONY: venv demo test bench clean
+.PHONY: venv demo test test-main test-compat bench clean
 
 venv: $(STAMP)
 
@@ -15,16 +21,27 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q -c .ci/constraints.txt -e '.[test,hf]'
 	touch $(STAMP)
 
+$(STAMP4): pyproject.toml Makefile
+	python3 -m venv $(COMPAT)
+	$(PY4) -m pip install -q $(TORCH)
+	$(PY4) -m pip install -q -c .ci/constraints.txt -e '.[test,hf,litgpt]'
+	touch $(STAMP4)
+
 # extra LightningCLI flags, e.g. make demo ARGS="--trainer.strategy.init_args.pp=2"
 demo: $(STAMP)
 	$(PY) examples/gpt/demo.py $(ARGS)
 
 # pytest exits 5 when it collects nothing; that is not a failure of the suite.
-test: $(STAMP)
+test: test-main test-compat
+
+test-main: $(STAMP)
 	$(PY) -m pytest tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+
+test-compat: $(STAMP4)
+	$(PY4) -m pytest $(COMPAT_TESTS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 bench: $(STAMP)
 	$(PY) bench/overhead.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(COMPAT) build *.egg-info

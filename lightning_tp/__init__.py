@@ -7,6 +7,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from .checkpoint import consolidate
 from .checkpoints.export import export
+from .experts.load import ExpertLoad
 from .explain import explain
 from .mesh import ParallelMesh, build_mesh
 from .plain import save_consolidated
@@ -21,5 +22,5 @@ if "mega" not in StrategyRegistry:
     MegaStrategy.register_strategies(StrategyRegistry)
 
 __all__ = ["MegaStrategy", "Plan", "STYLES", "register_plan", "consolidate", "save_consolidated", "export",
-           "explain", "plan", "PipelineTimeline",
+           "explain", "plan", "PipelineTimeline", "ExpertLoad",
            "ParallelMesh", "build_mesh"]

@@ -25,7 +25,8 @@ from . import recompute
 from .config import ParallelConfig
 from .mesh import ParallelMesh
 from .parallelize import fsdp_blocks, stage_layout
-from .explain_costs import cost_entries, saved_scores, saved_widths, t5_head_counts, t5_side, tp_ops, weight_grad_widths, width_in
+from .explain_costs import (cost_entries, saved_scores, saved_widths, t5_head_counts, t5_shares_its_bias, t5_side,
+                            tp_ops, weight_grad_widths, width_in)
 from .experts.families import find_moe_blocks
 from .experts.layer import expert_parallel
 from .marks import marks_of, set_marks
@@ -224,10 +225,11 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
             return shard
         nxt = layout.ranges[k + 1][0]  # the encoder's output (whole) once the decoder has begun
         out = hidden if nxt == layout.decoder_start else shard + (hidden if nxt > layout.decoder_start else 0)
-        return out + (t5_side(nxt, layout.decoder_start, t5_heads // tp, T, grad) if t5_heads else 0)
+        return out + (t5_side(nxt, layout.decoder_start, t5_heads // tp, T, grad, t5_shared) if t5_heads else 0)
 
     hidden = width_in(block_at(base.get_submodule(lists[0][0]), 0) if bpath else base)
     t5_heads = t5_head_counts(base) if layout is not None and layout.lists else None
+    t5_shared = max(1, B // m) if t5_heads and t5_shares_its_bias(base) else 0
     ops, style_of = tp_ops(base, matches, sp, tp, hidden, locate, locate_end)
     sp_starts = {start for mt in matches if sp and tp > 1 and mt.sp_start is not None for start in mt.sp_starts()}
     width = saved_widths(base, style_of, tp, locate, fused=not score_copies, sp_starts=sp_starts)

@@ -31,14 +31,26 @@ def t5_head_counts(model) -> int | None:
     return model.get_submodule(found[0])[0].layer[0].SelfAttention.n_heads
 
 
-def t5_side(nxt: int, decoder_start: int, heads: int, T: int, grad: bool = False) -> int:
+def t5_shares_its_bias(model) -> bool:
+    """transformers 5's T5 under sdpa: blocks get one position bias for the whole batch and no masks."""
+    import transformers
+
+    config = next((m.config for m in model.modules() if hasattr(getattr(m, "config", None), "_attn_implementation")),
+                  None)
+    return int(transformers.__version__.split(".")[0]) >= 5 and getattr(config, "_attn_implementation", "") == "sdpa"
+
+
+def t5_side(nxt: int, decoder_start: int, heads: int, T: int, grad: bool = False, shared: int = 0) -> float:
     """Elements per token a message to T5's block ``nxt`` holds besides the hidden states and the encoder's
-    output (``grad``: in the gradient that comes back). See docs/design/explain.md."""
+    output (``grad``: in the gradient that comes back); ``shared``: transformers 5's T5 sends no masks
+    (sdpa, unpadded) and one position bias for a microbatch of ``shared`` rows. See docs/design/explain.md."""
+    bias = heads * T / (shared or 1)
+    masks = 0 if shared else 1
     if grad:
-        return 0 if nxt == decoder_start else heads * T
+        return 0 if nxt == decoder_start else bias
     if nxt < decoder_start:
-        return 1 + heads * T
-    return T + 1 + (0 if nxt == decoder_start else 2 * heads * T)
+        return masks + bias
+    return masks * (T + 1) + (0 if nxt == decoder_start else 2 * bias)
 
 
 def width_in(module: nn.Module) -> int:

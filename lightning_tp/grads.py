@@ -281,7 +281,7 @@ def counted(p, t: torch.Tensor, tp_rank: int, pp_rank: int) -> list:
     if marks_of(p).pp_tied and pp_rank > 0:
         return []
     spec = spec_of(p)
-    if spec is None:
+    if spec is None or spec.at_rank >= 0:  # replicated over tp (an expert's slice is counted over ep)
         return [t] if tp_rank == 0 else []
     if not spec.replicas:
         return [t]

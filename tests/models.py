@@ -182,6 +182,7 @@ class HFSeq2SeqLM(L.LightningModule):
         self.padded = padded  # every other source row's last 2 tokens masked out (attention_mask)
         self.hidden_loss = hidden_loss  # terms on what the stacks return on request (hidden states, maps)
         attention = "eager" if hidden_loss else attention  # eager: attention maps to return
+        eager = dict(attn_implementation="eager") if hidden_loss else {}
 
         if family == "bart":
             config = tf.BartConfig(vocab_size=64, d_model=32, encoder_layers=layers, decoder_layers=layers,
@@ -192,11 +193,12 @@ class HFSeq2SeqLM(L.LightningModule):
             self.model = tf.BartForConditionalGeneration(config)
         elif family == "t5":
             config = tf.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=layers, num_heads=4,
-                                 dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)
+                                 dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0,
+                                 **eager)  # transformers 5's T5 takes sdpa by default: no attention maps
             self.model = tf.T5ForConditionalGeneration(config)
         elif family == "mt5":  # gated MLP (wi_0, wi_1), a head of its own (not tied)
             config = tf.MT5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=layers, num_heads=4,
-                                  dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)
+                                  dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0, **eager)
             self.model = tf.MT5ForConditionalGeneration(config)
         else:  # its decoder blocks are given encoder_hidden_states by keyword
             config = tf.WhisperConfig(vocab_size=64, num_mel_bins=MELS, d_model=32, encoder_layers=layers,
@@ -236,12 +238,12 @@ class HFCausalLM(L.LightningModule):
     """A minimal LightningModule around a Hugging Face causal LM built from a config (no download)."""
 
     def __init__(self, family: str, layers: int = 2, padded: bool = False, heads: int = 4, kv_heads: int = 2,
-                 hidden_loss: bool = False, grad_ckpt: bool = False, config_kw: dict | None = None):
+                 hidden_loss: bool = False, grad_ckpt: bool = False, config_kw: dict | None = None, hidden: int = 32):
         super().__init__()
         import transformers as T
 
         self.padded, self.hidden_loss = padded, hidden_loss
-        common = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+        common = dict(vocab_size=64, hidden_size=hidden, intermediate_size=64, num_hidden_layers=layers,
                       num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=SEQ * 2,
                       attention_dropout=0.0, tie_word_embeddings=False)
         falcon = dict(vocab_size=64, hidden_size=32, ffn_hidden_size=64, num_hidden_layers=layers,
@@ -260,7 +262,21 @@ class HFCausalLM(L.LightningModule):
             "qwen2_moe": lambda: T.Qwen2MoeConfig(**common, num_experts=4, num_experts_per_tok=2,
                                                   moe_intermediate_size=32, shared_expert_intermediate_size=48,
                                                   decoder_sparse_step=1, mlp_only_layers=[]),
+            # transformers 5.x only: their experts are one module of 3-D weights; DeepSeek-V3's group-limited
+            # sigmoid routing with a correction bias, a shared expert and a dense first layer; GPT-OSS's
+            # attention sinks (eager attention only), expert biases and clamped SwiGLU
+            "qwen3_moe": lambda: T.Qwen3MoeConfig(**common, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                                                  moe_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[],
+                                                  norm_topk_prob=True),
+            "deepseek_v3": lambda: T.DeepseekV3Config(**dict(common, num_key_value_heads=4), moe_intermediate_size=16,
+                                                      n_routed_experts=4, num_experts_per_tok=2, n_group=2,
+                                                      topk_group=1, first_k_dense_replace=1, q_lora_rank=16,
+                                                      kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4,
+                                                      v_head_dim=8, n_shared_experts=1, rope_scaling=None),
+            "gpt_oss": lambda: T.GptOssConfig(**common, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+                                              sliding_window=4),
             "qwen3": lambda: T.Qwen3Config(**common, head_dim=8),  # per-head q_norm / k_norm
+            "phi3": lambda: T.Phi3Config(**common, pad_token_id=0),  # fused qkv_proj and gate_up_proj
             # its base model under `model` though its prefix says `language_model`; scaled embedding
             "gemma3": lambda: T.Gemma3TextConfig(**common, head_dim=8, sliding_window=4),
             # a hand-written plan; with a narrower embedding, project_in / project_out around the layers
@@ -288,7 +304,8 @@ class HFCausalLM(L.LightningModule):
         config = configs[family]()
         for k, v in (config_kw or {}).items():  # e.g. output_router_logits=True (an MoE's aux loss)
             setattr(config, k, v)
-        config._attn_implementation = "eager" if hidden_loss else (config_kw or {}).get("_attn_implementation", "sdpa")
+        sdpa = "eager" if family == "gpt_oss" else "sdpa"  # GPT-OSS's sinks: eager attention only
+        config._attn_implementation = "eager" if hidden_loss else (config_kw or {}).get("_attn_implementation", sdpa)
         self.model = T.AutoModelForCausalLM.from_config(config)
         if grad_ckpt:  # Hugging Face's own gradient checkpointing (reentrant, its default)
             self.model.gradient_checkpointing_enable()
@@ -661,3 +678,26 @@ def reference_run(kind: str, model_kw: dict, steps: int, batch: int, samples: in
     trainer.fit(model, TokenData(n, vocab_of(model), batch, single=True, crops=crops))
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     return rec.losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, metrics
+
+
+def installed(kind: str) -> bool:
+    """Whether the packages model ``kind`` needs are installed: litgpt and transformers are optional extras,
+    and litgpt cannot share an environment with transformers 5.x (the suite runs in both)."""
+    import importlib.util
+
+    need = "litgpt" if kind.startswith("litgpt") else "transformers" if kind.startswith("hf_") else None
+    return need is None or importlib.util.find_spec(need) is not None
+
+
+def runnable(runs: dict, kind_at: int = 0) -> dict:
+    """The entries of a test's run table whose model (the ``kind_at``-th field) is installed here."""
+    return {name: run for name, run in runs.items() if installed(run[kind_at])}
+
+
+def transformers_major() -> int:
+    """The installed transformers' major version (0 where it is not installed)."""
+    try:
+        import transformers
+    except ImportError:
+        return 0
+    return int(transformers.__version__.split(".")[0])

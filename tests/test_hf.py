@@ -9,7 +9,6 @@ Falcon's three fused q/k/v layouts at tp=2 with sp (plans/falcon.py)."""
 import pytest
 
 pytest.importorskip("transformers", reason="the hf extra (pip install lightning-tp[hf]) is not installed")
-pytest.importorskip("litgpt", reason="the hf extra (pip install lightning-tp[hf]) is not installed")
 
 import torch  # noqa: E402
 
@@ -19,7 +18,7 @@ from lightning_tp.explain import explain  # noqa: E402
 from lightning_tp.layers import ShardSpec, shard, unshard  # noqa: E402
 from lightning_tp.plans import Plan  # noqa: E402
 from lightning_tp.plans import apply as planner  # noqa: E402
-from models import make_model  # noqa: E402
+from models import make_model, runnable, transformers_major  # noqa: E402
 
 FAMILIES = ["hf_gpt2", "hf_llama", "hf_qwen2", "hf_mistral", "hf_qwen3", "litgpt"]
 PP = dict(pp=2, microbatches=2)
@@ -110,6 +109,14 @@ WORLD4["hf_t5_tp2_sp_pp2_interleaved"] = ("hf_t5", {}, dict(tp=2, sp=True, **PP,
                                                             virtual_stages=2), TEN)
 WORLD4["hf_llama_tp4_sp"] = ("hf_llama", {}, dict(tp=4, sp=True), TEN)  # 2 kv heads over 4 ranks
 WORLD4["hf_qwen3_tp4"] = ("hf_qwen3", {}, dict(tp=4), TEN)  # and a per-head k_norm on the copies
+# transformers 5.x plan styles: Phi-3's fused qkv_proj gathered whole (its attention runs on every head per
+# rank) and its fused gate_up_proj split in place; OLMoE's q/k/v gathered for its norm over all heads
+# (transformers 4.x names them colwise_rep / rowwise_rep, and gives OLMoE no plan)
+WORLD2["hf_phi3_tp2_sp"] = ("hf_phi3", {}, dict(tp=2, sp=True), TEN)
+WORLD2["hf_phi3_tp2"] = ("hf_phi3", {}, dict(tp=2), TEN)
+if transformers_major() >= 5:
+    WORLD2["hf_olmoe_tp2_sp"] = ("hf_olmoe", {}, dict(tp=2, sp=True), TEN)
+WORLD2, WORLD4 = runnable(WORLD2), runnable(WORLD4)  # litgpt only where it is installed (transformers 4.x)
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +155,8 @@ def test_config_plans_find_base_model_embedding_and_head_by_the_model():
     styles = {path: style for path, style, _ in gemma.entries}
     assert styles["model.model.embed_tokens"] == "vocab" and styles["model.lm_head"] == "lm_head"
     styles = {path: (style, spec) for path, style, spec in neox.entries}
-    assert styles["model.gpt_neox.embed_in"][0] == "vocab" and styles["model.embed_out"][0] == "lm_head"
+    head = "model.embed_out" if transformers_major() < 5 else "model.lm_head"  # renamed in transformers 5
+    assert styles["model.gpt_neox.embed_in"][0] == "vocab" and styles[head][0] == "lm_head"
     assert styles["model.gpt_neox.layers.0.attention.query_key_value"][0] == "colwise_local"
     # its fused [q|k|v] goes out in whole heads: 2 heads cannot be split over 4 ranks
     with pytest.raises(ValueError, match="query_key_value: out_features = 96 holds 2 heads of 48"):
@@ -285,8 +293,8 @@ def test_a_region_enters_each_of_its_inputs_once():
 
 
 def test_kv_heads_that_tp_can_neither_split_nor_copy_are_refused():
-    with pytest.raises(ValueError, match="k_proj: out_features = 15 holds 3 key/value heads of 5; tp = 2 neither"):
-        planner.resolve(make_model("hf_llama", heads=6, kv_heads=3), 2, False)
+    with pytest.raises(ValueError, match="k_proj: out_features = 18 holds 3 key/value heads of 6; tp = 2 neither"):
+        planner.resolve(make_model("hf_llama", heads=6, kv_heads=3, hidden=36), 2, False)
     with pytest.raises(ValueError, match="q_proj: out_features = 32 holds 4 heads of 8, which tp = 8 cannot"):
         planner.resolve(make_model("hf_llama"), 8, False)  # query heads are never copied
 

@@ -72,12 +72,33 @@ def test_plain_checkpoint_in_and_out(tmp_path, kind):
         torch.testing.assert_close(merged[key], value, atol=0, rtol=0, msg=lambda m: f"{key}: {m}")
 
 
+def _save_bin(state: dict, path, shards: int) -> None:
+    """``pytorch_model.bin`` (one shard), or ``shards`` ``pytorch_model-0000k-of-0000n.bin`` files and their index."""
+    import json
+
+    os.makedirs(path)
+    if shards == 1:
+        torch.save(state, path / "pytorch_model.bin")
+        return
+    keys, weight_map = sorted(state), {}
+    for k in range(shards):
+        name = f"pytorch_model-{k + 1:05d}-of-{shards:05d}.bin"
+        part = keys[k::shards]
+        torch.save({key: state[key] for key in part}, path / name)
+        weight_map.update({key: name for key in part})
+    (path / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
 @pytest.mark.parametrize("safe", [True, False])
 def test_sharded_hf_directory_reads_like_one_file(tmp_path, safe):
     """model.safetensors.index.json / pytorch_model.bin.index.json plus several shard files."""
     model = make_model("hf_llama").model
-    model.save_pretrained(tmp_path / "one", safe_serialization=safe)
-    model.save_pretrained(tmp_path / "many", safe_serialization=safe, max_shard_size="20KB")
+    if safe:
+        model.save_pretrained(tmp_path / "one")
+        model.save_pretrained(tmp_path / "many", max_shard_size="20KB")
+    else:  # as transformers 4.x's safe_serialization=False wrote them (5.x writes safetensors only)
+        _save_bin(model.state_dict(), tmp_path / "one", 1)
+        _save_bin(model.state_dict(), tmp_path / "many", 6)
     index = "model.safetensors.index.json" if safe else "pytorch_model.bin.index.json"
     assert os.path.exists(tmp_path / "many" / index) and len(os.listdir(tmp_path / "many")) > 4
     one, many = read_full_state_dict(tmp_path / "one"), read_full_state_dict(tmp_path / "many")

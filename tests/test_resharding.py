@@ -42,6 +42,9 @@ CASES = {
     "gpt2_dp2_zero1_to_one": ("hf_gpt2", {}, (2, dict(zero=1)), (1, {})),
     "gpt2_tp2_pp2_to_tp2": ("hf_gpt2", {}, (4, dict(tp=2, **PP)), (2, dict(tp=2))),
     "mixtral_ep2_to_ep1": ("hf_mixtral", {}, (2, dict(ep=2)), (2, {})),
+    # transformers 5.x: each ep rank's slice of the 3-D expert weights, then whole on each tp rank, and back
+    "mixtral_ep2_to_tp2": ("hf_mixtral", {}, (2, dict(ep=2)), (2, dict(tp=2))),
+    "mixtral_tp2_to_ep2": ("hf_mixtral", {}, (2, dict(tp=2)), (2, dict(ep=2))),
     "gpt_first_format": ("gpt", {}, (1, {}), (1, {})),  # saved as the first format did: still resumes
 }
 FIRST_FORMAT = {"gpt_first_format"}
@@ -193,7 +196,12 @@ def test_a_crafted_checkpoint_index_is_refused_and_runs_nothing(runs, tmp_path):
     assert not marker.exists()
 
 
-def test_export_of_a_tp2_pp2_checkpoint_loads_with_from_pretrained_and_gives_the_same_logits(runs, tmp_path):
+# a checkpoint written at tp=2 x pp=2; one of experts written at ep=2 (on transformers 5.x, slices of 3-D weights)
+EXPORTS = {"gpt2_tp2_pp2": ("gpt2_tp2_pp2_to_tp2", "hf_gpt2"), "mixtral_ep2": ("mixtral_ep2_to_tp2", "hf_mixtral")}
+
+
+@pytest.mark.parametrize("case", list(EXPORTS))
+def test_export_of_a_checkpoint_loads_with_from_pretrained_and_gives_the_same_logits(runs, tmp_path, case):
     import subprocess
     import sys
 
@@ -202,8 +210,9 @@ def test_export_of_a_tp2_pp2_checkpoint_loads_with_from_pretrained_and_gives_the
 
     from models import Tokens
 
-    ckpt = runs["ckdir"] + "/gpt2_tp2_pp2_to_tp2.ckpt"  # written at tp=2 x pp=2
-    module = make_model("hf_gpt2")
+    name, kind = EXPORTS[case]
+    ckpt = runs["ckdir"] + f"/{name}.ckpt"
+    module = make_model(kind)
     module.model.config.save_pretrained(tmp_path / "config")
     for to, out in (("hf", tmp_path / "hf"), ("plain", tmp_path / "plain.safetensors")):
         args = [ckpt, "--to", to, str(out)] + (["--config", str(tmp_path / "config")] if to == "hf" else [])
@@ -218,7 +227,7 @@ def test_export_of_a_tp2_pp2_checkpoint_loads_with_from_pretrained_and_gives_the
     with torch.no_grad():
         want, got = module.model(x[None]).logits, exported(x[None]).logits
     assert torch.equal(got, want)
-    assert (got - make_model("hf_gpt2").model(x[None]).logits).abs().max() > 1e-3  # trained weights, not fresh
+    assert (got - make_model(kind).model(x[None]).logits).abs().max() > 1e-3  # trained weights, not fresh
 
 
 def _from_lightning_model_parallel(rank, world, ckdir):

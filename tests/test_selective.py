@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from helpers import check, train_launch
-from models import make_model
+from models import installed, make_model, runnable, transformers_major
 
 PP = dict(pp=2, microbatches=2)
 TEN = dict(max_steps=10)
@@ -34,6 +34,7 @@ DROPOUT.update({f"llama_eager_dropout_pp2_zb_h1_{how}": (
     "hf_llama", dict(config_kw=dict(_attn_implementation="eager", attention_dropout=0.1)),
     dict(PP, schedule="zb_h1", activation_checkpointing=ac), TEN) for how, ac in (("selective", "selective"),
                                                                                   ("none", False))})
+WORLD2 = runnable(WORLD2)  # litgpt only where it is installed (transformers 4.x)
 WORLD4 = {
     "gpt_tp2_pp2": ("gpt", {}, dict(tp=2, **PP, **SEL), TEN),
     "llama_eager_tp2_sp_pp2_zb_h1": ("hf_llama", EAGER, dict(tp=2, sp=True, schedule="zb_h1", **PP, **SEL), TEN),
@@ -119,8 +120,8 @@ def test_the_attention_core_is_not_stored(kind, kw):
     assert none - sel >= 2 * probs, (none, sel, probs)
 
 
-FAMILIES = [("gpt", {}), ("hf_llama", {}), ("hf_llama", EAGER), ("hf_gpt2", {}), ("litgpt", {}), ("encoder", {}),
-            ("demo_transformer", {}), ("hf_bart", {})]
+FAMILIES = [(k, kw) for k, kw in [("gpt", {}), ("hf_llama", {}), ("hf_llama", EAGER), ("hf_gpt2", {}), ("litgpt", {}),
+                                   ("encoder", {}), ("demo_transformer", {}), ("hf_bart", {})] if installed(k)]
 
 
 @pytest.mark.parametrize("kind,kw", FAMILIES, ids=[k + ("_eager" if kw else "") for k, kw in FAMILIES])
@@ -141,8 +142,11 @@ def test_each_family_runs_its_attention_core_under_a_checkpoint(kind, kw):
     assert hits and all(h == 1 for h in hits), hits
 
 
+@pytest.mark.skipif(transformers_major() >= 5, reason="transformers 5's T5 calls the attention functions; the "
+                    "compat environment (transformers 4.x) runs this")
 def test_an_attention_written_out_by_hand_is_named_in_a_warning():
-    """T5 computes its attention with matmul and softmax in its own forward: nothing to checkpoint there."""
+    """T5 (transformers 4.x) computes its attention with matmul and softmax in its own forward: nothing to
+    checkpoint there."""
     from lightning_tp import selective
     from models import Tokens
 

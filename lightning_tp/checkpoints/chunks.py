@@ -45,6 +45,7 @@ def _pieces(shape, spec: ShardSpec | None, rank: int) -> list:
     tensor of ``shape`` holds on tensor-parallel ``rank`` (padding left out)."""
     if spec is None:
         return []
+    rank = spec.rank(rank)
     sizes = spec.sections or [spec.full // spec.chunks] * spec.chunks
     local = [s // spec.slices(i) for i, s in enumerate(sizes)] if spec.sections else \
         [shape[spec.dim] // spec.chunks] * spec.chunks

@@ -8,6 +8,7 @@ from torch import nn
 from ..marks import set_marks
 from .families import check_block, find_moe_blocks
 from . import router_statistics
+from .fused import expert_parallel_experts, gather_router_logits
 from .layer import expert_parallel
 
 
@@ -17,12 +18,28 @@ def check_experts(model: nn.Module, ep: int, capacity: float | None = None, decl
     blocks = find_moe_blocks(model, declared)
     if (ep > 1 or capacity is not None) and not blocks:
         what = f"ep={ep}" if ep > 1 else f"moe_capacity={capacity}"
+        unknown = [f"{path} ({type(m).__name__})" for path, m in model.named_modules() if path and _looks_like_moe(m)]
+        hint = (f" These look like mixture-of-experts layers: {', '.join(unknown[:3])}"
+                f"{' ...' if len(unknown) > 3 else ''}; declare them in a plan, e.g. plan={{'styles': "
+                f"{{'{_glob(unknown[0].split(' ')[0])}': {{'style': 'experts', 'top_k': 2}}}}}} (docs/experts.md), "
+                f"or leave ep=1." if unknown else " Leave ep=1.")
         raise ValueError(f"MegaStrategy({what}) applies to mixture-of-experts layers, but {type(model).__name__} has "
-                         f"none this project knows (Mixtral, Qwen2-MoE, OLMoE, litgpt LLaMAMoE, the example GPT's "
-                         f"MoE). Leave ep=1.")
+                         f"none this project knows (Hugging Face transformers 5.x experts modules, Mixtral, Qwen2-MoE, "
+                         f"Qwen3-MoE, OLMoE, litgpt LLaMAMoE, the example GPT's MoE).{hint}")
     for path, block, family in blocks:
         check_block(path, block, family, ep)
     return blocks
+
+
+def _looks_like_moe(m: nn.Module) -> bool:
+    """A module that holds experts (an ``experts`` child, or Moe/Experts in its class name) but no known family."""
+    name = type(m).__name__.lower()
+    return hasattr(m, "experts") or "moe" in name or name.endswith(("sparsemlp", "experts"))
+
+
+def _glob(path: str) -> str:
+    """``path`` with its layer indices as ``*`` (a plan's glob for every such layer)."""
+    return ".".join("*" if part.isdigit() else part for part in path.split("."))
 
 
 def apply_experts(model: nn.Module, mesh, pp: int = 1, sp: bool = False, capacity: float | None = None,
@@ -34,6 +51,9 @@ def apply_experts(model: nn.Module, mesh, pp: int = 1, sp: bool = False, capacit
     sp = sp and mesh.tp > 1
     for path, block, family in find_moe_blocks(model, declared):
         if any(p.is_meta for p in block.parameters()):  # another pipeline stage's, seen through a twin
+            continue
+        if family.fused:
+            swapped.append(_fused(block, mesh, pp, sp, capacity))
             continue
         if family.returns_logits:
             router_statistics.install(block, mesh.dp_group, pp)
@@ -50,3 +70,16 @@ def apply_experts(model: nn.Module, mesh, pp: int = 1, sp: bool = False, capacit
         setattr(model.get_submodule(parent) if parent else model, leaf, new)
         swapped.append(new)
     return swapped
+
+
+def _fused(block: nn.Module, mesh, pp: int, sp: bool, capacity) -> nn.Module:
+    """A transformers 5.x block: its router and the rest stay, its ``experts`` go expert-parallel; on sequence
+    shards its gradients are partial sums over tp and its router logits are gathered for the loss."""
+    router_statistics.install(block.experts, mesh.dp_group, pp)
+    if mesh.ep > 1 or capacity is not None:
+        expert_parallel_experts(block.experts, mesh.ep_group, mesh.ep, mesh.ep_rank, capacity)
+    if sp:
+        for p in block.parameters():
+            set_marks(p, sp_partial=True)
+        gather_router_logits(block, mesh.tp_group)
+    return block

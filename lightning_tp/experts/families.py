@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .fused import is_fused_experts, router_of
+
 
 def softmax_then_topk(k: int, normalize: bool):
     """Hugging Face's rule (Mixtral, Qwen2-MoE, OLMoE): softmax in fp32, top-k, optionally renormalized."""
@@ -42,6 +44,7 @@ class MoEFamily:
     returns_logits: bool = True  # the block returns (hidden states, router logits)
     shared_expert: bool = False  # Qwen2-MoE: + sigmoid(shared_expert_gate(x)) * shared_expert(x)
     jitter: bool = False  # Mixtral: multiplicative router jitter while training
+    fused: bool = False  # transformers 5.x: the model's router stays, its ``experts`` module is distributed
 
 
 FAMILIES = {
@@ -51,6 +54,9 @@ FAMILIES = {
     "Qwen2MoeSparseMoeBlock": MoEFamily(
         "hf_qwen2_moe", lambda m: m.num_experts, lambda m: m.top_k,
         lambda m: softmax_then_topk(m.top_k, m.norm_topk_prob), shared_expert=True),
+    "Qwen3MoeSparseMoeBlock": MoEFamily(
+        "hf_qwen3_moe", lambda m: m.num_experts, lambda m: m.top_k,
+        lambda m: softmax_then_topk(m.top_k, m.norm_topk_prob)),
     "OlmoeSparseMoeBlock": MoEFamily(
         "hf_olmoe", lambda m: m.num_experts, lambda m: m.top_k,
         lambda m: softmax_then_topk(m.top_k, m.norm_topk_prob)),
@@ -86,8 +92,31 @@ def check_block(path: str, block: nn.Module, family: MoEFamily, ep: int) -> None
                          f"ep={ep} does not divide; choose an ep that divides {experts}.")
 
 
+def _fused_count(block: nn.Module) -> int:
+    ep = getattr(block.experts, "_lightning_tp_ep", None)  # already expert-parallel: its local count is less
+    return ep["experts"] if ep else block.experts.num_experts
+
+
+def _fused_top_k(block: nn.Module) -> int:
+    router, config = router_of(block), getattr(block.experts, "config", None)
+    k = getattr(router, "top_k", None) or getattr(config, "num_experts_per_tok", None)
+    if not isinstance(k, int):
+        raise ValueError(f"{type(block).__name__}: cannot read how many experts a token takes (no top_k on its router, "
+                         f"no num_experts_per_tok in its config); declare the block with the plan style 'experts'.")
+    return k
+
+
+FUSED = MoEFamily("hf_fused_experts", _fused_count, _fused_top_k, lambda m: None, returns_logits=False, fused=True)
+
+
 def family_of(module: nn.Module):
-    """The :class:`MoEFamily` of a block, by its qualified class name or else its class name; None if unknown."""
+    """The :class:`MoEFamily` of a block, by its qualified class name or else its class name; a transformers
+    5.x block (a router beside a fused ``experts`` module) whatever its class; None if unknown."""
+    experts = getattr(module, "experts", None)
+    if is_fused_experts(experts) and router_of(module) is not None:
+        return FUSED
+    if experts is not None and is_fused_experts(experts):
+        return None
     kind = type(module)
     return FAMILIES.get(f"{kind.__module__}.{kind.__qualname__}") or FAMILIES.get(kind.__name__)
 

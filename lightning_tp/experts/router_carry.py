@@ -4,6 +4,7 @@ goes back with the activation's. See docs/experts.md (Router losses under a pipe
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import torch
@@ -12,13 +13,14 @@ from torch import nn
 from .. import comm
 from . import router_statistics
 from .families import find_moe_blocks
+from .fused import router_of
 from .layer import ExpertParallelMoE
 
 
 def takes_logits(block: nn.Module, family) -> bool:
     """Whether a Hugging Face load-balancing loss takes ``block``'s router logits (its modeling module has one)."""
     module = sys.modules.get(modeling_module(block))
-    return family.returns_logits and getattr(module, "load_balancing_loss_func", None) is not None
+    return (family.returns_logits or family.fused) and getattr(module, "load_balancing_loss_func", None) is not None
 
 
 def modeling_module(block: nn.Module) -> str:
@@ -61,7 +63,9 @@ class RouterCarry:
         if self.stage.replay is not None:  # a backward's recomputation: the forward run has them
             return
         x = args[0] if args else kwargs["hidden_states"]
-        lead, logits, run = x.shape[:-1], out[1], self.stage.run
+        logits = block.__dict__.get("_lightning_tp_router_logits")  # a 5.x router's (GPT-OSS's block returns scores)
+        logits = out[1] if logits is None else logits
+        lead, run = x.shape[:-1], self.stage.run
         if self.own[0] is not run:
             self.own = (run, [])
         self.own[1].append(logits)
@@ -94,5 +98,12 @@ def install(model: nn.Module, stage, carried: tuple, dp_group, pp: int, sp_group
         router_statistics.carry_for(name, carry)
     for block, family in _moe_blocks(model, declared):
         if takes_logits(block, family) and not any(p.is_meta for p in block.parameters()):
+            if family.fused:  # transformers 5.x: the block returns hidden states only; its router has the logits
+                router_of(block).register_forward_hook(functools.partial(_keep_logits, block))
             block.register_forward_hook(carry.collect, with_kwargs=True)
     return carry
+
+
+def _keep_logits(block, router, args, out) -> None:
+    """A transformers 5.x router's logits (its output 0), kept on its block for :meth:`RouterCarry.collect`."""
+    block._lightning_tp_router_logits = out[0]

@@ -155,7 +155,8 @@ class RowParallelLinear(nn.Module):
         self.input_is_parallel = input_is_parallel
 
     @classmethod
-    def from_linear(cls, linear: nn.Module, ctx: TPContext, name: str, memo: dict) -> "RowParallelLinear":
+    def from_linear(cls, linear: nn.Module, ctx: TPContext, name: str, memo: dict,
+                    input_is_parallel: bool = True) -> "RowParallelLinear":
         transposed = is_conv1d(linear)
         full_in = linear.weight.shape[0 if transposed else 1]
         check_divisible("in_features", name, full_in, ctx.world,
@@ -167,7 +168,7 @@ class RowParallelLinear(nn.Module):
             bias = memo.get(id(linear.bias)) or nn.Parameter(linear.bias.detach().clone())
             memo[id(linear.bias)] = bias
             mark(bias, sp_partial=ctx.sp)
-        return cls(weight, bias, ctx, transposed=transposed)
+        return cls(weight, bias, ctx, input_is_parallel=input_is_parallel, transposed=transposed)
 
     def forward(self, x):
         if not self.input_is_parallel:

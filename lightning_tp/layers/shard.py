@@ -18,6 +18,11 @@ class ShardSpec:
     padded: int = 0  # size of `dim` after padding (0: no padding)
     sections: tuple = ()  # unequal piece sizes (overrides chunks)
     replicas: tuple = ()  # per piece: ranks holding the same slice (1 each when empty)
+    at_rank: int = -1  # >= 0: the slice held whatever the tp rank (an expert-parallel rank's experts)
+
+    def rank(self, tp_rank: int) -> int:
+        """The slice a tensor on tensor-parallel ``tp_rank`` holds."""
+        return self.at_rank if self.at_rank >= 0 else tp_rank
 
     def replica(self, i: int) -> int:
         return self.replicas[i] if self.replicas else 1
@@ -46,7 +51,7 @@ class ShardSpec:
 
 
 def shard(full: torch.Tensor, spec: ShardSpec, rank: int) -> torch.Tensor:
-    out = []
+    out, rank = [], spec.rank(rank)
     for i, piece in enumerate(spec.pieces(full)):
         size = piece.shape[spec.dim]
         target = spec.padded // spec.chunks if spec.padded else size

@@ -285,11 +285,14 @@ def _build(module, style, ctx, path, memo, has_ce, head, options):
     if style in ("colwise", "colwise_local"):
         split["replicas"] = head_replicas(module, options, ctx.world)
     if style == "colwise":
-        return ColumnParallelLinear.from_linear(module, ctx, path, memo, **split)
+        return ColumnParallelLinear.from_linear(module, ctx, path, memo, gather_output=options.get("gather_output", False),
+                                                **split)
     if style == "colwise_local":
-        return ColumnParallelLinear.from_linear(module, ctx, path, memo, input_comm=False, **split)
+        return ColumnParallelLinear.from_linear(module, ctx, path, memo, input_comm=False,
+                                                gather_output=options.get("gather_output", False), **split)
     if style == "rowwise":
-        return RowParallelLinear.from_linear(module, ctx, path, memo)
+        return RowParallelLinear.from_linear(module, ctx, path, memo,
+                                             input_is_parallel=not options.get("split_input", False))
     if style == "lm_head":
         gather = "eval" if has_ce else True
         return ColumnParallelLinear.from_linear(module, ctx, path, memo, gather_output=gather, pad=True)

@@ -34,6 +34,8 @@ class FalconPlan:
             qkv = {"style": "colwise_local", "sections": [c.hidden_size, head_dim, head_dim], "unit": head_dim,
                    "replicate_heads": [1, 2]}
             attrs = {"num_heads": "divide"}
+            if hasattr(module.transformer.h[0].self_attention, "num_key_value_groups"):  # transformers 5: read by
+                attrs["num_key_value_groups"] = "divide"  # repeat_kv, as many query heads per copied k/v head
         else:
             qkv = {"style": "colwise_local", "unit": 3 * head_dim}
             attrs = {"num_heads": "divide", "num_kv_heads": "divide"}

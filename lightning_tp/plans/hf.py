@@ -16,11 +16,17 @@ def norm_paths(layer: nn.Module, glob_prefix: str) -> dict:
             if type(m).__name__.endswith(("RMSNorm", "LayerNorm"))}
 
 
+ALIASES = {"colwise_rep": "colwise_gather_output", "rowwise_rep": "rowwise_split_input"}  # transformers 4.x names
+
+
 class HFConfigPlan:
     """Builds a Plan from a model's ``config.base_model_tp_plan`` (found by plan="auto")."""
 
     name = "hf_base_model_tp_plan"
-    supported = {"colwise", "rowwise"}
+    supported = {"colwise", "rowwise", "colwise_gather_output", "rowwise_split_input"}
+    # styles whose work the plan does another way: per-head norms inside a region are found by the scan below
+    # ("partial"), the input embedding is vocab-parallel
+    covered = {"replicated_with_grad_allreduce", "embedding_rowwise"}
 
     def matches(self, module: nn.Module) -> bool:
         config = getattr(module, "config", None)
@@ -37,27 +43,44 @@ class HFConfigPlan:
         config, base = module.config, _base(module)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         n_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        styles, parents, attrs = {}, defaultdict(list), {}
+        styles, parents, attrs, gathered = {}, defaultdict(list), {}, set()
         layers = getattr(module, base).layers
         moe = [f"{base}.layers.*.{name}" for name, _, _ in find_moe_blocks(layers[0])]  # run by experts/, not tp
-        for glob, style in config.base_model_tp_plan.items():
+        tp_plan = {glob: ALIASES.get(style, style) for glob, style in config.base_model_tp_plan.items()}
+        for glob, style in tp_plan.items():
             if any(f"{base}.{glob}".startswith(m + ".") for m in moe):
+                continue
+            path = f"{base}.{glob}"
+            if style in self.covered:
+                _check_covered(module, path, style)
                 continue
             if style not in self.supported:
                 raise ValueError(f"{type(module).__name__}: base_model_tp_plan style {style!r} for {glob!r} is not "
-                                 f"supported yet; pass plan=lightning_tp.Plan(...) instead.")
-            path = f"{base}.{glob}"
-            if style == "colwise":
+                                 f"supported yet; pass plan=lightning_tp.Plan(...) instead (docs/converting.md), or "
+                                 f"use tp=1 with pp, dp, ep or zero.")
+            if style in ("colwise", "colwise_gather_output"):
                 parents[path.rpartition(".")[0]].append(path)
+                if style == "colwise_gather_output" and not glob.endswith("gate_up_proj"):
+                    gathered.add(path)  # whole outputs on every rank (a norm over all heads, a fused q/k/v sliced)
+            elif style == "rowwise_split_input" and not _after_gate_up(tp_plan, glob):
+                styles[path] = {"style": "rowwise", "split_input": True}
             else:
                 styles[path] = "rowwise"
         for parent, children in parents.items():
             styles[parent] = "region"  # one entry into the TP region for all its column layers
+            if gathered.intersection(children):  # every head on every rank: no head counts change, no partial norm
+                if not gathered.issuperset(children):
+                    raise ValueError(f"{type(module).__name__}: base_model_tp_plan gathers the outputs of some of "
+                                     f"{parent}'s projections but not of others; pass plan=lightning_tp.Plan(...).")
+                styles.update({child: {"style": "colwise_local", "gather_output": True} for child in children})
+                continue
             for child in children:
                 # GPT-NeoX's fused query_key_value holds [q|k|v] per head, one after the other
                 unit = head_dim if child.endswith(("q_proj", "k_proj", "v_proj")) else \
                     3 * head_dim if child.endswith("query_key_value") else 1
                 styles[child] = {"style": "colwise_local", "unit": unit}
+                if child.endswith("gate_up_proj"):  # [gate | up], chunked in two by the MLP (Phi-3)
+                    styles[child]["chunks"] = 2
                 if child.endswith(("k_proj", "v_proj")):  # tp > kv heads: each head copied to tp // n_kv ranks
                     styles[child]["replicate_heads"] = True
             inner = layers[0].get_submodule(parent.split(".*.", 1)[1]) if ".*." in parent else None
@@ -73,6 +96,20 @@ class HFConfigPlan:
                        path_of(module, module.get_output_embeddings()): "lm_head"})
         return Plan(name=f"hf_{type(module).__name__}", styles=styles, attrs=attrs, sp_start=f"{base}.layers.*",
                     blocks=f"{base}.layers", outputs=base)
+
+
+def _after_gate_up(plan: dict, glob: str) -> bool:
+    """Whether ``glob`` (a down projection) reads a fused gate_up_proj of its parent, which the plan splits in
+    place (a region), so its input arrives split."""
+    parent = glob.rpartition(".")[0]
+    return plan.get(f"{parent}.gate_up_proj") == "colwise_gather_output"
+
+
+def _check_covered(module: nn.Module, path: str, style: str) -> None:
+    """A covered style must be where the plan covers it: the input embedding for ``embedding_rowwise``."""
+    if style == "embedding_rowwise" and path != path_of(module, call_getter(module, "get_input_embeddings")):
+        raise ValueError(f"{type(module).__name__}: base_model_tp_plan style 'embedding_rowwise' for {path!r}, which is "
+                         f"not the input embedding; pass plan=lightning_tp.Plan(...) instead.")
 
 
 def _base(module: nn.Module):

@@ -352,11 +352,13 @@ def test_a_family_plan_names_its_blocks_at_tp1_even_with_styles_it_cannot_shard(
     transformers = pytest.importorskip("transformers")
     from lightning_tp.plans import apply as planner
 
-    config = transformers.Phi3Config(vocab_size=V, hidden_size=H, intermediate_size=16, num_hidden_layers=2,
-                                     num_attention_heads=2, num_key_value_heads=2, pad_token_id=0)
-    model = transformers.Phi3ForCausalLM(config)  # its config plan has 'colwise_rep' (refused at tp > 1)
+    config = transformers.LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=16, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=2)
+    # a style this project does not map (DeepSeek-V3's MLA projection): refused at tp > 1
+    config.base_model_tp_plan = dict(config.base_model_tp_plan, **{"layers.*.self_attn.k_proj": "mla_kv_a_proj"})
+    model = transformers.LlamaForCausalLM(config)
     assert planner.blocks_path(model, "auto") == "model.layers"
-    with pytest.raises(ValueError, match="colwise_rep"):
+    with pytest.raises(ValueError, match="mla_kv_a_proj"):
         planner.resolve(model, 2, False)
 
 

@@ -239,7 +239,7 @@ def stand_in_output(twin: nn.Module, args, kwargs):
     """What a module another stage holds returns here: tensors of the original output's shape and dtype,
     NaN where floating-point (else zeros), shapes cached per argument signature. See docs/design/pipeline-cut.md."""
     device = next((t.device for t in _tensors(args, kwargs)), torch.device("cpu"))
-    key = _signature(args, {k: v for k, v in kwargs.items() if k not in CACHE_KWARGS})  # T5 passes its cache
+    key = _signature(args, {k: v for k, v in kwargs.items() if not is_cache(k, v)})  # T5 passes its cache
     shapes = twin.__dict__.setdefault("_lightning_tp_shapes", {})
     out = shapes.get(key) if key is not None else None
     if out is None:
@@ -303,10 +303,16 @@ def _signature(args, kwargs):
 CACHE_KWARGS = ("past_key_value", "past_key_values", "layer_past")  # Hugging Face's key/value caches
 
 
+def is_cache(name: str, value) -> bool:
+    """A key/value cache argument: by its name, or a Hugging Face ``Cache`` object under any name (T5's
+    blocks take ``cache=`` in transformers 5.x)."""
+    return name in CACHE_KWARGS or (type(value).__name__.endswith("Cache") and callable(getattr(value, "update", None)))
+
+
 def no_cache(name: str, value):
     """An argument as given to a run that must not touch the key/value cache (a shape run, a
     recomputed forward): a cache object is shared by the model's blocks and would be appended to."""
-    if name in CACHE_KWARGS:
+    if is_cache(name, value):
         return None
     return False if name == "use_cache" and value else value
 
