@@ -363,7 +363,8 @@ class MegaStrategy(ParallelStrategy):
     def _clip_grad_by_norm(self, optimizer, clip_val) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"]]
         grads.clip_grad_norm(params, float(clip_val), self.mesh,
-                            zero=getattr(getattr(optimizer, "_optimizer", optimizer), "_lightning_tp_zero", None))
+                            zero=getattr(getattr(optimizer, "_optimizer", optimizer), "_lightning_tp_zero", None),
+                            device=self.root_device)  # a rank without gradients (frozen stage) too
 
     # ------------------------------------------------------------------ collectives for Lightning
 
