@@ -87,12 +87,12 @@ class AsyncWriter:
     """Writes a checkpoint's staged copies in a background thread, over a gloo group of its own so the
     training's collectives go on meanwhile; its error is raised at the next :meth:`wait`."""
 
-    def __init__(self):
-        self.group, self.thread, self.error = None, None, None
+    def __init__(self, timeout=None):
+        self.group, self.thread, self.error, self.timeout = None, None, None, timeout
 
     def start(self, tensors: dict, tmp: Path, finish) -> None:
         if self.group is None and dist.is_initialized():
-            self.group = dist.new_group(backend="gloo")
+            self.group = dist.new_group(backend="gloo", timeout=self.timeout)
 
         def run():
             try:
