@@ -487,6 +487,14 @@ def check_int8_gemm():
         good = y.dtype == dt and e <= TOL[dt]
         ok &= good
         figs.append(f"dequant {DT_NAME[dt]} err {fmt_e(e)}")
+    if CUDA:  # the 128x128 tiles of a GEMM that fills the GPU, and an A of over 2**31 elements (int64 offsets)
+        for M2, K2, N2 in ((2053, 520, 1800), (2 ** 31 // 2048 + 64, 2048, 64)):
+            a2 = torch.randint(-127, 128, (M2, K2), dtype=torch.int8, device=DEV)
+            w2 = torch.randint(-127, 128, (N2, K2), dtype=torch.int8, device=DEV)
+            good = torch.equal(int8_matmul(a2, w2, "triton"), int8_matmul(a2, w2, "padded"))
+            ok &= good
+            figs.append(f"{M2}x{K2}x{N2} triton {'= int_mm' if good else 'WRONG'}")
+            del a2, w2
     rows.append(("int8 GEMM correctness", PASS if ok else FAIL, f"{M}x{K}x{N}: " + ", ".join(figs)))
 
     # speed: Triton int8 (int32 out, and with the fp16 dequant epilogue), torch._int_mm, fp16 matmul
