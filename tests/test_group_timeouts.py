@@ -51,6 +51,6 @@ def test_async_checkpoint_group_has_the_strategy_timeout(monkeypatch):
     monkeypatch.setattr(torch_dist, "barrier", lambda group=None: None)
     monkeypatch.setattr(checkpoint.dcp_io, "save", lambda tensors, tmp, group=None: None)
     writer = MegaStrategy(async_save=True, timeout=77)._writer
-    writer.start({}, None, lambda group: None)
+    writer.start({}, lambda: None, None, lambda group: None)
     writer.wait()
     assert made == [TIMEOUT]
