@@ -24,10 +24,13 @@ Rows (check | result | figure):
   * ``nccl init``: a one-process NCCL group and an all_reduce (two processes need two GPUs).
   * ``trainer fit``: ``MegaStrategy(tp=1, kernels=True)`` + ``L.Trainer(accelerator="gpu",
     devices=1)`` fits a few steps: the CUDA/NCCL path of the strategy starts and trains.
+  * ``trainer fit 16-mixed | bf16-mixed | microbatches=2 | checkpointing + dropout | quant=int8`` and
+    ``checkpoint sync | async: resume + consolidate``: fits on the device against a reference fit there
+    (Lightning's own strategy, or the same strategy without the feature); see bench/gpu_check_train.py.
+  * ``expert layer``: the MoE layer on the device against CPU, and its time against the block's own loop;
   * ``compiled <op> bf16``: the kernel under ``torch.compile`` against the float64 reference, and
     its time against ``torch.compile`` of the eager twin. An error raised by dynamo/inductor reads
     UNSUPPORTED (not a failure); wrong numbers FAIL.
-  * ``expert layer``: the MoE layer on the device against CPU, and its time against the block's own loop;
   * ``grouped expert GEMM``: placeholder, the local experts run in a loop.
 
 Each check is guarded: an exception gives a FAIL row with the error (traceback on stderr) and the
@@ -796,6 +799,11 @@ def check_trainer_fit(steps: int = 4):
     return (PASS if ok else FAIL), fig
 
 
+def _train_row(fn, ctx, *args):
+    ok, fig = fn(ctx, *args)
+    return (PASS if ok else FAIL), fig
+
+
 # ---------------------------------------------------------------------------------------- main
 
 def env_row():
@@ -846,6 +854,11 @@ def main() -> int:
     else:
         rep.skip("nccl init (1 process)", NO_GPU + " (2-process NCCL needs 2 GPUs; not run at all)")
     rep.run("trainer fit MegaStrategy(tp=1)", check_trainer_fit)
+    import gpu_check_train as train  # the Trainer rows: fits on the device against a reference fit there
+    ctx = train.Ctx(_gpt_cfg(), DEV, DRY, steps=2 if DRY else 4)
+    for check, (fn, args) in train.ROWS.items():
+        rep.run(check, _train_row, fn, ctx, *args)
+    rep.run("expert layer (MoE, ep=1)", check_expert_layer)
     for i, case in enumerate(cases):
         check = f"compiled {case[0]} bf16"
         if not CUDA and i == 0 and not ARGS.no_compile:  # the plumbing only: torch path, eager backend
@@ -857,7 +870,6 @@ def main() -> int:
             rep.skip(check, "skipped: --no-compile")
         else:
             rep.run(check, check_compiled, case, torch.bfloat16, compiled=True)
-    rep.run("expert layer (MoE, ep=1)", check_expert_layer)
     rep.skip("grouped expert GEMM", "not built yet (the local experts run in a loop)")
     counts = {k: sum(r[1] == k for r in rep.rows) for k in (PASS, FAIL, SKIP, UNSUPPORTED)}
     rep.add("total", FAIL if counts[FAIL] else PASS,
