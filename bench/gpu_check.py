@@ -19,14 +19,18 @@ Rows (check | result | figure):
     ``torch._int_mm``) against an exact reference; its speed against an fp16 matmul.
   * ``gpt step kernels=True`` / ``gpt step quant=int8``: one training step of the example GPT on the
     GPU against the same step on CPU (torch path): loss, every gradient, the loss after an SGD step.
-    ``gpt int8 convert``: the converted (true int8 GEMM) model's logits, GPU against CPU.
+    ``gpt int8 convert``: the converted (true int8 GEMM) model, GPU against CPU: each layer on the same
+    codes (4 fp32 ulps), codes at most one step apart, logits on the same codes (docs/gpu.md).
   * ``nccl init``: a one-process NCCL group and an all_reduce (two processes need two GPUs).
   * ``trainer fit``: ``MegaStrategy(tp=1, kernels=True)`` + ``L.Trainer(accelerator="gpu",
     devices=1)`` fits a few steps: the CUDA/NCCL path of the strategy starts and trains.
+  * ``trainer fit 16-mixed | bf16-mixed | microbatches=2 | checkpointing + dropout | quant=int8`` and
+    ``checkpoint sync | async: resume + consolidate``: fits on the device against a reference fit there
+    (Lightning's own strategy, or the same strategy without the feature); see bench/gpu_check_train.py.
+  * ``expert layer``: the MoE layer on the device against CPU, and its time against the block's own loop;
   * ``compiled <op> bf16``: the kernel under ``torch.compile`` against the float64 reference, and
     its time against ``torch.compile`` of the eager twin. An error raised by dynamo/inductor reads
     UNSUPPORTED (not a failure); wrong numbers FAIL.
-  * ``expert layer``: the MoE layer on the device against CPU, and its time against the block's own loop;
   * ``grouped expert GEMM``: placeholder, the local experts run in a loop.
 
 Each check is guarded: an exception gives a FAIL row with the error (traceback on stderr) and the
@@ -486,6 +490,14 @@ def check_int8_gemm():
         good = y.dtype == dt and e <= TOL[dt]
         ok &= good
         figs.append(f"dequant {DT_NAME[dt]} err {fmt_e(e)}")
+    if CUDA:  # the 128x128 tiles of a GEMM that fills the GPU, and an A of over 2**31 elements (int64 offsets)
+        for M2, K2, N2 in ((2053, 520, 1800), (2 ** 31 // 2048 + 64, 2048, 64)):
+            a2 = torch.randint(-127, 128, (M2, K2), dtype=torch.int8, device=DEV)
+            w2 = torch.randint(-127, 128, (N2, K2), dtype=torch.int8, device=DEV)
+            good = torch.equal(int8_matmul(a2, w2, "triton"), int8_matmul(a2, w2, "int_mm"))
+            ok &= good
+            figs.append(f"{M2}x{K2}x{N2} triton {'= int_mm' if good else 'WRONG'}")
+            del a2, w2
     rows.append(("int8 GEMM correctness", PASS if ok else FAIL, f"{M}x{K}x{N}: " + ", ".join(figs)))
 
     # speed: Triton int8 (int32 out, and with the fp16 dequant epilogue), torch._int_mm, fp16 matmul
@@ -627,7 +639,35 @@ def check_expert_layer():
                                     f"{'GPU vs CPU' if CUDA else 'CPU vs CPU'}; t layer/block loop {t_layer / t_own:.2f}")
 
 
+def _capture_int8_layers(model):
+    """Hooks on every Int8Linear: {layer name: [codes it quantized its input to, its output]}."""
+    from lightning_tp.quant import Int8Linear
+
+    seen, handles = {}, []
+    for name, m in model.named_modules():
+        if isinstance(m, Int8Linear):
+            handles.append(m.register_forward_hook(
+                lambda mod, inp, out, n=name: seen.__setitem__(n, [mod.quantize_input(inp[0]), out])))
+    return seen, handles
+
+
+def _force_codes(model, codes: dict, own: dict):
+    """Each Int8Linear of ``model`` uses the given codes instead of quantizing its input, and records in
+    ``own`` the codes it would have made itself."""
+    from lightning_tp.quant import Int8Linear
+
+    for name, m in model.named_modules():
+        if isinstance(m, Int8Linear):
+            def forced(x, m=m, n=name):
+                own[n] = Int8Linear.quantize_input(m, x)
+                return codes[n].to(x.device)
+            m.quantize_input = forced
+
+
 def check_gpt_int8_convert():
+    """The converted GPT on the device against CPU, in three parts (see docs/gpu.md): each layer's int8
+    GEMM + dequantization on the device's own codes, the codes themselves, the logits on shared codes."""
+    from lightning_tp.kernels import torch_path
     from lightning_tp.quant import Int8Linear, convert
 
     cfg = _gpt_cfg()
@@ -642,15 +682,40 @@ def check_gpt_int8_convert():
     for m in dev_model.modules():
         if isinstance(m, Int8Linear):
             m.backend = "triton"  # the CUDA default; in the dry run the interpreted kernel
-    with torch.no_grad():
-        from lightning_tp.kernels import torch_path
-        with torch_path():
-            ref = model(x)
-        got = dev_model(x.to(DEV))
-    e = rel_err(got.cpu(), ref)
-    ok = e <= 2e-2
-    fig = (f"{len(replaced)} Int8Linear, logits {'interpreted Triton' if DRY else 'GPU Triton'} int8 GEMM vs CPU "
-           f"torch._int_mm: err {fmt_e(e)} (tol 2e-2: an activation code may round the other way)")
+    seen, handles = _capture_int8_layers(dev_model)
+    old = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # fp32 means fp32 here
+    try:
+        with torch.no_grad():
+            got = dev_model(x.to(DEV)).cpu()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+        for h in handles:
+            h.remove()
+    with torch.no_grad(), torch_path():
+        free = model(x)  # the CPU model on its own codes
+        own: dict = {}
+        _force_codes(model, {n: c for n, (c, _) in seen.items()}, own)
+        forced_seen, handles = _capture_int8_layers(model)
+        forced = model(x)  # the CPU model on the device's codes
+        for h in handles:
+            h.remove()
+    # (1) each layer on identical codes: the int32 sums are exact, the dequantization acc * scale + bias
+    # is the same fp32 arithmetic, at most a fused multiply-add apart: 4 fp32 ulps of the layer's output
+    gemm = max(rel_err(out.cpu(), forced_seen[n][1]) for n, (_, out) in seen.items())
+    gemm_tol = 4 * torch.finfo(torch.float32).eps
+    # (2) the codes: the device's and the CPU's layer inputs differ by fp32 rounding, far below one
+    # activation step, so a code may round the other way but never by more than one step
+    steps = max(int((own[n].int() - c.cpu().int()).abs().max()) for n, (c, _) in seen.items())
+    flips = sum(int((own[n] != c.cpu()).sum()) for n, (c, _) in seen.items())
+    codes = sum(c.numel() for c, _ in seen.values())
+    # (3) the logits on the same codes: what is left is the fp32 ops between the int8 layers
+    e_forced, e_free = rel_err(got, forced), rel_err(got, free)
+    ok = gemm <= gemm_tol and steps <= 1 and e_forced <= TOL[torch.float32]
+    fig = (f"{len(replaced)} Int8Linear, {'interpreted Triton' if DRY else 'GPU Triton'} vs CPU torch._int_mm: "
+           f"layer on same codes err {fmt_e(gemm)} (tol {fmt_e(gemm_tol)}); codes apart by <= {steps} step "
+           f"({flips} of {codes} flipped, tol 1 step); logits on same codes err {fmt_e(e_forced)} "
+           f"(tol {fmt_e(TOL[torch.float32])}); free-running logits err {fmt_e(e_free)} (not judged: flips propagate)")
     return (PASS if ok else FAIL), fig
 
 
@@ -734,6 +799,11 @@ def check_trainer_fit(steps: int = 4):
     return (PASS if ok else FAIL), fig
 
 
+def _train_row(fn, ctx, *args):
+    ok, fig = fn(ctx, *args)
+    return (PASS if ok else FAIL), fig
+
+
 # ---------------------------------------------------------------------------------------- main
 
 def env_row():
@@ -784,6 +854,11 @@ def main() -> int:
     else:
         rep.skip("nccl init (1 process)", NO_GPU + " (2-process NCCL needs 2 GPUs; not run at all)")
     rep.run("trainer fit MegaStrategy(tp=1)", check_trainer_fit)
+    import gpu_check_train as train  # the Trainer rows: fits on the device against a reference fit there
+    ctx = train.Ctx(_gpt_cfg(), DEV, DRY, steps=2 if DRY else 4)
+    for check, (fn, args) in train.ROWS.items():
+        rep.run(check, _train_row, fn, ctx, *args)
+    rep.run("expert layer (MoE, ep=1)", check_expert_layer)
     for i, case in enumerate(cases):
         check = f"compiled {case[0]} bf16"
         if not CUDA and i == 0 and not ARGS.no_compile:  # the plumbing only: torch path, eager backend
@@ -795,7 +870,6 @@ def main() -> int:
             rep.skip(check, "skipped: --no-compile")
         else:
             rep.run(check, check_compiled, case, torch.bfloat16, compiled=True)
-    rep.run("expert layer (MoE, ep=1)", check_expert_layer)
     rep.skip("grouped expert GEMM", "not built yet (the local experts run in a loop)")
     counts = {k: sum(r[1] == k for r in rep.rows) for k in (PASS, FAIL, SKIP, UNSUPPORTED)}
     rep.add("total", FAIL if counts[FAIL] else PASS,

@@ -11,9 +11,8 @@
 #   2. the Makefile's venv ($VENV, default .venv) if its torch sees a GPU (or for --cpu-dry-run);
 #   3. without --cpu-dry-run: a python3 on PATH whose torch sees a GPU and that has lightning and
 #      triton (a GPU image's own Python; this repo goes on PYTHONPATH, nothing is installed);
-#   4. else the venv, made as `make venv` makes it. The Makefile installs $TORCH (torch==2.13.0 by
-#      default, which the local package index resolves to a CPU build): for a GPU venv run e.g.
-#      `VENV=.venv-gpu TORCH='torch==2.13.0 --index-url <a CUDA wheel index>' bench/gpu_check.sh`.
+#   4. --cpu-dry-run only: the venv, made as `make venv` makes it. Without --cpu-dry-run no venv is
+#      made (a GPU machine may have no network): the check stops, saying to set PYTHON.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -37,9 +36,16 @@ elif [ -x "$VENV/bin/python" ] && { [ "$dry" = 1 ] || sees_gpu "$VENV/bin/python
     PY="$VENV/bin/python"
 elif [ "$dry" = 0 ] && command -v python3 >/dev/null && sees_gpu python3; then
     PY="$(command -v python3)"
-else
+elif [ "$dry" = 1 ]; then
     make -s venv  # VENV and TORCH pass through the environment (the Makefile's `?=`)
     PY="$VENV/bin/python"
+else
+    echo "gpu_check: no Python here has torch with a CUDA device, lightning and triton; set PYTHON=<such a python>" >&2
+    exit 2
+fi
+if ! "$PY" -c 'import torch, lightning' >/dev/null 2>&1; then
+    echo "gpu_check: $PY lacks torch or lightning" >&2
+    exit 2
 fi
 
 echo "gpu_check: $PY" >&2

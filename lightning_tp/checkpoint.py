@@ -80,22 +80,24 @@ def save(checkpoint: dict, path, mesh, module, optimizers, barrier, broadcast, w
         finish()
         barrier()
     else:
-        writer.start(dcp_io.staged(tensors), tmp, finish)
+        writer.start(*dcp_io.stage(tensors), tmp, finish)
 
 
 class AsyncWriter:
     """Writes a checkpoint's staged copies in a background thread, over a gloo group of its own so the
     training's collectives go on meanwhile; its error is raised at the next :meth:`wait`."""
 
-    def __init__(self):
-        self.group, self.thread, self.error = None, None, None
+    def __init__(self, timeout=None):
+        self.group, self.thread, self.error, self.timeout = None, None, None, timeout
 
-    def start(self, tensors: dict, tmp: Path, finish) -> None:
+    def start(self, tensors: dict, ready, tmp: Path, finish) -> None:
+        """Write ``tensors`` (staged copies) once ``ready()`` returns (their copies complete), in the background."""
         if self.group is None and dist.is_initialized():
-            self.group = dist.new_group(backend="gloo")
+            self.group = dist.new_group(backend="gloo", timeout=self.timeout)
 
         def run():
             try:
+                ready()
                 dcp_io.save(tensors, tmp, group=self.group)
                 finish(self.group)
                 if dist.is_initialized():

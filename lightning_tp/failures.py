@@ -9,8 +9,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-_LOST_PEER = ("connection closed by peer", "connection reset by peer", "broken pipe", "timed out waiting",
-              "socket timeout", "application timeout caused pair closure")
+_LOST_PEER = ("connection closed by peer", "connection reset by peer", "broken pipe", "timed out waiting",  # gloo
+              "socket timeout", "application timeout caused pair closure",
+              # NCCL: the watchdog's timeout, an aborted communicator, a peer that exited (ncclRemoteError)
+              "watchdog caught collective operation timeout", "communicator was aborted",
+              "remote process exited", "remote process exiting", "ncclremoteerror")
 _runs = itertools.count()  # one key set per Trainer entry (fit, validate, ...), made alike on every rank
 _NOTE_CHARS = 4000
 

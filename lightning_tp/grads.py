@@ -242,11 +242,12 @@ def _agree(scaler, found: dict, group) -> None:
         found[device] = flag
 
 
-def global_grad_norm(params, mesh, norm_type: float = 2.0, zero=None) -> torch.Tensor:
+def global_grad_norm(params, mesh, norm_type: float = 2.0, zero=None, device=None) -> torch.Tensor:
     """Norm of the full model's gradient: each shard counted once, tp replicas counted once; ``zero``'s
-    slices (a ShardedOptimizer, see .zero) counted as it says."""
+    slices (a ShardedOptimizer, see .zero) counted as it says. ``device``: where the collectives run."""
     params = [p for p in params if p.grad is not None]
-    device = params[0].grad.device if params else torch.device("cpu")
+    if device is None:  # a rank without gradients still all-reduces: on the backend's device, not the CPU
+        device = params[0].grad.device if params else torch.device("cpu")
     sliced = zero.norm_parts(norm_type, device) if zero is not None else (None, None)
     params = [p for p in params if not hasattr(p, "_lightning_tp_zero")]
     parts = []
@@ -288,9 +289,9 @@ def counted(p, t: torch.Tensor, tp_rank: int, pp_rank: int) -> list:
     return [g for i, g in enumerate(spec.pieces(t, local=True)) if tp_rank % spec.replica(i) == 0]
 
 
-def clip_grad_norm(params, max_norm: float, mesh, norm_type: float = 2.0, zero=None) -> torch.Tensor:
+def clip_grad_norm(params, max_norm: float, mesh, norm_type: float = 2.0, zero=None, device=None) -> torch.Tensor:
     params = [p for p in params if p.grad is not None]
-    total = global_grad_norm(params, mesh, norm_type, zero)
+    total = global_grad_norm(params, mesh, norm_type, zero, device)
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
     for p in params:
         local(p.grad).detach().mul_(coef.to(p.grad.dtype))

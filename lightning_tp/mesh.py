@@ -3,7 +3,9 @@ pp: ``global_rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank``. See docs/des
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Optional
 
 import torch.distributed as dist
@@ -46,6 +48,11 @@ class ParallelMesh:
     ep_group: Optional[dist.ProcessGroup] = None
     edp_group: Optional[dist.ProcessGroup] = None  # the dp ranks holding the same experts (dp / ep of them)
     device_mesh: object = field(default=None, repr=False)
+    timeout: Optional[timedelta] = None  # MegaStrategy(timeout=): every group made here honours it
+
+    def new_group(self, ranks=None, backend=None):
+        """``dist.new_group`` with this run's timeout (collective: every rank calls it)."""
+        return dist.new_group(ranks, timeout=self.timeout, backend=backend)
 
     @property
     def world_size(self) -> int:
@@ -75,8 +82,27 @@ class ParallelMesh:
         return pp_rank * self.dp * self.tp + dp_rank * self.tp + tp_rank
 
 
-def build_mesh(tp: int = 1, pp: int = 1, device_type: str = "cpu", ep: int = 1) -> ParallelMesh:
-    """Create the groups. Every rank must call this with the same arguments (new_group is collective)."""
+def _timeout_options(timeout: Optional[timedelta]) -> Optional[dict]:
+    """``init_device_mesh``'s backend options carrying ``timeout`` for each dim (None: torch's defaults)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    backend = dist.get_backend()
+    if timeout is None or "backend_override" not in inspect.signature(init_device_mesh).parameters:
+        return None
+    if backend == "nccl" and hasattr(dist, "ProcessGroupNCCL"):
+        options = dist.ProcessGroupNCCL.Options()
+    elif backend == "gloo":
+        options = dist.ProcessGroupGloo._Options()
+    else:
+        return None
+    options._timeout = timeout
+    return {name: (backend, options) for name in ("pp", "dp", "tp")}
+
+
+def build_mesh(tp: int = 1, pp: int = 1, device_type: str = "cpu", ep: int = 1,
+               timeout: Optional[timedelta] = None) -> ParallelMesh:
+    """Create the groups, each with ``timeout``. Every rank must call this with the same arguments
+    (new_group is collective)."""
     if not (dist.is_available() and dist.is_initialized()):
         data_parallel_size(1, tp, pp)
         return ParallelMesh()
@@ -84,21 +110,23 @@ def build_mesh(tp: int = 1, pp: int = 1, device_type: str = "cpu", ep: int = 1) 
     dp = data_parallel_size(world, tp, pp)
     from torch.distributed.device_mesh import init_device_mesh
 
-    device_mesh = init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
-    mesh = ParallelMesh(tp=tp, pp=pp, dp=dp, rank=rank, device_mesh=device_mesh, ep=ep)
+    override = _timeout_options(timeout)
+    device_mesh = init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"),
+                                   **({"backend_override": override} if override else {}))
+    mesh = ParallelMesh(tp=tp, pp=pp, dp=dp, rank=rank, device_mesh=device_mesh, ep=ep, timeout=timeout)
     mesh.tp_group = device_mesh.get_group("tp")
     mesh.dp_group = device_mesh.get_group("dp")
     mesh.pp_group = device_mesh.get_group("pp")
     # Model-parallel group (tp x pp for one dp index): not a contiguous mesh slice, so built by hand.
     for d in range(dp):
         ranks = [mesh.global_rank(t, d, p) for p in range(pp) for t in range(tp)]
-        group = dist.new_group(ranks)
+        group = mesh.new_group(ranks)
         if d == mesh.dp_rank:
             mesh.mp_group = group
     if pp > 1:
         for d in range(dp):
             for t in range(tp):
-                group = dist.new_group([mesh.global_rank(t, d, 0), mesh.global_rank(t, d, pp - 1)])
+                group = mesh.new_group([mesh.global_rank(t, d, 0), mesh.global_rank(t, d, pp - 1)])
                 if (t, d) == (mesh.tp_rank, mesh.dp_rank):
                     mesh.emb_group = group
     if ep > 1:
@@ -114,11 +142,11 @@ def _expert_groups(mesh: ParallelMesh) -> None:
         for t in range(mesh.tp):
             here = (t, p) == (mesh.tp_rank, mesh.pp_rank)
             for j in range(edp):
-                group = dist.new_group([mesh.global_rank(t, j * ep + e, p) for e in range(ep)])
+                group = mesh.new_group([mesh.global_rank(t, j * ep + e, p) for e in range(ep)])
                 if here and j == mesh.edp_rank:
                     mesh.ep_group = group
             for e in range(ep):
-                group = dist.new_group([mesh.global_rank(t, j * ep + e, p) for j in range(edp)])
+                group = mesh.new_group([mesh.global_rank(t, j * ep + e, p) for j in range(edp)])
                 if here and e == mesh.ep_rank:
                     mesh.edp_group = group
 
@@ -128,7 +156,7 @@ def gloo_twin_of_mp_group(mesh: ParallelMesh):
     must not wait for the GPU. Every rank must call this (new_group is collective)."""
     mine = None
     for d in range(mesh.dp):
-        group = dist.new_group([mesh.global_rank(t, d, p) for p in range(mesh.pp) for t in range(mesh.tp)],
+        group = mesh.new_group([mesh.global_rank(t, d, p) for p in range(mesh.pp) for t in range(mesh.tp)],
                                backend="gloo")
         if d == mesh.dp_rank:
             mine = group
@@ -143,6 +171,6 @@ def use_tied_ranks(mesh: ParallelMesh, pp_ranks: tuple) -> None:
     mesh.emb_group, mesh.emb_ranks = None, tuple(pp_ranks)
     for d in range(mesh.dp):
         for t in range(mesh.tp):
-            group = dist.new_group([mesh.global_rank(t, d, p) for p in pp_ranks])
+            group = mesh.new_group([mesh.global_rank(t, d, p) for p in pp_ranks])
             if (t, d) == (mesh.tp_rank, mesh.dp_rank):
                 mesh.emb_group = group

@@ -123,7 +123,7 @@ class MegaStrategy(ParallelStrategy):
         self._sync_grads = True
         self._batch_broadcast = None
         self._failures = None  # this run's notes of which rank failed first (see .failures)
-        self._writer = ckpt.AsyncWriter() if async_save else None
+        self._writer = ckpt.AsyncWriter(self._timeout) if async_save else None
         self.mesh: ParallelMesh = ParallelMesh()
 
     # ------------------------------------------------------------------ topology
@@ -194,7 +194,8 @@ class MegaStrategy(ParallelStrategy):
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         self._process_group_backend = backend
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
-        self.mesh = build_mesh(self.tp, self.pp, device_type=self.root_device.type, ep=self.config.ep)
+        self.mesh = build_mesh(self.tp, self.pp, device_type=self.root_device.type, ep=self.config.ep,
+                               timeout=self._timeout)
         self._failures = FailureNotes.open(self.mesh)
         if self.config.broadcast_batch and comm.group_size(self.mesh.mp_group) > 1:
             cpu_group = self.mesh.mp_group if backend == "gloo" else gloo_twin_of_mp_group(self.mesh)
@@ -363,7 +364,8 @@ class MegaStrategy(ParallelStrategy):
     def _clip_grad_by_norm(self, optimizer, clip_val) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"]]
         grads.clip_grad_norm(params, float(clip_val), self.mesh,
-                            zero=getattr(getattr(optimizer, "_optimizer", optimizer), "_lightning_tp_zero", None))
+                            zero=getattr(getattr(optimizer, "_optimizer", optimizer), "_lightning_tp_zero", None),
+                            device=self.root_device)  # a rank without gradients (frozen stage) too
 
     # ------------------------------------------------------------------ collectives for Lightning
 

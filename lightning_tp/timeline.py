@@ -24,7 +24,7 @@ class PipelineTimeline(L.Callback):
             raise ValueError("PipelineTimeline records a pipeline's actions: use MegaStrategy(pp > 1 or microbatches "
                              "> 1).")
         mesh = trainer.strategy.mesh
-        self.trace = runner.trace = ActionTrace(mesh.pp_rank, mesh.pp, trainer.global_rank)
+        self.trace = runner.trace = ActionTrace(mesh.pp_rank, mesh.pp, trainer.global_rank, trainer.strategy.root_device)
         self.names = dict(pp=mesh.pp_rank, tp=mesh.tp_rank, dp=mesh.dp_rank)
 
     def on_train_batch_start(self, trainer, *args) -> None:

@@ -42,6 +42,25 @@ def test_the_first_error_noted_is_added_to_a_lost_peer():
     assert not hasattr(own, "__notes__")
 
 
+NCCL_LOST = (  # what a survivor's collective raises under NCCL when a peer died (ProcessGroupNCCL's texts)
+    "[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, OpType=ALLREDUCE, NumelIn=1, "
+    "NumelOut=1, Timeout(ms)=120000) ran for 120014 milliseconds before timing out.",
+    "NCCL communicator was aborted on rank 0.",
+    "NCCL error in: ProcessGroupNCCL.cpp:3356, remote process exited or there was a network error, NCCL version "
+    "2.28.9\nncclRemoteError: A call failed possibly due to a network error or a remote process exiting prematurely.",
+)
+
+
+@pytest.mark.parametrize("text", NCCL_LOST)
+def test_a_lost_peer_under_nccl_carries_the_noted_error(text):
+    failing, waiting = _notes(torch.distributed.HashStore())
+    failing.record(ValueError("a bug in the loss"))
+    err = torch.distributed.DistBackendError(text)
+    assert lost_peer(err)
+    waiting.explain(err)
+    assert "raised ValueError: a bug in the loss" in err.__notes__[0]
+
+
 def test_nothing_is_added_where_nothing_was_noted():
     _, waiting = _notes(torch.distributed.HashStore())
     waiting.wait = timedelta(seconds=0.1)

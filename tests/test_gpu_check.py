@@ -22,7 +22,10 @@ def test_gpu_check_cpu_dry_run_prints_one_table_and_passes():
         assert rows[f"kernel {op} fp32"] == rows[f"kernel {op} fp16"] == "PASS", op
         assert rows[f"kernel {op} bf16"] == rows[f"compiled {op} bf16"] == "SKIP", op
     for check in ("int8 GEMM correctness", "gpt step kernels=True", "gpt step quant=int8", "gpt int8 convert",
-                  "trainer fit MegaStrategy(tp=1)", "compiled layer_norm fp32 [dry run]", "total"):
+                  "trainer fit MegaStrategy(tp=1)", "trainer fit 16-mixed", "trainer fit bf16-mixed",
+                  "trainer fit microbatches=2", "trainer fit checkpointing + dropout", "trainer fit quant=int8",
+                  "checkpoint sync: resume + consolidate", "checkpoint async: resume + consolidate",
+                  "compiled layer_norm fp32 [dry run]", "total"):
         assert rows[check] == "PASS", check
     assert rows["nccl init (1 process)"] == rows["grouped expert GEMM"] == "SKIP"
     assert "skipped: no GPU" in out and "not built yet" in out

@@ -150,9 +150,32 @@ def save(tensors: dict, path, no_dist: bool = False, group=None) -> None:
 
 def staged(tensors: dict) -> dict:
     """``{name: Chunked}`` with each owned chunk copied to host memory (what an asynchronous write reads while
-    training goes on)."""
-    return {n: Chunked(t.shape, [Chunk(c.offsets, c.view.detach().to("cpu", copy=True), c.owner)
-                                 for c in t.chunks if c.owner]) for n, t in tensors.items()}
+    training goes on), the copies complete."""
+    out, ready = stage(tensors)
+    ready()
+    return out
+
+
+def stage(tensors: dict) -> tuple:
+    """:func:`staged` without waiting: (the copies, a function that waits until they are complete). A device's
+    chunks go to pinned memory without blocking the host, one event after the last."""
+    event = []
+
+    def copy(view):
+        view = view.detach()
+        if view.device.type != "cuda":
+            return view.to("cpu", copy=True)
+        host = torch.empty(view.shape, dtype=view.dtype, pin_memory=True)
+        event[:] = [view.device]
+        return host.copy_(view, non_blocking=True)
+
+    out = {n: Chunked(t.shape, [Chunk(c.offsets, copy(c.view), c.owner) for c in t.chunks if c.owner])
+           for n, t in tensors.items()}
+    if not event:
+        return out, lambda: None
+    done = torch.cuda.Event()
+    done.record(torch.cuda.current_stream(event[0]))
+    return out, done.synchronize
 
 
 def load(tensors: dict, path, index: md.Metadata, no_dist: bool = False) -> None:

@@ -43,6 +43,22 @@ _FORCE_TORCH = False
 _WARNED: set[str] = set()
 
 
+#: (op, device type, input dtype, autocast dtype) -> the dtype autocast runs the eager op in.
+_AUTOCAST_DTYPES: dict = {}
+
+
+def autocast_input(op: str, eager, x: torch.Tensor) -> torch.Tensor:
+    """``x`` in the dtype the device's autocast runs the eager op in (CUDA: fp32 for layer_norm), so a
+    fused twin gives eager's dtype and numbers; ``x`` itself outside autocast. ``eager`` maps a (1, 1) tensor."""
+    device = x.device.type
+    if not torch.is_autocast_enabled(device):
+        return x
+    key = (op, device, x.dtype, torch.get_autocast_dtype(device))
+    if key not in _AUTOCAST_DTYPES:  # probed once: a one-element eager op under the active autocast
+        _AUTOCAST_DTYPES[key] = eager(torch.ones((1, 1), device=x.device, dtype=x.dtype)).dtype
+    return x.to(_AUTOCAST_DTYPES[key])
+
+
 @contextlib.contextmanager
 def torch_path() -> Iterator[None]:
     """Run every op on its pure-torch path inside the block (no warning: it was asked for)."""

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._utils import block_size, num_programs, num_warps, tl, triton, use_triton
+from ._utils import autocast_input, block_size, num_programs, num_warps, tl, triton, use_triton
 from ..backward_phase import halves
 
 #: Longest row kept in one block (the whole row lives in registers).
@@ -117,7 +117,9 @@ class LayerNormFunction(torch.autograd.Function):
 
 def layer_norm(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor] = None,
                eps: float = 1e-5) -> torch.Tensor:
-    """LayerNorm over the last dim; Triton when available, else fp32 torch with the same numbers."""
+    """LayerNorm over the last dim; Triton when available, else fp32 torch with the same numbers. Under
+    autocast, in the dtype the device's autocast gives ``F.layer_norm``."""
+    x = autocast_input("layer_norm", lambda t: F.layer_norm(t, (1,)), x)
     if use_triton("layer_norm", x, weight, bias, max_cols=MAX_COLS, cols=x.shape[-1]):
         return LayerNormFunction.apply(x, weight, bias, eps)
     N = x.shape[-1]

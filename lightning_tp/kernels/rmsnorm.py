@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ._utils import block_size, num_programs, num_warps, tl, triton, use_triton
+from ._utils import autocast_input, block_size, num_programs, num_warps, tl, triton, use_triton
 from ..backward_phase import halves
 
 MAX_COLS = 65536
@@ -96,6 +96,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: Optional[float] = 1e-6)
 
     ``eps=None`` means ``torch.finfo(x.dtype).eps`` (the ``nn.RMSNorm`` convention).
     """
+    x = autocast_input("rms_norm", lambda t: torch.rms_norm(t, (1,)), x)  # as autocast runs the eager op
     if eps is None:
         eps = torch.finfo(x.dtype).eps
     if use_triton("rms_norm", x, weight, max_cols=MAX_COLS, cols=x.shape[-1]):

@@ -29,6 +29,9 @@ def _fold_delayed(optimizer, *_) -> None:
     if not _PENDING:  # the hook stays registered for the process: most steps have nothing to fold
         return
     stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    zero = getattr(optimizer, "_lightning_tp_zero", None)  # zero=1 steps slices: its layers' weights too
+    if zero is not None:
+        stepped |= {id(p) for params in zero.original for p in params}
     due = [q for q, (_, owner) in list(_PENDING.items())
            if owner is None or id(owner) in stepped or not owner.requires_grad]
     _reduce_pending(due)

@@ -15,9 +15,10 @@ def _int8_mm_kernel(A, W, C, S, B, M, N, K, stride_am, stride_ak, stride_wn, str
                     DEQUANT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
+    # int64 offsets: row * stride overflows int32 once M * K (or M * N) reaches 2**31
+    rm = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K).to(tl.int64)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + rk
@@ -38,10 +39,14 @@ def _int8_mm_kernel(A, W, C, S, B, M, N, K, stride_am, stride_ak, stride_wn, str
         tl.store(c_ptrs, acc, mask=c_mask)
 
 
-def _blocks(device: torch.device) -> tuple:
-    if device.type == "cuda" and not INTERPRET:
-        return 64, 64, 64, 4  # BLOCK_M, BLOCK_N, BLOCK_K, warps; K-block >= 32 for int8 tensor cores
-    return 32, 32, 32, 4  # interpreter: fewer, cheaper programs
+def _blocks(device: torch.device, M: int, N: int) -> tuple:
+    """BLOCK_M, BLOCK_N, BLOCK_K, warps, stages; K-block >= 32 for int8 tensor cores."""
+    if device.type != "cuda" or INTERPRET:
+        return 32, 32, 32, 4, 1  # interpreter: fewer, cheaper programs
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    if triton.cdiv(M, 128) * triton.cdiv(N, 128) >= sms:  # big enough to fill the GPU with 128x128 tiles
+        return 128, 128, 64, 8, 3
+    return 64, 64, 64, 4, 3  # small M (decode, tests): more programs
 
 
 def triton_int8_mm(a: torch.Tensor, w: torch.Tensor, scale: Optional[torch.Tensor] = None,
@@ -56,13 +61,13 @@ def triton_int8_mm(a: torch.Tensor, w: torch.Tensor, scale: Optional[torch.Tenso
     c = torch.empty((M, N), dtype=out_dtype if dequant else torch.int32, device=a.device)
     if M == 0 or N == 0:
         return c
-    bm, bn, bk, warps = _blocks(a.device)
+    bm, bn, bk, warps, stages = _blocks(a.device, M, N)
     grid = (triton.cdiv(M, bm), triton.cdiv(N, bn))
     s = scale.float().contiguous() if dequant else c
     b = bias.contiguous() if bias is not None else c
     _int8_mm_kernel[grid](a, w, c, s, b, M, N, K, a.stride(0), a.stride(1), w.stride(0), w.stride(1),
                           c.stride(0), c.stride(1), DEQUANT=dequant, HAS_BIAS=bias is not None,
-                          BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
+                          BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
     return c
 
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from .. import comm
 from ..grads import chunked, norm_part, replica_buffer_numel
 from ..marks import marks_of
-from .shards import Bucket, check_optimizer
+from .shards import Bucket, check_optimizer, finish_reduce_scatters
 
 
 class ShardedOptimizer:
@@ -53,9 +53,10 @@ class ShardedOptimizer:
     def reduce_scatter(self) -> None:
         """Each bucket's gradients into this rank's slices; a parameter no replica had a gradient for
         gets none (a flag each, sent with the gradients), so the optimizer skips it as zero=0 does."""
-        for b in self.buckets:  # an expert's gradient sums its ep group's tokens: 1/dp as well
-            if not (self.overlapped and b.early):
-                b.reduce_scatter(1.0 / self.mesh.dp)
+        # one bucket's buffer at a time (started as the last is waited for), one host wait for all their flags;
+        # an expert's gradient sums its ep group's tokens: 1/dp as well
+        buckets = [b for b in self.buckets if not (self.overlapped and b.early)]
+        finish_reduce_scatters(buckets, (b.start_reduce_scatter() for b in buckets), 1.0 / self.mesh.dp)
 
     def norm_parts(self, norm_type: float, device) -> list:
         """The slices' part of the global gradient norm (norm_type-th power, or max), [dense, experts],

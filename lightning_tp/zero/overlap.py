@@ -4,6 +4,8 @@ backward pass. See docs/zero.md."""
 
 from __future__ import annotations
 
+from .shards import finish_reduce_scatters
+
 
 class ZeroOverlap:
     """The early buckets of ``sharded`` (ShardedOptimizers) reduce-scattered while the backward runs; the
@@ -67,8 +69,7 @@ class ZeroOverlap:
         self.launched_early = self.next  # buckets the backward started (read by tests)
         while self.next < len(self.buckets):
             self._launch(self.next)
-        for b, started in zip(self.buckets, self.started_):
-            b.finish_reduce_scatter(started, 1.0 / self.sharded[0].mesh.dp)
+        finish_reduce_scatters(self.buckets, self.started_, 1.0 / self.sharded[0].mesh.dp)
         for p, addend in self.after:
             b = self.buckets[self.bucket_of[id(p)]]
             for s in (s for s in b.slices if b.params[s.index] is p):

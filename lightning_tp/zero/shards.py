@@ -91,7 +91,8 @@ class Bucket:
                 p.grad = None
         for r, lo, hi, at in self.tail:
             buf[r, at:at + hi - lo].zero_()
-        buf[:, self.size:].copy_(torch.tensor(flags, dtype=buf.dtype))
+        flags = torch.tensor(flags, dtype=buf.dtype)  # from pinned memory, without waiting for the device
+        buf[:, self.size:].copy_(flags.pin_memory() if buf.is_cuda else flags, non_blocking=buf.is_cuda)
         comm.record("reduce_scatter", buf, self.group)
         if dist.get_backend(self.group) == "gloo":  # gloo's reduce-scatter all-reduces a copy of its input: the
             return dist.all_reduce(buf, group=self.group, async_op=True), buf  # same, in place (docs/zero.md)
@@ -100,12 +101,19 @@ class Bucket:
 
     def finish_reduce_scatter(self, started: tuple, scale: float) -> None:
         """Wait for :meth:`start_reduce_scatter`, then as :meth:`reduce_scatter` says."""
+        finish_reduce_scatters([self], [started], scale)
+
+    def wait_reduce_scatter(self, started: tuple, scale: float) -> tuple:
+        """Wait for :meth:`start_reduce_scatter`: (this rank's averaged gradients, its flags), on the device."""
         work, mine = started
         work.wait()
         if mine.dim() == 2:  # all-reduced in place: this rank's row; the buffer freed now (gloo's worker
             mine, whole = mine[self.rank].clone(), mine  # thread holds its last work's tensors until its next)
             whole.untyped_storage().resize_(0)
-        grads, had = mine[:self.size].mul_(scale), mine[self.size:].tolist()
+        return mine[:self.size].mul_(scale), mine[self.size:]
+
+    def give_grads(self, grads: torch.Tensor, had: list) -> None:
+        """Each slice its part of ``grads`` where its flag in ``had`` says a replica had one; the rest None."""
         for p in self.params:
             p.grad = None
         for k, s in enumerate(self.slices):  # this rank's slices are its row's parameters, in order
@@ -148,3 +156,14 @@ def _rows(at: int, n: int, size: int):
         take = min(n - done, size - col)
         yield row, done, done + take, col
         done += take
+
+
+def finish_reduce_scatters(buckets: list, started: list, scale: float) -> None:
+    """Wait for each bucket's :meth:`Bucket.start_reduce_scatter` and give its slices their gradients; the
+    flags of all buckets come to the host in one copy (one wait for the device, not one a bucket)."""
+    parts = [b.wait_reduce_scatter(s, scale) for b, s in zip(buckets, started)]
+    flags = torch.cat([f for _, f in parts]).tolist() if parts else []
+    at = 0
+    for b, (grads, f) in zip(buckets, parts):
+        b.give_grads(grads, flags[at:at + len(f)])
+        at += len(f)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from ..schedule.schedules import Action, sent_early, turns
 
 
@@ -42,32 +44,64 @@ def walk(plan: StepPlan, step, transport, trace=None) -> None:
     """The one action loop, of training and forward-only steps alike: each compute action in order, given
     what it receives, then what it sends (``transport``: eager or per slot, see .transfers); ``trace``: an
     :class:`ActionTrace` noting when each wait and action ran."""
+    clock = trace.clock if trace is not None and trace.on else None
     for a in plan.computes:
-        start = time.time_ns()
+        start = clock() if clock else None
         received = transport.receive(a)
-        computed = time.time_ns()
+        computed = clock() if clock else None
         step.compute(a, received, transport)
         transport.after(a)
-        if trace is not None:
-            trace.note(a, start, computed, time.time_ns())
+        if clock:
+            trace.note(a, start, computed, clock())
     transport.finish()
 
 
 class ActionTrace:
     """Chrome/Perfetto trace events of the actions walked while ``on``: process ``pid`` (the global rank), its
-    compute actions on one row and the waits for their inputs on another; ``rank``: its pp rank."""
+    compute actions on one row and the waits for their inputs on another; ``rank``: its pp rank. On a CUDA
+    ``device`` the times are CUDA events (when the GPU ran the work), not the host's launch times."""
 
-    def __init__(self, rank: int, stages: int, pid: int):
-        self.rank, self.stages, self.pid, self.on, self.events = rank, stages, pid, False, []
+    def __init__(self, rank: int, stages: int, pid: int, device=None):
+        self.rank, self.stages, self.pid, self.on, self._events = rank, stages, pid, False, []
+        self.cuda = device is not None and torch.device(device).type == "cuda"
+        self._pending, self._base = [], None  # CUDA: (action, events) not yet read; (event, host ns) of time 0
 
-    def note(self, a: Action, start: int, computed: int, end: int) -> None:
+    def clock(self):
+        """Now: host nanoseconds, or on CUDA an event recorded on the current stream."""
+        if not self.cuda:
+            return time.time_ns()
+        if self._base is None:  # once: the GPU idle, so this event's time is the host's
+            torch.cuda.synchronize()
+            self._base = (torch.cuda.Event(enable_timing=True), time.time_ns())
+            self._base[0].record()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def note(self, a: Action, start, computed, end) -> None:
         if not self.on:
             return
+        if self.cuda:
+            self._pending.append((a, start, computed, end))
+        else:
+            self._add(a, start, computed, end)
+
+    @property
+    def events(self) -> list:
+        """The trace events noted so far (on CUDA: waits for the GPU to reach the last one)."""
+        if self._pending:
+            self._pending[-1][3].synchronize()
+            base, host = self._base
+            ns = lambda e: host + base.elapsed_time(e) * 1e6  # noqa: E731 - elapsed_time is in ms
+            for a, *marks in self._pending:
+                self._add(a, *map(ns, marks))
+            self._pending = []
+        return self._events
+
+    def _add(self, a: Action, start: float, computed: float, end: float) -> None:
         k = a.chunk * self.stages + self.rank
         if computed - start > 1000:  # over a microsecond waiting for the input
-            self.events.append(dict(name="wait", ph="X", pid=self.pid, tid=1, ts=start / 1e3,
-                                    dur=(computed - start) / 1e3, args=dict(microbatch=a.microbatch, stage=k)))
-        self.events.append(dict(name=a.kind, ph="X", pid=self.pid, tid=0, ts=computed / 1e3, dur=(end - computed) / 1e3,
-                                args=dict(microbatch=a.microbatch, chunk=a.chunk, stage=k)))
-
-
+            self._events.append(dict(name="wait", ph="X", pid=self.pid, tid=1, ts=start / 1e3,
+                                     dur=(computed - start) / 1e3, args=dict(microbatch=a.microbatch, stage=k)))
+        self._events.append(dict(name=a.kind, ph="X", pid=self.pid, tid=0, ts=computed / 1e3,
+                                 dur=(end - computed) / 1e3, args=dict(microbatch=a.microbatch, chunk=a.chunk, stage=k)))
