@@ -31,7 +31,8 @@ Rows (check | result | figure):
   * ``compiled <op> bf16``: the kernel under ``torch.compile`` against the float64 reference, and
     its time against ``torch.compile`` of the eager twin. An error raised by dynamo/inductor reads
     UNSUPPORTED (not a failure); wrong numbers FAIL.
-  * ``grouped expert GEMM``: placeholder, the local experts run in a loop.
+  * ``hf 5.x experts (grouped_mm) dispatched``: a transformers 5 Mixtral block whose experts module (3-D
+    weights, its own grouped_mm) runs behind the expert-parallel dispatch, against the block's own.
 
 Each check is guarded: an exception gives a FAIL row with the error (traceback on stderr) and the
 rest still run. Checks that would start after ``--budget`` seconds are skipped. Exit status 1 when
@@ -86,6 +87,8 @@ elif os.environ.pop("TRITON_INTERPRET", "0") == "1":
     print("gpu_check: TRITON_INTERPRET=1 ignored (it would interpret the kernels on the GPU)", file=sys.stderr)
 
 sys.path.insert(0, str(ROOT))
+# bench/ itself off the path: its kernels.py would shadow the `kernels` package transformers 5 imports
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -664,6 +667,59 @@ def _force_codes(model, codes: dict, own: dict):
             m.quantize_input = forced
 
 
+def check_fused_experts():
+    """transformers 5's experts module (3-D weights, its own ``grouped_mm``) behind the expert-parallel
+    dispatch (one process: no exchange) against the model's own block on the device: fp32 (TF32 off) error of
+    the output and every gradient, and bf16 time of one fwd+bwd against the block's own."""
+    import transformers
+
+    if int(transformers.__version__.split(".")[0]) < 5:
+        return SKIP, f"transformers {transformers.__version__}: experts are a ModuleList (see the row above)"
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+    from lightning_tp.experts.fused import expert_parallel_experts
+
+    width, tokens = (32, 64) if DRY else (1024, 4096)
+    config = transformers.MixtralConfig(hidden_size=width, intermediate_size=2 * width, num_local_experts=8,
+                                        num_experts_per_tok=2, router_jitter_noise=0.0)
+    config._experts_implementation = "grouped_mm"
+    torch.manual_seed(0)
+    own = MixtralSparseMoeBlock(config)
+    with torch.no_grad():
+        for p in own.parameters():
+            p.normal_(0, 0.02)
+    mine = copy.deepcopy(own)
+    expert_parallel_experts(mine.experts, None, 1, 0)
+    old = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        outs = []
+        for m in (own, mine):
+            m = m.to(DEV)
+            x = torch.randn(1, tokens, width, generator=torch.Generator().manual_seed(1)).to(DEV).requires_grad_(True)
+            y = m(x)
+            y.square().mean().backward()
+            outs.append((y.detach().float().cpu(), x.grad.float().cpu(), [p.grad.float().cpu() for p in m.parameters()]))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+    (ya, ga, pa), (yb, gb, pb) = outs
+    err = max([rel_err(yb, ya), rel_err(gb, ga)] + [rel_err(b, a) for a, b in zip(pa, pb)])
+    times = {}
+    for name, m in (("own", own), ("dispatched", mine)):
+        m = copy.deepcopy(m).to(DEV, torch.bfloat16 if CUDA else torch.float32)
+        xx = torch.randn(1, tokens, width, device=DEV, dtype=next(m.parameters()).dtype)
+
+        def step(m=m, xx=xx):
+            x = xx.detach().clone().requires_grad_(True)
+            m(x).float().square().mean().backward()
+
+        times[name] = median_ms(step, reps=5)
+    ok = err <= 1e-4
+    return (PASS if ok else FAIL), (f"Mixtral block, {tokens} tokens x {width}, 8 experts top-2, grouped_mm: err "
+                                    f"{fmt_e(err)} (tol 1e-04) vs the block's own; t dispatched/own "
+                                    f"{times['dispatched'] / times['own']:.2f} ({'bf16' if CUDA else 'fp32'})")
+
+
 def check_gpt_int8_convert():
     """The converted GPT on the device against CPU, in three parts (see docs/gpu.md): each layer's int8
     GEMM + dequantization on the device's own codes, the codes themselves, the logits on shared codes."""
@@ -854,7 +910,7 @@ def main() -> int:
     else:
         rep.skip("nccl init (1 process)", NO_GPU + " (2-process NCCL needs 2 GPUs; not run at all)")
     rep.run("trainer fit MegaStrategy(tp=1)", check_trainer_fit)
-    import gpu_check_train as train  # the Trainer rows: fits on the device against a reference fit there
+    from bench import gpu_check_train as train  # the Trainer rows: fits on the device against a reference fit there
     ctx = train.Ctx(_gpt_cfg(), DEV, DRY, steps=2 if DRY else 4)
     for check, (fn, args) in train.ROWS.items():
         rep.run(check, _train_row, fn, ctx, *args)
@@ -870,7 +926,7 @@ def main() -> int:
             rep.skip(check, "skipped: --no-compile")
         else:
             rep.run(check, check_compiled, case, torch.bfloat16, compiled=True)
-    rep.skip("grouped expert GEMM", "not built yet (the local experts run in a loop)")
+    rep.run("hf 5.x experts (grouped_mm) dispatched", check_fused_experts)
     counts = {k: sum(r[1] == k for r in rep.rows) for k in (PASS, FAIL, SKIP, UNSUPPORTED)}
     rep.add("total", FAIL if counts[FAIL] else PASS,
             f"{rep.elapsed():.1f} s wall; {counts[PASS]} pass, {counts[FAIL]} fail, {counts[SKIP]} skipped, "
