@@ -53,6 +53,11 @@ def all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     return t
 
 
+def _op(name: str, before: str):
+    """torch.distributed's ``name`` (torch 2.13), or its earlier name ``before`` (torch 2.11 has only that)."""
+    return getattr(dist, name, None) or getattr(dist, before)
+
+
 def all_gather(t: torch.Tensor, dim: int, group) -> torch.Tensor:
     world = group_size(group)
     if world == 1:
@@ -60,7 +65,7 @@ def all_gather(t: torch.Tensor, dim: int, group) -> torch.Tensor:
     x = t.movedim(dim, 0).contiguous()
     out = x.new_empty((world * x.shape[0],) + tuple(x.shape[1:]))
     record("all_gather", x, group)
-    dist.all_gather_single(out, x, group=group)
+    _op("all_gather_single", "all_gather_into_tensor")(out, x, group=group)
     return out.movedim(0, dim).contiguous()
 
 
@@ -77,7 +82,7 @@ def reduce_scatter(t: torch.Tensor, dim: int, group) -> torch.Tensor:
     x = t.movedim(dim, 0).contiguous()
     out = x.new_empty((x.shape[0] // world,) + tuple(x.shape[1:]))
     record("reduce_scatter", x, group)
-    dist.reduce_scatter_single(out, x, group=group)
+    _op("reduce_scatter_single", "reduce_scatter_tensor")(out, x, group=group)
     return out.movedim(0, dim).contiguous()
 
 
