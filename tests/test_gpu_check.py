@@ -30,3 +30,15 @@ def test_gpu_check_cpu_dry_run_prints_one_table_and_passes():
     assert rows["nccl init (1 process)"] == rows["grouped expert GEMM"] == "SKIP"
     assert "skipped: no GPU" in out and "not built yet" in out
     assert sum(line.startswith("+-") for line in out.splitlines()) == 3  # one table: top, under the header, bottom
+
+
+def test_gpu_check_2gpu_cpu_dry_run_passes_every_row():
+    """bench/gpu_check_2gpu.sh --cpu-dry-run: 2 gloo processes, every collective and layout row PASS."""
+    env = dict(os.environ, PYTHON=sys.executable)
+    proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check_2gpu.sh"), "--cpu-dry-run"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    rows = {line.split("|")[1].strip(): line.split("|")[2].strip() for line in proc.stdout.splitlines()
+            if line.startswith("| ")}
+    assert len(rows) == 5 + 9 + 4 + 1, rows  # primitives, layouts, zero=3 resumes, total
+    assert set(rows.values()) == {"PASS"}, rows
