@@ -75,12 +75,13 @@ def test_a_175b_plan_returns_within_a_minute_with_tp_inside_a_node():
     assert "lightning_tp plan: 1024 GPUs" in str(p) and "#1:" in str(p)
 
 
-@pytest.mark.parametrize("row", [0, 3, 6])
-def test_published_megatron_runs_within_15_percent(row):
+@pytest.mark.parametrize("row, hf_gpt2", [(0, False), (3, False), (6, False), (0, True), (6, True)])
+def test_published_megatron_runs_within_15_percent(row, hf_gpt2):
     """Megatron-LM 2021, Table 1 (1.7B at tp=1, 18.4B at tp=8, 145.6B at tp=8 x pp=8; the full table:
-    bench/plan_megatron.py): the per-GPU throughput predicted at the published layout."""
+    bench/plan_megatron.py), of the example GPT and of Hugging Face's GPT-2 (Conv1D layers): the per-GPU
+    throughput predicted at the published layout."""
     bench = _bench()
-    tflops, at, best, _ = bench.predict(bench.TABLE_1[row])
+    tflops, at, best, _ = bench.predict(bench.TABLE_1[row], hf_gpt2)
     published = bench.TABLE_1[row][-1]
     assert abs(tflops / published - 1) < 0.15, (tflops, published, at)
     assert best.tp <= 8  # the recommended tp stays inside a node
@@ -189,3 +190,26 @@ def test_backward_hides_the_share_of_dp_buckets_the_cluster_overlaps():
         assert c.stage_seconds[1] > whole  # to cover the first bucket's all-reduce, where the cluster overlaps
         assert exposed[share] == pytest.approx(whole * (last + (1 - last) * (1 - share)))
     assert exposed[1.0] < exposed[0.5] < exposed[0.0]
+
+
+def test_hf_gpt2_conv1d_blocks_read_as_the_example_gpts_linear_ones():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    with torch.device("meta"):
+        hf = GPT2LMHeadModel(GPT2Config(n_layer=4, n_head=8, n_embd=256, n_positions=512, vocab_size=1024))
+    ours = profile(_gpt(n_layer=4, n_head=8, n_embd=256, block_size=512, vocab_size=1024), 512, (1, 2))
+    theirs = profile(hf, 512, (1, 2))
+    assert theirs.hidden == ours.hidden == 256
+    assert theirs.block_flops == pytest.approx(ours.block_flops) and theirs.core_flops == ours.core_flops
+    assert plan(hf, gpus=16, global_batch=32, seq_len=512)[0].step_s > 0
+
+
+def test_tp_groups_stay_in_whole_nodes():
+    """tp=6 on 8-GPU nodes would straddle them: not a candidate, and a group that does is priced across nodes."""
+    cluster = Cluster(gpus=48, gpus_per_node=8)
+    assert cluster.link(6, 1) == cluster.link(16, 1) == (cluster.inter_node_gbps, cluster.latency_us * 1e-6)
+    assert cluster.link(4, 2)[0] == cluster.link(8, 1)[0] == cluster.intra_node_gbps
+    assert Cluster(gpus=6, gpus_per_node=8).link(6, 1)[0] == cluster.intra_node_gbps  # one node: all inside
+    p = plan(_gpt(n_layer=4, n_head=48, n_embd=768, block_size=256, vocab_size=512), gpus=48, gpus_per_node=8,
+             global_batch=48, seq_len=256)
+    assert {c.tp for c in p.fits + p.overflows} == {1, 2, 4, 8, 16}

@@ -5,6 +5,7 @@ See docs/planner.md."""
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -12,6 +13,7 @@ from torch import nn
 from ..explain import explain
 from ..experts.families import find_moe_blocks
 from ..explain_costs import heads_of
+from ..layers.linear import is_conv1d
 from ..plans import apply as planner
 from .estimate import PRECISIONS
 
@@ -60,6 +62,13 @@ def _linear_flops(module: nn.Module) -> float:
     return total
 
 
+def _in_features(module: nn.Module) -> int:
+    """The input size of a Linear, or of a Hugging Face Conv1D (its weight is in x out); 0 for anything else."""
+    if isinstance(module, nn.Linear):
+        return module.in_features
+    return module.weight.shape[0] if is_conv1d(module) else 0
+
+
 def _heads(block: nn.Module) -> int:
     found = next((n for m in block.modules() for n in [heads_of(m, 0)] if n), 0)
     if found:
@@ -97,7 +106,10 @@ def profile(module: nn.Module, seq: int, tps, flash: bool = True, plan="auto",
     outer = {id(p): p for p in module.parameters() if id(p) not in in_blocks}
     embeddings = [m for m in module.modules() if isinstance(m, nn.Embedding)]
     vocab = max((m.num_embeddings for m in embeddings), default=0)
-    hidden = next((m.in_features for m in block.modules() if isinstance(m, nn.Linear)), 0)
+    hidden = next((n for m in block.modules() for n in [_in_features(m)] if n), 0)
+    if not hidden:
+        raise ValueError(f"plan(): {path}.0 ({type(block).__name__}) holds no Linear or Conv1D layer to read the "
+                         f"hidden size from.")
     moe = find_moe_blocks(block, planner.expert_styles(plan))
     # a token runs k of a layer's E experts: their products count k / E of all the experts' FLOPs
     unrouted = sum(_linear_flops(b.experts) * (1 - f.top_k(b) / f.num_experts(b)) for _, b, f in moe)

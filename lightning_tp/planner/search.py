@@ -51,9 +51,11 @@ def _divisors(n: int) -> list:
 def candidates(prof, cluster: Cluster, global_batch: int, zeros=(0, 1), recompute=RECOMPUTE,
                tp_most: int | None = None):
     """Every (tp, sp, pp, dp, microbatch size, schedule, virtual stages, recompute, zero, ep) that divides the
-    model (heads, layers, experts) and the batch."""
+    model (heads, layers, experts) and the batch, with tp groups in whole nodes (tp dividing a node, or whole ones)."""
     most = min(cluster.gpus, tp_most or 2 * cluster.gpus_per_node)
     for t in prof.tps(most):
+        if not (cluster.inside(t, 1) or t % cluster.gpus_per_node == 0):  # tp groups would straddle nodes
+            continue
         for pp in _divisors(min(prof.layers, cluster.gpus // t)):
             if cluster.gpus % (t * pp) or prof.layers % pp:
                 continue
