@@ -213,3 +213,33 @@ def test_tp_groups_stay_in_whole_nodes():
     p = plan(_gpt(n_layer=4, n_head=48, n_embd=768, block_size=256, vocab_size=512), gpus=48, gpus_per_node=8,
              global_batch=48, seq_len=256)
     assert {c.tp for c in p.fits + p.overflows} == {1, 2, 4, 8, 16}
+
+
+def test_a_model_whose_tp_plan_is_refused_is_planned_without_tp():
+    """DeepSeek-V3's config plan has styles the strategy refuses at tp > 1: the other axes are ranked, and the plan
+    says which tp sizes were left out and why."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    config = DeepseekV3Config(vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                              num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+                              num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=16,
+                              kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)
+    with torch.device("meta"):
+        model = DeepseekV3ForCausalLM(config)
+    with pytest.raises(ValueError, match="not supported yet"):
+        explain(model, tp=2, batch_shape=(1, 64), print_report=False)  # what the strategy says at tp=2
+    p = plan(model, gpus=8, global_batch=16, seq_len=64)
+    assert {c.tp for c in p.fits + p.overflows} == {1} and {c.pp for c in p.fits} >= {1, 2, 4}
+    assert len(p.left_out) == 1 and p.left_out[0].startswith("tp=2, 4 left out") and "not supported" in p.left_out[0]
+    assert p.left_out[0] in str(p)
+
+
+def test_a_plans_warning_is_said_once_per_model():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    with torch.device("meta"):
+        hf = GPT2LMHeadModel(GPT2Config(n_layer=3, n_head=4, n_embd=64, n_positions=64, vocab_size=128))
+    with pytest.warns(UserWarning) as said:
+        plan(hf, gpus=4, global_batch=8, seq_len=64)
+    norms = [str(w.message) for w in said if "norms without a style: ['transformer.ln_f']" in str(w.message)]
+    assert len(norms) == 1, norms
