@@ -158,3 +158,34 @@ def test_asynchronous_save_returns_before_the_write_and_keeps_the_previous_check
         assert r["busy"] and r["returned_after"] < r["written_after"] / 3, r
         assert r["async_step"] == BATCHES
         assert r["async_crash_raised"] and r["after_async_crash_step"] == BATCHES
+
+
+def _pickled_meta(rank, world, ckdir):
+    """A checkpoint whose meta.pt holds a pickled object, read by every path that takes a checkpoint."""
+    import argparse
+
+    import torch
+
+    from lightning_tp import export
+
+    _fit(world, ckdir, epochs=1, layout=dict(tp=1))
+    path = os.path.join(ckdir, "last.ckpt")
+    meta = C.safe_load(os.path.join(path, C.META))
+    torch.save(dict(meta, hparams=argparse.Namespace(lr=1.0)), os.path.join(path, C.META))
+    said = {}
+    for name, read in [("ckpt_path", lambda: _fit(world, ckdir + "_again", ckpt_path=path, layout=dict(tp=1))),
+                       ("load_full", lambda: _fit(world, ckdir + "_full", layout=dict(tp=1, load_full=path))),
+                       ("consolidate", lambda: consolidate(path)),
+                       ("export", lambda: export(path, os.path.join(ckdir, "plain.safetensors")))]:
+        try:
+            read()
+            said[name] = None
+        except Exception as e:  # noqa: BLE001 - returned to the test
+            said[name] = f"{type(e).__name__}: {e}"
+    return said
+
+
+def test_a_meta_file_holding_objects_is_refused_with_one_message_on_every_path(tmp_path):
+    said = dist.run(1, _pickled_meta, str(tmp_path / "run"), timeout=300)[0]
+    for name, message in said.items():
+        assert message is not None and "holds objects other than tensors" in message, (name, message)
