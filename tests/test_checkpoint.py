@@ -1,8 +1,7 @@
 """Sharded checkpoints in one 2-process launch (tp=2, sp, also with EMA weight averaging; pp=2
-interleaved; an encoder-decoder at pp=2), and in one process: a meta.pt holding objects refused alike on every
-path, and an asynchronous save that holds the weights as they were when it returned:
-exact resume, a crash mid-save that leaves the previous checkpoint whole, and consolidation into the
-original single-device module."""
+interleaved; an encoder-decoder at pp=2): exact resume, a crash mid-save that leaves the previous checkpoint
+whole, consolidation into the original single-device module. In one process: a meta.pt holding objects is
+refused alike on every path, and an asynchronous save holds the weights as they were when it returned."""
 
 import os
 import time
