@@ -278,16 +278,8 @@ def test_router_loss_under_a_pipeline_matches_one_process_accumulating_its_micro
         assert worst < 1e-5, (name, worst)
 
 
-GPT_MOE = dict(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32)
-BAD = {  # name: (model kwargs, strategy kwargs, expected message)
-    "ep_not_dividing_dp": (dict(GPT_MOE, n_expert=4), dict(ep=4), "ep must divide 2"),
-    "ep_not_dividing_experts": (dict(GPT_MOE, n_expert=3), dict(ep=2), "has 3 experts, which ep=2 does not divide"),
-    "no_moe_layer": (dict(GPT_MOE), dict(ep=2), "has none this project knows"),
-    "top_k_above_experts": (dict(GPT_MOE, n_expert=2, n_expert_per_token=4), dict(ep=2),
-                            "top_k=4 of 2 experts"),
-    "capacity_out_of_range": (dict(GPT_MOE, n_expert=4), dict(moe_capacity=0), "a capacity factor is a number in"),
-    "capacity_without_moe": (dict(GPT_MOE), dict(moe_capacity=1.0), "moe_capacity=1.0) applies to mixture-of-experts"),
-}
+from helpers import BAD_EXPERTS as BAD, GPT_MOE  # noqa: E402
+
 
 
 def _bad(rank, world):

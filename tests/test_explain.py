@@ -588,12 +588,12 @@ def test_explain_shows_what_a_split_backward_takes_in_b():
 
 
 def test_explain_refuses_the_expert_layouts_fit_refuses():
-    """Every bad expert layout MegaStrategy refuses (tests/test_experts.py's BAD, run there through fit), explain
+    """Every bad expert layout MegaStrategy refuses (tests/helpers.py's BAD_EXPERTS, run through fit in tests/test_experts.py), explain
     refuses with the same words (it reported 0 expert parameters and 0 all-to-all bytes for ep=2 without MoE)."""
+    from helpers import BAD_EXPERTS
     from lightning_tp.config import ParallelConfig
-    from test_experts import BAD
 
-    for name, (model_kw, strategy_kw, message) in BAD.items():
+    for name, (model_kw, strategy_kw, message) in BAD_EXPERTS.items():
         kw = dict(model_kw)
         model = make_model(kw.pop("kind", "gpt"), **kw)
         with pytest.raises(ValueError) as refused:
