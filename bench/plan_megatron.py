@@ -5,7 +5,7 @@ tp, pp, GPU count and batch (full recomputation, as the paper's FLOP count assum
 schedule the planner's fastest), as per-GPU TFLOP/s by the paper's formula, against the published figure; and
 the planner's own best layout for the same cluster and batch.
 
-    .venv/bin/python bench/plan_megatron.py
+    .venv/bin/python bench/plan_megatron.py [--hf-gpt2]   (--hf-gpt2: Hugging Face's GPT-2 built at each size)
 """
 
 from __future__ import annotations
@@ -46,12 +46,22 @@ def megatron_flops(batch: int, layers: int, hidden: int) -> float:
     return 96 * batch * SEQ * layers * hidden ** 2 * (1 + SEQ / (6 * hidden) + VOCAB / (16 * layers * hidden))
 
 
-def predict(row) -> tuple:
+def build(heads: int, hidden: int, layers: int, hf_gpt2: bool = False):
+    """The example GPT (or Hugging Face's GPT2LMHeadModel) of that size on the meta device."""
+    with torch.device("meta"):
+        if hf_gpt2:
+            from transformers import GPT2Config, GPT2LMHeadModel
+
+            return GPT2LMHeadModel(GPT2Config(n_layer=layers, n_head=heads, n_embd=hidden, n_positions=SEQ,
+                                              vocab_size=VOCAB))
+        return GPT(GPTConfig(n_layer=layers, n_head=heads, n_embd=hidden, block_size=SEQ, vocab_size=VOCAB,
+                             dropout=0.1))
+
+
+def predict(row, hf_gpt2: bool = False) -> tuple:
     """(predicted TFLOP/s per GPU at the published layout, that candidate, the planner's best, its TFLOP/s)."""
     billions, heads, hidden, layers, tp, pp, gpus, batch, published = row
-    with torch.device("meta"):
-        model = GPT(GPTConfig(n_layer=layers, n_head=heads, n_embd=hidden, block_size=SEQ, vocab_size=VOCAB,
-                              dropout=0.1))
+    model = build(heads, hidden, layers, hf_gpt2)
     p = plan(model, gpus=gpus, global_batch=batch, seq_len=SEQ, flash=False, zeros=(0,), precision="megatron",
              cluster=Cluster(gpus=gpus, **A100))
     at = [c for c in p.fits + p.overflows if (c.tp, c.pp, c.sp, c.activation_checkpointing) == (tp, pp, False, True)]
@@ -61,14 +71,15 @@ def predict(row) -> tuple:
     return flops / (c.step_s * gpus) / 1e12, c, p[0], flops / (p[0].step_s * gpus) / 1e12
 
 
-def main():
+def main(hf_gpt2: bool = "--hf-gpt2" in sys.argv):
+    print("Hugging Face GPT-2" if hf_gpt2 else "the example GPT")
     print(f"{'model':>8} {'tp':>3} {'pp':>3} {'GPUs':>5} {'batch':>5} | {'published':>9} {'predicted':>9} {'ratio':>6} "
           f"| layout the estimate is of | planner's best (TFLOP/s by the same formula)")
     worst = 0.0
     for row in TABLE_1:
         billions, heads, hidden, layers, tp, pp, gpus, batch, published = row
         started = time.perf_counter()
-        tflops, c, best, best_tflops = predict(row)
+        tflops, c, best, best_tflops = predict(row, hf_gpt2)
         worst = max(worst, abs(tflops / published - 1))
         print(f"{billions:>7}B {tp:>3} {pp:>3} {gpus:>5} {batch:>5} | {published:>9} {tflops:>9.1f} "
               f"{tflops / published:>6.3f} | mb {c.microbatch_size} x {c.microbatches} {c.schedule} "

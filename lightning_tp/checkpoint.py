@@ -137,13 +137,18 @@ def kind(path) -> str | None:
         try:
             ours = "lightning_tp" in safe_load(path / META)  # both formats record their layout there
         except ValueError:  # Lightning's meta.pt may hold objects weights_only refuses; any other says so
-            if not (path / dcp_io.INDEX).is_file():
+            if not (path / dcp_io.INDEX).is_file() or _names_ours(dcp_io.read_index(path)):
                 raise
             ours = False
         return "lightning_tp" if ours else "lightning_dcp" if (path / dcp_io.INDEX).is_file() else None
     if (path / "latest").is_file() or (path / "checkpoint").is_dir():
         return "deepspeed"
     return None
+
+
+def _names_ours(index) -> bool:
+    """The DCP index names tensors as this project does ("model/...", "extra/..."), not as Lightning does."""
+    return any(name.startswith(("model/", "extra/")) for name in index.state_dict_metadata)
 
 
 def read_meta(path) -> dict:

@@ -27,6 +27,7 @@ from .mesh import ParallelMesh
 from .parallelize import fsdp_blocks, stage_layout
 from .explain_costs import (cost_entries, saved_scores, saved_widths, t5_head_counts, t5_shares_its_bias, t5_side,
                             tp_ops, weight_grad_widths, width_in)
+from .experts.apply import check_experts
 from .experts.families import find_moe_blocks
 from .experts.layer import expert_parallel
 from .marks import marks_of, set_marks
@@ -153,6 +154,8 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
     if B % m:
         raise ValueError(f"microbatches={m} must divide the per-process batch size {B}.")
     base = _meta_copy(module)
+    if config.ep > 1 or config.moe_capacity is not None:  # refused as MegaStrategy refuses it
+        check_experts(base, config.ep, config.moe_capacity, planner.expert_styles(config.plan))
     with warnings.catch_warnings():
         if tp == 1:
             warnings.simplefilter("ignore")  # styles shown for reference; nothing is applied at tp=1

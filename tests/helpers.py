@@ -1,7 +1,7 @@
 """What several test files share (this is not a test module: test modules import from here, never from
 each other): the parity harness that trains a dict of layouts in one launch and checks each against
 the single-process ground truth, the launch a file's world2/world4 fixtures make of its own configs,
-fitting a bad configuration on every rank, and a small
+fitting a bad configuration on every rank, the expert layouts fit and explain refuse, and a small
 pipeline model (Net) with its data."""
 
 from __future__ import annotations
@@ -153,6 +153,20 @@ def expect_error(world, model, strategy, data=None):
     except Exception as e:  # noqa: BLE001 - we return it to the test
         return f"{type(e).__name__}: {e}", time.monotonic() - start
     return None, time.monotonic() - start
+
+
+# ------------------------------------------------------------------ expert layouts MegaStrategy refuses
+
+GPT_MOE = dict(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32)
+BAD_EXPERTS = {  # name: (model kwargs, strategy kwargs, expected message): refused by fit and explain alike
+    "ep_not_dividing_dp": (dict(GPT_MOE, n_expert=4), dict(ep=4), "ep must divide 2"),
+    "ep_not_dividing_experts": (dict(GPT_MOE, n_expert=3), dict(ep=2), "has 3 experts, which ep=2 does not divide"),
+    "no_moe_layer": (dict(GPT_MOE), dict(ep=2), "has none this project knows"),
+    "top_k_above_experts": (dict(GPT_MOE, n_expert=2, n_expert_per_token=4), dict(ep=2),
+                            "top_k=4 of 2 experts"),
+    "capacity_out_of_range": (dict(GPT_MOE, n_expert=4), dict(moe_capacity=0), "a capacity factor is a number in"),
+    "capacity_without_moe": (dict(GPT_MOE), dict(moe_capacity=1.0), "moe_capacity=1.0) applies to mixture-of-experts"),
+}
 
 
 # ------------------------------------------------------------------ a small model pipeline tests subclass

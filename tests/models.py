@@ -583,6 +583,20 @@ def _manually_accumulated(model, k: int) -> None:
     model.training_step = training_step
 
 
+class TwoGroupGPT(ParityGPT):
+    """AdamW with the usual LM recipe's two param groups: matrices decayed, the rest (biases, norms) not, at
+    another learning rate."""
+
+    def configure_optimizers(self):
+        decay = [p for p in self.parameters() if p.dim() >= 2]
+        rest = [p for p in self.parameters() if p.dim() < 2]
+        opt = torch.optim.AdamW([dict(params=decay, weight_decay=0.1), dict(params=rest, weight_decay=0.0,
+                                                                           lr=self.hparams.lr * 3)],
+                                lr=self.hparams.lr, eps=ADAM_EPS)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1.0 + 0.1 * step))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
 class SometimesGPT(ParityGPT):
     """A parameter that only some samples reach: a data-parallel replica whose batch holds none of them
     has no gradient for it (every replica must still step it alike)."""
@@ -606,6 +620,8 @@ def _build(kind: str, **kw):
     L.seed_everything(0, verbose=False)
     if kind == "gpt":
         return ParityGPT(**{**GPT_SMALL, **kw})
+    if kind == "gpt_two_groups":
+        return TwoGroupGPT(**{**GPT_SMALL, **kw})
     if kind == "gpt_sometimes":
         return SometimesGPT(**{**GPT_SMALL, **kw})
     if kind == "gpt_own_loss":

@@ -1,7 +1,7 @@
 """Sharded checkpoints in one 2-process launch (tp=2, sp, also with EMA weight averaging; pp=2
-interleaved; an encoder-decoder at pp=2):
-exact resume, a crash mid-save that leaves the previous checkpoint whole, and consolidation into the
-original single-device module."""
+interleaved; an encoder-decoder at pp=2): exact resume, a crash mid-save that leaves the previous checkpoint
+whole, consolidation into the original single-device module. In one process: a meta.pt holding objects is
+refused alike on every path, and an asynchronous save holds the weights as they were when it returned."""
 
 import os
 import time
@@ -9,6 +9,7 @@ from unittest import mock
 
 import lightning as L
 import pytest
+import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 import dist
@@ -158,3 +159,76 @@ def test_asynchronous_save_returns_before_the_write_and_keeps_the_previous_check
         assert r["busy"] and r["returned_after"] < r["written_after"] / 3, r
         assert r["async_step"] == BATCHES
         assert r["async_crash_raised"] and r["after_async_crash_step"] == BATCHES
+
+
+def _pickled_meta(world, ckdir):
+    """A checkpoint whose meta.pt holds a pickled object, read by every path that takes a checkpoint."""
+    import argparse
+
+    import torch
+
+    from lightning_tp import export
+
+    _fit(world, ckdir, epochs=1, layout=dict(tp=1))
+    path = os.path.join(ckdir, "last.ckpt")
+    meta = C.safe_load(os.path.join(path, C.META))
+    torch.save(dict(meta, hparams=argparse.Namespace(lr=1.0)), os.path.join(path, C.META))
+    said = {}
+    for name, read in [("ckpt_path", lambda: _fit(world, ckdir + "_again", ckpt_path=path, layout=dict(tp=1))),
+                       ("load_full", lambda: _fit(world, ckdir + "_full", layout=dict(tp=1, load_full=path))),
+                       ("consolidate", lambda: consolidate(path)),
+                       ("export", lambda: export(path, os.path.join(ckdir, "plain.safetensors")))]:
+        try:
+            read()
+            said[name] = None
+        except Exception as e:  # noqa: BLE001 - returned to the test
+            said[name] = f"{type(e).__name__}: {e}"
+    return said
+
+
+def _changed_after_async_save(world, ckdir):
+    """Weights changed in place after an asynchronous save_checkpoint returned, while its write waits: the
+    checkpoint's weights and the weights at save time."""
+    import threading
+
+    import torch
+
+    model, trainer, _ = _fit(world, ckdir, epochs=1, layout=dict(tp=1, async_save=True))
+    trainer.strategy._writer.wait()
+    at_save = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    gate, real = threading.Event(), C.dcp_io._SavePlanner.resolve_data
+
+    def gated(self, item):  # the write reads nothing until the weights have changed
+        gate.wait()
+        return real(self, item)
+
+    path = os.path.join(ckdir, "changed.ckpt")
+    with mock.patch.object(C.dcp_io._SavePlanner, "resolve_data", gated):
+        trainer.save_checkpoint(path)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+        gate.set()
+        trainer.strategy._writer.wait()
+    return dict(at_save=at_save, saved=consolidate(path))
+
+
+def _one_process(rank, world, ckdir):
+    return dict(pickled=_pickled_meta(world, ckdir + "/pickled"), changed=_changed_after_async_save(world, ckdir + "/async"))
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    return dist.run(1, _one_process, str(tmp_path_factory.mktemp("one")), timeout=300)[0]
+
+
+def test_a_meta_file_holding_objects_is_refused_with_one_message_on_every_path(one_process):
+    for name, message in one_process["pickled"].items():
+        assert message is not None and "holds objects other than tensors" in message, (name, message)
+
+
+def test_an_asynchronous_save_holds_the_weights_as_they_were_when_it_returned(one_process):
+    at_save, saved = one_process["changed"]["at_save"], one_process["changed"]["saved"]
+    assert set(saved) == set(at_save)
+    for key, value in at_save.items():
+        assert torch.equal(saved[key], value), key

@@ -12,6 +12,8 @@ SPECS = {
     "qkv_sections": ((12, 4), ShardSpec(dim=0, world=W, full=12, chunks=3)),
     "padded_vocab": ((7, 4), ShardSpec(dim=0, world=W, full=7, padded=8)),
     "copied_kv_heads": ((4, 8), ShardSpec(dim=0, world=W, full=4, sections=(2, 1, 1), replicas=(1, W, W))),
+    # a key/value head of several rows copied to both ranks: each rank's copy starts at the head's first row
+    "copied_kv_heads_rows": ((8, 3), ShardSpec(dim=0, world=W, full=8, sections=(4, 2, 2), replicas=(1, W, W))),
     "rows": ((5, 6), ShardSpec(dim=1, world=W, full=6)),
     "last_dim_chunks": ((3, 2, 6), ShardSpec(dim=2, world=W, full=6, chunks=3)),
     "whole_1d": ((6,), None),

@@ -316,21 +316,12 @@ def test_router_loss_under_a_pipeline_matches_one_process_accumulating_its_micro
         assert worst < 1e-5, (name, worst)
 
 
-GPT_MOE = dict(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32)
-BAD = {  # name: (model kwargs, strategy kwargs, expected message)
-    "ep_not_dividing_dp": (dict(GPT_MOE, n_expert=4), dict(ep=4), "ep must divide 2"),
-    "ep_not_dividing_experts": (dict(GPT_MOE, n_expert=3), dict(ep=2), "has 3 experts, which ep=2 does not divide"),
-    "no_moe_layer": (dict(GPT_MOE), dict(ep=2), "has none this project knows"),
-    "top_k_above_experts": (dict(GPT_MOE, n_expert=2, n_expert_per_token=4), dict(ep=2),
-                            "top_k=4 of 2 experts"),
-    "capacity_out_of_range": (dict(GPT_MOE, n_expert=4), dict(moe_capacity=0), "a capacity factor is a number in"),
-    "capacity_without_moe": (dict(GPT_MOE), dict(moe_capacity=1.0), "moe_capacity=1.0) applies to mixture-of-experts"),
-}
+from helpers import BAD_EXPERTS, GPT_MOE  # noqa: E402
 
-
-# a mixture-of-experts layer of no family this project knows (a user's own, undeclared): named, with the plan
-BAD["unknown_moe_layer"] = (dict(kind="custom_moe"), dict(ep=2), "moes.0 (TopKRouted), moes.1 (TopKRouted); declare "
-                            "them in a plan, e.g. plan={'styles': {'moes.*': {'style': 'experts'")
+# and a mixture-of-experts layer of no family this project knows (a user's own, undeclared): named, with the plan
+BAD = dict(BAD_EXPERTS, unknown_moe_layer=(dict(kind="custom_moe"), dict(ep=2), "moes.0 (TopKRouted), moes.1 "
+                                           "(TopKRouted); declare them in a plan, e.g. plan={'styles': {'moes.*': "
+                                           "{'style': 'experts'"))
 
 
 def _bad(rank, world):
@@ -588,3 +579,60 @@ def test_router_loss_asked_per_call_under_a_pipeline_is_refused_clearly():
             mm.load_balancing_loss_func((torch.randn(6, E),), E, K)
     finally:
         router_statistics.install(_block("mixtral"), None, 1)
+
+
+def test_router_jitter_applies_in_training_only_and_draws_as_the_block_does():
+    """Mixtral's router jitter: the replacement draws the block's noise from the same generator (the same
+    output as the block in training), none in eval."""
+    import copy
+
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+    import transformers as T
+
+    from lightning_tp.experts.families import family_of
+    from lightning_tp.experts.layer import ExpertParallelMoE
+
+    torch.manual_seed(0)
+    block = MixtralSparseMoeBlock(T.MixtralConfig(hidden_size=8, intermediate_size=12, num_experts_per_tok=2,
+                                                  num_local_experts=4, router_jitter_noise=0.3))
+    replaced = ExpertParallelMoE(copy.deepcopy(block), family_of(block), None, 1, 0)
+    still = ExpertParallelMoE(copy.deepcopy(block), family_of(block), None, 1, 0)
+    still.jitter_noise = 0.0
+    x = torch.randn(3, 5, 8)
+
+    def run(module, seed=1):
+        torch.manual_seed(seed)
+        out = module(x.clone())
+        return out[0] if isinstance(out, tuple) else out
+
+    with torch.no_grad():
+        assert torch.allclose(run(replaced), run(block), atol=1e-6, rtol=0)  # training: the block's draw
+        assert not torch.allclose(run(replaced), run(still), atol=1e-3)  # and a draw it is
+        for m in (block, replaced, still):
+            m.eval()
+        assert torch.equal(run(replaced), run(still)) and torch.allclose(run(block), run(still), atol=1e-6, rtol=0)
+
+
+def _jitter_under_tp(rank, world):
+    torch_dist.init_process_group("gloo")
+    out = {}
+    for name, layout in (("tp2", dict(tp=2)), ("tp2_sp", dict(tp=2, sp=True))):
+        model = make_model("hf_mixtral", config_kw=dict(router_jitter_noise=0.2))
+        rec = LossRecorder()
+        trainer = L.Trainer(devices=world, strategy=MegaStrategy(**layout, timeout=120), max_steps=STEPS,
+                            callbacks=[rec], **trainer_kwargs())
+        trainer.fit(model, TokenData(STEPS * BATCH, vocab_of(model), BATCH))
+        out[name] = dict(losses=rec.losses, gates={n: p.detach().clone() for n, p in model.named_parameters()
+                                                   if n.endswith("gate.weight")})
+    return out
+
+
+def test_router_jitter_draws_alike_on_the_tp_ranks_holding_the_same_tokens():
+    """Under tp the ranks of a group route the same tokens (sp: each its shard of them, the router's gradient
+    summed): their jittered routers stay bit-identical, and the jitter moves the losses off the jitter-free run."""
+    results = dist.run(2, _jitter_under_tp, timeout=300)
+    still, _, _ = reference_run("hf_mixtral", {}, STEPS, BATCH)
+    for name in ("tp2", "tp2_sp"):
+        a, b = results[0][name], results[1][name]
+        assert a["gates"] and all(torch.equal(v, b["gates"][k]) for k, v in a["gates"].items()), name
+        assert max(abs(x - y) for x, y in zip(a["losses"], still)) > 1e-4, name

@@ -592,3 +592,18 @@ def test_explain_shows_what_a_split_backward_takes_in_b():
     # a block that needs more than its hidden states (the decoder's memory): left to the first step
     rep = explain(make_model("demo_transformer"), pp=2, schedule="zb_h1", batch_shape=(B, SEQ), print_report=False)
     assert set(rep.split_in_b.values()) == {None} and "decided at the first step" in str(rep)
+
+
+def test_explain_refuses_the_expert_layouts_fit_refuses():
+    """Every bad expert layout MegaStrategy refuses (tests/helpers.py's BAD_EXPERTS, run through fit in tests/test_experts.py), explain
+    refuses with the same words (it reported 0 expert parameters and 0 all-to-all bytes for ep=2 without MoE)."""
+    from helpers import BAD_EXPERTS
+    from lightning_tp.config import ParallelConfig
+
+    for name, (model_kw, strategy_kw, message) in BAD_EXPERTS.items():
+        kw = dict(model_kw)
+        model = make_model(kw.pop("kind", "gpt"), **kw)
+        with pytest.raises(ValueError) as refused:
+            explain(model, config=ParallelConfig.resolve(**strategy_kw).with_world(2), batch_shape=(2, 16),
+                    print_report=False)
+        assert message in str(refused.value), (name, refused.value)

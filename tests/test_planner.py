@@ -75,12 +75,13 @@ def test_a_175b_plan_returns_within_a_minute_with_tp_inside_a_node():
     assert "lightning_tp plan: 1024 GPUs" in str(p) and "#1:" in str(p)
 
 
-@pytest.mark.parametrize("row", [0, 3, 6])
-def test_published_megatron_runs_within_15_percent(row):
+@pytest.mark.parametrize("row, hf_gpt2", [(0, False), (3, False), (6, False), (0, True), (6, True)])
+def test_published_megatron_runs_within_15_percent(row, hf_gpt2):
     """Megatron-LM 2021, Table 1 (1.7B at tp=1, 18.4B at tp=8, 145.6B at tp=8 x pp=8; the full table:
-    bench/plan_megatron.py): the per-GPU throughput predicted at the published layout."""
+    bench/plan_megatron.py), of the example GPT and of Hugging Face's GPT-2 (Conv1D layers): the per-GPU
+    throughput predicted at the published layout."""
     bench = _bench()
-    tflops, at, best, _ = bench.predict(bench.TABLE_1[row])
+    tflops, at, best, _ = bench.predict(bench.TABLE_1[row], hf_gpt2)
     published = bench.TABLE_1[row][-1]
     assert abs(tflops / published - 1) < 0.15, (tflops, published, at)
     assert best.tp <= 8  # the recommended tp stays inside a node
@@ -189,3 +190,56 @@ def test_backward_hides_the_share_of_dp_buckets_the_cluster_overlaps():
         assert c.stage_seconds[1] > whole  # to cover the first bucket's all-reduce, where the cluster overlaps
         assert exposed[share] == pytest.approx(whole * (last + (1 - last) * (1 - share)))
     assert exposed[1.0] < exposed[0.5] < exposed[0.0]
+
+
+def test_hf_gpt2_conv1d_blocks_read_as_the_example_gpts_linear_ones():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    with torch.device("meta"):
+        hf = GPT2LMHeadModel(GPT2Config(n_layer=4, n_head=8, n_embd=256, n_positions=512, vocab_size=1024))
+    ours = profile(_gpt(n_layer=4, n_head=8, n_embd=256, block_size=512, vocab_size=1024), 512, (1, 2))
+    theirs = profile(hf, 512, (1, 2))
+    assert theirs.hidden == ours.hidden == 256
+    assert theirs.block_flops == pytest.approx(ours.block_flops) and theirs.core_flops == ours.core_flops
+    assert plan(hf, gpus=16, global_batch=32, seq_len=512)[0].step_s > 0
+
+
+def test_tp_groups_stay_in_whole_nodes():
+    """tp=6 on 8-GPU nodes would straddle them: not a candidate, and a group that does is priced across nodes."""
+    cluster = Cluster(gpus=48, gpus_per_node=8)
+    assert cluster.link(6, 1) == cluster.link(16, 1) == (cluster.inter_node_gbps, cluster.latency_us * 1e-6)
+    assert cluster.link(4, 2)[0] == cluster.link(8, 1)[0] == cluster.intra_node_gbps
+    assert Cluster(gpus=6, gpus_per_node=8).link(6, 1)[0] == cluster.intra_node_gbps  # one node: all inside
+    p = plan(_gpt(n_layer=4, n_head=48, n_embd=768, block_size=256, vocab_size=512), gpus=48, gpus_per_node=8,
+             global_batch=48, seq_len=256)
+    assert {c.tp for c in p.fits + p.overflows} == {1, 2, 4, 8, 16}
+
+
+def test_a_model_whose_tp_plan_is_refused_is_planned_without_tp():
+    """DeepSeek-V3's config plan has styles the strategy refuses at tp > 1: the other axes are ranked, and the plan
+    says which tp sizes were left out and why."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    config = DeepseekV3Config(vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                              num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+                              num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=16,
+                              kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)
+    with torch.device("meta"):
+        model = DeepseekV3ForCausalLM(config)
+    with pytest.raises(ValueError, match="not supported yet"):
+        explain(model, tp=2, batch_shape=(1, 64), print_report=False)  # what the strategy says at tp=2
+    p = plan(model, gpus=8, global_batch=16, seq_len=64)
+    assert {c.tp for c in p.fits + p.overflows} == {1} and {c.pp for c in p.fits} >= {1, 2, 4}
+    assert len(p.left_out) == 1 and p.left_out[0].startswith("tp=2, 4 left out") and "not supported" in p.left_out[0]
+    assert p.left_out[0] in str(p)
+
+
+def test_a_plans_warning_is_said_once_per_model():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    with torch.device("meta"):
+        hf = GPT2LMHeadModel(GPT2Config(n_layer=3, n_head=4, n_embd=64, n_positions=64, vocab_size=128))
+    with pytest.warns(UserWarning) as said:
+        plan(hf, gpus=4, global_batch=8, seq_len=64)
+    norms = [str(w.message) for w in said if "norms without a style: ['transformer.ln_f']" in str(w.message)]
+    assert len(norms) == 1, norms

@@ -28,6 +28,7 @@ CASES = {
     "gpt_dp4_zero3_to_dp2_zero3": ("gpt", {}, (4, dict(zero=3)), (2, dict(zero=3))),
     "llama_tp2_to_pp2": ("hf_llama", {}, (2, dict(tp=2)), (2, PP)),  # GQA: 4 heads, 2 kv heads
     "llama_tp4_to_tp2_sp": ("hf_llama", {}, (4, dict(tp=4)), (2, dict(tp=2, sp=True))),  # kv heads copied at tp=4
+    "llama_tp2_dp2_to_tp4": ("hf_llama", {}, (4, dict(tp=2)), (4, dict(tp=4))),  # resumed into copied kv heads
     "llama_pp2_to_tp2_sp": ("hf_llama", {}, (2, PP), (2, dict(tp=2, sp=True))),
     "llama_tp2_pp2_to_one": ("hf_llama", {}, (4, dict(tp=2, **PP)), (1, {})),
     "llama_1f1b_to_interleaved": ("hf_llama", dict(layers=4), (2, PP),

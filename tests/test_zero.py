@@ -12,6 +12,8 @@ CLIP_ACCUMULATE = dict(gradient_clip_val=0.05, accumulate_grad_batches=2)  # cli
 WORLD2 = {
     "dp2_zero1": ("gpt", {}, dict(zero=1), {}),
     "dp2_zero1_clip_accumulate": ("gpt", {}, dict(zero=1), CLIP_ACCUMULATE),
+    # two param groups (decay / no decay, another lr): each steps its own slices once
+    "dp2_zero1_two_groups": ("gpt_two_groups", {}, dict(zero=1), {}),
     "dp2_zero1_bf16": ("gpt", {}, dict(zero=1), dict(precision="bf16-mixed", max_steps=10)),
     "dp2_zero1_fp16": ("gpt", {}, dict(zero=1), FP16),  # GradScaler: the ranks skip or step together
     # experts split over both dp ranks: their state stays whole on each (edp = 1); the rest is sharded
@@ -129,7 +131,8 @@ def _fit(world, zero, epochs, ckpt_path=None, save_dir=None, capture=None):
                          if save_dir else []) + ([capture] if capture else [])
     trainer = L.Trainer(devices=world, strategy=MegaStrategy(zero=zero, timeout=120), max_epochs=epochs,
                         callbacks=callbacks, limit_val_batches=0, **trainer_kwargs(enable_checkpointing=bool(save_dir)))
-    trainer.fit(make_model("gpt"), TokenData(3 * 4 * 2, 64, 4 * 2 // world), ckpt_path=ckpt_path)  # 3 steps an epoch
+    # two param groups (decay / no decay, another lr), as most LM recipes have
+    trainer.fit(make_model("gpt_two_groups"), TokenData(3 * 4 * 2, 64, 4 * 2 // world), ckpt_path=ckpt_path)  # 3 steps an epoch
     return rec.losses
 
 

@@ -49,10 +49,16 @@ class Cluster:
         """Time to stream ``nbytes`` through device memory (elementwise kernels, the optimizer)."""
         return nbytes * 8 / (self.hbm_gbps * 1e9)
 
+    def inside(self, span: int, stride: int) -> bool:
+        """Whether every group of ``span`` ranks ``stride`` apart (tp fastest) lies in one node: the groups'
+        extent divides the node (tp=6 on 8-GPU nodes straddles them), or the cluster is one node."""
+        extent = span * stride
+        return extent <= self.gpus_per_node and (self.gpus <= self.gpus_per_node or self.gpus_per_node % extent == 0)
+
     def link(self, span: int, stride: int) -> tuple:
         """(Gbit/s, latency s) of a group of ``span`` ranks ``stride`` apart (tp fastest): inside a node
-        when they all fit in one, else across nodes."""
-        inside = span * stride <= self.gpus_per_node
+        when every such group fits in one, else across nodes."""
+        inside = self.inside(span, stride)
         return (self.intra_node_gbps, self.intra_latency_us * 1e-6) if inside else (self.inter_node_gbps,
                                                                                       self.latency_us * 1e-6)
 
@@ -65,7 +71,7 @@ class Cluster:
         measured = {name: (g, lat) for name, g, lat in self.ops}
         base = op.split("_", 1)[1] if op.startswith(("tp_", "sp_", "dp_")) else op  # as the strategy runs it
         for name in (op, base):
-            if name in measured and span * stride <= self.gpus_per_node:
+            if name in measured and self.inside(span, stride):
                 gbps, latency = measured[name]
                 break
         if op == "p2p":

@@ -25,6 +25,7 @@ def format_plan(p) -> str:
     for i, c in enumerate(p.fits[:WHY]):
         parts = ", ".join(f"{k} {v:.3f}" for k, v in sorted(c.why.items(), key=lambda kv: -kv[1]) if v > 0)
         lines.append(f"#{i + 1}: {parts} s; memory headroom {cl.gpu_memory_gib - c.memory_gib:.1f} GiB")
+    lines += p.left_out
     if p.overflows:
         c = p.overflows[0]
         lines.append(f"smallest that does not fit: {_layout(c).strip()}: {c.overflow}")

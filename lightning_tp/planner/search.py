@@ -4,7 +4,7 @@ and ranked by step time; those that do not fit listed apart with what overflows.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .cluster import Cluster
 from .estimate import PRECISIONS, Candidate, estimate
@@ -23,6 +23,7 @@ class Ranking:
     fits: list
     overflows: list
     cluster: Cluster
+    left_out: list = field(default_factory=list)  # the axes the strategy refuses for this model, and why
 
     def __getitem__(self, i):
         return self.fits[i]
@@ -51,9 +52,11 @@ def _divisors(n: int) -> list:
 def candidates(prof, cluster: Cluster, global_batch: int, zeros=(0, 1), recompute=RECOMPUTE,
                tp_most: int | None = None):
     """Every (tp, sp, pp, dp, microbatch size, schedule, virtual stages, recompute, zero, ep) that divides the
-    model (heads, layers, experts) and the batch."""
+    model (heads, layers, experts) and the batch, with tp groups in whole nodes (tp dividing a node, or whole ones)."""
     most = min(cluster.gpus, tp_most or 2 * cluster.gpus_per_node)
     for t in prof.tps(most):
+        if not (cluster.inside(t, 1) or t % cluster.gpus_per_node == 0):  # tp groups would straddle nodes
+            continue
         for pp in _divisors(min(prof.layers, cluster.gpus // t)):
             if cluster.gpus % (t * pp) or prof.layers % pp:
                 continue
@@ -115,7 +118,16 @@ def plan(model, gpus: int, gpus_per_node: int = 8, gpu_memory_gib: float = 80.0,
         raise ValueError(f"plan(): nothing fits in {cluster.gpu_memory_gib:g} GiB per GPU. The smallest layout, "
                          f"{_name(over[0])}, needs {over[0].overflow}. Add GPUs or memory, or shorten "
                          f"seq_len / the global batch.")
-    return Ranking(fits, over, cluster)
+    return Ranking(fits, over, cluster, _left_out(prof.refused))
+
+
+def _left_out(refused: dict) -> list:
+    """One line per reason: the tp sizes the strategy refuses for the model, and its words."""
+    by_reason = {}
+    for t, why in sorted(refused.items()):
+        by_reason.setdefault(why, []).append(t)
+    return [f"tp={', '.join(map(str, ts))} left out (the strategy refuses it for this model): {why}"
+            for why, ts in by_reason.items()]
 
 
 def _name(c: Candidate) -> str:

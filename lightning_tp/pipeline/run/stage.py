@@ -32,6 +32,7 @@ class StageRun:
     vstage: int = 0
     activation: torch.Tensor | None = None  # received from the previous stage (None on the first)
     blocks_begun: bool = False  # the stage's first block has run (see ..cut.placeholders._check_place)
+    called_before_blocks: set = field(default_factory=set)  # another stage's modules called here before them
     # an encoder-decoder: id(tensor the user's code computed) -> (it, the received part that replaces it)
     replaced: dict = field(default_factory=dict)
     passed_through: object = None  # the hidden states the last block outside the stage handed on (see _wrap)
