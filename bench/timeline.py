@@ -18,9 +18,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 
-import dist  # noqa: E402  (tests/dist.py: torchrun-like local processes)
+import _launch as dist  # noqa: E402  (bench/_launch.py: torchrun-like local processes)
 
 STEP = 3  # the recorded step (after warm-up)
 
@@ -52,7 +51,10 @@ def main():
     parser.add_argument("--v", type=int, default=2)
     parser.add_argument("--m", type=int, default=8)
     parser.add_argument("--out", default=None, help="folder for trace.json and the two PNGs (default: a temp dir)")
+    parser.add_argument("--smoke", action="store_true", help="a tiny model, one round, a few steps: the path, no figures")
     args = parser.parse_args()
+    if args.smoke:
+        args.pp, args.v, args.m = 2, 2, 2
     from lightning_tp.pipeline.schedule.schedules import build_schedule
     from lightning_tp.pipeline.schedule.simulate import simulate
     from lightning_tp.planner import trace_png
