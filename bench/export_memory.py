@@ -81,7 +81,8 @@ def main():
         GPT2Config().save_pretrained(str(root / "hf.config"))
         print(f"model: {model['total'] / 2**20:.0f} MiB of weights, largest tensor {model['largest'] / 2**20:.0f} MiB "
               f"(the checkpoint holds AdamW's two moments besides)")
-        for what, out in (("plain", root / "plain.safetensors"), ("hf", root / "hf"), ("consolidate", root / "x")):
+        kinds = (("plain", root / "plain.safetensors"), ("hf", root / "hf"), ("consolidate", root / "x"))
+        for what, out in kinds[:1] if args.smoke else kinds:  # --smoke: one measuring process
             got = subprocess.run([sys.executable, "-c", MEASURE, ckpt, what, str(out)], capture_output=True,
                                  text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
             if got.returncode:

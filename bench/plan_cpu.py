@@ -89,6 +89,8 @@ def spearman(xs, ys) -> float:
     rank = lambda v: {i: r for r, i in enumerate(sorted(range(len(v)), key=lambda i: v[i]))}  # noqa: E731
     rx, ry = rank(xs), rank(ys)
     n = len(xs)
+    if n < 2:  # --smoke: one layout, no order to compare
+        return float("nan")
     return 1 - 6 * sum((rx[i] - ry[i]) ** 2 for i in range(n)) / (n * (n * n - 1))
 
 
@@ -105,8 +107,8 @@ def main():
     worlds = (1, 2)
     if args.experts:
         LAYOUTS.update(EP_LAYOUTS)
-    if args.smoke:  # one process: its layouts only (a GPT of 2 layers, width 32)
-        args.width, args.layers, args.steps, args.rounds, worlds = 32, 2, WARMUP + 1, 1, (1,)
+    if args.smoke:  # one process: its layouts only (a GPT of 3 layers, the planner's least, width 32)
+        args.width, args.layers, args.steps, args.rounds, args.flops, worlds = 32, 3, WARMUP + 1, 1, True, (1,)
         for name in [n for n, (w, _) in LAYOUTS.items() if w not in worlds]:
             del LAYOUTS[name]
     from examples.gpt.model import GPT, GPTConfig

@@ -24,7 +24,7 @@ import _launch as dist  # noqa: E402  (bench/_launch.py: torchrun-like local pro
 STEP = 3  # the recorded step (after warm-up)
 
 
-def work(rank, world, pp, v, m, path):
+def work(rank, world, pp, v, m, path, width=256):
     import warnings
 
     import lightning as L
@@ -41,7 +41,7 @@ def work(rank, world, pp, v, m, path):
                         strategy=MegaStrategy(pp=pp, microbatches=m, schedule=schedule, virtual_stages=v,
                                               split_backward=False, timeout=300),
                         callbacks=[PipelineTimeline(path, steps=(STEP,))])
-    trainer.fit(LitGPT(n_layer=2 * pp * v, n_head=4, n_embd=256, block_size=64),
+    trainer.fit(LitGPT(n_layer=2 * pp * v, n_head=4, n_embd=width, block_size=64),
                 ShakespeareData(block_size=64, batch_size=2 * m))
 
 
@@ -55,6 +55,7 @@ def main():
     args = parser.parse_args()
     if args.smoke:
         args.pp, args.v, args.m = 2, 2, 2
+    width = 32 if args.smoke else 256
     from lightning_tp.pipeline.schedule.schedules import build_schedule
     from lightning_tp.pipeline.schedule.simulate import simulate
     from lightning_tp.planner import trace_png
@@ -63,7 +64,7 @@ def main():
     out = Path(args.out or tempfile.mkdtemp())
     out.mkdir(parents=True, exist_ok=True)
     trace = out / f"measured_pp{args.pp}_v{args.v}.json"
-    dist.run(args.pp, work, args.pp, args.v, args.m, str(trace), timeout=900)
+    dist.run(args.pp, work, args.pp, args.v, args.m, str(trace), width, timeout=900)
     trace_png(trace, out / f"measured_pp{args.pp}_v{args.v}.png")
     events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X" and e["tid"] == 0]
     f = statistics.median(e["dur"] for e in events if e["name"] == "F")

@@ -25,6 +25,9 @@ import sys
 import time
 from pathlib import Path
 
+if "MALLOC_MMAP_THRESHOLD_" not in os.environ and __name__ == "__main__":  # see above; before the imports below
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(1 << 16)
+    os.execv(sys.executable, [sys.executable] + sys.argv)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
@@ -76,9 +79,6 @@ def held(blocks: nn.Module, x0: torch.Tensor, g: torch.Tensor) -> tuple:
 
 
 def main():
-    if "MALLOC_MMAP_THRESHOLD_" not in os.environ:  # see the module's doc
-        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(1 << 16)
-        os.execv(sys.executable, [sys.executable] + sys.argv)
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--width", type=int, default=256)
