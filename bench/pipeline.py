@@ -6,7 +6,7 @@ the ideal step time of every schedule is known exactly from ``simulate()`` and t
 not matter (sleeping processes do not compete). Each block also multiplies a 64x256 fp32 activation
 by a learnable vector, so gradients flow and every saved activation has a known size (64 KiB).
 
-One launch of 4 local processes (as in tests/dist.py) runs, for m in (8, 16): our MegaStrategy(pp=4)
+One launch of 4 local processes (bench/_launch.py) runs, for m in (8, 16): our MegaStrategy(pp=4)
 inside a real Lightning Trainer for each schedule (a plain name: split_backward=False, the textbook
 schedule; "+drain": what the default picks, see SCHEDULES), torch's Schedule1F1B and ScheduleInterleaved1F1B
 on the same blocks in a plain loop and inside the same Trainer, a calibration of the model's own
