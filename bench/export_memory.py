@@ -20,7 +20,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 
 MEASURE = r"""
 import json, resource, sys, torch
@@ -67,8 +66,11 @@ def main():
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--keep", help="write the checkpoint here and keep it")
+    parser.add_argument("--smoke", action="store_true", help="a tiny model, one round, a few steps: the path, no figures")
     args = parser.parse_args()
-    import dist
+    if args.smoke:
+        args.vocab, args.width, args.layers = 256, 32, 2
+    import _launch as dist
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(args.keep or tmp)
@@ -79,7 +81,8 @@ def main():
         GPT2Config().save_pretrained(str(root / "hf.config"))
         print(f"model: {model['total'] / 2**20:.0f} MiB of weights, largest tensor {model['largest'] / 2**20:.0f} MiB "
               f"(the checkpoint holds AdamW's two moments besides)")
-        for what, out in (("plain", root / "plain.safetensors"), ("hf", root / "hf"), ("consolidate", root / "x")):
+        kinds = (("plain", root / "plain.safetensors"), ("hf", root / "hf"), ("consolidate", root / "x"))
+        for what, out in kinds[:1] if args.smoke else kinds:  # --smoke: one measuring process
             got = subprocess.run([sys.executable, "-c", MEASURE, ckpt, what, str(out)], capture_output=True,
                                  text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
             if got.returncode:

@@ -90,6 +90,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default="", help="comma-separated op names (prefix match)")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
+    ap.add_argument("--smoke", action="store_true", help="a tiny model, one round, a few steps: the path, no figures")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench/kernels.py needs a CUDA GPU (none found); nothing to measure.")

@@ -7,22 +7,20 @@ tokens each expert got in the last step. Usage: python bench/moe.py [--steps 20 
 """
 
 import argparse
-import os
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 
-from bench.overhead import StepTimer  # noqa: E402
+import _launch as dist  # noqa: E402  (bench/_launch.py: torchrun-like local processes)
 from examples.gpt.lit import LitGPT, ShakespeareData  # noqa: E402
 from lightning_tp import MegaStrategy, comm  # noqa: E402
 from lightning_tp.explain import explain  # noqa: E402
+from lightning_tp.planner.calibrate import step_times  # noqa: E402
 
 MODEL = dict(n_layer=4, n_embd=128, block_size=64, n_expert=8, n_expert_per_token=2)
 BATCH, WARMUP = 16, 3
@@ -46,16 +44,16 @@ class TokensPerExpert(L.Callback):
             self._handle = moe.gate.register_forward_hook(hook)
 
 
-def _fit(ep: int, steps: int, world: int):
+def _fit(ep: int, steps: int, world: int, model_args: dict):
     L.seed_everything(0, verbose=False)
-    timer, tokens = StepTimer(), TokensPerExpert()
+    timer, tokens = step_times(), TokensPerExpert()
     strategy = MegaStrategy(ep=ep, timeout=300)
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=steps,
                         callbacks=[timer, tokens], logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, limit_val_batches=0)
-    model = LitGPT(**MODEL)
+    model = LitGPT(**model_args)
     with comm.count_collectives() as records:
-        trainer.fit(model, ShakespeareData(block_size=MODEL["block_size"], batch_size=BATCH))
+        trainer.fit(model, ShakespeareData(block_size=model_args["block_size"], batch_size=BATCH))
     a2a = sum(n * (8 if op == "all_to_all_counts" else 4) for op, n, g in records if op.startswith("all_to_all"))
     experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     state = sum(t.numel() * t.element_size() for s in trainer.optimizers[0].state.values()
@@ -63,10 +61,7 @@ def _fit(ep: int, steps: int, world: int):
     return dict(times=timer.times[WARMUP:], a2a=a2a / steps, experts=experts, state=state, tokens=tokens.counts)
 
 
-def _worker(rank, world, port, steps, rounds, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),
-                      LOCAL_RANK=str(rank), NODE_RANK="0")
-    torch.set_num_threads(1)
+def _worker(rank, world, steps, rounds, model_args):
     import lightning.pytorch.utilities.rank_zero as rz
     import logging
 
@@ -75,31 +70,28 @@ def _worker(rank, world, port, steps, rounds, out):
     results = {1: [], 2: []}
     for _ in range(rounds):
         for ep in (1, 2):
-            results[ep].append(_fit(ep, steps, world))
-    torch.save(results, os.path.join(out, f"{rank}.pt"))
+            results[ep].append(_fit(ep, steps, world, model_args))
+    return results
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--smoke", action="store_true", help="a tiny model, one round, a few steps: the path, no figures")
     args = parser.parse_args()
+    model_args = dict(MODEL)
+    if args.smoke:
+        args.steps, args.rounds = WARMUP + 2, 1
+        model_args.update(n_layer=1, n_embd=32, block_size=16)
     world = 2
-    with tempfile.TemporaryDirectory() as out:
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        mp.start_processes(_worker, args=(world, port, args.steps, args.rounds, out), nprocs=world,
-                           start_method="spawn")
-        ranks = [torch.load(os.path.join(out, f"{r}.pt"), weights_only=True) for r in range(world)]
+    ranks = dist.run(world, _worker, args.steps, args.rounds, model_args, timeout=3600)
     median = {ep: statistics.median(t for r in ranks for run in r[ep] for t in run["times"]) for ep in (1, 2)}
     per_round = [statistics.median(ranks[0][2][i]["times"]) / statistics.median(ranks[0][1][i]["times"])
                  for i in range(args.rounds)]
-    est = explain(LitGPT(**MODEL), dp=world, ep=2, batch_shape=(BATCH, MODEL["block_size"]), print_report=False)
+    est = explain(LitGPT(**model_args), dp=world, ep=2, batch_shape=(BATCH, model_args["block_size"]), print_report=False)
     counted = sum(r[2][-1]["a2a"] for r in ranks)
-    print(f"example GPT MoE: {MODEL}, batch {BATCH} per rank, {world} processes (dp={world})")
+    print(f"example GPT MoE: {model_args}, batch {BATCH} per rank, {world} processes (dp={world})")
     print(f"step time ep=2 / ep=1 (median): {median[2] / median[1]:.3f}   per round (rank 0): "
           + ", ".join(f"{x:.3f}" for x in per_round))
     print(f"median step: ep=1 {median[1] * 1e3:.1f} ms, ep=2 {median[2] * 1e3:.1f} ms")

@@ -6,7 +6,7 @@ the ideal step time of every schedule is known exactly from ``simulate()`` and t
 not matter (sleeping processes do not compete). Each block also multiplies a 64x256 fp32 activation
 by a learnable vector, so gradients flow and every saved activation has a known size (64 KiB).
 
-One launch of 4 local processes (as in tests/dist.py) runs, for m in (8, 16): our MegaStrategy(pp=4)
+One launch of 4 local processes (bench/_launch.py) runs, for m in (8, 16): our MegaStrategy(pp=4)
 inside a real Lightning Trainer for each schedule (a plain name: split_backward=False, the textbook
 schedule; "+drain": what the default picks, see SCHEDULES), torch's Schedule1F1B and ScheduleInterleaved1F1B
 on the same blocks in a plain loop and inside the same Trainer, a calibration of the model's own
@@ -43,10 +43,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "bench"))
 
-import dist  # noqa: E402  (tests/dist.py: torchrun-like local processes)
+import _launch as dist  # noqa: E402  (bench/_launch.py: torchrun-like local processes)
 from _pipeline_model import ROWS, WIDTH, parts, worker  # noqa: E402
 
 from lightning_tp.pipeline.schedule.landed import landed_after  # noqa: E402
@@ -546,7 +545,7 @@ def side_by_side(get, measured, models, ideal_by_m):
 
 
 def main():
-    global TF, TB, MS, BLOCKS, ROUNDS
+    global TF, TB, MS, BLOCKS, ROUNDS, WARMUP, MEASURED
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--block-ms", type=float, default=TF * 1e3,
                         help="forward cost of one block in ms (backward: twice that); the executor's cost per "
@@ -563,7 +562,10 @@ def main():
                              "returning both gradients (as flash attention, fused kernels), run on 1F1B and "
                              "interleaved 1F1B, default and textbook, next to torch's")
     parser.add_argument("--rounds", type=int, default=ROUNDS, help="times every run is repeated, interleaved")
+    parser.add_argument("--smoke", action="store_true", help="a tiny model, one round, a few steps: the path, no figures")
     args = parser.parse_args()
+    if args.smoke:  # 1 ms blocks, m=4, one round, 1 + 2 steps a run
+        args.block_ms, args.microbatches, args.rounds, WARMUP, MEASURED = 1.0, "4", 1, 1, 2
     MS = tuple(int(x) for x in args.microbatches.split(","))
     BLOCKS, ROUNDS = args.blocks, args.rounds
     if BLOCKS == "fused":

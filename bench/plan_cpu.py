@@ -19,12 +19,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 
-import dist  # noqa: E402  (tests/dist.py: torchrun-like local processes)
+import _launch as dist  # noqa: E402  (bench/_launch.py: torchrun-like local processes)
 
 SEQ, BATCH, WARMUP = 64, 16, 3
 PP2 = dict(pp=2, split_backward=False)
@@ -90,6 +89,8 @@ def spearman(xs, ys) -> float:
     rank = lambda v: {i: r for r, i in enumerate(sorted(range(len(v)), key=lambda i: v[i]))}  # noqa: E731
     rx, ry = rank(xs), rank(ys)
     n = len(xs)
+    if n < 2:  # --smoke: one layout, no order to compare
+        return float("nan")
     return 1 - 6 * sum((rx[i] - ry[i]) ** 2 for i in range(n)) / (n * (n * n - 1))
 
 
@@ -101,14 +102,20 @@ def main():
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--flops", action="store_true", help="compute from FLOP rates, not the blocks timed here")
     parser.add_argument("--experts", type=int, default=0, help="a mixture-of-experts GPT (and ep=2 layouts)")
+    parser.add_argument("--smoke", action="store_true", help="a tiny model, one round, a few steps: the path, no figures")
     args = parser.parse_args()
+    worlds = (1, 2)
     if args.experts:
         LAYOUTS.update(EP_LAYOUTS)
+    if args.smoke:  # one process: its layouts only (a GPT of 3 layers, the planner's least, width 32)
+        args.width, args.layers, args.steps, args.rounds, args.flops, worlds = 32, 3, WARMUP + 1, 1, True, (1,)
+        for name in [n for n, (w, _) in LAYOUTS.items() if w not in worlds]:
+            del LAYOUTS[name]
     from examples.gpt.model import GPT, GPTConfig
     from lightning_tp.planner import plan
     from lightning_tp.planner.calibrate import calibrate
 
-    clusters = {w: calibrate(w) for w in (1, 2)}
+    clusters = {w: calibrate(w) for w in worlds}
     print("calibrated:", {w: (round(c.peak_tflops * 1e3), round(c.gemm_half_gflop, 4), round(c.hbm_gbps),
                               round(c.intra_node_gbps, 1), round(c.latency_us), round(c.compute_slowdown, 2),
                               round(c.optimizer_s_per_param * 1e9, 2)) for w, c in clusters.items()},
@@ -116,9 +123,9 @@ def main():
     with torch.device("meta"):
         model = GPT(GPTConfig(n_layer=args.layers, n_head=4, n_embd=args.width, block_size=SEQ, n_expert=args.experts))
     rankings = {w: plan(model, gpus=w, cluster=clusters[w], global_batch=BATCH, seq_len=SEQ, precision="32-true",
-                        zeros=(0, 1), timed=not args.flops) for w in (1, 2)}
+                        zeros=(0, 1), timed=not args.flops) for w in worlds}
     measured = {}
-    for world in (1, 2):
+    for world in worlds:
         names = [n for n, (w, _) in LAYOUTS.items() if w == world]
         measured.update(dist.run(world, measure, names, args.width, args.layers, args.steps, args.rounds,
                                  args.experts, timeout=3600)[0])

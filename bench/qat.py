@@ -73,7 +73,10 @@ def main() -> None:
     ap.add_argument("--n-embd", type=int, default=128)
     ap.add_argument("--n-layer", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--smoke", action="store_true", help="a tiny model, one round, a few steps: the path, no figures")
     args = ap.parse_args()
+    if args.smoke:
+        args.steps, args.qat_steps, args.calib_batches, args.n_embd, args.n_layer = 4, 2, 1, 32, 1
     warnings.filterwarnings("ignore")
 
     data = ShakespeareData(block_size=64, batch_size=16)

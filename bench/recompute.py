@@ -21,9 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 
-from bench.overhead import StepTimer  # noqa: E402
 from examples.gpt.lit import LitGPT, ShakespeareData  # noqa: E402
 from lightning_tp import MegaStrategy  # noqa: E402
+from lightning_tp.planner.calibrate import step_times  # noqa: E402
 
 STEPS, WARMUP, ROUNDS = 30, 5, 3
 CHOICES = (False, True, 2, "selective")
@@ -72,13 +72,16 @@ def main():
     parser.add_argument("--dropout", type=float, default=0.0)
     parser.add_argument("--rounds", type=int, default=ROUNDS)
     parser.add_argument("--steps", type=int, default=STEPS, help=f"per fit; the first {WARMUP} are not timed")
+    parser.add_argument("--smoke", action="store_true", help="a tiny model, one round, a few steps: the path, no figures")
     args = parser.parse_args()
+    if args.smoke:
+        args.width, args.heads, args.seq, args.batch, args.rounds, args.steps = 32, 2, 16, 2, 1, WARMUP + 2
     torch.set_num_threads(1)
     saved = {c: sum(fit(c, 2, SavedBytes(), args).per_step[-1].values()) for c in CHOICES}
     times = {c: [] for c in CHOICES}
     for _ in range(args.rounds):
         for c in CHOICES:
-            times[c] += fit(c, args.steps, StepTimer(), args).times[WARMUP:]
+            times[c] += fit(c, args.steps, step_times(), args).times[WARMUP:]
     base_t, base_m = statistics.median(times[False]), saved[False]
     print(f"example GPT (4 blocks, width {args.width}, {args.heads} heads, batch {args.batch} x {args.seq} tokens, "
           f"dropout {args.dropout}, fp32, 1 CPU thread), MegaStrategy(tp=1, pp=1); 5as/h = "

@@ -18,14 +18,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 
-import dist  # noqa: E402  (tests/dist.py: torchrun-like local processes)
+import _launch as dist  # noqa: E402  (bench/_launch.py: torchrun-like local processes)
 
 STEP = 3  # the recorded step (after warm-up)
 
 
-def work(rank, world, pp, v, m, path):
+def work(rank, world, pp, v, m, path, width=256):
     import warnings
 
     import lightning as L
@@ -42,7 +41,7 @@ def work(rank, world, pp, v, m, path):
                         strategy=MegaStrategy(pp=pp, microbatches=m, schedule=schedule, virtual_stages=v,
                                               split_backward=False, timeout=300),
                         callbacks=[PipelineTimeline(path, steps=(STEP,))])
-    trainer.fit(LitGPT(n_layer=2 * pp * v, n_head=4, n_embd=256, block_size=64),
+    trainer.fit(LitGPT(n_layer=2 * pp * v, n_head=4, n_embd=width, block_size=64),
                 ShakespeareData(block_size=64, batch_size=2 * m))
 
 
@@ -52,7 +51,11 @@ def main():
     parser.add_argument("--v", type=int, default=2)
     parser.add_argument("--m", type=int, default=8)
     parser.add_argument("--out", default=None, help="folder for trace.json and the two PNGs (default: a temp dir)")
+    parser.add_argument("--smoke", action="store_true", help="a tiny model, one round, a few steps: the path, no figures")
     args = parser.parse_args()
+    if args.smoke:
+        args.pp, args.v, args.m = 2, 2, 2
+    width = 32 if args.smoke else 256
     from lightning_tp.pipeline.schedule.schedules import build_schedule
     from lightning_tp.pipeline.schedule.simulate import simulate
     from lightning_tp.planner import trace_png
@@ -61,7 +64,7 @@ def main():
     out = Path(args.out or tempfile.mkdtemp())
     out.mkdir(parents=True, exist_ok=True)
     trace = out / f"measured_pp{args.pp}_v{args.v}.json"
-    dist.run(args.pp, work, args.pp, args.v, args.m, str(trace), timeout=900)
+    dist.run(args.pp, work, args.pp, args.v, args.m, str(trace), width, timeout=900)
     trace_png(trace, out / f"measured_pp{args.pp}_v{args.v}.png")
     events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X" and e["tid"] == 0]
     f = statistics.median(e["dur"] for e in events if e["name"] == "F")

@@ -25,6 +25,9 @@ import sys
 import time
 from pathlib import Path
 
+if "MALLOC_MMAP_THRESHOLD_" not in os.environ and __name__ == "__main__":  # see above; before the imports below
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(1 << 16)
+    os.execv(sys.executable, [sys.executable] + sys.argv)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
@@ -76,28 +79,29 @@ def held(blocks: nn.Module, x0: torch.Tensor, g: torch.Tensor) -> tuple:
 
 
 def main():
-    if "MALLOC_MMAP_THRESHOLD_" not in os.environ:  # see the module's doc
-        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(1 << 16)
-        os.execv(sys.executable, [sys.executable] + sys.argv)
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--smoke", action="store_true", help="a tiny model, one round, a few steps: the path, no figures")
     args = parser.parse_args()
+    rounds, reps = ROUNDS, REPS
+    if args.smoke:
+        args.layers, args.width, args.batch, args.seq, rounds, reps = 1, 32, 2, 16, 1, 1
     stages = {mode: stage(mode, args.layers, args.width) for mode in MODES}
     x0, g = torch.randn(args.batch, args.seq, args.width), torch.randn(args.batch, args.seq, args.width)
     times = {mode: [] for mode in MODES}
-    for _ in range(ROUNDS):
+    for _ in range(rounds):
         for mode in MODES:
-            for i in range(WARMUP + REPS):
+            for i in range(WARMUP + reps):
                 dt = step(stages[mode], x0, g)
                 if i >= WARMUP:
                     times[mode].append(dt)
     memory = {mode: held(stages[mode], x0, g) for mode in MODES}
     base = statistics.median(times["no recompute"])
     print(f"{args.layers} blocks of width {args.width}, microbatch {args.batch} x {args.seq}; "
-          f"forward + B + W, median of {ROUNDS * REPS}:")
+          f"forward + B + W, median of {rounds * reps}:")
     for mode in MODES:
         f, b = (n / 2**20 for n in memory[mode])
         print(f"  {mode:17s} {statistics.median(times[mode]) * 1e3:8.1f} ms   x{statistics.median(times[mode]) / base:.3f}"

@@ -34,12 +34,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 
-import dist  # noqa: E402  (tests/dist.py: torchrun-like local processes)
+import _launch as dist  # noqa: E402  (bench/_launch.py: torchrun-like local processes)
 from examples.gpt.lit import LitGPT, ShakespeareData  # noqa: E402
 from lightning_tp import MegaStrategy  # noqa: E402
 from lightning_tp.local_shards import local  # noqa: E402
@@ -314,7 +313,10 @@ def main():
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--bucket-mib", type=float, default=None,
                         help="gradient buckets of this size for both (default: the library's, 25 MiB)")
+    parser.add_argument("--smoke", action="store_true", help="a tiny model, one round, a few steps: the path, no figures")
     args = parser.parse_args()
+    if args.smoke:  # dp=2, the GPT only, one round of WARMUP + 2 steps
+        args.dp, args.models, args.steps, args.rounds = "2", "gpt", WARMUP + 2, 1
     models = args.models.split(",")
     zeros = tuple(sorted({0} | set(map(int, args.zero.split(",")))))
     torch.set_num_threads(1)
