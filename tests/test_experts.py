@@ -592,12 +592,25 @@ def test_router_jitter_applies_in_training_only_and_draws_as_the_block_does():
     from lightning_tp.experts.families import family_of
     from lightning_tp.experts.layer import ExpertParallelMoE
 
+    from lightning_tp.experts.fused import expert_parallel_experts
+
     torch.manual_seed(0)
     block = MixtralSparseMoeBlock(T.MixtralConfig(hidden_size=8, intermediate_size=12, num_experts_per_tok=2,
                                                   num_local_experts=4, router_jitter_noise=0.3))
-    replaced = ExpertParallelMoE(copy.deepcopy(block), family_of(block), None, 1, 0)
-    still = ExpertParallelMoE(copy.deepcopy(block), family_of(block), None, 1, 0)
-    still.jitter_noise = 0.0
+    with torch.no_grad():  # transformers 5 leaves a bare block's 3-D expert weights uninitialized
+        for p in block.parameters():
+            p.normal_(0, 0.3)
+
+    def replacement(jitter: float):
+        if family_of(block).fused:  # transformers 5: the block (its jitter) stays, its experts are dispatched
+            new = copy.deepcopy(block)
+            expert_parallel_experts(new.experts, None, 1, 0)
+        else:
+            new = ExpertParallelMoE(copy.deepcopy(block), family_of(block), None, 1, 0)
+        new.jitter_noise = jitter
+        return new
+
+    replaced, still = replacement(0.3), replacement(0.0)
     x = torch.randn(3, 5, 8)
 
     def run(module, seed=1):
