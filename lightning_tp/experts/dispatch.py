@@ -4,6 +4,7 @@ router weights. Works unchanged on one process (no exchange)."""
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -81,8 +82,9 @@ def dispatch(x: torch.Tensor, expert_idx: torch.Tensor, num_experts: int, group=
     counts, recv_counts = counts.view(ep, local), recv_counts.view(ep, local)
     send, recv = counts.sum(1).tolist(), recv_counts.sum(1).tolist()
     received = all_to_all(rows, send, recv, group)
-    starts = torch.cumsum(recv_counts.reshape(-1), 0) - recv_counts.reshape(-1)
-    chunks = [torch.arange(int(starts[s * local + e]), int(starts[s * local + e] + recv_counts[s, e]))
+    sizes = recv_counts.reshape(-1).tolist()  # one device-to-host read for every (source rank, expert) run
+    starts = [0, *itertools.accumulate(sizes)]
+    chunks = [torch.arange(starts[s * local + e], starts[s * local + e] + sizes[s * local + e])
               for e in range(local) for s in range(ep)]
     regroup = torch.cat(chunks).to(x.device) if chunks else torch.zeros(0, dtype=torch.long, device=x.device)
     return received[regroup], recv_counts.sum(0).tolist(), Dispatched(order, send, recv, regroup, n, k)
