@@ -208,9 +208,9 @@ class ShapeOnly(PipelinePlaceholder):
 
     def forward(self, *args, **kwargs):
         if self.stage is not None:
+            _check_place(self, self.stage)
             if not self.stage.run.blocks_begun:
                 self.stage.run.called_before_blocks.add(self.skipped)
-            _check_place(self, self.stage)
         return stand_in_output(self._twin[0], args, kwargs)
 
 
@@ -219,7 +219,7 @@ def _check_place(placeholder: "ShapeOnly", stage) -> None:
     wrong end of the pipeline). See docs/design/pipeline-cut.md."""
     run = stage.run
     wrong = {"after": run.vstage == 0, "before": run.vstage == stage.last_vstage and run.blocks_begun}
-    if wrong.get(placeholder.runs_in) and placeholder.skipped in run.called_before_blocks:
+    if wrong.get(placeholder.runs_in) and run.blocks_begun and placeholder.skipped in run.called_before_blocks:
         raise ValueError(f"pipeline: {placeholder.skipped} ran before the blocks and again after them: the step calls "
                          f"the model's forward more than once (generate(), or a loop over the model), which a pipeline "
                          f"cannot run. Under pp a training, validation, test or predict step (trainer.predict) may "
