@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from . import recompute
+from .context.checks import check_context_parallel
 from .kernels.inject import kernel_names
 from .mesh import data_parallel_size
 from .pipeline.schedule.schedules import build_schedule, resolve_split_backward
@@ -37,6 +38,8 @@ class ParallelConfig:
     tp: int = 1
     pp: int = 1
     sp: bool = False
+    cp: int = 1
+    cp_attention: str = "ring"
     dp: Optional[int] = None
     ep: int = 1
     moe_capacity: Optional[float] = None
@@ -66,14 +69,16 @@ class ParallelConfig:
                 stage_layers=None, activation_checkpointing=False, zb_keep_recomputed: bool = False,
                 p2p: str = "auto", kernels=False, quant: Optional[str] = None, quant_range: str = "ema",
                 load_full: Optional[str] = None, plan: Any = "auto", sync_init: bool = True,
-                broadcast_batch: bool = True, world_size: Optional[int] = None) -> "ParallelConfig":
+                broadcast_batch: bool = True, world_size: Optional[int] = None, cp: int = 1,
+                cp_attention: str = "ring") -> "ParallelConfig":
         """Check every option (the same errors on every rank, before any process group) and fill the
         defaults; ``sp`` without tp > 1 becomes False (MegaStrategy warns about it)."""
         data_parallel_size(tp * pp if isinstance(tp, int) and isinstance(pp, int) else 1, tp, pp)  # types
         microbatches = microbatches if microbatches is not None else pp
-        for name, value in (("microbatches", microbatches), ("virtual_stages", virtual_stages), ("ep", ep)):
+        for name, value in (("microbatches", microbatches), ("virtual_stages", virtual_stages), ("ep", ep), ("cp", cp)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"MegaStrategy({name}={value!r}): {name} must be a positive integer.")
+        check_context_parallel(cp, cp_attention, ep=ep, zero=zero, broadcast_batch=broadcast_batch)
         if p2p not in P2P_MODES:
             raise ValueError(f"MegaStrategy(p2p={p2p!r}): choose 'auto', 'eager' or 'batched'.")
         if moe_capacity is not None and (isinstance(moe_capacity, bool) or not isinstance(moe_capacity, (int, float))
@@ -100,7 +105,7 @@ class ParallelConfig:
         recompute.check_option(activation_checkpointing, quant, schedule if pipelined else None,
                                zb_keep_recomputed, split_default)
         selective = activation_checkpointing == "selective"
-        config = cls(tp=tp, pp=pp, sp=bool(sp) and tp > 1, ep=ep, moe_capacity=moe_capacity, zero=zero,
+        config = cls(tp=tp, pp=pp, sp=bool(sp) and tp > 1, cp=cp, cp_attention=cp_attention, ep=ep, moe_capacity=moe_capacity, zero=zero,
                      microbatches=microbatches, schedule=schedule,
                      virtual_stages=virtual_stages, split_backward=split_backward, pipeline_blocks=pipeline_blocks,
                      stage_layers=tuple(stage_layers) if stage_layers is not None else None,
@@ -112,7 +117,7 @@ class ParallelConfig:
     def with_world(self, world_size: int) -> "ParallelConfig":
         """The same options with dp set from the world size (an error saying what to set if tp*pp does not
         divide it, or ep the data-parallel size)."""
-        dp = data_parallel_size(world_size, self.tp, self.pp)
+        dp = data_parallel_size(world_size, self.tp, self.pp, self.cp)
         if dp % self.ep:
             raise ValueError(f"MegaStrategy(ep={self.ep}) splits the experts over ep of the {dp} data-parallel ranks "
                              f"(world {world_size} / (tp={self.tp} x pp={self.pp})): ep must divide {dp}. Change ep, "
@@ -126,7 +131,7 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> Optional[int]:
-        return None if self.dp is None else self.tp * self.pp * self.dp
+        return None if self.dp is None else self.tp * self.cp * self.pp * self.dp
 
     def for_model(self, hf_recompute: bool, encoder_decoder: bool) -> ModelChoices:
         """The choices that depend on the model: ``hf_recompute`` (Hugging Face gradient checkpointing on,

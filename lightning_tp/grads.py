@@ -101,7 +101,7 @@ def sync_gradients(params, mesh, dp_overlap=None, repeated: bool = False, zero=(
             and not is_sharded(p)]  # zero=3: FSDP2 reduce-scattered them in the backward
     for z in zero:
         z.reduce_scatter()
-    average_over_dp([p for p in left if not marks_of(p).expert], mesh.dp_group, 1.0 / mesh.dp)
+    average_over_dp([p for p in left if not marks_of(p).expert], mesh.dp_group, 1.0 / mesh.replicas)
     # an expert's gradient already sums its ep group's tokens: summed over the ranks holding it, over dp
     experts = [p for p in left if marks_of(p).expert]
     if experts:

@@ -1,5 +1,6 @@
-"""Process groups for tensor (tp), data (dp) and pipeline (pp) parallelism, tp fastest, then dp, then
-pp: ``global_rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank``. See docs/design/strategy.md."""
+"""Process groups for tensor (tp), context (cp), data (dp) and pipeline (pp) parallelism, tp fastest, then
+cp, dp, pp: ``global_rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank``. See
+docs/design/strategy.md and docs/context-parallel.md."""
 
 from __future__ import annotations
 
@@ -17,16 +18,17 @@ def _positive_int(name: str, value) -> int:
     return value
 
 
-def data_parallel_size(world_size: int, tp: int = 1, pp: int = 1) -> int:
-    """dp = world // (tp * pp), with an error that says what to set when it does not divide."""
-    tp, pp = _positive_int("tp", tp), _positive_int("pp", pp)
-    if world_size % (tp * pp) != 0:
+def data_parallel_size(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1) -> int:
+    """dp = world // (tp * cp * pp), with an error that says what to set when it does not divide."""
+    tp, pp, cp = _positive_int("tp", tp), _positive_int("pp", pp), _positive_int("cp", cp)
+    if world_size % (tp * pp * cp) != 0:
+        names = "tp*pp" if cp == 1 else "tp*cp*pp"
         raise ValueError(
-            f"MegaStrategy(tp={tp}, pp={pp}) needs a world size divisible by tp*pp={tp * pp}, but the run has "
-            f"{world_size} processes (devices x num_nodes). Set devices/num_nodes to a multiple of {tp * pp} "
-            f"or change tp/pp."
+            f"MegaStrategy(tp={tp}, pp={pp}{'' if cp == 1 else f', cp={cp}'}) needs a world size divisible by "
+            f"{names}={tp * pp * cp}, but the run has {world_size} processes (devices x num_nodes). Set "
+            f"devices/num_nodes to a multiple of {tp * pp * cp} or change {names.replace('*', '/')}."
         )
-    return world_size // (tp * pp)
+    return world_size // (tp * pp * cp)
 
 
 @dataclass
@@ -38,10 +40,13 @@ class ParallelMesh:
     pp: int = 1
     dp: int = 1
     rank: int = 0
+    cp: int = 1  # context parallel: the ranks that each hold two chunks of every sequence
     tp_group: Optional[dist.ProcessGroup] = None
-    dp_group: Optional[dist.ProcessGroup] = None
+    dp_group: Optional[dist.ProcessGroup] = None  # the parameters' replicas: dp x cp ranks (dp when cp = 1)
+    cp_group: Optional[dist.ProcessGroup] = None
+    replica_group: Optional[dist.ProcessGroup] = None  # tp x cp x pp: the ranks that train on one batch
     pp_group: Optional[dist.ProcessGroup] = None
-    mp_group: Optional[dist.ProcessGroup] = None  # tp x pp: one full copy of the model
+    mp_group: Optional[dist.ProcessGroup] = None  # tp x pp: one full copy of the model (per cp rank)
     emb_group: Optional[dist.ProcessGroup] = None  # first + last stage: tied input/output embeddings
     emb_ranks: tuple = ()  # the pp ranks of emb_group when not (0, pp - 1) (see use_tied_ranks)
     ep: int = 1  # expert parallel: the dp ranks ep_rank = dp_rank % ep split each layer's experts
@@ -56,19 +61,32 @@ class ParallelMesh:
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
 
     @property
     def tp_rank(self) -> int:
         return self.rank % self.tp
 
     @property
+    def cp_rank(self) -> int:
+        return (self.rank // self.tp) % self.cp
+
+    @property
     def dp_rank(self) -> int:
-        return (self.rank // self.tp) % self.dp
+        return (self.rank // (self.tp * self.cp)) % self.dp
 
     @property
     def pp_rank(self) -> int:
-        return self.rank // (self.tp * self.dp)
+        return self.rank // (self.tp * self.cp * self.dp)
+
+    @property
+    def replicas(self) -> int:
+        """Ranks holding the same parameters, whose gradients are averaged: dp x cp."""
+        return self.dp * self.cp
+
+    @property
+    def replica_rank(self) -> int:
+        return self.dp_rank * self.cp + self.cp_rank
 
     @property
     def ep_rank(self) -> int:
@@ -78,8 +96,8 @@ class ParallelMesh:
     def edp_rank(self) -> int:
         return self.dp_rank // self.ep
 
-    def global_rank(self, tp_rank: int = 0, dp_rank: int = 0, pp_rank: int = 0) -> int:
-        return pp_rank * self.dp * self.tp + dp_rank * self.tp + tp_rank
+    def global_rank(self, tp_rank: int = 0, dp_rank: int = 0, pp_rank: int = 0, cp_rank: int = 0) -> int:
+        return ((pp_rank * self.dp + dp_rank) * self.cp + cp_rank) * self.tp + tp_rank
 
 
 def _timeout_options(timeout: Optional[timedelta]) -> Optional[dict]:
@@ -96,42 +114,66 @@ def _timeout_options(timeout: Optional[timedelta]) -> Optional[dict]:
     else:
         return None
     options._timeout = timeout
-    return {name: (backend, options) for name in ("pp", "dp", "tp")}
+    return {name: (backend, options) for name in ("pp", "dp", "cp", "tp")}
 
 
 def build_mesh(tp: int = 1, pp: int = 1, device_type: str = "cpu", ep: int = 1,
-               timeout: Optional[timedelta] = None) -> ParallelMesh:
+               timeout: Optional[timedelta] = None, cp: int = 1) -> ParallelMesh:
     """Create the groups, each with ``timeout``. Every rank must call this with the same arguments
     (new_group is collective)."""
     if not (dist.is_available() and dist.is_initialized()):
-        data_parallel_size(1, tp, pp)
+        data_parallel_size(1, tp, pp, cp)
         return ParallelMesh()
     world, rank = dist.get_world_size(), dist.get_rank()
-    dp = data_parallel_size(world, tp, pp)
+    dp = data_parallel_size(world, tp, pp, cp)
     from torch.distributed.device_mesh import init_device_mesh
 
     override = _timeout_options(timeout)
-    device_mesh = init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"),
+    shape, names = ((pp, dp, tp), ("pp", "dp", "tp")) if cp == 1 else ((pp, dp, cp, tp), ("pp", "dp", "cp", "tp"))
+    if override:
+        override = {name: override[name] for name in names}
+    device_mesh = init_device_mesh(device_type, shape, mesh_dim_names=names,
                                    **({"backend_override": override} if override else {}))
-    mesh = ParallelMesh(tp=tp, pp=pp, dp=dp, rank=rank, device_mesh=device_mesh, ep=ep, timeout=timeout)
+    mesh = ParallelMesh(tp=tp, pp=pp, dp=dp, cp=cp, rank=rank, device_mesh=device_mesh, ep=ep, timeout=timeout)
     mesh.tp_group = device_mesh.get_group("tp")
-    mesh.dp_group = device_mesh.get_group("dp")
     mesh.pp_group = device_mesh.get_group("pp")
-    # Model-parallel group (tp x pp for one dp index): not a contiguous mesh slice, so built by hand.
+    if cp == 1:
+        mesh.dp_group = device_mesh.get_group("dp")
+    else:  # the parameters' replicas: dp x cp, by hand (their gradients are averaged in one collective)
+        mesh.cp_group = device_mesh.get_group("cp")
+        for p in range(pp):
+            for t in range(tp):
+                group = mesh.new_group([mesh.global_rank(t, d, p, c) for d in range(dp) for c in range(cp)])
+                if (t, p) == (mesh.tp_rank, mesh.pp_rank):
+                    mesh.dp_group = group
+    # Model-parallel group (tp x pp for one dp and cp index): not a contiguous mesh slice, so built by hand.
     for d in range(dp):
-        ranks = [mesh.global_rank(t, d, p) for p in range(pp) for t in range(tp)]
-        group = mesh.new_group(ranks)
-        if d == mesh.dp_rank:
-            mesh.mp_group = group
+        for c in range(cp):
+            group = mesh.new_group([mesh.global_rank(t, d, p, c) for p in range(pp) for t in range(tp)])
+            if (d, c) == (mesh.dp_rank, mesh.cp_rank):
+                mesh.mp_group = group
+    mesh.replica_group = mesh.mp_group if cp == 1 else _replica_group(mesh)
     if pp > 1:
         for d in range(dp):
-            for t in range(tp):
-                group = mesh.new_group([mesh.global_rank(t, d, 0), mesh.global_rank(t, d, pp - 1)])
-                if (t, d) == (mesh.tp_rank, mesh.dp_rank):
-                    mesh.emb_group = group
+            for c in range(cp):
+                for t in range(tp):
+                    group = mesh.new_group([mesh.global_rank(t, d, 0, c), mesh.global_rank(t, d, pp - 1, c)])
+                    if (t, d, c) == (mesh.tp_rank, mesh.dp_rank, mesh.cp_rank):
+                        mesh.emb_group = group
     if ep > 1:
         _expert_groups(mesh)
     return mesh
+
+
+def _replica_group(mesh: ParallelMesh, backend=None):
+    """The tp x cp x pp ranks of this rank's data replica (they train on one batch). Collective."""
+    mine = None
+    for d in range(mesh.dp):
+        group = mesh.new_group([mesh.global_rank(t, d, p, c) for p in range(mesh.pp) for c in range(mesh.cp)
+                                for t in range(mesh.tp)], backend=backend)
+        if d == mesh.dp_rank:
+            mine = group
+    return mine
 
 
 def _expert_groups(mesh: ParallelMesh) -> None:
@@ -151,16 +193,10 @@ def _expert_groups(mesh: ParallelMesh) -> None:
                     mesh.edp_group = group
 
 
-def gloo_twin_of_mp_group(mesh: ParallelMesh):
-    """This rank's model-parallel group again, on gloo: small CPU-side messages (a batch's layout) that
-    must not wait for the GPU. Every rank must call this (new_group is collective)."""
-    mine = None
-    for d in range(mesh.dp):
-        group = mesh.new_group([mesh.global_rank(t, d, p) for p in range(mesh.pp) for t in range(mesh.tp)],
-                               backend="gloo")
-        if d == mesh.dp_rank:
-            mine = group
-    return mine
+def gloo_twin_of_replica_group(mesh: ParallelMesh):
+    """This rank's replica group again, on gloo: small CPU-side messages (a batch's layout) that must not
+    wait for the GPU. Every rank must call this (new_group is collective)."""
+    return _replica_group(mesh, backend="gloo")
 
 
 def use_tied_ranks(mesh: ParallelMesh, pp_ranks: tuple) -> None:
@@ -170,7 +206,8 @@ def use_tied_ranks(mesh: ParallelMesh, pp_ranks: tuple) -> None:
         return
     mesh.emb_group, mesh.emb_ranks = None, tuple(pp_ranks)
     for d in range(mesh.dp):
-        for t in range(mesh.tp):
-            group = mesh.new_group([mesh.global_rank(t, d, p) for p in pp_ranks])
-            if (t, d) == (mesh.tp_rank, mesh.dp_rank):
-                mesh.emb_group = group
+        for c in range(mesh.cp):
+            for t in range(mesh.tp):
+                group = mesh.new_group([mesh.global_rank(t, d, p, c) for p in pp_ranks])
+                if (t, d, c) == (mesh.tp_rank, mesh.dp_rank, mesh.cp_rank):
+                    mesh.emb_group = group

@@ -11,6 +11,8 @@ import torch.distributed as dist
 
 from . import grads, recompute, selective
 from .config import ModelChoices, ParallelConfig
+from .context.model_checks import check_model
+from .context.runtime import ContextParallel
 from .dp_overlap import DPOverlap
 from .experts import router_carry
 from .experts.apply import apply_experts, check_experts
@@ -55,6 +57,7 @@ class Parallelized:
     tied_ranks: tuple
     twins: list
     streams: Optional[BlockStreams]
+    context: Optional[ContextParallel] = None  # cp > 1: the cp run (see .context)
 
 
 def parallelize(config: ParallelConfig, mesh, module, device, grads_armed: Callable[[], bool]):
@@ -67,6 +70,8 @@ def parallelize(config: ParallelConfig, mesh, module, device, grads_armed: Calla
         return _reuse(config, mesh, module, done, device), None  # the strategy keeps its overlap, if any
     # 1. every check, on every rank alike, before any collective
     check_p2p_backend(config)
+    if config.cp > 1:
+        check_model(module, config.cp)
     matches = planner.resolve(module, config.tp, config.sp, config.plan) if config.tp > 1 else []
     declared = planner.expert_styles(config.plan)  # a user plan's 'experts' layers
     if config.ep > 1 or config.moe_capacity is not None:
@@ -123,8 +128,11 @@ def parallelize(config: ParallelConfig, mesh, module, device, grads_armed: Calla
         ctx.sp_fallback = config.pp == 1
     if config.pp > 1:
         sp_stages.install(layout, runner.state, matches, contexts.values(), config.tp)
+    context = ContextParallel(mesh, config.cp_attention) if config.cp > 1 else None
+    if context is not None:
+        context.install(module)
     module._lightning_tp = Parallelized(config, choices, list(contexts.values()), runner, tied_ranks,
-                                        meta_twins(module, split) if config.pp > 1 else [], streams)
+                                        meta_twins(module, split) if config.pp > 1 else [], streams, context)
     _set_metric_groups(module, mesh.dp_group)
     return runner, overlap
 
@@ -143,11 +151,13 @@ def stage_layout(config: ParallelConfig, module):
 def _reuse(config, mesh, module, done: Parallelized, device):
     """A module parallelized before: the same layout, the new strategy's groups."""
     old = done.config
-    if (old.tp, old.sp, old.pp, old.activation_checkpointing, old.selective) != \
-            (config.tp, config.sp, config.pp, config.activation_checkpointing, config.selective):
+    if (old.tp, old.sp, old.pp, old.cp, old.activation_checkpointing, old.selective) != \
+            (config.tp, config.sp, config.pp, config.cp, config.activation_checkpointing, config.selective):
         raise ValueError(f"{type(module).__name__} was already parallelized with tp={old.tp}, sp={old.sp}, "
-                         f"pp={old.pp}, activation_checkpointing={old.activation_checkpointing}; build a fresh module "
-                         f"for this layout.")
+                         f"pp={old.pp}, cp={old.cp}, activation_checkpointing={old.activation_checkpointing}; build a "
+                         f"fresh module for this layout.")
+    if done.context is not None:  # the same hooks, the new strategy's groups
+        done.context = ContextParallel(mesh, config.cp_attention)
     for ctx in done.contexts:
         ctx.group = mesh.tp_group
     if len(done.tied_ranks) > 1:
@@ -220,14 +230,14 @@ def _block_streams(config, mesh, module, layout, device):
 
 def _dp_overlap(config, mesh, module, runner, grads_armed):
     """dp > 1: the all-reduce of gradients overlapped with the backward (see :mod:`.dp_overlap`)."""
-    if mesh.dp == 1 or config.zero:  # zero=1: its own overlap, once the optimizer is sharded (see .zero)
+    if mesh.replicas == 1 or config.zero:  # zero=1: its own overlap, once the optimizer is sharded (see .zero)
         return None
     params = [p for p in module.parameters() if not marks_of(p).expert]  # experts: synced over expert-dp after
     if runner is None:
-        return DPOverlap(params, mesh.dp_group, mesh.dp, armed=grads_armed)
+        return DPOverlap(params, mesh.dp_group, mesh.replicas, armed=grads_armed)
     # a pipeline's backward runs per microbatch: only its last one starts the sync, and only without
     # accumulation over batches (then its tensor is the step's gradient, see merge_grads)
-    overlap = DPOverlap(params, mesh.dp_group, mesh.dp, hooked=False,
+    overlap = DPOverlap(params, mesh.dp_group, mesh.replicas, hooked=False,
                         armed=lambda: grads_armed() and module.trainer.accumulate_grad_batches == 1)
     runner.dp_overlap = overlap
     return overlap

@@ -26,10 +26,11 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from . import checkpoint as ckpt
 from . import comm
 from .config import ParallelConfig
+from .context import runtime as context_runtime
 from . import grads
 from .averaged_models import copy_averaged_models_again
 from .failures import FailureNotes, raise_on_every_rank
-from .mesh import ParallelMesh, build_mesh, gloo_twin_of_mp_group
+from .mesh import ParallelMesh, build_mesh, gloo_twin_of_replica_group
 from .pipeline.run.epoch_end import install as install_epoch_end_sync
 from .pipeline.run.executor import PipelineRunner
 from .parallelize import parallelize, shard_over_dp
@@ -58,6 +59,8 @@ class MegaStrategy(ParallelStrategy):
         tp: tensor-parallel size: ranks that split each layer.
         pp: pipeline-parallel size: stages of contiguous blocks.
         sp: sequence parallelism: norms, dropout and the residual stream on sequence shards (needs tp > 1).
+        cp: context parallelism: each of cp ranks holds two load-balanced chunks of every sequence.
+        cp_attention: how attention sees the whole sequence under cp: "ring" (K/V passed around) or "all_to_all".
         ep: expert parallelism: mixture-of-experts experts split over ep data-parallel ranks.
         moe_capacity: capacity factor: each expert keeps at most its share x factor of a rank's tokens (None: dropless).
         zero: 1 shards the optimizer state over data-parallel ranks; 3 parameters and gradients too (FSDP2); 0 none.
@@ -85,7 +88,8 @@ class MegaStrategy(ParallelStrategy):
 
     strategy_name = "mega"
 
-    def __init__(self, tp: int = 1, pp: int = 1, sp: bool = False, ep: int = 1, moe_capacity: Optional[float] = None,
+    def __init__(self, tp: int = 1, pp: int = 1, sp: bool = False, cp: int = 1,
+                 cp_attention: Literal["ring", "all_to_all"] = "ring", ep: int = 1, moe_capacity: Optional[float] = None,
                  zero: Literal[0, 1, 3] = 0, plan: Any = "auto",
                  microbatches: Optional[int] = None, schedule: str = "1f1b", virtual_stages: int = 1,
                  pipeline_blocks: Optional[Union[str, list[str]]] = None, stage_layers: Optional[list] = None,
@@ -104,7 +108,7 @@ class MegaStrategy(ParallelStrategy):
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
         self.config = ParallelConfig.resolve(
-            tp=tp, pp=pp, sp=sp, ep=ep, moe_capacity=moe_capacity, zero=zero, microbatches=microbatches,
+            tp=tp, pp=pp, sp=sp, cp=cp, cp_attention=cp_attention, ep=ep, moe_capacity=moe_capacity, zero=zero, microbatches=microbatches,
             schedule=schedule, virtual_stages=virtual_stages,
             split_backward=split_backward, pipeline_blocks=pipeline_blocks, stage_layers=stage_layers,
             activation_checkpointing=activation_checkpointing, zb_keep_recomputed=zb_keep_recomputed, p2p=p2p,
@@ -123,6 +127,7 @@ class MegaStrategy(ParallelStrategy):
         self._sync_grads = True
         self._batch_broadcast = None
         self._failures = None  # this run's notes of which rank failed first (see .failures)
+        self._context = None  # cp > 1: the context-parallel run (see .context)
         self._writer = ckpt.AsyncWriter(self._timeout) if async_save else None
         self.mesh: ParallelMesh = ParallelMesh()
 
@@ -195,11 +200,12 @@ class MegaStrategy(ParallelStrategy):
         self._process_group_backend = backend
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
         self.mesh = build_mesh(self.tp, self.pp, device_type=self.root_device.type, ep=self.config.ep,
-                               timeout=self._timeout)
+                               timeout=self._timeout, cp=self.config.cp)
         self._failures = FailureNotes.open(self.mesh)
-        if self.config.broadcast_batch and comm.group_size(self.mesh.mp_group) > 1:
-            cpu_group = self.mesh.mp_group if backend == "gloo" else gloo_twin_of_mp_group(self.mesh)
-            self._batch_broadcast = BatchBroadcast(self.mesh.mp_group, self.mesh.global_rank(0, self.mesh.dp_rank, 0),
+        if self.config.broadcast_batch and comm.group_size(self.mesh.replica_group) > 1:
+            cpu_group = self.mesh.replica_group if backend == "gloo" else gloo_twin_of_replica_group(self.mesh)
+            self._batch_broadcast = BatchBroadcast(self.mesh.replica_group,
+                                                   self.mesh.global_rank(0, self.mesh.dp_rank, 0),
                                                    self.root_device, cpu_group)
 
     def set_world_ranks(self) -> None:
@@ -218,6 +224,8 @@ class MegaStrategy(ParallelStrategy):
         if not reused and self._dp_overlap is not None:
             self._dp_overlap.remove()
         self._runner, overlap = parallelize(self.config, self.mesh, module, self.root_device, lambda: self._sync_grads)
+        self._context = module._lightning_tp.context
+        context_runtime.activate(self._context)  # cp > 1: torch's attention context-parallel (else torch's own)
         self._dp_overlap = self._dp_overlap if reused else overlap
         if self._runner is not None:
             install_epoch_end_sync(trainer, self._runner)
@@ -255,7 +263,7 @@ class MegaStrategy(ParallelStrategy):
         (zero=3: FSDP2 has sharded the parameters, and so the optimizer's state, already)."""
         if not self.config.zero:
             return []
-        if self.mesh.dp == 1:
+        if self.mesh.replicas == 1:
             rank_zero_warn(f"MegaStrategy(zero={self.config.zero}) shards over data-parallel ranks, but dp=1 here "
                            f"(world {self.world_size} / (tp={self.tp} x pp={self.pp})): nothing is sharded.")
             return []
@@ -272,7 +280,8 @@ class MegaStrategy(ParallelStrategy):
         """After the move (and ``on_after_batch_transfer``), every tp/pp rank of a replica takes its
         first rank's batch: random augmentation must not differ between the ranks of one model."""
         batch = super().batch_to_device(batch, device, dataloader_idx)
-        return self._batch_broadcast(batch) if self._batch_broadcast is not None else batch
+        batch = self._batch_broadcast(batch) if self._batch_broadcast is not None else batch
+        return self._context.cut(batch) if self._context is not None else batch  # cp: this rank's chunks
 
     # ------------------------------------------------------------------ pipeline steps
 
@@ -286,7 +295,8 @@ class MegaStrategy(ParallelStrategy):
             with self.precision_plugin.train_step_context():
                 return self._forward_redirection(self.model, self.lightning_module, "training_step", *args, **kwargs)
         if self._runner is None:
-            return super().training_step(*args, **kwargs)
+            out = super().training_step(*args, **kwargs)
+            return self._context_averaged(out) if self._context is not None else out
         if not self.lightning_module.automatic_optimization:
             raise ValueError("MegaStrategy(pp>1 or microbatches>1) needs automatic optimization.")
         batch, rest, batch_idx = _step_args(args, kwargs, self.lightning_module.trainer.fit_loop.epoch_loop.batch_idx)
@@ -301,8 +311,23 @@ class MegaStrategy(ParallelStrategy):
                 raise RuntimeError(f"StopIteration raised inside the pipelined training step (stage "
                                    f"{self.mesh.pp_rank}): {e!r}") from e
         loss = torch.tensor(loss, device=self.root_device)
+        if self._context is not None:
+            loss = self._context_averaged(loss)
         extras = self._runner.step_extras  # a dict step's other keys (last stage), merged over microbatches
         return {"loss": loss, **extras} if extras else loss
+
+    def _context_averaged(self, out):
+        """cp: the step's loss reported as the mean over the cp ranks (each computed its own tokens'), after
+        checking on the first step that attention went through the context-parallel path."""
+        run = self._context
+        if run.calls == 0:
+            raise ValueError(f"MegaStrategy(cp={run.cp}): the training step ran without a call to torch's "
+                             f"scaled_dot_product_attention, so its attention saw only this rank's part of the "
+                             f"sequence. Context parallelism needs attention through F.scaled_dot_product_attention "
+                             f"(Hugging Face: attn_implementation='sdpa'; nn.MultiheadAttention with need_weights=False).")
+        if isinstance(out, dict) and "loss" in out:
+            return {**out, "loss": run.averaged(out["loss"])}
+        return run.averaged(out)
 
     def _eval_step(self, hook, context, *args, **kwargs):
         if self._fsdp:
@@ -452,6 +477,8 @@ class MegaStrategy(ParallelStrategy):
             self._batch_broadcast.finish()
         if self._writer is not None:  # the last checkpoint in place before the processes go
             self._writer.wait()
+        if self._context is not None:
+            context_runtime.activate(None)
         if not self._fsdp:
             return super().teardown()
         # zero=3, as Lightning's ModelParallelStrategy: the module stays where it is (moving FSDP2's DTensors

@@ -41,7 +41,7 @@ def train_all(rank, world, configs, ckdir):
     out = {}
     for name, (kind, model_kw, strategy_kw, trainer_kw) in configs.items():
         model = make_model(kind, **model_kw)
-        dp = world // (strategy_kw.get("tp", 1) * strategy_kw.get("pp", 1))
+        dp = world // (strategy_kw.get("tp", 1) * strategy_kw.get("pp", 1) * strategy_kw.get("cp", 1))
         rec = LossRecorder()
         batch, samples = trainer_kw.get("batch", BATCH), trainer_kw.get("samples")
         steps, trainer_kw = steps_of(trainer_kw)
@@ -89,7 +89,8 @@ def check(results, name, configs, world):
     """Config ``name`` of a train_launch against the single-process run: per-step losses, consolidated
     weights, replicated parameters alike on every rank."""
     kind, model_kw, strategy_kw, trainer_kw = configs[name]
-    dp = world // (strategy_kw.get("tp", 1) * strategy_kw.get("pp", 1))
+    dp = world // (strategy_kw.get("tp", 1) * strategy_kw.get("pp", 1) * strategy_kw.get("cp", 1))
+    replicas = dp * strategy_kw.get("cp", 1)  # ranks averaging gradients (dp x cp)
     batch, samples = trainer_kw.get("batch", BATCH), trainer_kw.get("samples")
     steps, trainer_kw = steps_of(trainer_kw)
     ref_losses, ref_weights, ref_metrics = reference_run(kind, model_kw, steps, batch * dp, samples=samples,
@@ -119,8 +120,8 @@ def check(results, name, configs, world):
     pipelined = strategy_kw.get("pp", 1) > 1 or strategy_kw.get("microbatches", 1) > 1
     zero = strategy_kw.get("zero", 0)
     # zero=3: FSDP2 reduce-scatters in the backward, no DPOverlap (zero=1: a ZeroOverlap)
-    assert got["dp_overlap"] == (dp > 1 and zero != 3)
-    if dp > 1 and zero != 3 and pipelined:
+    assert got["dp_overlap"] == (replicas > 1 and zero != 3)
+    if replicas > 1 and zero != 3 and pipelined:
         if trainer_kw.get("accumulate_grad_batches", 1) > 1:
             assert got["launched_early"] == 0
         else:

@@ -310,7 +310,23 @@ class HFCausalLM(L.LightningModule):
         if grad_ckpt:  # Hugging Face's own gradient checkpointing (reentrant, its default)
             self.model.gradient_checkpointing_enable()
 
+    def on_after_batch_transfer(self, batch, dataloader_idx):
+        """``padded="batch"`` (or ``"batch_left"``): the padding travels in the batch, as a tokenizer's collate
+        would give it."""
+        if self.padded not in ("batch", "batch_left"):
+            return batch
+        x, _ = batch
+        mask = torch.ones_like(x)
+        mask[::2, -3:] = 0
+        if self.padded == "batch_left":
+            mask = mask.flip(1)
+        return {"input_ids": x, "attention_mask": mask, "labels": x.masked_fill(mask == 0, -100)}
+
     def training_step(self, batch, batch_idx):
+        if isinstance(batch, dict):  # padded="batch"
+            loss = self.model(**batch, use_cache=False).loss
+            self.log("train_loss", loss, sync_dist=True)
+            return loss
         x, _ = batch
         if self.padded:  # every other row right-padded by 3 tokens: masked out, labels ignored
             mask = torch.ones_like(x)

@@ -18,7 +18,7 @@ def _timeout(group):
 def _groups_timeouts(rank, world):
     import torch.distributed as torch_dist
 
-    from lightning_tp.mesh import build_mesh, gloo_twin_of_mp_group, use_tied_ranks
+    from lightning_tp.mesh import build_mesh, gloo_twin_of_replica_group, use_tied_ranks
 
     torch_dist.init_process_group("gloo", timeout=TIMEOUT)
     out = {}
@@ -26,7 +26,7 @@ def _groups_timeouts(rank, world):
     for name in ("tp", "dp", "pp"):
         out[f"mesh {name}"] = _timeout(pp.device_mesh.get_group(name))
     out["mp"], out["emb"], out["gloo twin"] = _timeout(pp.mp_group), _timeout(pp.emb_group), \
-        _timeout(gloo_twin_of_mp_group(pp))
+        _timeout(gloo_twin_of_replica_group(pp))
     use_tied_ranks(pp, (1, 0))
     out["emb (other ranks)"] = _timeout(pp.emb_group)
     ep = build_mesh(tp=1, pp=1, device_type="cpu", ep=2, timeout=TIMEOUT)

@@ -31,7 +31,7 @@ class ShardedOptimizer:
             new = []
             for params, expert in ((dense, False), (experts, True)):
                 group, size, rank = (mesh.edp_group, edp, mesh.edp_rank) if expert else \
-                    (mesh.dp_group, mesh.dp, mesh.dp_rank)
+                    (mesh.dp_group, mesh.replicas, mesh.replica_rank)
                 # in the order the backward makes gradients; summed over tp or stages first: buckets of their own
                 for early in (True, False):
                     chunk_params = [p for p in reversed(params) if _final_at_backward(p) == early]
@@ -56,7 +56,7 @@ class ShardedOptimizer:
         # one bucket's buffer at a time (started as the last is waited for), one host wait for all their flags;
         # an expert's gradient sums its ep group's tokens: 1/dp as well
         buckets = [b for b in self.buckets if not (self.overlapped and b.early)]
-        finish_reduce_scatters(buckets, (b.start_reduce_scatter() for b in buckets), 1.0 / self.mesh.dp)
+        finish_reduce_scatters(buckets, (b.start_reduce_scatter() for b in buckets), 1.0 / self.mesh.replicas)
 
     def norm_parts(self, norm_type: float, device) -> list:
         """The slices' part of the global gradient norm (norm_type-th power, or max), [dense, experts],

@@ -69,7 +69,7 @@ class ZeroOverlap:
         self.launched_early = self.next  # buckets the backward started (read by tests)
         while self.next < len(self.buckets):
             self._launch(self.next)
-        finish_reduce_scatters(self.buckets, self.started_, 1.0 / self.sharded[0].mesh.dp)
+        finish_reduce_scatters(self.buckets, self.started_, 1.0 / self.sharded[0].mesh.replicas)
         for p, addend in self.after:
             b = self.buckets[self.bucket_of[id(p)]]
             for s in (s for s in b.slices if b.params[s.index] is p):

@@ -70,7 +70,7 @@ class SideInputCheck:
             store = dist.distributed_c10d._get_default_store()
         except (AttributeError, RuntimeError, ValueError):
             return None
-        return cls(store, lambda k: mesh.global_rank(mesh.tp_rank, mesh.dp_rank, k % pp))
+        return cls(store, lambda k: mesh.global_rank(mesh.tp_rank, mesh.dp_rank, k % pp, mesh.cp_rank))
 
     def __deepcopy__(self, memo):  # a copy of the model (an EMA) checks nothing more
         return self

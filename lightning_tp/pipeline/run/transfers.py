@@ -28,7 +28,7 @@ class Ranks:
         self.mesh, self.pp, self.n_vstages = mesh, layout.pp, layout.pp * layout.v
 
     def rank_of(self, vstage: int) -> int:
-        return self.mesh.global_rank(self.mesh.tp_rank, self.mesh.dp_rank, vstage % self.pp)
+        return self.mesh.global_rank(self.mesh.tp_rank, self.mesh.dp_rank, vstage % self.pp, self.mesh.cp_rank)
 
     def vstage(self, chunk: int) -> int:
         return chunk * self.pp + self.mesh.pp_rank

@@ -1,0 +1,95 @@
+"""torch's ``scaled_dot_product_attention`` made context-parallel while a cp run is active: the mask
+read (causal, causal with right padding, or none), then the ring or the all-to-all. Every rank takes
+the same decision (masks are compared over the cp group), so a refusal is raised on all of them."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .ring import ring_attention
+from .ulysses import all_to_all_attention
+
+SDPA = F.scaled_dot_product_attention  # torch's own, whatever is installed in its place
+
+
+def context_parallel_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                          enable_gqa=False):
+    """Drop-in for ``F.scaled_dot_product_attention``: torch's own outside a cp step."""
+    from .runtime import active
+
+    run = active()
+    if run is None or run.length is None:
+        return SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                    enable_gqa=enable_gqa)
+    n = query.shape[-2]
+    where = run.current or "an attention module"
+    if query.dim() != 4 or key.shape[-2] != n or n * run.cp != run.length:
+        raise ValueError(f"MegaStrategy(cp={run.cp}): {where} called scaled_dot_product_attention with "
+                         f"{n} queries and {key.shape[-2]} keys, but each cp rank holds {run.length // run.cp} "
+                         f"tokens of a {run.length}-token sequence: only self-attention over the cut sequence "
+                         f"is context-parallel (cross-attention and other lengths are not).")
+    if dropout_p:
+        raise ValueError(f"MegaStrategy(cp={run.cp}): {where} uses attention dropout ({dropout_p}), which "
+                         f"context-parallel attention does not apply. Set the model's attention dropout to 0.")
+    run.device = query.device
+    if not run.agreed:
+        run.kv_heads = key.shape[1]
+    causal = _causal(run, attn_mask, is_causal, n, where)
+    if key.shape[1] < run.kv_heads:  # Hugging Face repeats K/V heads where it passes a mask (padded ranks only):
+        groups = run.kv_heads // key.shape[1]  # every rank sends as many heads
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    scale = scale if scale is not None else 1.0 / math.sqrt(query.shape[-1])
+    run.calls += 1
+    if run.mode == "all_to_all":
+        for name, heads in (("query", query.shape[1]), ("key/value", key.shape[1])):
+            if heads % run.cp:
+                raise ValueError(f"MegaStrategy(cp={run.cp}, cp_attention='all_to_all') scatters heads over the cp "
+                                 f"ranks, but {where} has {heads} {name} heads (query {query.shape[1]}, key/value "
+                                 f"{key.shape[1]}): use cp dividing both, or cp_attention='ring'.")
+        return all_to_all_attention(SDPA, query, key, value, scale, causal, run.group, run.cp)
+    return ring_attention(query, key, value, scale, causal, run.group, run.cp, run.rank, run.next, run.prev)
+
+
+def _causal(run, mask, is_causal: bool, n: int, where: str) -> bool:
+    """True for causal attention, False for none. A mask is read as one of them (causal may also hide
+    right padding from the padded rows); the first call of a batch agrees over the cp group (a rank
+    without padding gets no mask from Hugging Face), later ones reuse the reading of the same mask."""
+    key = (None, bool(is_causal)) if mask is None else (mask.data_ptr(), tuple(mask.shape), bool(is_causal))
+    if key in run.readings:
+        return run.readings[key]
+    flags = torch.tensor(_read(mask, is_causal, n) + [-run.kv_heads], device=run.device)
+    if not run.agreed:  # the same number of calls on every rank: once per batch
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=run.group)
+        run.agreed, run.kv_heads = True, -int(flags[2])
+    if flags[0]:
+        run.readings[key] = True
+    elif flags[1]:
+        run.readings[key] = False
+    else:
+        raise ValueError(f"MegaStrategy(cp={run.cp}): {where} gave scaled_dot_product_attention a mask that is "
+                         f"neither causal, causal with right padding, nor empty (a sliding window, document mask, "
+                         f"left padding or an additive bias such as ALiBi). Context parallelism supports causal "
+                         f"attention with right padding; use cp=1 for this model.")
+    return run.readings[key]
+
+
+def _read(mask, is_causal: bool, n: int) -> list:
+    """[causal or causal with right padding, no mask at all] for this rank's mask, as 0/1."""
+    if mask is None:
+        return [int(bool(is_causal)), int(not is_causal)]
+    if mask.dtype == torch.bool:
+        allowed, additive_ok = mask, True
+    else:
+        blocked = mask <= torch.finfo(mask.dtype).min / 2
+        allowed, additive_ok = mask == 0, bool((blocked | (mask == 0)).all())
+    allowed = allowed.expand(*allowed.shape[:-2], n, n).reshape(-1, n, n)
+    tril = torch.ones(n, n, dtype=torch.bool, device=allowed.device).tril()
+    if is_causal:
+        allowed = allowed & tril
+    real = allowed.diagonal(dim1=-2, dim2=-1).unsqueeze(-1)  # rows of kept tokens
+    causal_ok = additive_ok and not bool((allowed & ~tril).any()) and bool(((allowed == tril) | ~real).all())
+    return [int(causal_ok), int(additive_ok and bool(allowed.all()))]
