@@ -23,6 +23,9 @@ from .pipeline.cut.split import apply_split
 from .plans import apply as planner
 from . import recompute
 from .config import ParallelConfig
+from .context.chunks import check_length
+from .context.costs import ring_bytes
+from .context.model_checks import check_model
 from .mesh import ParallelMesh
 from .parallelize import fsdp_blocks, stage_layout
 from .explain_costs import (cost_entries, saved_scores, saved_widths, t5_head_counts, t5_shares_its_bias, t5_side,
@@ -57,6 +60,7 @@ class RankEstimate:
     zb_w_bytes: int = 0  # ZB-H1: what one microbatch keeps from its B until its W (0: not ZB-H1)
     expert_params: int = 0  # of params: this rank's experts (1/ep of its stage's under ep)
     ep_bytes: int = 0  # ep > 1: expert dispatch all-to-alls (rows both ways, forward and backward, and counts)
+    cp_bytes: int = 0  # cp > 1: the ring's sends (K/V forward, again in backward, and dK/dV in fp32)
     edp_bytes: int = 0  # ep > 1: expert gradients summed over the ranks holding the same experts
     # memory held through the step (dp rank 0's: zero=1's padding falls on the last): weights, gradients at the
     # optimizer step (zero=1: this rank's slices), the whole ones the backward makes, optimizer state
@@ -128,9 +132,10 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
             dtype_bytes: int = 4, *, grad_bytes=None, accumulate_grad_batches: int = 1, pipeline_blocks=None,
             stage_layers=None, activation_checkpointing=False, zb_keep_recomputed: bool = False,
             split_backward="auto", ep: int = 1, zero=None, optimizer_state_bytes=None, score_copies: int = 0,
-            config: ParallelConfig | None = None, print_report: bool = True) -> Explanation:
+            config: ParallelConfig | None = None, print_report: bool = True, cp: int = 1,
+            cp_attention: str = "ring") -> Explanation:
     """Parameters, stages, communication and memory per rank of ``MegaStrategy(tp, pp, sp, ..., zero)`` with ``dp``
-    replicas on ``module`` (or of ``config``, with its dp) for a per-process ``batch_shape`` (B, T); ``score_copies``:
+    replicas on ``module`` (or of ``config``, with its dp) for a per-replica ``batch_shape`` (B, T) (cp ranks hold T / cp); ``score_copies``:
     s x s tensors an attention core keeps per head (0: fused SDPA). Prints the report unless ``print_report=False``."""
     if getattr(module, "_lightning_tp", None) is not None:
         raise ValueError("explain() needs the user's module before MegaStrategy parallelized it.")
@@ -139,7 +144,8 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
                                         schedule=schedule, virtual_stages=virtual_stages,
                                         split_backward=split_backward, pipeline_blocks=pipeline_blocks,
                                         stage_layers=stage_layers, activation_checkpointing=activation_checkpointing,
-                                        zb_keep_recomputed=zb_keep_recomputed, plan=plan, world_size=tp * pp * dp)
+                                        zb_keep_recomputed=zb_keep_recomputed, plan=plan, world_size=tp * cp * pp * dp,
+                                        cp=cp, cp_attention=cp_attention)
     elif config.dp is None:
         raise ValueError("explain(config=...) needs a config with its world size: config.with_world(n).")
     elif zero is not None:  # checked as MegaStrategy checks it
@@ -150,6 +156,11 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
     plan, pipeline_blocks, activation_checkpointing = config.plan, config.pipeline_blocks, config.activation_checkpointing
     v = config.virtual_stages if pp > 1 else 1
     (B, T), grad_bytes, acc = batch_shape, grad_bytes or dtype_bytes, accumulate_grad_batches
+    cp = config.cp
+    if cp > 1:
+        check_length(T, cp)
+        check_model(module, cp)
+        T = T // cp  # this rank's tokens of every sequence
     state_bytes = 2 * grad_bytes if optimizer_state_bytes is None else optimizer_state_bytes  # AdamW's 2 moments
     if B % m:
         raise ValueError(f"microbatches={m} must divide the per-process batch size {B}.")
@@ -243,7 +254,8 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
     w_grads = weight_grad_widths(base, style_of, tp, locate) if schedule == "zb_h1" else {}
     sp_on = any(sp and mt.sp_start is not None for mt in matches)
 
-    rep = Explanation(dict(tp=tp, pp=pp, dp=dp, ep=config.ep, world=tp * pp * dp, sp=sp, microbatches=m, schedule=schedule,
+    rep = Explanation(dict(tp=tp, pp=pp, dp=dp, ep=config.ep, cp=cp, cp_attention=config.cp_attention,
+                           world=tp * cp * pp * dp, sp=sp, microbatches=m, schedule=schedule,
                            virtual_stages=v, batch_shape=(B, T), dtype_bytes=dtype_bytes, grad_bytes=grad_bytes,
                            accumulate_grad_batches=acc, zero=config.zero, optimizer_state_bytes=state_bytes,
                            blocks=bpath, hidden=hidden, bubble=bubble,
@@ -327,7 +339,9 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
                 pp_bytes=round(tokens * sends * dtype_bytes),
                 sp_bytes=partial * grad_bytes if tp > 1 else 0,
                 tied_bytes=tied * grad_bytes if pp > 1 and r in tied_ranks else 0,
-                dp_bytes=(trained + (expert_trained if config.ep == 1 else 0)) * grad_bytes if dp > 1 else 0,
+                dp_bytes=(trained + (expert_trained if config.ep == 1 else 0)) * grad_bytes if dp * cp > 1 else 0,
+                cp_bytes=ring_bytes(base, lambda path, r=r: times(locate(path), r), config, B * T * acc,
+                                    dtype_bytes) if cp > 1 else 0,
                 expert_params=sum(p.numel() for p in params if id(p) in experts),
                 ep_bytes=_all_to_all_bytes(base, config, r, locate, times, tokens, m * acc, dtype_bytes),
                 edp_bytes=expert_trained * grad_bytes if config.ep > 1 and dp > config.ep else 0,
@@ -343,7 +357,7 @@ def _dp_costs(params: list, experts: set, config, pp_rank: int, tp_rank: int, gr
               state_bytes: int) -> dict:
     """One rank's memory (dp rank 0's) and gradient collectives per step over dp and expert-dp, from the buckets
     the strategy's own DPOverlap (zero=0) or ShardedOptimizer (zero=1, one param group assumed) makes."""
-    dp, edp, gb = config.dp, config.dp // config.ep, grad_bytes
+    dp, edp, gb = config.dp * config.cp, config.dp // config.ep, grad_bytes  # gradients: averaged over dp x cp
     trained = [p for p in params if p.requires_grad]
     dense = [p for p in trained if id(p) not in experts]  # ``experts``: those ep > 1 splits, synced over expert-dp
     whole = sum(p.numel() for p in trained)

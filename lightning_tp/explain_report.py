@@ -59,7 +59,8 @@ def format_report(rep) -> str:
     """The printed report of an :class:`~lightning_tp.explain.Explanation`."""
     c = rep.config
     pipelined = c["pp"] > 1 or c["microbatches"] > 1
-    head = f"lightning_tp explain: tp={c['tp']} pp={c['pp']} dp={c['dp']} (world {c['world']}) sp={c['sp']}"
+    cp = f" cp={c['cp']}" if c.get("cp", 1) > 1 else ""
+    head = f"lightning_tp explain: tp={c['tp']} pp={c['pp']} dp={c['dp']}{cp} (world {c['world']}) sp={c['sp']}"
     if pipelined:
         head += f" microbatches={c['microbatches']} schedule={c['schedule']}"
         head += f" virtual_stages={c['virtual_stages']}" if c["virtual_stages"] > 1 else ""
@@ -107,6 +108,10 @@ def format_report(rep) -> str:
                      f"{size(r.act_bytes):>11} {r.peak_microbatches:>7}")
     lines.append("(act mem: estimated activations saved for backward; see lightning_tp/explain.py for the model)")
     lines += format_memory(rep)
+    if c.get("cp", 1) > 1:
+        lines += ["", f"Context parallelism (cp={c['cp']}, {c['cp_attention']}): each rank holds 1/{c['cp']} of every "
+                      f"sequence (act mem above); the ring's sends per rank and step: "
+                      + ", ".join(sorted({size(r.cp_bytes) for r in rep.ranks}))]
     if c.get("ep", 1) > 1:
         lines += ["", f"Experts (ep={c['ep']}): per rank, per optimizer step (all-to-all: rows out and back, forward "
                       f"and backward, balanced routing assumed):",

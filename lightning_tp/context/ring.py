@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .. import comm
 from . import blocks
 from .chunks import chunk_ids
 
@@ -23,6 +24,7 @@ def _relation(q_chunk: int, k_chunk: int, causal: bool):
 def _exchange(send: torch.Tensor, recv: torch.Tensor, ring, tag: int) -> list:
     """Send to the next rank, receive from the previous one; returns the requests to wait on."""
     group, nxt, prev = ring
+    comm.record("ring_send", send, group)
     ops = [dist.P2POp(dist.isend, send, nxt, group, tag), dist.P2POp(dist.irecv, recv, prev, group, tag)]
     return dist.batch_isend_irecv(ops)
 
