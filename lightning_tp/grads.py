@@ -105,7 +105,7 @@ def sync_gradients(params, mesh, dp_overlap=None, repeated: bool = False, zero=(
     # an expert's gradient already sums its ep group's tokens: summed over the ranks holding it, over dp
     experts = [p for p in left if marks_of(p).expert]
     if experts:
-        average_over_dp(experts, mesh.edp_group, 1.0 / mesh.dp, always=True)
+        average_over_dp(experts, mesh.edp_group, 1.0 / mesh.replicas, always=True)
 
 
 def _summed_before(params) -> list:

@@ -96,6 +96,15 @@ class ParallelMesh:
     def edp_rank(self) -> int:
         return self.dp_rank // self.ep
 
+    @property
+    def edp_size(self) -> int:
+        """Ranks holding the same experts (edp_group): dp / ep of them, times cp."""
+        return self.dp // self.ep * self.cp
+
+    @property
+    def edp_group_rank(self) -> int:
+        return self.edp_rank * self.cp + self.cp_rank
+
     def global_rank(self, tp_rank: int = 0, dp_rank: int = 0, pp_rank: int = 0, cp_rank: int = 0) -> int:
         return ((pp_rank * self.dp + dp_rank) * self.cp + cp_rank) * self.tp + tp_rank
 
@@ -177,19 +186,21 @@ def _replica_group(mesh: ParallelMesh, backend=None):
 
 
 def _expert_groups(mesh: ParallelMesh) -> None:
-    """ep groups (consecutive dp ranks: dp_rank // ep alike) and expert-data-parallel groups (dp_rank % ep
-    alike), per tp and pp rank. Every rank creates every group in the same order (new_group is collective)."""
-    ep, edp = mesh.ep, mesh.dp // mesh.ep
+    """ep groups (consecutive dp ranks: dp_rank // ep alike, per cp rank) and expert-data-parallel groups
+    (dp_rank % ep alike, over every cp rank too: the same experts, other tokens), per tp and pp rank. Every
+    rank creates every group in the same order (new_group is collective)."""
+    ep, edp, cp = mesh.ep, mesh.dp // mesh.ep, mesh.cp
     for p in range(mesh.pp):
         for t in range(mesh.tp):
-            here = (t, p) == (mesh.tp_rank, mesh.pp_rank)
-            for j in range(edp):
-                group = mesh.new_group([mesh.global_rank(t, j * ep + e, p) for e in range(ep)])
-                if here and j == mesh.edp_rank:
-                    mesh.ep_group = group
+            for c in range(cp):
+                here = (t, p, c) == (mesh.tp_rank, mesh.pp_rank, mesh.cp_rank)
+                for j in range(edp):
+                    group = mesh.new_group([mesh.global_rank(t, j * ep + e, p, c) for e in range(ep)])
+                    if here and j == mesh.edp_rank:
+                        mesh.ep_group = group
             for e in range(ep):
-                group = mesh.new_group([mesh.global_rank(t, j * ep + e, p) for j in range(edp)])
-                if here and e == mesh.ep_rank:
+                group = mesh.new_group([mesh.global_rank(t, j * ep + e, p, c) for j in range(edp) for c in range(cp)])
+                if (t, p) == (mesh.tp_rank, mesh.pp_rank) and e == mesh.ep_rank:
                     mesh.edp_group = group
 
 

@@ -29,6 +29,11 @@ WORLD2 = runnable({
     "cp2_hf_llama_padded": ("hf_llama", dict(padded="batch"), dict(cp=2), STEPS10),
     "cp2_gpt_recompute": ("gpt", {}, dict(cp=2, activation_checkpointing=True), STEPS10),
     "cp2_gpt_selective": ("gpt", {}, dict(cp=2, activation_checkpointing="selective"), STEPS10),
+    "cp2_hf_llama_hf_checkpointing": ("hf_llama", dict(grad_ckpt=True), dict(cp=2), STEPS10),  # reentrant
+    "cp2_gpt_clip_accumulate": ("gpt", {}, dict(cp=2), dict(max_steps=10, gradient_clip_val=0.05,
+                                                          accumulate_grad_batches=2)),
+    "cp2_gpt_kernels": ("gpt", {}, dict(cp=2, kernels=True), STEPS10),
+    "cp2_gpt_bf16": ("gpt", {}, dict(cp=2), dict(max_steps=10, precision="bf16-mixed")),
 })
 WORLD4 = runnable({
     "cp4_gpt": ("gpt", {}, dict(cp=4), STEPS10),
@@ -36,6 +41,11 @@ WORLD4 = runnable({
     "cp2_dp2_zero1_gpt": ("gpt", {}, dict(cp=2, zero=1), STEPS10),
     "cp2_pp2_1f1b_gpt": ("gpt", {}, dict(cp=2, pp=2, microbatches=2), STEPS10),
     "cp2_tp2_hf_llama": ("hf_llama", {}, dict(cp=2, tp=2), STEPS10),
+    "cp2_pp2_interleaved_gpt": ("gpt", dict(n_layer=4), dict(cp=2, pp=2, microbatches=2, schedule="interleaved_1f1b",
+                                                             virtual_stages=2), STEPS10),
+    # experts see every cp rank's tokens (dispatch is per token); the load-balancing loss over all of them
+    "cp2_ep2_hf_mixtral": ("hf_mixtral", dict(config_kw=dict(output_router_logits=True)), dict(cp=2, ep=2), STEPS10),
+    "cp2_ep2_zero1_hf_mixtral": ("hf_mixtral", {}, dict(cp=2, ep=2, zero=1), STEPS10),
 })
 
 

@@ -47,6 +47,10 @@ CASES = {
     "mixtral_ep2_to_tp2": ("hf_mixtral", {}, (2, dict(ep=2)), (2, dict(tp=2))),
     "mixtral_tp2_to_ep2": ("hf_mixtral", {}, (2, dict(tp=2)), (2, dict(ep=2))),
     "gpt_first_format": ("gpt", {}, (1, {}), (1, {})),  # saved as the first format did: still resumes
+    # context parallelism changes nothing in what is saved: resumed without it, and into it
+    "gpt_cp2_tp2_to_pp2": ("gpt", {}, (4, dict(cp=2, tp=2)), (2, PP)),
+    "gpt_pp2_dp2_to_cp2_tp2": ("gpt", {}, (4, PP), (4, dict(cp=2, tp=2))),
+    "llama_cp2_tp2_to_pp2": ("hf_llama", {}, (4, dict(cp=2, tp=2)), (2, PP)),
 }
 FIRST_FORMAT = {"gpt_first_format"}
 
@@ -64,7 +68,7 @@ def _save_first_format(trainer, path):
 
 def _fit(world, kind, model_kw, layout, epochs, ckpt_path=None):
     model = make_model(kind, **model_kw)
-    dp = world // (layout.get("tp", 1) * layout.get("pp", 1))
+    dp = world // (layout.get("tp", 1) * layout.get("pp", 1) * layout.get("cp", 1))
     rec = LossRecorder()
     trainer = L.Trainer(devices=world, strategy=MegaStrategy(**layout, timeout=120), max_epochs=epochs,
                         callbacks=[rec], **trainer_kwargs())

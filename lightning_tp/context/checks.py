@@ -13,9 +13,6 @@ def check_context_parallel(cp: int, cp_attention: str, ep: int = 1, zero: int = 
                          f"ranks) or 'all_to_all' (heads scattered, sequence gathered).")
     if cp == 1:
         return
-    if ep > 1:
-        raise ValueError(f"MegaStrategy(cp={cp}, ep={ep}): expert parallelism with context parallelism is not "
-                         f"supported yet; use ep=1 with cp, or cp=1 with ep.")
     if zero == 3:
         raise ValueError(f"MegaStrategy(cp={cp}, zero=3) is not supported yet: zero=3 shards over dp only. Use "
                          f"zero=1 (sharded over dp x cp) or zero=0.")

@@ -23,14 +23,14 @@ class ShardedOptimizer:
         self.optimizer, self.mesh = optimizer, mesh
         self.original = [list(g["params"]) for g in optimizer.param_groups]
         self.buckets = []
-        edp = mesh.dp // mesh.ep  # the ranks holding the same experts
+        edp = mesh.edp_size  # the ranks holding the same experts
         for g in optimizer.param_groups:
             dense = [p for p in g["params"] if _shardable(p) and not marks_of(p).expert]
             experts = [p for p in g["params"] if _shardable(p) and marks_of(p).expert] if edp > 1 else []
             kept = [p for p in g["params"] if not any(p is q for q in dense + experts)]  # frozen ones: whole
             new = []
             for params, expert in ((dense, False), (experts, True)):
-                group, size, rank = (mesh.edp_group, edp, mesh.edp_rank) if expert else \
+                group, size, rank = (mesh.edp_group, edp, mesh.edp_group_rank) if expert else \
                     (mesh.dp_group, mesh.replicas, mesh.replica_rank)
                 # in the order the backward makes gradients; summed over tp or stages first: buckets of their own
                 for early in (True, False):
