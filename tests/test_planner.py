@@ -46,7 +46,7 @@ def test_candidates_divide_the_model_and_the_batch_and_build_a_strategy():
              global_batch=32, seq_len=512)
     assert len(p) > 20
     for c in p.fits + p.overflows:
-        assert c.tp * c.pp * c.dp == 16 and 8 % c.tp == 0 and 8 % c.pp == 0
+        assert c.tp * c.cp * c.pp * c.dp == 16 and 8 % c.tp == 0 and 8 % c.pp == 0
         assert c.microbatch_size * c.microbatches * c.dp == 32
         MegaStrategy(**c.strategy_kwargs())  # every option valid
     assert [c.step_s for c in p.fits] == sorted(c.step_s for c in p.fits)
@@ -243,3 +243,16 @@ def test_a_plans_warning_is_said_once_per_model():
         plan(hf, gpus=4, global_batch=8, seq_len=64)
     norms = [str(w.message) for w in said if "norms without a style: ['transformer.ln_f']" in str(w.message)]
     assert len(norms) == 1, norms
+
+
+def test_a_sequence_too_long_for_one_rank_is_planned_with_context_parallelism():
+    """cp divides activation memory per rank: where no cp=1 layout fits a 131072-token sequence, cp does."""
+    model = _gpt(n_layer=4, n_head=1, n_embd=512, block_size=131072, vocab_size=1024)  # one head: tp=1 only
+    roomy = plan(model, gpus=4, global_batch=4, seq_len=131072, gpu_memory_gib=1000, recompute=(False,), zeros=(0,))
+    one, four = roomy.find(cp=1, pp=1, microbatch_size=1), roomy.find(cp=4, pp=1, microbatch_size=1)
+    assert four.memory["activations"] == pytest.approx(one.memory["activations"] / 4)
+    tight = plan(model, gpus=4, global_batch=4, seq_len=131072, gpu_memory_gib=(one.memory_gib + four.memory_gib) / 2,
+                 recompute=(False,), zeros=(0,))
+    assert tight.fits[0].cp > 1 and not any(c.cp == 1 and c.pp == 1 for c in tight.fits)
+    assert tight.fits[0].strategy_kwargs()["cp"] == tight.fits[0].cp
+    assert tight.fits[0].trainer_kwargs()["devices"] == 4

@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .ring import ring_attention
+from .state import active
 from .ulysses import all_to_all_attention
 
 SDPA = F.scaled_dot_product_attention  # torch's own, whatever is installed in its place
@@ -19,8 +20,6 @@ SDPA = F.scaled_dot_product_attention  # torch's own, whatever is installed in i
 def context_parallel_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                           enable_gqa=False):
     """Drop-in for ``F.scaled_dot_product_attention``: torch's own outside a cp step."""
-    from .runtime import active
-
     run = active()
     if run is None or run.length is None:
         return SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,

@@ -13,19 +13,14 @@ from torch import nn
 
 from .attention import SDPA, context_parallel_sdpa
 from .chunks import chunk_ids, cut_batch, global_positions
+from .state import active, set_active
 
 CROSS_ENTROPY = F.cross_entropy
-_ACTIVE: Optional["ContextParallel"] = None
-
-
-def active() -> Optional["ContextParallel"]:
-    return _ACTIVE
 
 
 def activate(run: Optional["ContextParallel"]) -> None:
     """Make ``run`` the process's cp run (None: none): torch's functions are swapped only while one is."""
-    global _ACTIVE
-    _ACTIVE = run
+    set_active(run)
     F.scaled_dot_product_attention = context_parallel_sdpa if run is not None else SDPA
     F.cross_entropy = _cross_entropy if run is not None else CROSS_ENTROPY
 
@@ -80,15 +75,15 @@ class ContextParallel:
 
 def _entering(name: str):
     def hook(module, args):
-        if _ACTIVE is not None:
-            _ACTIVE.current = f"{name} ({type(module).__name__})"
+        if active() is not None:
+            active().current = f"{name} ({type(module).__name__})"
     return hook
 
 
 def _global_positions(module, args, kwargs):
     """An index tensor equal to 0..n-1 (the positions a model makes for its n local tokens) becomes the
     global positions of this rank's tokens: position embeddings and rotary tables see the whole sequence."""
-    run = _ACTIVE
+    run = active()
     if run is None or run.length is None:
         return None
     n = run.length // run.cp
@@ -123,8 +118,9 @@ def _shifting_loss(loss_function):
     after a chunk's last token lives in the next chunk: shift across chunks and pass ``shift_labels``."""
 
     def loss(logits, labels, vocab_size, *args, ignore_index: int = -100, shift_labels=None, **kwargs):
-        if _ACTIVE is not None and _ACTIVE.length is not None and shift_labels is None and labels is not None:
-            shift_labels = shifted_labels(_ACTIVE, labels, ignore_index)
+        run = active()
+        if run is not None and run.length is not None and shift_labels is None and labels is not None:
+            shift_labels = shifted_labels(run, labels, ignore_index)
         return loss_function(logits, labels, vocab_size, *args, ignore_index=ignore_index, shift_labels=shift_labels,
                              **kwargs)
 
@@ -152,7 +148,7 @@ def _cross_entropy(input, target, weight=None, size_average=None, ignore_index=-
                    label_smoothing=0.0):
     """A mean over the tokens of the whole sequence, not of this rank's part: the sum here times cp over
     the cp group's count, so gradients averaged over cp equal one process's (padding included)."""
-    run = _ACTIVE
+    run = active()
     plain = (run is None or run.length is None or reduction != "mean" or weight is not None or size_average is not None
              or reduce is not None or target.is_floating_point())
     if plain:

@@ -34,6 +34,7 @@ class Candidate:
     activation_checkpointing: object
     zero: int
     ep: int = 1  # experts split over ep of the dp ranks
+    cp: int = 1  # each sequence split over cp ranks (context parallelism)
     memory_gib: float = 0.0
     memory: dict = field(default_factory=dict)
     step_s: float = 0.0
@@ -51,6 +52,8 @@ class Candidate:
                    activation_checkpointing=self.activation_checkpointing)
         if self.ep > 1:
             out["ep"] = self.ep
+        if self.cp > 1:
+            out["cp"] = self.cp
         if self.pp > 1:
             out.update(microbatches=self.microbatches, schedule=self.schedule, virtual_stages=self.virtual_stages)
         return out
@@ -68,7 +71,7 @@ class Candidate:
 
     def trainer_kwargs(self) -> dict:
         """The Trainer options: GPUs, and accumulation where there is no pipeline to take the microbatches."""
-        out = dict(devices=self.tp * self.pp * self.dp)
+        out = dict(devices=self.tp * self.cp * self.pp * self.dp)
         if self.pp == 1 and self.microbatches > 1:
             out["accumulate_grad_batches"] = self.microbatches
         return out
@@ -93,7 +96,8 @@ def estimate(c: Candidate, prof, cluster, global_batch: int) -> Candidate:
     """Fill ``c``'s memory, step time and rates (see docs/planner.md for each term)."""
     s, h, t, L = prof.seq, prof.hidden, c.tp, prof.layers
     act_bytes, BYTES = PRECISIONS[prof.precision]
-    tokens = c.microbatch_size * s  # per microbatch
+    tokens = c.microbatch_size * s // c.cp  # per microbatch, on this rank (cp: its share of each sequence)
+    replicas = c.dp * c.cp  # the ranks averaging the same gradients
     per_block_act, outer_act, transient = prof.act[(t, c.sp, c.activation_checkpointing)]
     block_p, outer_p = prof.params_at[t]
     layers_here = L // c.pp
@@ -101,7 +105,7 @@ def estimate(c: Candidate, prof, cluster, global_batch: int) -> Candidate:
     params_here = layers_here * (block_p - block_experts * (1 - 1 / c.ep)) + outer_p  # the first (or last) stage
     experts_here, edp = layers_here * block_experts / c.ep, c.dp // c.ep  # edp: ranks holding the same experts
     # the optimizer steps (zero: its slices; dp's of the rest, the expert-dp group's of the experts)
-    stepped = (params_here - experts_here) / c.dp + experts_here / edp if c.zero else params_here
+    stepped = (params_here - experts_here) / replicas + experts_here / (edp * c.cp) if c.zero else params_here
     # memory: weights, gradients, optimizer state (zero=1: state / dp; zero=3: all three / dp), activations
     shard = c.dp if c.zero == 3 else 1
     memory = dict(weights=params_here * BYTES["weight"] / shard, grads=params_here * BYTES["grad"] / shard,
@@ -111,10 +115,10 @@ def estimate(c: Candidate, prof, cluster, global_batch: int) -> Candidate:
     # under a pipeline the gradients stay while the stage holds its peak microbatches, and a block's backward
     # makes its input's gradients next to them: one block's activations (recomputed ones count it already)
     working = per_block_act if c.pp > 1 and not transient else 0
-    memory["activations"] = c.microbatch_size * (inflight * chunk * per_block_act + outer_act + transient + working)
+    memory["activations"] = c.microbatch_size * (inflight * chunk * per_block_act + outer_act + transient + working) / c.cp
     if c.zero == 1 and c.pp == 1:  # the forward holds last step's slices of the gradients; the backward's end
         # every gradient twice (copied into its bucket's buffer): the parts alive at the larger of the two
-        whole, memory["grads"] = memory["grads"], memory["grads"] / c.dp
+        whole, memory["grads"] = memory["grads"], memory["grads"] / replicas
         if 2 * whole > memory["grads"] + memory["activations"]:
             memory.update(grads=2 * whole, activations=0.0)
     c.memory = {k: v / GIB for k, v in memory.items()}
@@ -150,7 +154,17 @@ def estimate(c: Candidate, prof, cluster, global_batch: int) -> Candidate:
     calls, width = prof.a2a  # ep: each MoE layer's dispatch and combine, forward and backward
     a2a = layers_here * calls * cluster.collective_seconds("all_to_all", tokens * width * act_bytes, c.ep, t) \
         if c.ep > 1 else 0.0
-    f, b = f + p2p + a2a / 2, b + p2p + a2a / 2
+    # cp's ring: per layer K/V passed on cp - 1 times forward and again backward, dK/dV (fp32) cp times back,
+    # each transfer hidden behind one block of the attention core (the core's FLOPs over cp steps)
+    ring_f = ring_b = 0.0
+    if c.cp > 1:
+        kv = tokens * 2 * h / t * act_bytes
+        one = cluster.collective_seconds("p2p", kv, 2, t)
+        core_step = cluster.gemm_seconds(tokens * prof.core_flops / t, gemm) / c.cp
+        ring_f = layers_here * (c.cp - 1) * max(0.0, one - core_step)
+        ring_b = layers_here * ((c.cp - 1) * max(0.0, one - 2 * core_step) +
+                                c.cp * cluster.collective_seconds("p2p", kv * 4 / act_bytes, 2, t))
+    f, b = f + p2p + a2a / 2 + ring_f, b + p2p + a2a / 2 + ring_b
     pipe = pipeline_seconds(c.pp, c.virtual_stages, c.microbatches, f, b)
     c.stage_seconds = (f, b)
     # data parallel: the gradient all-reduce (zero=1: reduce-scatter + all-gather, zero=3: also the weights'
@@ -158,8 +172,8 @@ def estimate(c: Candidate, prof, cluster, global_batch: int) -> Candidate:
     grads = params_here * BYTES["grad"]
 
     def over_dp(op, per_param):  # the experts' over the ranks holding the same ones (ep > 1), the rest over dp
-        return cluster.collective_seconds(op, (params_here - experts_here) * per_param, c.dp, t) + \
-            cluster.collective_seconds(op, experts_here * per_param, edp, t * c.ep)
+        return cluster.collective_seconds(op, (params_here - experts_here) * per_param, replicas, t) + \
+            cluster.collective_seconds(op, experts_here * per_param, edp * c.cp, t * c.ep)
     if c.zero:  # the reduce-scatter overlapped; the stepped slices' all-gather after the step (zero=3: the
         # weights' gathers, twice a block, inside the forward and backward)
         dp_time = over_dp("dp_reduce_scatter", BYTES["grad"])
@@ -178,16 +192,17 @@ def estimate(c: Candidate, prof, cluster, global_batch: int) -> Candidate:
     else:  # Lightning's accumulation: a training step per microbatch
         overhead = c.microbatches * cluster.step_overhead_s
     c.step_s = pipe + exposed + optimizer + overhead
-    c.why = dict(compute=c.microbatches * (f + b - (2 + again) * tp_fwd - 2 * p2p - a2a if timed else f_gemm * 3 + re_gemm),
+    c.why = dict(compute=c.microbatches * (f + b - (2 + again) * tp_fwd - 2 * p2p - a2a - ring_f - ring_b if timed
+                                           else f_gemm * 3 + re_gemm),
                  elementwise=c.microbatches * traffic * 3, tp=c.microbatches * (2 * tp_fwd), pp_p2p=c.microbatches * 2 * p2p,
-                 ep_all_to_all=c.microbatches * a2a,
+                 ep_all_to_all=c.microbatches * a2a, cp_ring=c.microbatches * (ring_f + ring_b),
                  bubble=(c.pp - 1) * (f + b) / c.virtual_stages, dp_exposed=exposed, optimizer=optimizer,
                  overhead=overhead)
     c.tokens_per_s = global_batch * s / c.step_s
     model_flops = 3 * (L * prof.block_flops + prof.outer_flops) * global_batch * s  # forward + backward
     hardware = model_flops + (L * (prof.core_flops if c.activation_checkpointing == "selective" else prof.block_flops)
                               * global_batch * s if c.activation_checkpointing else 0.0)
-    gpus = c.tp * c.pp * c.dp
+    gpus = c.tp * c.cp * c.pp * c.dp
     c.mfu = model_flops / (c.step_s * gpus * cluster.peak_tflops * 1e12)
     c.hardware_tflops = hardware / (c.step_s * gpus) / 1e12
     return c

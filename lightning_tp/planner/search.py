@@ -50,46 +50,54 @@ def _divisors(n: int) -> list:
 
 
 def candidates(prof, cluster: Cluster, global_batch: int, zeros=(0, 1), recompute=RECOMPUTE,
-               tp_most: int | None = None):
-    """Every (tp, sp, pp, dp, microbatch size, schedule, virtual stages, recompute, zero, ep) that divides the
-    model (heads, layers, experts) and the batch, with tp groups in whole nodes (tp dividing a node, or whole ones)."""
+               tp_most: int | None = None, cps=(1,)):
+    """Every (tp, sp, cp, pp, dp, microbatch size, schedule, virtual stages, recompute, zero, ep) that divides the
+    model (heads, layers, experts), the sequence (2 x cp chunks) and the batch, with tp groups in whole nodes."""
     most = min(cluster.gpus, tp_most or 2 * cluster.gpus_per_node)
     for t in prof.tps(most):
         if not (cluster.inside(t, 1) or t % cluster.gpus_per_node == 0):  # tp groups would straddle nodes
             continue
-        for pp in _divisors(min(prof.layers, cluster.gpus // t)):
-            if cluster.gpus % (t * pp) or prof.layers % pp:
+        for cp in cps:
+            if cluster.gpus % (t * cp) or prof.seq % (2 * cp):
                 continue
-            dp = cluster.gpus // (t * pp)
-            if global_batch % dp:
-                continue
-            eps = [e for e in _divisors(dp) if prof.experts % e == 0] if prof.experts else [1]  # experts over dp
-            for mbs in MICROBATCH_SIZES:
-                if (global_batch // dp) % mbs:
+            for pp in _divisors(min(prof.layers, cluster.gpus // (t * cp))):
+                if cluster.gpus % (t * cp * pp) or prof.layers % pp:
                     continue
-                m = global_batch // dp // mbs
-                if pp > 1 and m < pp:
-                    continue
-                schedules = [("1f1b", 1)]
-                if pp > 1:
-                    schedules += [("interleaved_1f1b", v) for v in (2, 4) if (prof.layers // pp) % v == 0 and m % pp == 0]
-                for schedule, v in schedules:
-                    for sp in ((False, True) if t > 1 else (False,)):
-                        for ckpt, zero, ep in ((c, z, e) for c in recompute for z in zeros for e in eps):
-                            if zero and dp == 1 or (zero == 3 and (pp > 1 or ep > 1)):  # zero=3: not under pp, ep
-                                continue
-                            yield Candidate(tp=t, pp=pp, dp=dp, sp=sp, microbatch_size=mbs, microbatches=m,
-                                            schedule=schedule, virtual_stages=v, activation_checkpointing=ckpt,
-                                            zero=zero, ep=ep)
+                yield from _with_batch(prof, cluster, global_batch, zeros, recompute, t, cp, pp)
+
+
+def _with_batch(prof, cluster, global_batch, zeros, recompute, t, cp, pp):
+    dp = cluster.gpus // (t * cp * pp)
+    if global_batch % dp:
+        return
+    eps = [e for e in _divisors(dp) if prof.experts % e == 0] if prof.experts else [1]  # experts over dp
+    for mbs in MICROBATCH_SIZES:
+        if (global_batch // dp) % mbs:
+            continue
+        m = global_batch // dp // mbs
+        if pp > 1 and m < pp:
+            continue
+        schedules = [("1f1b", 1)]
+        if pp > 1:
+            schedules += [("interleaved_1f1b", v) for v in (2, 4) if (prof.layers // pp) % v == 0 and m % pp == 0]
+        for schedule, v in schedules:
+            for sp in ((False, True) if t > 1 else (False,)):
+                for ckpt, zero, ep in ((c, z, e) for c in recompute for z in zeros for e in eps):
+                    if zero and dp * cp == 1 or (zero == 3 and (pp > 1 or ep > 1 or cp > 1)):  # zero=3: not under pp, ep, cp
+                        continue
+                    yield Candidate(tp=t, pp=pp, dp=dp, sp=sp, microbatch_size=mbs, microbatches=m,
+                                    schedule=schedule, virtual_stages=v, activation_checkpointing=ckpt,
+                                    zero=zero, ep=ep, cp=cp)
 
 
 def plan(model, gpus: int, gpus_per_node: int = 8, gpu_memory_gib: float = 80.0, peak_tflops: float = 989.0,
          intra_node_gbps: float = 3600.0, inter_node_gbps: float = 400.0, global_batch: int = 512, seq_len: int = 2048,
          *, hbm_gbps: float = 26800.0, flash: bool = True, zeros=(0, 1), cluster: Cluster | None = None,
-         model_plan="auto", precision: str = "bf16-mixed", recompute=RECOMPUTE, timed: bool = False) -> Ranking:
-    """The layouts for ``model`` (meta tensors are enough) on ``gpus`` GPUs, fastest first (``plan[0]``);
-    ``flash``: attention keeps no s x s scores; ``precision``: bf16-mixed, bf16-true, 32-true or megatron;
-    ``timed``: compute timed here (CPU, a process per GPU). Raises when none fits, naming what overflows."""
+         model_plan="auto", precision: str = "bf16-mixed", recompute=RECOMPUTE, timed: bool = False,
+         cps=None) -> Ranking:
+    """The layouts for ``model`` (meta tensors are enough) on ``gpus`` GPUs, fastest first (``plan[0]``); options
+    (``flash``, ``precision``, ``timed``, ``cps``: the context-parallel sizes to try): docs/planner.md. Raises
+    when none fits, naming what overflows."""
     cluster = cluster or Cluster(gpus=gpus, gpus_per_node=gpus_per_node, gpu_memory_gib=gpu_memory_gib,
                                  peak_tflops=peak_tflops, intra_node_gbps=intra_node_gbps,
                                  inter_node_gbps=inter_node_gbps, hbm_gbps=hbm_gbps)
@@ -99,7 +107,8 @@ def plan(model, gpus: int, gpus_per_node: int = 8, gpu_memory_gib: float = 80.0,
         raise ValueError(f"plan(global_batch={global_batch!r}): a positive integer (sequences per step).")
     tps = [t for t in range(1, min(cluster.gpus, 2 * cluster.gpus_per_node) + 1) if cluster.gpus % t == 0]
     prof = profile(model, seq_len, tps, flash=flash, plan=model_plan, precision=precision)
-    found = list(candidates(prof, cluster, global_batch, zeros, recompute))
+    cps, left_out = _context_sizes(model, cluster.gpus, seq_len, cps)
+    found = list(candidates(prof, cluster, global_batch, zeros, recompute, cps=cps))
     if timed:
         prof.timed = time_blocks(model, planner_blocks(model, model_plan), seq_len, prof.vocab, sorted({c.tp for c in found}),
                                  recompute, sorted({c.microbatch_size for c in found}),
@@ -118,7 +127,23 @@ def plan(model, gpus: int, gpus_per_node: int = 8, gpu_memory_gib: float = 80.0,
         raise ValueError(f"plan(): nothing fits in {cluster.gpu_memory_gib:g} GiB per GPU. The smallest layout, "
                          f"{_name(over[0])}, needs {over[0].overflow}. Add GPUs or memory, or shorten "
                          f"seq_len / the global batch.")
-    return Ranking(fits, over, cluster, _left_out(prof.refused))
+    return Ranking(fits, over, cluster, _left_out(prof.refused) + left_out)
+
+
+def _context_sizes(model, gpus: int, seq_len: int, cps) -> tuple:
+    """The cp sizes to try and, where the strategy refuses cp for this model, a line saying why."""
+    if cps is None:
+        cps = [c for c in (1, 2, 4, 8) if gpus % c == 0]
+    if max(cps) == 1:
+        return [1], []
+    from ..context.model_checks import check_model
+
+    try:
+        check_model(model, max(cps))
+    except ValueError as e:
+        return [1], [f"cp={', '.join(str(c) for c in cps if c > 1)} left out (the strategy refuses it for this "
+                     f"model): {e}"]
+    return list(cps), []
 
 
 def _left_out(refused: dict) -> list:
@@ -131,7 +156,8 @@ def _left_out(refused: dict) -> list:
 
 
 def _name(c: Candidate) -> str:
-    return (f"tp={c.tp}{' sp' if c.sp else ''} pp={c.pp} dp={c.dp} microbatch {c.microbatch_size}"
+    return (f"tp={c.tp}{' sp' if c.sp else ''}{f' cp={c.cp}' if c.cp > 1 else ''} pp={c.pp} dp={c.dp} "
+            f"microbatch {c.microbatch_size}"
             f" x {c.microbatches}"
             f"{f' {c.schedule} v={c.virtual_stages}' if c.pp > 1 else ''} recompute={c.activation_checkpointing} "
             f"zero={c.zero}{f' ep={c.ep}' if c.ep > 1 else ''}")
