@@ -49,6 +49,9 @@ LAYOUTS = {
     "ep=1 capacity 1.25": (dict(moe_capacity=1.25), "32-true", dict(n_expert=4), dict(ref=None)),
     "tp=2 kernels": (dict(tp=2, kernels=True), "32-true", {}, {}),
     "tp=2 quant=int8": (dict(tp=2, quant="int8"), "32-true", {}, dict(qat="int8")),
+    # context parallelism: each GPU holds half of every sequence; K/V around the ring (NCCL p2p), or all-to-all
+    "cp=2 ring": (dict(cp=2), "32-true", {}, {}),
+    "cp=2 all_to_all bf16-mixed": (dict(cp=2, cp_attention="all_to_all"), "bf16-mixed", {}, {}),
 }
 RESUMES = ("tp=2", "pp=2")  # zero=3 bf16 checkpoints (sync, async) resumed at these layouts
 
@@ -104,7 +107,7 @@ def fit(strategy_kw, precision, model_kw, opts, steps, devices, rank=0, batches=
     if opts.get("last"):
         d = d[: len(d) - G // 2]  # the last batch half the others
     single = strategy_kw is None
-    dp = 1 if single else devices // (strategy_kw.get("tp", 1) * strategy_kw.get("pp", 1))
+    dp = 1 if single else devices // (strategy_kw.get("tp", 1) * strategy_kw.get("pp", 1) * strategy_kw.get("cp", 1))
     if dp > 1:  # this rank's share of each global batch (rank = dp rank: tp = pp = 1 here)
         b = G // dp
         d = torch.cat([d[k + rank * b: k + (rank + 1) * b] for k in range(0, len(d), G)])

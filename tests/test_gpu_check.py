@@ -27,7 +27,7 @@ def test_gpu_check_cpu_dry_run_prints_one_table_and_passes():
                   "trainer fit MegaStrategy(tp=1)", "trainer fit 16-mixed", "trainer fit bf16-mixed",
                   "trainer fit microbatches=2", "trainer fit checkpointing + dropout", "trainer fit quant=int8",
                   "checkpoint sync: resume + consolidate", "checkpoint async: resume + consolidate",
-                  "compiled layer_norm fp32 [dry run]", "total"):
+                  "compiled layer_norm fp32 [dry run]", "cp ring blocks (cp=4 in one process)", "total"):
         assert rows[check] == "PASS", check
     assert rows["nccl init (1 process)"] == "SKIP" and "skipped: no GPU" in out
     # transformers 5's experts module behind the dispatch (4.x has none: said so)
@@ -43,5 +43,5 @@ def test_gpu_check_2gpu_cpu_dry_run_passes_every_row():
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     rows = {line.split("|")[1].strip(): line.split("|")[2].strip() for line in proc.stdout.splitlines()
             if line.startswith("| ")}
-    assert len(rows) == 5 + 9 + 4 + 1, rows  # primitives, layouts, zero=3 resumes, total
+    assert len(rows) == 5 + 11 + 4 + 1, rows  # primitives, layouts (cp=2's two among them), zero=3 resumes, total
     assert set(rows.values()) == {"PASS"}, rows

@@ -65,12 +65,19 @@ class ContextParallel:
     def install(self, module: nn.Module) -> None:
         """Position hooks, attention names and Hugging Face's loss on ``module`` (once)."""
         for name, sub in module.named_modules():
-            if isinstance(sub, nn.Embedding) or type(sub).__name__.endswith("RotaryEmbedding"):
+            if _positional(name, sub):
                 sub.register_forward_pre_hook(_global_positions, with_kwargs=True)
             if "attention" in type(sub).__name__.lower():
                 sub.register_forward_pre_hook(_entering(name))
             if _causal_lm_loss(sub):
                 sub._loss_function = _shifting_loss(sub.loss_function)
+
+
+def _positional(name: str, module: nn.Module) -> bool:
+    """A position table (an nn.Embedding whose name says so: wpe, pos, position...) or a rotary embedding."""
+    leaf = name.rpartition(".")[2].lower()
+    return (isinstance(module, nn.Embedding) and ("pos" in leaf or leaf == "wpe")) or \
+        type(module).__name__.endswith("RotaryEmbedding")
 
 
 def _entering(name: str):
