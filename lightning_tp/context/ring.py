@@ -67,7 +67,8 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, scale, causal, ring, cp, cp_rank):
         groups = q.shape[1] // k.shape[1]
         c = q.shape[2] // 2
-        out = torch.zeros(q.shape[:-1] + (v.shape[-1],), dtype=torch.float32, device=q.device)
+        b, h, n, _ = q.shape  # the output laid out (B, T, H, D), as torch's kernels make it: the usual
+        out = torch.zeros(b, n, h, v.shape[-1], dtype=torch.float32, device=q.device).transpose(1, 2)  # reshape is a view
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
         shapes = (k.shape, v.shape)
         held = _pack(k, v)
