@@ -344,7 +344,7 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
                                     dtype_bytes) if cp > 1 else 0,
                 expert_params=sum(p.numel() for p in params if id(p) in experts),
                 ep_bytes=_all_to_all_bytes(base, config, r, locate, times, tokens, m * acc, dtype_bytes),
-                edp_bytes=expert_trained * grad_bytes if config.ep > 1 and dp > config.ep else 0,
+                edp_bytes=expert_trained * grad_bytes if config.ep > 1 and dp * cp > config.ep else 0,
                 act_bytes=round((held + transient) * (B // m) * T * dtype_bytes), peak_microbatches=peaks[r],
                 recompute_bytes=round(transient * (B // m) * T * dtype_bytes),
                 zb_w_bytes=round(to_w * (B // m) * T * dtype_bytes)), **dp_costs))
@@ -357,7 +357,7 @@ def _dp_costs(params: list, experts: set, config, pp_rank: int, tp_rank: int, gr
               state_bytes: int) -> dict:
     """One rank's memory (dp rank 0's) and gradient collectives per step over dp and expert-dp, from the buckets
     the strategy's own DPOverlap (zero=0) or ShardedOptimizer (zero=1, one param group assumed) makes."""
-    dp, edp, gb = config.dp * config.cp, config.dp // config.ep, grad_bytes  # gradients: averaged over dp x cp
+    dp, edp, gb = config.dp * config.cp, config.dp // config.ep * config.cp, grad_bytes  # averaged over dp x cp
     trained = [p for p in params if p.requires_grad]
     dense = [p for p in trained if id(p) not in experts]  # ``experts``: those ep > 1 splits, synced over expert-dp
     whole = sum(p.numel() for p in trained)

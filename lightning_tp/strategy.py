@@ -29,6 +29,8 @@ from .config import ParallelConfig
 from .context import runtime as context_runtime
 from . import grads
 from .averaged_models import copy_averaged_models_again
+from .checkpoints.newest import newest_complete
+from .restarts import attempt_store, restarted
 from .failures import FailureNotes, raise_on_every_rank
 from .mesh import ParallelMesh, build_mesh, gloo_twin_of_replica_group
 from .pipeline.run.epoch_end import install as install_epoch_end_sync
@@ -79,6 +81,7 @@ class MegaStrategy(ParallelStrategy):
         quant_range: QAT activation ranges: "ema", "delayed" or "learned".
         load_full: a plain checkpoint (Lightning, state_dict, Hugging Face directory) to start from.
         async_save: write checkpoints in the background: saving returns once this rank's tensors are copied.
+        resume: fit without ckpt_path resumes from the newest complete checkpoint: "auto" when a launcher restarted the job, True always, False never.
         sync_init: broadcast rank 0's initial weights before sharding.
         broadcast_batch: every tp/pp rank of a replica trains on its first rank's batch.
         process_group_backend: "gloo" on CPU and "nccl" on GPU by default.
@@ -98,7 +101,8 @@ class MegaStrategy(ParallelStrategy):
                  split_backward: Union[bool, Literal["auto", "drain"]] = "auto",
                  p2p: Literal["auto", "eager", "batched"] = "auto",
                  kernels: Union[bool, list, None] = False, quant: Optional[str] = None, quant_range: str = "ema",
-                 load_full: Optional[str] = None, async_save: bool = False, sync_init: bool = True, broadcast_batch: bool = True,
+                 load_full: Optional[str] = None, async_save: bool = False, resume: Union[bool, Literal["auto"]] = "auto",
+                 sync_init: bool = True, broadcast_batch: bool = True,
                  process_group_backend: Optional[str] = None,
                  timeout: Optional[Union[timedelta, float]] = default_pg_timeout,
                  start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -129,6 +133,10 @@ class MegaStrategy(ParallelStrategy):
         self._failures = None  # this run's notes of which rank failed first (see .failures)
         self._context = None  # cp > 1: the context-parallel run (see .context)
         self._writer = ckpt.AsyncWriter(self._timeout) if async_save else None
+        if resume not in ("auto", True, False):
+            raise ValueError(f"MegaStrategy(resume={resume!r}): choose 'auto' (when torchrun or SLURM restarted the "
+                             f"job), True or False.")
+        self._resume = resume
         self.mesh: ParallelMesh = ParallelMesh()
 
     # ------------------------------------------------------------------ topology
@@ -198,7 +206,9 @@ class MegaStrategy(ParallelStrategy):
         self.set_world_ranks()
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         self._process_group_backend = backend
-        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
+        store = attempt_store(self.cluster_environment, self.global_rank, self.world_size, self._timeout)
+        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout,
+                              **({"store": store} if store is not None else {}))
         self.mesh = build_mesh(self.tp, self.pp, device_type=self.root_device.type, ep=self.config.ep,
                                timeout=self._timeout, cp=self.config.cp)
         self._failures = FailureNotes.open(self.mesh)
@@ -219,6 +229,8 @@ class MegaStrategy(ParallelStrategy):
     def setup(self, trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
+        if trainer.state.fn == TrainerFn.FITTING and (self._resume is True or (self._resume == "auto" and restarted())):
+            self._resume_newest(trainer)
         module = self.lightning_module
         reused = getattr(module, "_lightning_tp", None) is not None
         if not reused and self._dp_overlap is not None:
@@ -257,6 +269,25 @@ class MegaStrategy(ParallelStrategy):
         if scaler is not None and (self.tp * self.pp > 1 or self._zero or self._fsdp):  # fp16 AMP: one skip-or-step decision
             # for all (under zero=1/3 each dp rank unscales only its slices)
             grads.agree_on_overflow(scaler)
+
+    def _resume_newest(self, trainer) -> None:
+        """Where fit was given no ckpt_path: the newest complete checkpoint in ModelCheckpoint's directory or
+        the root directory (rank 0's choice, for every rank), handed to Lightning's restore after setup."""
+        connector = trainer._checkpoint_connector
+        restore = connector._restore_modules_and_callbacks
+
+        def restore_newest(checkpoint_path=None, weights_only=None):
+            if checkpoint_path is None:
+                dirs = [getattr(cb, "dirpath", None) for cb in trainer.checkpoint_callbacks] + [trainer.default_root_dir]
+                found = newest_complete(dirs) if self.is_global_zero else None
+                checkpoint_path = self.broadcast(str(found) if found is not None else None)
+                if checkpoint_path is not None:
+                    rank_zero_warn(f"MegaStrategy(resume={self._resume!r}): resuming from {checkpoint_path}, the newest "
+                                   f"complete checkpoint" + (" (the job was restarted)" if restarted() else ""))
+            connector._restore_modules_and_callbacks = restore  # once
+            return restore(checkpoint_path, weights_only)
+
+        connector._restore_modules_and_callbacks = restore_newest
 
     def _shard_optimizers(self) -> list:
         """zero=1 at dp > 1: each optimizer sharded over dp (checked on every rank first); a warning at dp = 1
@@ -320,16 +351,25 @@ class MegaStrategy(ParallelStrategy):
         """cp: the step's loss reported as the mean over the cp ranks (each computed its own tokens'), after
         checking on the first step that attention went through the context-parallel path."""
         run = self._context
-        if run.calls == 0:
-            raise ValueError(f"MegaStrategy(cp={run.cp}): the training step ran without a call to torch's "
-                             f"scaled_dot_product_attention, so its attention saw only this rank's part of the "
-                             f"sequence. Context parallelism needs attention through F.scaled_dot_product_attention "
-                             f"(Hugging Face: attn_implementation='sdpa'; nn.MultiheadAttention with need_weights=False).")
+        run.check_attention("training_step")
         if isinstance(out, dict) and "loss" in out:
             return {**out, "loss": run.averaged(out["loss"])}
         return run.averaged(out)
 
     def _eval_step(self, hook, context, *args, **kwargs):
+        if self._context is None:
+            return self._eval_step_plain(hook, context, *args, **kwargs)
+        if hook == "predict_step":
+            raise ValueError(f"MegaStrategy(cp={self.config.cp}): predict_step would return each rank's two chunks of "
+                             f"every sequence, not the sequence; predict with cp=1.")
+        try:
+            out = self._eval_step_plain(hook, context, *args, **kwargs)
+            self._context.check_attention(hook)
+            return out
+        finally:
+            self._context.done()
+
+    def _eval_step_plain(self, hook, context, *args, **kwargs):
         if self._fsdp:
             with context():
                 return self._forward_redirection(self.model, self.lightning_module, hook, *args, **kwargs)
@@ -370,6 +410,8 @@ class MegaStrategy(ParallelStrategy):
 
     def post_backward(self, closure_loss: torch.Tensor) -> None:
         super().post_backward(closure_loss)
+        if self._context is not None:  # the forward and its recomputation are over: outside steps torch's own
+            self._context.done()
         streams = getattr(getattr(self.lightning_module, "_lightning_tp", None), "streams", None)
         if streams is not None:  # a refusal made while recomputing, which torch only warned about
             streams.raise_pending()

@@ -5,6 +5,8 @@ a gloo group costs seconds on CPU."""
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import socket
 import tempfile
 import time
@@ -64,3 +66,36 @@ def run(world: int, fn, *args, timeout: float = 600.0) -> list:
             errors.sort(key=lambda e: "Connection closed" in e)
             raise RuntimeError("\n".join(errors))
         return results
+
+
+def descendants(pid: int) -> list:
+    """The processes under pid (Linux /proc): torchrun starts each worker under setsid (detached from its agent), so
+    killing an agent's process group would leave its workers running."""
+    found = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                found += [int(c) for c in f.read().split()]
+    except OSError:
+        return []
+    return found + [d for c in found for d in descendants(c)]
+
+
+def stop_agents(agents):
+    """End the agents still running and their workers: SIGTERM, which an agent passes on to its workers,
+    then SIGKILL to whichever of them is left after a few seconds."""
+    running = [a for a in agents if a.poll() is None]
+    pids = [p for a in running for p in descendants(a.pid)]
+    for a in running:
+        a.terminate()
+    for a in running:
+        try:
+            a.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            a.kill()
+            a.wait()
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

@@ -25,6 +25,7 @@ WORLD2 = runnable({
     "cp2_hf_llama_all_to_all": ("hf_llama", {}, dict(cp=2, cp_attention="all_to_all"), STEPS10),
     "cp2_hf_qwen2": ("hf_qwen2", {}, dict(cp=2), STEPS10),
     "cp2_hf_gpt2": ("hf_gpt2", {}, dict(cp=2), STEPS10),  # learned positions, Conv1D
+    "cp2_hf_opt": ("hf_opt", {}, dict(cp=2), STEPS10),  # learned positions with an offset of 2, given position_ids
     # right padding from the batch's attention_mask: the loss is the mean over the whole sequence's tokens
     "cp2_hf_llama_padded": ("hf_llama", dict(padded="batch"), dict(cp=2), STEPS10),
     "cp2_gpt_recompute": ("gpt", {}, dict(cp=2, activation_checkpointing=True), STEPS10),
@@ -129,6 +130,24 @@ def test_load_balanced_chunks():
 # ------------------------------------------------------------------ what cp refuses (every rank, clearly)
 
 
+class ShiftInStepGPT(L.LightningModule):
+    """Shifts the labels inside its step (logits[:, :-1] against tokens[1:]): across chunks that is wrong."""
+
+    def __init__(self):
+        super().__init__()
+        from examples.gpt.model import GPT, GPTConfig
+
+        self.model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=16))
+
+    def training_step(self, batch, batch_idx):
+        x, _ = batch
+        logits = self.model(x)
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1), x[:, 1:].flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
 class ManualAttentionLM(L.LightningModule):
     """Attention written out by hand (softmax of q kᵀ): nothing for cp to make context-parallel."""
 
@@ -161,6 +180,8 @@ BAD = {  # name: (model kind, model kwargs, strategy kwargs, sequence length, ex
     "cp_with_zero3": ("gpt", {}, dict(cp=2, zero=3), 16, "MegaStrategy(cp=2, zero=3) is not supported yet"),
     # the cp ranks of a replica cut one batch: sequences of another length on another rank cannot happen
     "batch_not_broadcast": ("gpt", {}, dict(cp=2, broadcast_batch=False), 16, "needs broadcast_batch=True"),
+    "labels_shifted_in_step": ("shift_in_step", {}, dict(cp=2), 16, "labels shifted inside the step"),
+    "predict": ("predict", {}, dict(cp=2), 16, "predict_step would return each rank's two chunks"),
 }
 
 
@@ -175,12 +196,27 @@ def _bad(rank, world):
         try:
             trainer = L.Trainer(devices=world, strategy=MegaStrategy(**strategy_kw, timeout=60), max_steps=1,
                                 **trainer_kwargs())
-            model = ManualAttentionLM() if kind == "manual" else make_model(kind, **model_kw)
-            trainer.fit(model, torch.utils.data.DataLoader(Tokens(8, 64, seq=seq), batch_size=2))
+            own = {"manual": ManualAttentionLM, "shift_in_step": ShiftInStepGPT}
+            model = own[kind]() if kind in own else make_model("gpt" if kind == "predict" else kind, **model_kw)
+            loader = torch.utils.data.DataLoader(Tokens(8, 64, seq=seq), batch_size=2)
+            if kind == "predict":
+                trainer.predict(model, loader)
+            else:
+                trainer.fit(model, loader)
             out[name] = None
         except Exception as e:  # noqa: BLE001 - returned to the test
             out[name] = f"{type(e).__name__}: {e}"
     return out
+
+
+def test_models_that_read_one_position_of_a_sequence_are_refused():
+    transformers = pytest.importorskip("transformers")
+    from lightning_tp.context.model_checks import check_model
+
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
+    with pytest.raises(ValueError, match=r"LlamaForSequenceClassification\) reads one position of each sequence"):
+        check_model(transformers.LlamaForSequenceClassification(config), 2)
 
 
 def test_bad_context_parallel_input_fails_on_every_rank_with_a_clear_error():

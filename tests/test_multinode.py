@@ -5,7 +5,6 @@ groups and its per-step losses; the losses must match one plain single-device pr
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 import dist
+from dist import stop_agents as _stop
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "examples", "gpt", "config.yaml")
@@ -53,39 +53,6 @@ class LoggedLosses(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.losses.append(float(trainer.callback_metrics["train_loss"]))
-
-
-def _descendants(pid: int) -> list:
-    """The processes under pid (Linux /proc): torchrun starts each worker under setsid (detached from its agent), so
-    killing an agent's process group would leave its workers running."""
-    found = []
-    try:
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{tid}/children") as f:
-                found += [int(c) for c in f.read().split()]
-    except OSError:
-        return []
-    return found + [d for c in found for d in _descendants(c)]
-
-
-def _stop(agents):
-    """End the agents still running and their workers: SIGTERM, which an agent passes on to its workers,
-    then SIGKILL to whichever of them is left after a few seconds."""
-    running = [a for a in agents if a.poll() is None]
-    pids = [p for a in running for p in _descendants(a.pid)]
-    for a in running:
-        a.terminate()
-    for a in running:
-        try:
-            a.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            a.kill()
-            a.wait()
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def _two_node_job(tmp_path):

@@ -34,12 +34,9 @@ def context_parallel_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_c
     if dropout_p:
         raise ValueError(f"MegaStrategy(cp={run.cp}): {where} uses attention dropout ({dropout_p}), which "
                          f"context-parallel attention does not apply. Set the model's attention dropout to 0.")
-    run.device = query.device
-    if not run.agreed:
-        run.kv_heads = key.shape[1]
-    causal = _causal(run, attn_mask, is_causal, n, where)
-    if key.shape[1] < run.kv_heads:  # Hugging Face repeats K/V heads where it passes a mask (padded ranks only):
-        groups = run.kv_heads // key.shape[1]  # every rank sends as many heads
+    causal, kv_heads = _agree(run, attn_mask, is_causal, n, key.shape[1], query.device, where)
+    if key.shape[1] < kv_heads:  # Hugging Face repeats K/V heads where it passes a mask (padded ranks only):
+        groups = kv_heads // key.shape[1]  # every rank sends as many heads
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     scale = scale if scale is not None else 1.0 / math.sqrt(query.shape[-1])
     run.calls += 1
@@ -53,27 +50,18 @@ def context_parallel_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_c
     return ring_attention(query, key, value, scale, causal, run.group, run.cp, run.rank, run.next, run.prev)
 
 
-def _causal(run, mask, is_causal: bool, n: int, where: str) -> bool:
-    """True for causal attention, False for none. A mask is read as one of them (causal may also hide
-    right padding from the padded rows); the first call of a batch agrees over the cp group (a rank
-    without padding gets no mask from Hugging Face), later ones reuse the reading of the same mask."""
-    key = (None, bool(is_causal)) if mask is None else (mask.data_ptr(), tuple(mask.shape), bool(is_causal))
-    if key in run.readings:
-        return run.readings[key]
-    flags = torch.tensor(_read(mask, is_causal, n) + [-run.kv_heads], device=run.device)
-    if not run.agreed:  # the same number of calls on every rank: once per batch
-        dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=run.group)
-        run.agreed, run.kv_heads = True, -int(flags[2])
-    if flags[0]:
-        run.readings[key] = True
-    elif flags[1]:
-        run.readings[key] = False
-    else:
+def _agree(run, mask, is_causal: bool, n: int, kv_heads: int, device, where: str) -> tuple:
+    """(causal or not, K/V heads every rank sends), agreed over the cp group at each call (every rank makes the
+    same calls): a rank without padding gets no mask from Hugging Face, nor repeated K/V heads. A mask is read as
+    causal (right padding hidden from the padded rows only) or none, else refused on every rank."""
+    flags = torch.tensor(_read(mask, is_causal, n) + [-kv_heads], device=device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=run.group)
+    if not flags[0] and not flags[1]:
         raise ValueError(f"MegaStrategy(cp={run.cp}): {where} gave scaled_dot_product_attention a mask that is "
                          f"neither causal, causal with right padding, nor empty (a sliding window, document mask, "
-                         f"left padding or an additive bias such as ALiBi). Context parallelism supports causal "
-                         f"attention with right padding; use cp=1 for this model.")
-    return run.readings[key]
+                         f"left padding or an additive bias such as ALiBi) on some cp rank. Context parallelism "
+                         f"supports causal attention with right padding; use cp=1 for this model.")
+    return bool(flags[0]), -int(flags[2])
 
 
 def _read(mask, is_causal: bool, n: int) -> list:

@@ -7,7 +7,7 @@ import torch
 
 
 def _flash_cpu(q: torch.Tensor) -> bool:
-    return q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16, torch.float64)
+    return q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
 
 
 def forward(q, k, v, causal: bool, scale: float):
@@ -15,6 +15,11 @@ def forward(q, k, v, causal: bool, scale: float):
     if _flash_cpu(q):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
         return out.float(), lse.float()
+    with torch.autocast(q.device.type, enabled=False):  # the backward's products are fp32 too
+        return _math_forward(q, k, v, causal, scale)
+
+
+def _math_forward(q, k, v, causal: bool, scale: float):
     s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
     if causal:
         s = s.masked_fill(_above_diagonal(s), float("-inf"))
@@ -29,6 +34,11 @@ def backward(dout, q, k, v, out, lse, causal: bool, scale: float):
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout.to(dt), q, k, v, out.to(dt), lse.float(), 0.0, causal, scale=scale)
         return dq.float(), dk.float(), dv.float()
+    with torch.autocast(q.device.type, enabled=False):
+        return _math_backward(dout, q, k, v, out, lse, causal, scale)
+
+
+def _math_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
     qf, kf, vf, do = q.float(), k.float(), v.float(), dout.float()
     s = torch.matmul(qf, kf.transpose(-1, -2)) * scale
     if causal:

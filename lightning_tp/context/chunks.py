@@ -3,6 +3,8 @@ and 2*cp-1-r, so every rank does the same causal attention work; a batch's seque
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
 
@@ -59,7 +61,7 @@ def cut_batch(batch, cp: int, rank: int):
 def _check_right_padded(batch) -> None:
     """A batch's ``attention_mask`` (a dict entry) must pad on the right only: causal attention then
     keeps real tokens apart from pads without the mask, which the ring does not cut."""
-    mask = batch.get("attention_mask") if isinstance(batch, dict) else None
+    mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
     if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
         return
     keep = mask.bool().int()

@@ -31,6 +31,10 @@ def check_model(module: nn.Module, cp: int) -> None:
             raise ValueError(f"MegaStrategy(cp={cp}): {name or type(module).__name__} is a litgpt model, whose "
                              f"rotary tables are sliced by sequence length, so a cp rank's chunks would get the "
                              f"first positions. Context parallelism is not supported for litgpt models yet.")
+        if type(sub).__name__.endswith(("ForSequenceClassification", "ForQuestionAnswering", "ForMultipleChoice")):
+            raise ValueError(f"MegaStrategy(cp={cp}): {name or type(module).__name__} ({type(sub).__name__}) reads one "
+                             f"position of each sequence (a pooled token or a span), which lives on one cp rank "
+                             f"only; context parallelism supports per-token heads (causal LM, token classification).")
         if getattr(config, "is_encoder_decoder", False):
             raise ValueError(f"MegaStrategy(cp={cp}): {name or type(module).__name__} is an encoder-decoder; "
                              f"context parallelism supports decoder-only and encoder-only self-attention.")

@@ -18,9 +18,17 @@ from .state import active, set_active
 CROSS_ENTROPY = F.cross_entropy
 
 
+_FASTPATH = []  # nn.MultiheadAttention's fused fast path as it was before a cp run (it bypasses SDPA)
+
+
 def activate(run: Optional["ContextParallel"]) -> None:
     """Make ``run`` the process's cp run (None: none): torch's functions are swapped only while one is."""
     set_active(run)
+    if run is not None and not _FASTPATH:
+        _FASTPATH.append(torch.backends.mha.get_fastpath_enabled())
+        torch.backends.mha.set_fastpath_enabled(False)
+    elif run is None and _FASTPATH:
+        torch.backends.mha.set_fastpath_enabled(_FASTPATH.pop())
     F.scaled_dot_product_attention = context_parallel_sdpa if run is not None else SDPA
     F.cross_entropy = _cross_entropy if run is not None else CROSS_ENTROPY
 
@@ -36,17 +44,25 @@ class ContextParallel:
         self.length: Optional[int] = None
         self.calls = 0
         self.current: Optional[str] = None  # the attention module running (named in errors)
-        self.readings: dict = {}  # this batch's masks read as causal (True) or none (False), see .attention
-        self.agreed = False  # whether this batch's first reading was agreed over the cp group
-        self.device = None
-        self.kv_heads = 0  # the most key/value heads any cp rank passed on this batch's first call
         self._positions = {}
 
     def cut(self, batch):
         """This rank's two chunks of every sequence tensor of ``batch``."""
         batch, self.length = cut_batch(batch, self.cp, self.rank)
-        self.readings, self.agreed = {}, False
+        self.calls = 0
         return batch
+
+    def check_attention(self, step: str) -> None:
+        """An error (on every rank alike) if ``step`` made no context-parallel attention call."""
+        if self.calls == 0:
+            raise ValueError(f"MegaStrategy(cp={self.cp}): {step} ran without a call to torch's "
+                             f"scaled_dot_product_attention, so its attention saw only this rank's part of the sequence. "
+                             f"Context parallelism needs attention through F.scaled_dot_product_attention (Hugging Face: "
+                             f"attn_implementation='sdpa'; nn.MultiheadAttention with need_weights=False).")
+
+    def done(self) -> None:
+        """The batch's forward and backward are over: outside a step the model runs as torch's own."""
+        self.length = None
 
     def positions(self, device) -> torch.Tensor:
         key = (self.length, device)
@@ -66,7 +82,7 @@ class ContextParallel:
         """Position hooks, attention names and Hugging Face's loss on ``module`` (once)."""
         for name, sub in module.named_modules():
             if _positional(name, sub):
-                sub.register_forward_pre_hook(_global_positions, with_kwargs=True)
+                sub.register_forward_pre_hook(_positions_hook(name), with_kwargs=True)
             if "attention" in type(sub).__name__.lower():
                 sub.register_forward_pre_hook(_entering(name))
             if _causal_lm_loss(sub):
@@ -87,30 +103,36 @@ def _entering(name: str):
     return hook
 
 
-def _global_positions(module, args, kwargs):
-    """An index tensor equal to 0..n-1 (the positions a model makes for its n local tokens) becomes the
-    global positions of this rank's tokens: position embeddings and rotary tables see the whole sequence."""
-    run = active()
-    if run is None or run.length is None:
+def _positions_hook(name: str):
+    def hook(module, args, kwargs):
+        """The index a position table or rotary embedding is given: 0..n-1 plus an offset (the positions a model
+        makes for its n local tokens) becomes this rank's global positions plus that offset; indices that are
+        global already stay; anything else is refused (the same on every rank)."""
+        run = active()
+        if run is None or run.length is None:
+            return None
+        at = 0 if isinstance(module, nn.Embedding) else 1
+        if kwargs.get("position_ids") is not None:
+            return args, {**kwargs, "position_ids": _follow(run, kwargs["position_ids"], name, module)}
+        if len(args) > at and isinstance(args[at], torch.Tensor):
+            return args[:at] + (_follow(run, args[at], name, module),) + tuple(args[at + 1:]), kwargs
         return None
+    return hook
+
+
+def _follow(run, index: torch.Tensor, name: str, module) -> torch.Tensor:
     n = run.length // run.cp
-    if isinstance(module, nn.Embedding):
-        if args and _local_arange(args[0], n):
-            return (run.positions(args[0].device).to(args[0].dtype).expand_as(args[0]),) + tuple(args[1:]), kwargs
-        return None
-    if "position_ids" in kwargs and _local_arange(kwargs["position_ids"], n):
-        p = kwargs["position_ids"]
-        return args, {**kwargs, "position_ids": run.positions(p.device).to(p.dtype).expand_as(p)}
-    if len(args) > 1 and _local_arange(args[1], n):
-        p = args[1]
-        return (args[0], run.positions(p.device).to(p.dtype).expand_as(p)) + tuple(args[2:]), kwargs
-    return None
-
-
-def _local_arange(t, n: int) -> bool:
-    if not isinstance(t, torch.Tensor) or t.is_floating_point() or t.dim() == 0 or t.shape[-1] != n:
-        return False
-    return bool(torch.equal(t, torch.arange(n, device=t.device, dtype=t.dtype).expand_as(t)))
+    if not index.is_floating_point() and index.dim() > 0 and index.shape[-1] == n:
+        positions = run.positions(index.device).to(index.dtype)
+        offset = index[..., :1]
+        if torch.equal(index - offset, torch.arange(n, device=index.device, dtype=index.dtype).expand_as(index)):
+            return positions.expand_as(index) + offset
+        if torch.equal(index - offset, (positions - positions[0]).expand_as(index)):
+            return index  # this rank's global positions already (a batch's position_ids, cut)
+    raise ValueError(f"MegaStrategy(cp={run.cp}): {name} ({type(module).__name__}) got position indices that are "
+                     f"neither 0..{n - 1} (plus an offset) nor this rank's global positions, so context "
+                     f"parallelism cannot give it the tokens' global positions. Pass position_ids 0..n-1 to the "
+                     f"model (or in the batch), or use cp=1.")
 
 
 def _causal_lm_loss(module: nn.Module) -> bool:
@@ -126,6 +148,10 @@ def _shifting_loss(loss_function):
 
     def loss(logits, labels, vocab_size, *args, ignore_index: int = -100, shift_labels=None, **kwargs):
         run = active()
+        if run is not None and run.length is not None and kwargs.get("num_items_in_batch") is not None:
+            raise ValueError(f"MegaStrategy(cp={run.cp}): num_items_in_batch counts the whole batch's tokens, but each "
+                             f"cp rank sums only its own: leave it None (the mean over the whole sequence's tokens is "
+                             f"taken across the cp ranks).")
         if run is not None and run.length is not None and shift_labels is None and labels is not None:
             shift_labels = shifted_labels(run, labels, ignore_index)
         return loss_function(logits, labels, vocab_size, *args, ignore_index=ignore_index, shift_labels=shift_labels,
@@ -161,6 +187,13 @@ def _cross_entropy(input, target, weight=None, size_average=None, ignore_index=-
     if plain:
         return CROSS_ENTROPY(input, target, weight=weight, size_average=size_average, ignore_index=ignore_index,
                              reduce=reduce, reduction=reduction, label_smoothing=label_smoothing)
+    n = run.length // run.cp
+    if target.numel() % n and target.numel() % (n - 1) == 0:
+        raise ValueError(f"MegaStrategy(cp={run.cp}): cross_entropy got {target.numel()} targets, a multiple of "
+                         f"{n - 1}, not of the {n} tokens a cp rank holds: labels shifted inside the step "
+                         f"(logits[:, :-1] against labels[:, 1:]) pair a chunk's last token with another chunk's "
+                         f"first. Shift the labels in the data (targets = tokens[1:]) or pass labels to a Hugging "
+                         f"Face model, which shifts them across chunks.")
     total = CROSS_ENTROPY(input, target, ignore_index=ignore_index, reduction="sum", label_smoothing=label_smoothing)
     count = (target != ignore_index).sum().to(total.dtype)
     dist.all_reduce(count, group=run.group)
