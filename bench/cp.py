@@ -27,30 +27,10 @@ def _fit(rank, world, seq, steps, width, heads, batch):
     from examples.gpt.lit import LitGPT, ShakespeareData
     from lightning_tp import MegaStrategy, comm
     from lightning_tp.planner.calibrate import step_times
-
-    class SavedBytes(L.Callback):
-        def __init__(self):
-            self.per_step, self._hooks = [], None
-
-        def on_train_batch_start(self, trainer, pl_module, *args):
-            params = {p.untyped_storage().data_ptr() for p in pl_module.parameters()}
-            seen = {}
-
-            def pack(t):
-                ptr = t.untyped_storage().data_ptr()
-                if ptr not in params:
-                    seen[ptr] = t.untyped_storage().nbytes()
-                return t
-
-            self.per_step.append(seen)
-            self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-            self._hooks.__enter__()
-
-        def on_before_backward(self, *args):
-            self._hooks.__exit__(None, None, None)
+    from lightning_tp.planner.measure import saved_bytes
 
     L.seed_everything(0, verbose=False)
-    saved, times = SavedBytes(), step_times()
+    saved, times = saved_bytes(), step_times()
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=MegaStrategy(cp=world, timeout=300),
                         max_steps=steps, callbacks=[saved, times], logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)

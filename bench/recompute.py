@@ -24,33 +24,10 @@ import torch  # noqa: E402
 from examples.gpt.lit import LitGPT, ShakespeareData  # noqa: E402
 from lightning_tp import MegaStrategy  # noqa: E402
 from lightning_tp.planner.calibrate import step_times  # noqa: E402
+from lightning_tp.planner.measure import saved_bytes  # noqa: E402
 
 STEPS, WARMUP, ROUNDS = 30, 5, 3
 CHOICES = (False, True, 2, "selective")
-
-
-class SavedBytes(L.Callback):
-    """Bytes of the distinct storages autograd saves during each training step's forward."""
-
-    def __init__(self):
-        self.per_step, self._hooks = [], None
-
-    def on_train_batch_start(self, trainer, pl_module, *args):
-        params = {p.untyped_storage().data_ptr() for p in pl_module.parameters()}
-        seen = {}
-
-        def pack(t):
-            ptr = t.untyped_storage().data_ptr()
-            if ptr not in params:
-                seen[ptr] = t.untyped_storage().nbytes()
-            return t
-
-        self.per_step.append(seen)
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-        self._hooks.__enter__()
-
-    def on_before_backward(self, *args):
-        self._hooks.__exit__(None, None, None)
 
 
 def fit(choice, steps, callback, args):
@@ -77,7 +54,7 @@ def main():
     if args.smoke:
         args.width, args.heads, args.seq, args.batch, args.rounds, args.steps = 32, 2, 16, 2, 1, WARMUP + 2
     torch.set_num_threads(1)
-    saved = {c: sum(fit(c, 2, SavedBytes(), args).per_step[-1].values()) for c in CHOICES}
+    saved = {c: sum(fit(c, 2, saved_bytes(), args).per_step[-1].values()) for c in CHOICES}
     times = {c: [] for c in CHOICES}
     for _ in range(args.rounds):
         for c in CHOICES:

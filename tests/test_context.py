@@ -228,25 +228,6 @@ def test_bad_context_parallel_input_fails_on_every_rank_with_a_clear_error():
 # ------------------------------------------------------------------ memory: measured, and explain's figure
 
 
-class SavedBytes(L.Callback):
-    """Bytes of the distinct storages autograd saves in the last training step's forward (parameters left out)."""
-
-    def on_train_batch_start(self, trainer, pl_module, *args):
-        params = {p.untyped_storage().data_ptr() for p in pl_module.parameters()}
-        self.seen = {}
-
-        def pack(t):
-            if t.untyped_storage().data_ptr() not in params:
-                self.seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-        self._hooks.__enter__()
-
-    def on_before_backward(self, *args):
-        self._hooks.__exit__(None, None, None)
-
-
 MEMORY_MODEL = dict(vocab_size=64, block_size=128, n_layer=2, n_head=4, n_embd=64)
 
 
@@ -254,14 +235,16 @@ def _saved(rank, world):
     from lightning_tp import MegaStrategy, comm
     from models import make_model, trainer_kwargs
 
-    saved = SavedBytes()
+    from lightning_tp.planner.measure import saved_bytes
+
+    saved = saved_bytes()
     trainer = L.Trainer(devices=world, strategy=MegaStrategy(cp=world, timeout=60), max_steps=2, callbacks=[saved],
                         **trainer_kwargs())
     model = make_model("gpt", **MEMORY_MODEL)
     data = torch.utils.data.DataLoader(Tokens(8, 64, seq=128), batch_size=2)
     with comm.count_collectives() as records:
         trainer.fit(model, data)
-    return sum(saved.seen.values()), sum(4 * n for op, n, _ in records if op == "ring_send") / 2  # bytes per step
+    return sum(saved.per_step[-1].values()), sum(4 * n for op, n, _ in records if op == "ring_send") / 2  # bytes per step
 
 
 def test_activation_bytes_per_rank_halve_at_cp2_and_explain_says_so():

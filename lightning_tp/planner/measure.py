@@ -40,3 +40,33 @@ def _peak(nodes) -> int:
             now += size
         best = max(best, now)
     return best
+
+
+def saved_bytes():
+    """A Lightning callback noting, per training step, the bytes of the distinct storages autograd saves in
+    its forward for backward (parameters left out): ``.per_step``, a list of {storage: bytes}."""
+    import lightning as L
+    import torch
+
+    class SavedBytes(L.Callback):
+        def __init__(self):
+            self.per_step, self._hooks = [], None
+
+        def on_train_batch_start(self, trainer, pl_module, *args):
+            params = {p.untyped_storage().data_ptr() for p in pl_module.parameters()}
+            seen = {}
+
+            def pack(t):
+                ptr = t.untyped_storage().data_ptr()
+                if ptr not in params:
+                    seen[ptr] = t.untyped_storage().nbytes()
+                return t
+
+            self.per_step.append(seen)
+            self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+            self._hooks.__enter__()
+
+        def on_before_backward(self, *args):
+            self._hooks.__exit__(None, None, None)
+
+    return SavedBytes()
