@@ -1,9 +1,14 @@
 """When one rank fails, say why on the others: each rank's error is noted in the process group's store
-and added to the exception of a rank that lost its peer. See docs/design/failures.md."""
+and added to the exception of a rank that lost its peer; a rank that stopped or hung, noting nothing, is
+named by its heartbeat going quiet. See docs/design/failures.md and docs/fault-tolerance.md."""
 
 from __future__ import annotations
 
 import itertools
+import json
+import socket
+import threading
+import time
 from datetime import timedelta
 
 import torch
@@ -33,21 +38,69 @@ def where(mesh) -> str:
 
 
 class FailureNotes:
-    """``where``: this rank in words (global rank, stage, tp/dp rank), for the others' tracebacks."""
+    """``where``: this rank in words (global rank, stage, tp/dp rank), for the others' tracebacks; with
+    ``beat`` seconds, a heartbeat (time, ``step``, host) in the store until :meth:`close`."""
 
-    def __init__(self, store, where: str, wait: float = 2.0):
+    def __init__(self, store, where: str, wait: float = 2.0, rank: int = 0, world: int = 1, beat: float = 0.0):
         self.store, self.where, self.wait = store, where, timedelta(seconds=wait)
         self.prefix = f"lightning_tp/failed/{next(_runs)}"
+        self.rank, self.world, self.beat, self.step = rank, world, beat, -1
+        self._stop = threading.Event()
+        if beat:
+            self._beat()
+            threading.Thread(target=self._beating, name="lightning_tp heartbeat", daemon=True).start()
 
     @classmethod
-    def open(cls, mesh):
+    def open(cls, mesh, beat: float = 5.0):
         """Over the default process group's store, or None without one (every rank calls this once per
         Trainer entry, in the same order: the key numbers agree)."""
         try:
             store = dist.distributed_c10d._get_default_store()
         except (RuntimeError, ValueError):
             return None
-        return cls(store, where(mesh))
+        return cls(store, where(mesh), rank=mesh.rank, world=mesh.world_size, beat=beat)
+
+    def _beat(self) -> None:
+        self.store.set(f"{self.prefix}/alive/{self.rank}", json.dumps([time.time(), self.step, socket.gethostname()]))
+
+    def _beating(self) -> None:
+        while not self._stop.wait(self.beat):
+            try:
+                self._beat()
+            except Exception:  # the store is gone: the run is ending
+                return
+
+    def at_step(self, step: int) -> None:
+        """This rank begins ``step``: said in the store now (what a silent rank was doing)."""
+        self.step = step
+        if self.beat:
+            try:
+                self._beat()
+            except Exception:  # the store is gone: the run is ending
+                pass
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def _quiet_note(self):
+        try:
+            quiet = self.quiet() if self.beat else []
+        except Exception:  # the store went with the failing process
+            return None
+        return _quiet_note_of(quiet) if quiet else None
+
+    def quiet(self, now: float | None = None) -> list:
+        """(rank, seconds since its last heartbeat, its step then, its host) of each other rank silent for
+        over two beats: stopped, hung, or gone."""
+        now, out = now or time.time(), []
+        for r in range(self.world):
+            key = f"{self.prefix}/alive/{r}"
+            if r == self.rank or not self.store.check([key]):
+                continue
+            at, step, host = json.loads(self.store.get(key).decode())
+            if now - at > 2 * self.beat:
+                out.append((r, now - at, step, host))
+        return out
 
     def record(self, exc: BaseException) -> None:
         """On a failing rank, before it exits: note its error, unless another rank's was noted first or
@@ -69,13 +122,20 @@ class FailureNotes:
         try:
             self.store.wait([key], self.wait)
             note = self.store.get(key).decode(errors="replace")
-        except Exception:  # none noted (the peer was killed), or the store went with the failing process
-            return
+        except Exception:  # none noted (the peer was killed or hung), or the store went with the failing process
+            note = self._quiet_note()
+            if note is None:
+                return
         note = f"lightning_tp: {note}\n(this rank, {self.where}, stopped waiting for it)"
         if hasattr(exc, "add_note"):
             exc.add_note(note)
         else:  # Python 3.10: no notes; the message itself carries it
             exc.args = (f"{exc.args[0] if exc.args else ''}\n{note}",) + tuple(exc.args[1:])
+
+
+def _quiet_note_of(quiet: list) -> str:
+    return "; ".join(f"global rank {r} (host {host}) sent no heartbeat for {age:.0f} s (its last: beginning step "
+                     f"{step}): stopped, hung or killed" for r, age, step, host in quiet)
 
 
 def raise_on_every_rank(what: str, fn, rank: int, device, stage: int | None = None) -> None:

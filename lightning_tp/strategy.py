@@ -347,6 +347,11 @@ class MegaStrategy(ParallelStrategy):
         extras = self._runner.step_extras  # a dict step's other keys (last stage), merged over microbatches
         return {"loss": loss, **extras} if extras else loss
 
+    def on_train_batch_start(self, batch, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        if self._failures is not None:  # what the heartbeat says this rank was doing
+            self._failures.at_step(self.lightning_module.trainer.global_step)
+
     def _context_averaged(self, out):
         """cp: the step's loss reported as the mean over the cp ranks (each computed its own tokens'), after
         checking on the first step that attention went through the context-parallel path."""
@@ -519,6 +524,8 @@ class MegaStrategy(ParallelStrategy):
             self._batch_broadcast.finish()
         if self._writer is not None:  # the last checkpoint in place before the processes go
             self._writer.wait()
+        if self._failures is not None:
+            self._failures.close()
         if self._context is not None:
             context_runtime.activate(None)
         if not self._fsdp:

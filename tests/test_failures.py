@@ -106,3 +106,52 @@ def test_a_loss_bug_on_the_last_stage_is_named_on_the_first(error):
     assert len(first[2]) == 1 and f"global rank 1 (pipeline rank 1 of 2) raised {kind}: {words}" in first[2][0] \
         and "global rank 0 (pipeline rank 0 of 2)" in first[2][0], first
     assert first[3] < 30, f"the first stage waited {first[3]:.0f} s (the process group's timeout is 60 s)"
+
+
+class StopAt(L.Callback):
+    """Global rank 1 stops itself (SIGSTOP: alive, silent) as step 2 begins."""
+
+    def on_train_batch_start(self, trainer, *args):
+        if trainer.global_step == 2 and trainer.global_rank == 1:
+            import os
+            import signal
+
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def _fit_stopping(rank, world):
+    t0 = time.monotonic()
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=MegaStrategy(pp=2, microbatches=2, timeout=15),
+                        max_steps=4, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0, use_distributed_sampler=False,
+                        callbacks=[StopAt()])
+    try:
+        trainer.fit(Net(), net_loader())
+    except Exception as err:  # noqa: BLE001 - returned to the test
+        return type(err).__name__, str(err), getattr(err, "__notes__", []), time.monotonic() - t0
+    return None
+
+
+def test_a_stopped_rank_is_named_by_its_silent_heartbeat_when_the_others_time_out(tmp_path):
+    """A hung rank notes no error: the others' collective times out (MegaStrategy(timeout=15)), and their
+    error says which rank went silent, on which host, since which step."""
+    import os
+    import signal
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(dist._worker, args=(2, dist.free_port(), str(tmp_path), _fit_stopping, ()), nprocs=2,
+                             join=False, start_method="spawn")
+    deadline = time.monotonic() + 180
+    try:
+        while not (tmp_path / "0.pt").exists() and time.monotonic() < deadline:
+            time.sleep(0.5)
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)
+    got = torch.load(tmp_path / "0.pt", weights_only=False)["ok"]
+    kind, text, notes, seconds = got
+    assert lost_peer(RuntimeError(text)), got
+    assert len(notes) == 1 and "global rank 1 (host " in notes[0] and "sent no heartbeat for" in notes[0] \
+        and "(its last: beginning step 1)" in notes[0], got  # it stopped as the next step began
