@@ -253,7 +253,7 @@ def test_activation_bytes_per_rank_halve_at_cp2_and_explain_says_so():
     from examples.gpt.model import GPT, GPTConfig
     from lightning_tp import explain
 
-    one = _saved(0, 1)
+    one = dist.run(1, _saved, timeout=300)[0]  # a process of its own: a process group must not outlive the test
     two = dist.run(2, _saved, timeout=300)
     with torch.device("meta"):
         model = GPT(GPTConfig(**MEMORY_MODEL))

@@ -64,15 +64,13 @@ def test_a_killed_rank_restarts_the_job_which_resumes_and_ends_as_an_uninterrupt
     print(f"from the kill to training again: {min(rec['started'] for rec in second) - killed:.1f} s")
 
 
-def _fit(root, resume, steps, monkeypatch):
+def _fit(root, resume, steps):
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from lightning_tp import MegaStrategy
     from models import LossRecorder, TokenData, make_model, trainer_kwargs
 
-    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
-    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
     rec = LossRecorder()
     ckpt = ModelCheckpoint(dirpath=root / "checkpoints", every_n_epochs=1, save_top_k=-1)
     trainer = L.Trainer(devices=1, strategy=MegaStrategy(resume=resume), max_epochs=steps // 2, callbacks=[rec, ckpt],
@@ -81,23 +79,35 @@ def _fit(root, resume, steps, monkeypatch):
     return rec.losses
 
 
-def test_a_fresh_run_next_to_checkpoints_starts_afresh_and_resume_true_takes_the_newest_complete(tmp_path, monkeypatch):
+def _fresh_and_resumed(rank, world, root):
+    """In a process of its own (the fits' process group must not outlive them): a first run, the same again
+    next to its checkpoints, a cut-short copy made, then resume=True, and a longer uninterrupted run."""
+    import shutil
+    from pathlib import Path
+
     from lightning_tp.checkpoints.newest import newest_complete
 
-    first = _fit(tmp_path, "auto", 4, monkeypatch)
-    assert len(first) == 4
-    again = _fit(tmp_path, "auto", 4, monkeypatch)  # not restarted by a launcher: from scratch, the same losses
-    assert again == first
-    newest = newest_complete([tmp_path / "checkpoints"])
-    assert "step=4" in newest.name, newest
-    # a copy written later but cut short (a data file truncated) is never the one resumed
-    import shutil
-
-    broken = newest.with_name("epoch=9-step=99.ckpt")
+    for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"):  # a run the user started
+        os.environ.pop(name, None)
+    root = Path(root)
+    out = dict(first=_fit(root, "auto", 4), again=_fit(root, "auto", 4))
+    newest = newest_complete([root / "checkpoints"])
+    broken = newest.with_name("epoch=9-step=99.ckpt")  # written later, but cut short
     shutil.copytree(newest, broken)
     data = next(p for p in broken.iterdir() if p.suffix == ".distcp")
     data.write_bytes(data.read_bytes()[:10])
-    assert newest_complete([tmp_path / "checkpoints"]) == newest
-    resumed = _fit(tmp_path, True, 6, monkeypatch)  # resume=True: from step 4 on, the steps an uninterrupted run takes
-    longer = _fit(tmp_path / "whole", "auto", 6, monkeypatch)
+    out.update(newest=newest.name, chosen=newest_complete([root / "checkpoints"]).name,
+               resumed=_fit(root, True, 6), longer=_fit(root / "whole", "auto", 6))
+    return out
+
+
+def test_a_fresh_run_next_to_checkpoints_starts_afresh_and_resume_true_takes_the_newest_complete(tmp_path):
+    import dist
+
+    got = dist.run(1, _fresh_and_resumed, str(tmp_path), timeout=300)[0]
+    assert len(got["first"]) == 4
+    assert got["again"] == got["first"]  # not restarted by a launcher: from scratch, the same losses
+    assert "step=4" in got["newest"], got["newest"]
+    assert got["chosen"] == got["newest"]  # the later copy cut short is never the one resumed
+    resumed, longer = got["resumed"], got["longer"]  # resume=True: from step 4 on, an uninterrupted run's steps
     assert len(resumed) == 2 and max(abs(a - b) for a, b in zip(resumed, longer[4:])) < 1e-5, (resumed, longer)
