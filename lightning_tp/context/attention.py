@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from .. import comm
 from .ring import ring_attention
 from .state import active
 from .ulysses import all_to_all_attention
@@ -55,7 +56,7 @@ def _agree(run, mask, is_causal: bool, n: int, kv_heads: int, device, where: str
     same calls): a rank without padding gets no mask from Hugging Face, nor repeated K/V heads. A mask is read as
     causal (right padding hidden from the padded rows only) or none, else refused on every rank."""
     flags = torch.tensor(_read(mask, is_causal, n) + [-kv_heads], device=device)
-    dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=run.group)
+    flags = comm.all_reduce(flags, run.group, op=dist.ReduceOp.MIN)
     if not flags[0] and not flags[1]:
         raise ValueError(f"MegaStrategy(cp={run.cp}): {where} gave scaled_dot_product_attention a mask that is "
                          f"neither causal, causal with right padding, nor empty (a sliding window, document mask, "

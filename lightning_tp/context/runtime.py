@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from .. import comm
 from .attention import SDPA, context_parallel_sdpa
 from .chunks import chunk_ids, cut_batch, global_positions
 from .state import active, set_active
@@ -75,7 +76,7 @@ class ContextParallel:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             return loss
         mean = loss.detach().clone()
-        dist.all_reduce(mean, group=self.group)
+        comm.all_reduce(mean, self.group)
         return loss + (mean / self.cp - loss.detach())
 
     def install(self, module: nn.Module) -> None:
@@ -196,5 +197,5 @@ def _cross_entropy(input, target, weight=None, size_average=None, ignore_index=-
                          f"Face model, which shifts them across chunks.")
     total = CROSS_ENTROPY(input, target, ignore_index=ignore_index, reduction="sum", label_smoothing=label_smoothing)
     count = (target != ignore_index).sum().to(total.dtype)
-    dist.all_reduce(count, group=run.group)
+    count = comm.all_reduce(count, run.group)
     return total * run.cp / count
