@@ -33,6 +33,8 @@ Rows (check | result | figure):
     UNSUPPORTED (not a failure); wrong numbers FAIL.
   * ``hf 5.x experts (grouped_mm) dispatched``: a transformers 5 Mixtral block whose experts module (3-D
     weights, its own grouped_mm) runs behind the expert-parallel dispatch, against the block's own.
+  * ``cp blocks <dtype>`` / ``cp ring <dtype>``: context parallelism's block kernels against its fp32 math
+    blocks, and its ring (cp=4 ranks as threads) against SDPA on the whole sequence; bench/gpu_check_cp.py.
 
 Each check is guarded: an exception gives a FAIL row with the error (traceback on stderr) and the
 rest still run. Checks that would start after ``--budget`` seconds are skipped. Exit status 1 when
@@ -642,71 +644,6 @@ def check_expert_layer():
                                     f"{'GPU vs CPU' if CUDA else 'CPU vs CPU'}; t layer/block loop {t_layer / t_own:.2f}")
 
 
-def check_cp_ring_blocks():
-    """Context parallelism's ring, its cp ranks simulated in one process: every (query chunk, key chunk) block on
-    the device with its log-sum-exp, merged, and the backward from the merged output, against SDPA on the whole
-    sequence (fp32, TF32 off): output and the three gradients."""
-    import sys as _sys
-
-    _sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from lightning_tp.context import blocks
-    from lightning_tp.context.chunks import chunk_ids, global_positions
-    from lightning_tp.context.ring import _relation
-
-    cp, (b, h, t, d) = 4, ((1, 2, 32, 8) if DRY else (2, 8, 4096, 64))
-    c, scale = t // (2 * cp), d ** -0.5
-    torch.manual_seed(0)
-    q, k, v = (torch.randn(b, h, t, d, device=DEV, requires_grad=True) for _ in range(3))
-    old = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    try:
-        ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        grad = torch.randn_like(ref)
-        ref.backward(grad)
-        parts = [global_positions(t, cp, r, DEV) for r in range(cp)]
-        outs, lses = {}, {}
-        with torch.no_grad():
-            for r in range(cp):
-                qr = q[:, :, parts[r]]
-                out = torch.zeros(b, h, 2 * c, d, device=DEV)
-                lse = torch.full((b, h, 2 * c), float("-inf"), device=DEV)
-                for s in range(cp):
-                    kr, vr = k[:, :, parts[s]], v[:, :, parts[s]]
-                    for i, qc in enumerate(chunk_ids(cp, r)):
-                        for j, kc in enumerate(chunk_ids(cp, s)):
-                            kind = _relation(qc, kc, True)
-                            if kind is not None:
-                                rows, cols = slice(i * c, (i + 1) * c), slice(j * c, (j + 1) * c)
-                                o, l = blocks.forward(qr[:, :, rows], kr[:, :, cols], vr[:, :, cols], kind == "diag", scale)
-                                blocks.merge(out[:, :, rows], lse[:, :, rows], o, l)
-                outs[r], lses[r] = out, lse
-            dq, dk, dv = (torch.zeros(b, h, t, d, device=DEV) for _ in range(3))
-            for r in range(cp):
-                qr, gr = q[:, :, parts[r]], grad[:, :, parts[r]]
-                for s in range(cp):
-                    kr, vr = k[:, :, parts[s]], v[:, :, parts[s]]
-                    for i, qc in enumerate(chunk_ids(cp, r)):
-                        for j, kc in enumerate(chunk_ids(cp, s)):
-                            kind = _relation(qc, kc, True)
-                            if kind is None:
-                                continue
-                            rows, cols = slice(i * c, (i + 1) * c), slice(j * c, (j + 1) * c)
-                            a, bk, bv = blocks.backward(gr[:, :, rows], qr[:, :, rows], kr[:, :, cols], vr[:, :, cols],
-                                                        outs[r][:, :, rows], lses[r][:, :, rows], kind == "diag", scale)
-                            dq[:, :, parts[r][rows]] += a
-                            dk[:, :, parts[s][cols]] += bk
-                            dv[:, :, parts[s][cols]] += bv
-            whole = torch.zeros_like(ref)
-            for r in range(cp):
-                whole[:, :, parts[r]] = outs[r]
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
-    err = max(rel_err(whole, ref.detach()), rel_err(dq, q.grad), rel_err(dk, k.grad), rel_err(dv, v.grad))
-    ok = err <= 1e-4
-    return (PASS if ok else FAIL), (f"cp={cp} simulated, {b}x{h} heads x {t} tokens x {d}: err {fmt_e(err)} "
-                                    f"(tol 1e-04) against SDPA on the whole sequence, output and dq, dk, dv")
-
-
 def _capture_int8_layers(model):
     """Hooks on every Int8Linear: {layer name: [codes it quantized its input to, its output]}."""
     from lightning_tp.quant import Int8Linear
@@ -992,7 +929,9 @@ def main() -> int:
         else:
             rep.run(check, check_compiled, case, torch.bfloat16, compiled=True)
     rep.run("hf 5.x experts (grouped_mm) dispatched", check_fused_experts)
-    rep.run("cp ring blocks (cp=4 in one process)", check_cp_ring_blocks)
+    from bench import gpu_check_cp as cpc  # context parallelism: the ring in threads, the block kernels
+    rep.run("cp blocks", cpc.check_blocks, DEV, DRY, rel_err, fmt_e)
+    rep.run("cp ring (cp=4 threads)", cpc.check_ring, DEV, DRY, rel_err, fmt_e, median_ms)
     counts = {k: sum(r[1] == k for r in rep.rows) for k in (PASS, FAIL, SKIP, UNSUPPORTED)}
     rep.add("total", FAIL if counts[FAIL] else PASS,
             f"{rep.elapsed():.1f} s wall; {counts[PASS]} pass, {counts[FAIL]} fail, {counts[SKIP]} skipped, "

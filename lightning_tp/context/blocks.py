@@ -1,22 +1,44 @@
 """One block of attention (a query chunk against a key chunk) with its log-sum-exp, and its backward
-given the merged output and log-sum-exp: torch's flash kernel on CPU, plain fp32 math elsewhere."""
+given the merged output and log-sum-exp: torch's fused kernels where they return the log-sum-exp
+(flash on CPU; flash or memory-efficient on CUDA), plain fp32 math elsewhere."""
 
 from __future__ import annotations
 
 import torch
 
+aten = torch.ops.aten
+LSE_ALIGN = 32  # the memory-efficient kernel pads its log-sum-exp rows to a multiple of this
+FORCE = None  # "math" forces the fp32 math path (the GPU check's reference); None picks per input
 
-def _flash_cpu(q: torch.Tensor) -> bool:
-    return q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
+
+def kernel(q: torch.Tensor) -> str:
+    """Which implementation runs a block of ``q``: 'flash_cpu', 'flash', 'efficient' or 'math'."""
+    if FORCE:
+        return FORCE
+    if q.device.type == "cpu":
+        return "flash_cpu" if q.dtype in (torch.float32, torch.bfloat16) else "math"
+    if q.device.type != "cuda":
+        return "math"
+    d = q.shape[-1]
+    if q.dtype in (torch.float16, torch.bfloat16) and d % 8 == 0 and d <= 256:
+        return "flash"
+    return "efficient" if q.dtype in (torch.float32, torch.float16, torch.bfloat16) and d % 8 == 0 else "math"
 
 
 def forward(q, k, v, causal: bool, scale: float):
     """(out in fp32, lse in fp32) of softmax(q kᵀ * scale) v, causal within the (square) block if asked."""
-    if _flash_cpu(q):
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-        return out.float(), lse.float()
-    with torch.autocast(q.device.type, enabled=False):  # the backward's products are fp32 too
-        return _math_forward(q, k, v, causal, scale)
+    how = kernel(q)
+    if how == "flash_cpu":
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    elif how == "flash":
+        out, lse = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
+    elif how == "efficient":
+        out, lse = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)[:2]
+        lse = lse[..., :q.shape[-2]]
+    else:
+        with torch.autocast(q.device.type, enabled=False):  # the backward's products are fp32 too
+            return _math_forward(q, k, v, causal, scale)
+    return out.float(), lse.float()
 
 
 def _math_forward(q, k, v, causal: bool, scale: float):
@@ -29,13 +51,26 @@ def _math_forward(q, k, v, causal: bool, scale: float):
 
 def backward(dout, q, k, v, out, lse, causal: bool, scale: float):
     """(dq, dk, dv) in fp32 of one block, given the whole row's output ``out`` and ``lse``."""
-    if _flash_cpu(q):
-        dt = q.dtype
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout.to(dt), q, k, v, out.to(dt), lse.float(), 0.0, causal, scale=scale)
-        return dq.float(), dk.float(), dv.float()
-    with torch.autocast(q.device.type, enabled=False):
-        return _math_backward(dout, q, k, v, out, lse, causal, scale)
+    how = kernel(q)
+    if how == "math":
+        with torch.autocast(q.device.type, enabled=False):
+            return _math_backward(dout, q, k, v, out, lse, causal, scale)
+    dt, lse = q.dtype, lse.float().contiguous()
+    dout, out = dout.to(dt), out.to(dt)
+    if how == "flash_cpu":
+        grads = aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, causal,
+                                                                          scale=scale)
+    elif how == "flash":
+        none = torch.empty((), dtype=torch.int64)  # no dropout: the random-number state is never read
+        grads = aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse, None, None, q.shape[-2], k.shape[-2], 0.0, causal, none, none, scale=scale)
+    else:
+        pad = -q.shape[-2] % LSE_ALIGN
+        lse = torch.nn.functional.pad(lse, (0, pad)) if pad else lse
+        none = torch.empty((), dtype=torch.int64)
+        grads = aten._scaled_dot_product_efficient_attention_backward(
+            dout, q, k, v, None, out, lse, none, none, 0.0, [True, True, True, False], causal, scale=scale)
+    return tuple(g.float() for g in grads[:3])
 
 
 def _math_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
