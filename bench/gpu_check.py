@@ -930,8 +930,9 @@ def main() -> int:
             rep.run(check, check_compiled, case, torch.bfloat16, compiled=True)
     rep.run("hf 5.x experts (grouped_mm) dispatched", check_fused_experts)
     from bench import gpu_check_cp as cpc  # context parallelism: the ring in threads, the block kernels
-    rep.run("cp blocks", cpc.check_blocks, DEV, DRY, rel_err, fmt_e)
     rep.run("cp ring (cp=4 threads)", cpc.check_ring, DEV, DRY, rel_err, fmt_e, median_ms)
+    rep.run("cp ring speed", cpc.check_speed, DEV, DRY, median_ms)
+    rep.run("cp blocks", cpc.check_blocks, DEV, DRY, rel_err, fmt_e)
     counts = {k: sum(r[1] == k for r in rep.rows) for k in (PASS, FAIL, SKIP, UNSUPPORTED)}
     rep.add("total", FAIL if counts[FAIL] else PASS,
             f"{rep.elapsed():.1f} s wall; {counts[PASS]} pass, {counts[FAIL]} fail, {counts[SKIP]} skipped, "

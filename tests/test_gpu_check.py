@@ -27,7 +27,7 @@ def test_gpu_check_cpu_dry_run_prints_one_table_and_passes():
                   "trainer fit MegaStrategy(tp=1)", "trainer fit 16-mixed", "trainer fit bf16-mixed",
                   "trainer fit microbatches=2", "trainer fit checkpointing + dropout", "trainer fit quant=int8",
                   "checkpoint sync: resume + consolidate", "checkpoint async: resume + consolidate",
-                  "compiled layer_norm fp32 [dry run]", "cp blocks fp32", "cp ring fp32 (cp=4 threads)", "total"):
+                  "compiled layer_norm fp32 [dry run]", "cp blocks fp32 flash_cpu", "cp ring fp32 (cp=4 threads)", "total"):
         assert rows[check] == "PASS", check
     assert rows["nccl init (1 process)"] == "SKIP" and "skipped: no GPU" in out
     # transformers 5's experts module behind the dispatch (4.x has none: said so)

@@ -8,7 +8,7 @@ import torch
 
 aten = torch.ops.aten
 LSE_ALIGN = 32  # the memory-efficient kernel pads its log-sum-exp rows to a multiple of this
-FORCE = None  # "math" forces the fp32 math path (the GPU check's reference); None picks per input
+FORCE = None  # a kernel's name forces it ("math": the GPU check's reference); None picks per input
 
 
 def kernel(q: torch.Tensor) -> str:
@@ -22,11 +22,12 @@ def kernel(q: torch.Tensor) -> str:
     d = q.shape[-1]
     if q.dtype in (torch.float16, torch.bfloat16) and d % 8 == 0 and d <= 256:
         return "flash"
-    return "efficient" if q.dtype in (torch.float32, torch.float16, torch.bfloat16) and d % 8 == 0 else "math"
+    return "efficient" if q.dtype == torch.float32 and d % 8 == 0 else "math"  # efficient on fp16/bf16 crashed
 
 
 def forward(q, k, v, causal: bool, scale: float):
-    """(out in fp32, lse in fp32) of softmax(q kᵀ * scale) v, causal within the (square) block if asked."""
+    """(out, lse in fp32) of softmax(q kᵀ * scale) v, causal within the (square) block if asked; out in the
+    kernel's dtype (q's, or fp32 for the math)."""
     how = kernel(q)
     if how == "flash_cpu":
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
@@ -38,7 +39,7 @@ def forward(q, k, v, causal: bool, scale: float):
     else:
         with torch.autocast(q.device.type, enabled=False):  # the backward's products are fp32 too
             return _math_forward(q, k, v, causal, scale)
-    return out.float(), lse.float()
+    return out, lse.float()
 
 
 def _math_forward(q, k, v, causal: bool, scale: float):
@@ -50,7 +51,8 @@ def _math_forward(q, k, v, causal: bool, scale: float):
 
 
 def backward(dout, q, k, v, out, lse, causal: bool, scale: float):
-    """(dq, dk, dv) in fp32 of one block, given the whole row's output ``out`` and ``lse``."""
+    """(dq, dk, dv) of one block, given the whole row's output ``out`` and ``lse`` (pass them in q's dtype and
+    contiguous fp32 to spare a copy per block); in q's dtype, or fp32 for the math."""
     how = kernel(q)
     if how == "math":
         with torch.autocast(q.device.type, enabled=False):
@@ -70,7 +72,7 @@ def backward(dout, q, k, v, out, lse, causal: bool, scale: float):
         none = torch.empty((), dtype=torch.int64)
         grads = aten._scaled_dot_product_efficient_attention_backward(
             dout, q, k, v, None, out, lse, none, none, 0.0, [True, True, True, False], causal, scale=scale)
-    return tuple(g.float() for g in grads[:3])
+    return grads[:3]
 
 
 def _math_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
@@ -90,8 +92,13 @@ def _above_diagonal(s: torch.Tensor) -> torch.Tensor:
     return torch.ones(n, m, dtype=torch.bool, device=s.device).triu(1)
 
 
-def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
-    """Fold one block's (out, lse) into the running ones, in place (lse starts at -inf, out at 0)."""
+def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor,
+          first: bool = False) -> None:
+    """Fold one block's (out, lse) into the running fp32 ones, in place; ``first``: they hold nothing yet."""
+    if first:
+        out.copy_(block_out)
+        lse.copy_(block_lse)
+        return
     new = torch.logaddexp(lse, block_lse)
     out.mul_(torch.exp(lse - new).unsqueeze(-1)).add_(block_out * torch.exp(block_lse - new).unsqueeze(-1))
     lse.copy_(new)

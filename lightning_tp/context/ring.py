@@ -72,7 +72,7 @@ class _RingAttention(torch.autograd.Function):
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
         shapes = (k.shape, v.shape)
         held = _pack(k, v)
-        mine = chunk_ids(cp, cp_rank)
+        mine, filled = chunk_ids(cp, cp_rank), set()
         for step in range(cp):
             source = (cp_rank - step) % cp
             if step < cp - 1:
@@ -87,7 +87,8 @@ class _RingAttention(torch.autograd.Function):
                     rows = slice(i * c, (i + 1) * c)
                     o, l = blocks.forward(q[:, :, rows], kk[:, :, j * c:(j + 1) * c], vv[:, :, j * c:(j + 1) * c],
                                           kind == "diag", scale)
-                    blocks.merge(out[:, :, rows], lse[:, :, rows], o, l)
+                    blocks.merge(out[:, :, rows], lse[:, :, rows], o, l, first=i not in filled)
+                    filled.add(i)
             if step < cp - 1:
                 _wait(requests)
                 held = incoming
@@ -102,6 +103,9 @@ class _RingAttention(torch.autograd.Function):
         groups, c = q.shape[1] // k.shape[1], q.shape[2] // 2
         shapes = (k.shape, v.shape)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        if blocks.kernel(q) != "math":  # the fused kernels take them in q's dtype: converted once, not per block
+            dout, out = dout.to(q.dtype), out.to(q.dtype)
+        lses = [lse[:, :, i * c:(i + 1) * c].contiguous() for i in range(2)]
         held = _pack(k, v)
         mine = chunk_ids(cp, cp_rank)
         grads_in = None  # (requests, buffer): the held block's dK/dV summed by the ranks it visited before
@@ -120,7 +124,7 @@ class _RingAttention(torch.autograd.Function):
                         continue
                     rows, cols = slice(i * c, (i + 1) * c), slice(j * c, (j + 1) * c)
                     a, b, g = blocks.backward(dout[:, :, rows], q[:, :, rows], kk[:, :, cols], vv[:, :, cols],
-                                              out[:, :, rows], lse[:, :, rows], kind == "diag", scale)
+                                              out[:, :, rows], lses[i], kind == "diag", scale)
                     dq[:, :, rows] += a
                     dk[:, :, cols] += b
                     dv[:, :, cols] += g
