@@ -24,7 +24,7 @@ from .plans import apply as planner
 from . import recompute
 from .config import ParallelConfig
 from .context.chunks import check_length
-from .context.costs import ring_bytes
+from .context.costs import ring_bytes, ring_flop_per_byte
 from .context.model_checks import check_model
 from .mesh import ParallelMesh
 from .parallelize import fsdp_blocks, stage_layout
@@ -86,6 +86,7 @@ class Explanation:
     # deferred to W (None: the block could not run alone, decided at the first step); see .explain_split
     split_in_b: dict = field(default_factory=dict)
     split_deferred: dict = field(default_factory=dict)
+    cp_flop_per_byte: float = 0.0  # cp > 1 (ring): attention FLOPs per byte sent in one ring step (the overlap)
 
     def rank(self, stage: int, tp_rank: int = 0) -> RankEstimate:
         return next(r for r in self.ranks if (r.stage, r.tp_rank) == (stage, tp_rank))
@@ -348,6 +349,8 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
                 act_bytes=round((held + transient) * (B // m) * T * dtype_bytes), peak_microbatches=peaks[r],
                 recompute_bytes=round(transient * (B // m) * T * dtype_bytes),
                 zb_w_bytes=round(to_w * (B // m) * T * dtype_bytes)), **dp_costs))
+    if cp > 1 and config.cp_attention == "ring":
+        rep.cp_flop_per_byte = ring_flop_per_byte(base, config, T * cp, dtype_bytes)
     if print_report:
         print(rep)
     return rep

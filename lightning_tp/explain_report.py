@@ -112,6 +112,11 @@ def format_report(rep) -> str:
         lines += ["", f"Context parallelism (cp={c['cp']}, {c['cp_attention']}): each rank holds 1/{c['cp']} of every "
                       f"sequence (act mem above); the ring's sends per rank and step: "
                       + ", ".join(sorted({size(r.cp_bytes) for r in rep.ranks}))]
+        if rep.cp_flop_per_byte:
+            lines.append(f"  overlap: each ring step computes {rep.cp_flop_per_byte:,.0f} attention FLOP per byte it sends "
+                         f"(the lower of forward and backward); the transfer hides behind the attention where the "
+                         f"device's attention FLOP/s over the link's bytes/s is below that (e.g. 400 TFLOP/s over "
+                         f"450 GB/s NVLink: ~900; over 50 GB/s InfiniBand: ~8,000). Longer sequences raise it.")
     if c.get("ep", 1) > 1:
         lines += ["", f"Experts (ep={c['ep']}): per rank, per optimizer step (all-to-all: rows out and back, forward "
                       f"and backward, balanced routing assumed):",

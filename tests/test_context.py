@@ -263,3 +263,19 @@ def test_activation_bytes_per_rank_halve_at_cp2_and_explain_says_so():
             assert abs(modelled.act_bytes / saved - 1) < 0.10, (cp, modelled.act_bytes, saved)
             assert modelled.cp_bytes == ring, (cp, modelled.cp_bytes, ring)
     assert max(s for s, _ in two) <= 0.55 * one[0], (two, one)
+
+
+def test_explain_states_the_ring_overlap_as_flop_per_byte_by_the_formula():
+    """A ring step's attention FLOPs per byte sent: 2 c (H / H_kv) / bytes forward, with c = T / (2 cp); the
+    backward's 2.5x FLOPs over K/V plus fp32 dK/dV; explain reports the lower, and prints it."""
+    from examples.gpt.model import GPT, GPTConfig
+    from lightning_tp import explain
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(**MEMORY_MODEL))
+    for cp, seq, b in ((2, 128, 4), (4, 4096, 2)):
+        rep = explain(model, cp=cp, batch_shape=(2, seq), dtype_bytes=b, print_report=False)
+        c = seq // (2 * cp)
+        assert rep.cp_flop_per_byte == min(2 * c / b, 2.5 * 2 * c / (b + 4)), (cp, seq, rep.cp_flop_per_byte)
+        assert f"{rep.cp_flop_per_byte:,.0f} attention FLOP per byte" in str(rep)
+    assert explain(model, cp=2, batch_shape=(2, 128), cp_attention="all_to_all", print_report=False).cp_flop_per_byte == 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 from torch import nn
 
 KEY_NAMES, VALUE_NAMES = ("k_proj", "key", "k", "wk", "to_k"), ("v_proj", "value", "v", "wv", "to_v")
+QUERY_NAMES = ("q_proj", "query", "q", "wq", "to_q")
 FUSED_NAMES = ("c_attn", "qkv_proj", "query_key_value", "qkv", "Wqkv", "in_proj")
 
 
@@ -28,6 +29,26 @@ def kv_width(attention: nn.Module, tp: int = 1) -> int:
     if k and v:
         return (k + v) // tp
     return 2 * fused // 3 // tp  # [q | k | v] of equal widths
+
+
+def q_width(attention: nn.Module, tp: int = 1) -> int:
+    """Query features per token this rank's attention module passes to SDPA (0 if not found)."""
+    if isinstance(attention, nn.MultiheadAttention):
+        return attention.embed_dim // tp
+    q = sum(_out_features(m) for n, m in attention.named_modules() if n.rpartition(".")[2] in QUERY_NAMES)
+    return q // tp if q else kv_width(attention, tp) // 2
+
+
+def ring_flop_per_byte(model: nn.Module, config, seq_len: int, dtype_bytes: int) -> float:
+    """Attention FLOPs a rank computes per byte it sends in one ring step (the lowest over attention modules and
+    forward/backward): a step's two c x c blocks beside its K/V (backward: 2.5x the FLOPs, K/V plus dK/dV in fp32)."""
+    c, found = seq_len // (2 * config.cp), []
+    for _, m in attention_modules(model):
+        q, kv = q_width(m, config.tp), kv_width(m, config.tp)
+        if q and kv:
+            flops, sent = 8 * c * c * q, 2 * c * kv
+            found.append(min(flops / (sent * dtype_bytes), 2.5 * flops / (sent * (dtype_bytes + 4))))
+    return min(found) if found else 0.0
 
 
 def attention_modules(model: nn.Module) -> list:
