@@ -31,3 +31,22 @@ def attempt_store(cluster_environment, rank: int, world_size: int, timeout) -> O
     os.environ["MASTER_PORT"] = str(cluster_environment.main_port)
     store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
     return dist.PrefixStore(f"lightning_tp/attempt_{count}", store)
+
+
+def keep_global_batch(trainer, saved_dp: Optional[int], dp: int) -> None:
+    """A restart at another dp (an elastic job that lost or gained nodes): ``accumulate_grad_batches`` scaled so
+    each optimizer step sees as many samples as before; refused where no whole number of batches does."""
+    if not saved_dp or saved_dp == dp:
+        return
+    acc = trainer.accumulate_grad_batches
+    total = saved_dp * acc
+    if total % dp:
+        raise ValueError(f"MegaStrategy(resume=...): the checkpoint was written at dp={saved_dp} with "
+                         f"accumulate_grad_batches={acc}, a global batch of {total} per-rank batches, and this restart "
+                         f"has dp={dp}, which does not divide it: no accumulation keeps the global batch. Restart on a "
+                         f"world whose dp divides {total}, or resume with ckpt_path= to choose the batch yourself.")
+    trainer.accumulate_grad_batches = total // dp
+    from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+    rank_zero_warn(f"MegaStrategy: this restart has dp={dp} where the checkpoint had dp={saved_dp}; "
+                   f"accumulate_grad_batches is now {total // dp} (was {acc}), so the global batch keeps its size.")

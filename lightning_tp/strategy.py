@@ -30,7 +30,7 @@ from .context import runtime as context_runtime
 from . import grads
 from .averaged_models import copy_averaged_models_again
 from .checkpoints.newest import newest_complete
-from .restarts import attempt_store, restarted
+from .restarts import attempt_store, keep_global_batch, restarted
 from .failures import FailureNotes, raise_on_every_rank
 from .mesh import ParallelMesh, build_mesh, gloo_twin_of_replica_group
 from .pipeline.run.epoch_end import install as install_epoch_end_sync
@@ -280,10 +280,12 @@ class MegaStrategy(ParallelStrategy):
             if checkpoint_path is None:
                 dirs = [getattr(cb, "dirpath", None) for cb in trainer.checkpoint_callbacks] + [trainer.default_root_dir]
                 found = newest_complete(dirs) if self.is_global_zero else None
-                checkpoint_path = self.broadcast(str(found) if found is not None else None)
+                saved_dp = ckpt.read_meta(found)["lightning_tp"].get("dp") if found is not None else None
+                checkpoint_path, saved_dp = self.broadcast((str(found), saved_dp) if found is not None else (None, None))
                 if checkpoint_path is not None:
                     rank_zero_warn(f"MegaStrategy(resume={self._resume!r}): resuming from {checkpoint_path}, the newest "
                                    f"complete checkpoint" + (" (the job was restarted)" if restarted() else ""))
+                    keep_global_batch(trainer, saved_dp, self.mesh.dp)
             connector._restore_modules_and_callbacks = restore  # once
             return restore(checkpoint_path, weights_only)
 

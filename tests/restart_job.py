@@ -1,6 +1,8 @@
-"""The job tests/test_restart.py starts under torchrun: the tiny GPT at tp=2 x dp=2, a checkpoint at each
-epoch's end, no ckpt_path. With RESTART_KILL_AT=k, global rank 1 kills itself (SIGKILL) at step k of the
-first attempt. Each rank writes each attempt's per-step losses (and times) to $RESTART_OUT."""
+"""The job tests/test_restart.py starts under torchrun: the tiny GPT at tp=2 (dp = world / 2), a checkpoint at
+each epoch's end, no ckpt_path. RESTART_MODE says how the first attempt fails at step RESTART_KILL_AT: "kill"
+(global rank 1 kills itself), "async" (saves are asynchronous and slowed; global rank 1 dies while the step's
+save is in flight), "elastic" (a rank of the second agent kills that agent and its workers: it never comes
+back). Each rank writes each attempt's per-step losses (and times) to $RESTART_OUT."""
 
 import json
 import os
@@ -13,11 +15,21 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_tp import MegaStrategy, consolidate
+from lightning_tp.checkpoint import AsyncWriter
+from lightning_tp.checkpoints.newest import newest_complete
+from dist import descendants
 from models import TokenData, make_model, trainer_kwargs, vocab_of
 
 OUT, KILL_AT = os.environ["RESTART_OUT"], int(os.environ.get("RESTART_KILL_AT", "0"))
+MODE = os.environ.get("RESTART_MODE", "kill")
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 STEPS_PER_EPOCH, EPOCHS, BATCH = 2, 4, 4
+SAMPLES = STEPS_PER_EPOCH * BATCH * 2  # an epoch at dp=2; at dp=1 a step accumulates two batches
+TRAINER = []
+
+
+def _killed(trainer) -> bool:
+    return ATTEMPT == 0 and KILL_AT and trainer.global_step == KILL_AT
 
 
 class Record(L.Callback):
@@ -25,7 +37,7 @@ class Record(L.Callback):
         self.losses, self.started = {}, None
 
     def _write(self, trainer, **extra):
-        record = dict(losses=self.losses, started=self.started, **extra)
+        record = dict(losses=self.losses, started=self.started, world=trainer.world_size, **extra)
         with open(os.path.join(OUT, f"attempt{ATTEMPT}_rank{trainer.global_rank}.json"), "w") as f:
             json.dump(record, f)
 
@@ -36,24 +48,48 @@ class Record(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.losses[trainer.global_step] = float(trainer.callback_metrics["train_loss"])
         self._write(trainer)  # what an attempt that dies leaves behind
-        if ATTEMPT == 0 and trainer.global_step == KILL_AT and trainer.global_rank == 1:
+        if _killed(trainer) and MODE == "kill" and trainer.global_rank == 1:
             self._write(trainer, killed=time.time())
             os.kill(os.getpid(), signal.SIGKILL)
+        if _killed(trainer) and MODE == "elastic" and os.environ.get("GROUP_RANK") == "1" and trainer.local_rank == 0:
+            self._write(trainer, killed=time.time())
+            agent = os.getppid()  # a node lost: its agent, then its workers (each in a session of its own)
+            workers = descendants(agent)
+            os.kill(agent, signal.SIGKILL)
+            for pid in [p for p in workers if p != os.getpid()] + [os.getpid()]:
+                os.kill(pid, signal.SIGKILL)
 
     def on_train_end(self, trainer, pl_module):
         self._write(trainer)
 
 
+def _slow_async_saves():
+    """Each asynchronous write starts 3 s late; rank 1 dies just after the save at step RESTART_KILL_AT began."""
+    start = AsyncWriter.start
+
+    def slow_start(self, tensors, ready, tmp, finish):
+        start(self, tensors, lambda: (time.sleep(3), ready()), tmp, finish)
+        trainer = TRAINER[0]
+        if _killed(trainer) and trainer.global_rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    AsyncWriter.start = slow_start
+
+
 def main():
     model = make_model("gpt")
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "4"))
     ckpt = ModelCheckpoint(dirpath=os.path.join(OUT, "checkpoints"), every_n_epochs=1, save_top_k=-1)
-    trainer = L.Trainer(devices=4, strategy=MegaStrategy(tp=2, timeout=60), max_epochs=EPOCHS,
+    trainer = L.Trainer(devices=local, num_nodes=int(os.environ.get("WORLD_SIZE", local)) // local,
+                        strategy=MegaStrategy(tp=2, timeout=60, async_save=MODE == "async"), max_epochs=EPOCHS,
                         callbacks=[Record(), ckpt], **trainer_kwargs(enable_checkpointing=True))
-    dp = 2
-    trainer.fit(model, TokenData(STEPS_PER_EPOCH * BATCH * dp, vocab_of(model), BATCH))
-    final = os.path.join(OUT, "final.ckpt")
-    trainer.save_checkpoint(final)
+    TRAINER.append(trainer)
+    if MODE == "async":
+        _slow_async_saves()
+    trainer.fit(model, TokenData(SAMPLES, vocab_of(model), BATCH))  # its last save is in place when fit returns
     if trainer.global_rank == 0:
+        final = newest_complete([ckpt.dirpath])
+        assert f"step={EPOCHS * STEPS_PER_EPOCH}" in final.name, final
         torch.save(consolidate(final), os.path.join(OUT, "weights.pt"))
 
 

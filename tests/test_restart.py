@@ -1,31 +1,41 @@
 """A rank killed mid-run under ``torchrun --max-restarts 1``: the job restarts by itself, resumes from the
 newest complete checkpoint without a ckpt_path (MegaStrategy(resume="auto")), and ends with the losses
-and weights of an uninterrupted run. A fresh run next to old checkpoints starts from scratch."""
+and weights of an uninterrupted run; the same when the rank dies during an asynchronous save, and when a
+whole agent is lost (elastic: the job goes on at half the processes). A fresh run starts from scratch."""
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
-from dist import stop_agents as _stop
+from dist import free_port, stop_agents as _stop
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOB = os.path.join(ROOT, "tests", "restart_job.py")
 KILL_AT, STEPS, TIMEOUT = 5, 8, 300
 
 
-def _job(out, kill_at: int):
+def _env(out, kill_at: int, mode: str) -> dict:
+    return {**os.environ, "RESTART_OUT": str(out), "RESTART_KILL_AT": str(kill_at), "RESTART_MODE": mode,
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join(filter(None, [os.path.join(ROOT, "tests"), ROOT, os.environ.get("PYTHONPATH")]))}
+
+
+def _torchrun():
+    return os.path.join(os.path.dirname(sys.executable), "torchrun")
+
+
+def _job(out, kill_at: int, mode: str = "kill"):
     """torchrun --max-restarts 1 of the job on 4 local processes; returns its exit code and log."""
     out.mkdir(exist_ok=True)
-    command = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone", "--nproc-per-node", "4",
-               "--max-restarts", "1", JOB]
-    env = {**os.environ, "RESTART_OUT": str(out), "RESTART_KILL_AT": str(kill_at), "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [os.path.join(ROOT, "tests"), ROOT, os.environ.get("PYTHONPATH")]))}
+    command = [_torchrun(), "--standalone", "--nproc-per-node", "4", "--max-restarts", "1", JOB]
     with open(out / "log.txt", "w+") as log:
-        agent = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        agent = subprocess.Popen(command, cwd=ROOT, env=_env(out, kill_at, mode), stdout=log, stderr=subprocess.STDOUT)
         try:
             code = agent.wait(timeout=TIMEOUT)
         except subprocess.TimeoutExpired:
@@ -36,32 +46,106 @@ def _job(out, kill_at: int):
         return code, log.read()[-8000:]
 
 
-def _records(out, attempt):
-    return [json.loads((out / f"attempt{attempt}_rank{r}.json").read_text()) for r in range(4)]
+def _records(out, attempt, world=4):
+    return [json.loads((out / f"attempt{attempt}_rank{r}.json").read_text()) for r in range(world)]
 
 
-def test_a_killed_rank_restarts_the_job_which_resumes_and_ends_as_an_uninterrupted_run(tmp_path):
-    code, log = _job(tmp_path / "whole", 0)
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory):
+    """The uninterrupted run: its per-step losses (global rank 0's) and final weights."""
+    out = tmp_path_factory.mktemp("whole")
+    code, log = _job(out, 0)
     assert code == 0, log
-    whole = _records(tmp_path / "whole", 0)
+    losses = {int(k): v for k, v in _records(out, 0)[0]["losses"].items()}
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    return losses, torch.load(out / "weights.pt")
+
+
+def _same_weights(out, whole):
+    got, ref = torch.load(out / "weights.pt"), whole[1]
+    assert set(got) == set(ref)
+    for key in ref:
+        torch.testing.assert_close(got[key], ref[key], atol=1e-5, rtol=0, msg=lambda m: f"{key}: {m}")
+
+
+def test_a_killed_rank_restarts_the_job_which_resumes_and_ends_as_an_uninterrupted_run(tmp_path, whole):
     code, log = _job(tmp_path / "killed", KILL_AT)
     assert code == 0, log
     first, second = _records(tmp_path / "killed", 0), _records(tmp_path / "killed", 1)
     assert "resuming from" in log and "step=4" in log, log  # the checkpoint of epoch 2, the newest complete one
-    reference = {int(k): v for k, v in whole[0]["losses"].items()}
-    assert sorted(reference) == list(range(1, STEPS + 1))
+    reference = whole[0]
     for r in range(4):
         before = {int(k): v for k, v in first[r]["losses"].items()}
         after = {int(k): v for k, v in second[r]["losses"].items()}
         assert max(before) <= KILL_AT and sorted(after) == list(range(5, STEPS + 1)), (before, after)
         for step, loss in {**before, **after}.items():
             assert abs(loss - reference[step]) < 1e-5, (r, step, loss, reference[step])
-    got, ref = torch.load(tmp_path / "killed" / "weights.pt"), torch.load(tmp_path / "whole" / "weights.pt")
-    assert set(got) == set(ref)
-    for key in ref:
-        torch.testing.assert_close(got[key], ref[key], atol=1e-5, rtol=0, msg=lambda m: f"{key}: {m}")
+    _same_weights(tmp_path / "killed", whole)
     killed = next(rec["killed"] for rec in first if "killed" in rec)
     print(f"from the kill to training again: {min(rec['started'] for rec in second) - killed:.1f} s")
+
+
+def test_a_rank_lost_during_an_asynchronous_save_resumes_from_the_checkpoint_before(tmp_path, whole):
+    """The save at step 4 is in flight (its write held back 3 s) when rank 1 dies: its directory stays a
+    temporary one, the restart takes step 2's, and the run ends as the uninterrupted one."""
+    code, log = _job(tmp_path / "async", 4, "async")
+    assert code == 0, log
+    assert "resuming from" in log and "step=2" in log, log
+    second = _records(tmp_path / "async", 1)
+    for r in range(4):
+        after = {int(k): v for k, v in second[r]["losses"].items()}
+        assert sorted(after) == list(range(3, STEPS + 1)), after
+        assert max(abs(loss - whole[0][step]) for step, loss in after.items()) < 1e-5, (r, after)
+    _same_weights(tmp_path / "async", whole)
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_a_lost_agent_restarts_the_job_on_the_processes_left_at_half_the_dp_with_the_same_global_batch(tmp_path, whole):
+    """Two agents (2 processes each, elastic --nnodes 1:2); at step 5 one agent is killed with its workers and
+    never comes back. The other restarts alone: tp=2 at dp=1, resharded from step 4's checkpoint, two batches
+    accumulated per step (the global batch of dp=2), ending with the uninterrupted 4-process run's weights."""
+    out = tmp_path / "elastic"
+    out.mkdir()
+    port = free_port()
+    command = [_torchrun(), "--nnodes", "1:2", "--nproc-per-node", "2", "--max-restarts", "1", "--rdzv-backend", "c10d",
+               "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", "last_call_timeout=5", "--monitor-interval", "0.5",
+               JOB]
+    agents, logs = [], []
+    try:
+        for agent in range(2):
+            logs.append(open(out / f"agent{agent}.log", "w+"))
+            agents.append(subprocess.Popen(command, cwd=ROOT, env=_env(out, KILL_AT, "elastic"), stdout=logs[-1],
+                                           stderr=subprocess.STDOUT))
+            deadline = time.monotonic() + 30
+            while agent == 0 and not _listening(port) and time.monotonic() < deadline:  # the store is agent 0's
+                time.sleep(0.2)
+        code = agents[0].wait(timeout=TIMEOUT)
+    finally:
+        _stop(agents)
+        text = []
+        for log in logs:
+            log.seek(0)
+            text.append(log.read()[-6000:])
+            log.close()
+    log = "\n---\n".join(text)
+    assert code == 0, log
+    assert agents[1].returncode == -9, log  # killed with its workers
+    first, second = _records(out, 0), _records(out, 1, world=2)
+    assert {rec["world"] for rec in first} == {4} and {rec["world"] for rec in second} == {2}, log
+    assert not (out / "attempt1_rank2.json").exists()
+    assert "resuming from" in log and "step=4" in log and "accumulate_grad_batches is now 2" in log, log
+    for rec in first:
+        before = {int(k): v for k, v in rec["losses"].items()}
+        assert max(abs(loss - whole[0][step]) for step, loss in before.items()) < 1e-5, before
+    assert sorted(int(k) for k in second[0]["losses"]) == list(range(4, STEPS + 1))  # by global step at each batch's
+    _same_weights(out, whole)  # end: two batches a step, the first of step 5 ends at global step 4
+    killed = next(rec["killed"] for rec in first if "killed" in rec)
+    print(f"from the lost agent to training again on half the processes: "
+          f"{min(rec['started'] for rec in second) - killed:.1f} s")
 
 
 def _fit(root, resume, steps):
