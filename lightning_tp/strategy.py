@@ -30,6 +30,7 @@ from .context import runtime as context_runtime
 from . import grads
 from .averaged_models import copy_averaged_models_again
 from .checkpoints.newest import newest_complete
+from .requeue import DeferredRequeue
 from .restarts import attempt_store, keep_global_batch, restarted
 from .failures import FailureNotes, raise_on_every_rank
 from .mesh import ParallelMesh, build_mesh, gloo_twin_of_replica_group
@@ -131,6 +132,7 @@ class MegaStrategy(ParallelStrategy):
         self._sync_grads = True
         self._batch_broadcast = None
         self._failures = None  # this run's notes of which rank failed first (see .failures)
+        self._requeue = None  # SLURM's requeue signal held until every rank is at one batch (see .requeue)
         self._context = None  # cp > 1: the context-parallel run (see .context)
         self._writer = ckpt.AsyncWriter(self._timeout) if async_save else None
         if resume not in ("auto", True, False):
@@ -351,8 +353,13 @@ class MegaStrategy(ParallelStrategy):
 
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
+        trainer = self.lightning_module.trainer
         if self._failures is not None:  # what the heartbeat says this rank was doing
-            self._failures.at_step(self.lightning_module.trainer.global_step)
+            self._failures.at_step(trainer.global_step)
+        if self._requeue is None:  # Lightning sets its signal handlers after setup
+            self._requeue = DeferredRequeue(trainer, self.root_device)
+            self._requeue.install()
+        self._requeue.at_batch()  # SLURM's requeue signal: Lightning's hpc save, on every rank at one batch
 
     def _context_averaged(self, out):
         """cp: the step's loss reported as the mean over the cp ranks (each computed its own tokens'), after
@@ -528,6 +535,9 @@ class MegaStrategy(ParallelStrategy):
             self._writer.wait()
         if self._failures is not None:
             self._failures.close()
+        if self._requeue is not None:
+            self._requeue.close()
+            self._requeue = None
         if self._context is not None:
             context_runtime.activate(None)
         if not self._fsdp:

@@ -195,3 +195,66 @@ def test_a_fresh_run_next_to_checkpoints_starts_afresh_and_resume_true_takes_the
     assert got["chosen"] == got["newest"]  # the later copy cut short is never the one resumed
     resumed, longer = got["resumed"], got["longer"]  # resume=True: from step 4 on, an uninterrupted run's steps
     assert len(resumed) == 2 and max(abs(a - b) for a, b in zip(resumed, longer[4:])) < 1e-5, (resumed, longer)
+
+
+def _slurm_fit(rank, world, root, requeued):
+    """One task of a 2-task SLURM job (tp=2): the first run has rank 1 alone signalled with SIGUSR1 after step 1
+    (SLURM's requeue signal); the requeued run starts again in the same directory."""
+    import signal
+
+    import lightning as L
+
+    from lightning_tp import MegaStrategy
+    from models import TokenData, make_model, trainer_kwargs, vocab_of
+
+    os.environ.update(SLURM_NTASKS=str(world), SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NODEID="0",
+                      SLURM_JOB_ID="4242", SLURM_JOB_NAME="train", SLURM_NODELIST="127.0.0.1", SLURM_NNODES="1",
+                      SLURM_NTASKS_PER_NODE=str(world), SLURM_RESTART_COUNT="1" if requeued else "0")
+    steps = {}
+
+    class Signal(L.Callback):
+        def on_train_batch_start(self, trainer, *args):
+            steps.setdefault("first", trainer.global_step)
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            steps[trainer.global_step] = float(trainer.callback_metrics["train_loss"])
+            if not requeued and trainer.global_step == 1 and rank == 1:
+                os.kill(os.getpid(), signal.SIGUSR1)
+
+    model = make_model("gpt")
+    trainer = L.Trainer(devices=world, strategy=MegaStrategy(tp=2, timeout=60), max_steps=6, callbacks=[Signal()],
+                        default_root_dir=root, **trainer_kwargs())
+    trainer.fit(model, TokenData(8, vocab_of(model), 4))
+    return steps
+
+
+def test_slurm_requeue_signal_saves_a_layout_free_checkpoint_on_every_rank_at_one_batch_and_the_requeued_run_resumes(
+        tmp_path):
+    """SIGUSR1 reaches rank 1 only: both ranks save Lightning's hpc checkpoint at the same batch (the signal held
+    for one agreed all-reduce, not handled mid-collective); it is a lightning_tp directory, and the requeued
+    run resumes from it with the losses of the run that went on."""
+    import dist
+    from lightning_tp.checkpoint import kind, read_meta
+
+    first = dist.run(2, _slurm_fit, str(tmp_path), False, timeout=300)
+    hpc = tmp_path / "hpc_ckpt_1.ckpt"
+    assert kind(hpc) == "lightning_tp", sorted(p.name for p in tmp_path.iterdir())
+    assert read_meta(hpc)["global_step"] == 2  # signalled after step 1: agreed at step 2's batch, saved at step 3's
+    again = dist.run(2, _slurm_fit, str(tmp_path), True, timeout=300)
+    assert [r["first"] for r in again] == [2, 2]
+    for before, after in zip(first, again):
+        assert sorted(k for k in after if k != "first") == [3, 4, 5, 6]
+        assert max(abs(after[k] - before[k]) for k in (3, 4, 5, 6)) < 1e-5, (before, after)
+
+
+def test_a_restart_at_another_dp_scales_accumulation_to_keep_the_global_batch_or_refuses():
+    from types import SimpleNamespace
+
+    from lightning_tp.restarts import keep_global_batch
+
+    for saved, acc, dp, want in ((2, 1, 1, 2), (4, 1, 2, 2), (1, 2, 2, 1), (2, 3, 2, 3)):
+        trainer = SimpleNamespace(accumulate_grad_batches=acc)
+        keep_global_batch(trainer, saved, dp)
+        assert trainer.accumulate_grad_batches == want, (saved, acc, dp)
+    with pytest.raises(ValueError, match=r"dp=2 with accumulate_grad_batches=1, a global batch of 2 .* dp=4"):
+        keep_global_batch(SimpleNamespace(accumulate_grad_batches=1), 2, 4)
