@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import socket
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -39,36 +41,71 @@ def where(mesh) -> str:
 
 class FailureNotes:
     """``where``: this rank in words (global rank, stage, tp/dp rank), for the others' tracebacks; with
-    ``beat`` seconds, a heartbeat (time, ``step``, host) in the store until :meth:`close`."""
+    ``beat`` seconds, a heartbeat (time, ``step``, host) in the store until :meth:`close`; with ``hang`` seconds
+    too, the next rank's heartbeat watched: silent that long, every rank is stopped, naming it."""
 
-    def __init__(self, store, where: str, wait: float = 2.0, rank: int = 0, world: int = 1, beat: float = 0.0):
+    def __init__(self, store, where: str, wait: float = 2.0, rank: int = 0, world: int = 1, beat: float = 0.0,
+                 hang: float | None = None):
         self.store, self.where, self.wait = store, where, timedelta(seconds=wait)
         self.prefix = f"lightning_tp/failed/{next(_runs)}"
-        self.rank, self.world, self.beat, self.step = rank, world, beat, -1
+        self.rank, self.world, self.beat, self.step, self.hang = rank, world, beat, -1, hang
+        self._seen = (None, time.monotonic())  # the watched rank's last heartbeat, and when it was new here
         self._stop = threading.Event()
         if beat:
             self._beat()
             threading.Thread(target=self._beating, name="lightning_tp heartbeat", daemon=True).start()
 
     @classmethod
-    def open(cls, mesh, beat: float = 5.0):
+    def open(cls, mesh, beat: float = 5.0, hang: float | None = None):
         """Over the default process group's store, or None without one (every rank calls this once per
         Trainer entry, in the same order: the key numbers agree)."""
         try:
             store = dist.distributed_c10d._get_default_store()
         except (RuntimeError, ValueError):
             return None
-        return cls(store, where(mesh), rank=mesh.rank, world=mesh.world_size, beat=beat)
+        return cls(store, where(mesh), rank=mesh.rank, world=mesh.world_size, beat=beat, hang=hang)
 
     def _beat(self) -> None:
-        self.store.set(f"{self.prefix}/alive/{self.rank}", json.dumps([time.time(), self.step, socket.gethostname()]))
+        self.store.set(f"{self.prefix}/alive/{self.rank}",
+                       json.dumps([time.time(), self.step, socket.gethostname(), os.getpid()]))
 
     def _beating(self) -> None:
         while not self._stop.wait(self.beat):
             try:
                 self._beat()
+                verdict = self._watch() if self.hang else None
             except Exception:  # the store is gone: the run is ending
                 return
+            if verdict and not self._stop.is_set():
+                print(f"lightning_tp: {verdict}\n(this rank, {self.where}, stops: MegaStrategy(hang_timeout="
+                      f"{self.hang:g}))", file=sys.stderr, flush=True)
+                os._exit(1)  # the main thread may sit in a collective for the whole timeout; the launcher restarts
+
+    def _watch(self):
+        """The note that stops this rank, if any: one already written by another rank's watcher, or the next rank
+        silent for ``hang`` seconds (its heartbeat unchanged, by this rank's clock)."""
+        stop = f"{self.prefix}/stop"
+        if self.store.check([stop]):
+            return self.store.get(stop).decode(errors="replace")
+        nxt = (self.rank + 1) % self.world
+        key = f"{self.prefix}/alive/{nxt}"
+        if nxt == self.rank or not self.store.check([key]):
+            return None
+        beat, now = self.store.get(key), time.monotonic()
+        if beat != self._seen[0] or beat == b"done":
+            self._seen = (beat, now)
+            return None
+        if now - self._seen[1] <= self.hang:
+            return None
+        _, step, host, pid = json.loads(beat.decode())
+        note = _quiet_note_of([(nxt, now - self._seen[1], step, host)])
+        self.store.set(stop, note)
+        if host == socket.gethostname():  # a stopped process on this host: ended now, not after the launcher's
+            try:                          # grace period (SIGTERM stays pending on a stopped process)
+                os.kill(pid, 9)
+            except OSError:
+                pass
+        return note
 
     def at_step(self, step: int) -> None:
         """This rank begins ``step``: said in the store now (what a silent rank was doing)."""
@@ -81,6 +118,11 @@ class FailureNotes:
 
     def close(self) -> None:
         self._stop.set()
+        if self.beat:
+            try:
+                self.store.set(f"{self.prefix}/alive/{self.rank}", "done")  # ended, not silent
+            except Exception:  # the store is gone: the run is ending
+                pass
 
     def _quiet_note(self):
         try:
@@ -97,7 +139,10 @@ class FailureNotes:
             key = f"{self.prefix}/alive/{r}"
             if r == self.rank or not self.store.check([key]):
                 continue
-            at, step, host = json.loads(self.store.get(key).decode())
+            beat = self.store.get(key)
+            if beat == b"done":
+                continue
+            at, step, host = json.loads(beat.decode())[:3]
             if now - at > 2 * self.beat:
                 out.append((r, now - at, step, host))
         return out

@@ -87,6 +87,7 @@ class MegaStrategy(ParallelStrategy):
         broadcast_batch: every tp/pp rank of a replica trains on its first rank's batch.
         process_group_backend: "gloo" on CPU and "nccl" on GPU by default.
         timeout: collective timeout (a timedelta or seconds).
+        hang_timeout: seconds a rank may send no heartbeat (stopped, frozen, gone) before every rank stops, naming it (None: off).
         start_method: "popen" (re-run the script, like DDP), "spawn", "fork" or "forkserver".
     """
 
@@ -106,6 +107,7 @@ class MegaStrategy(ParallelStrategy):
                  sync_init: bool = True, broadcast_batch: bool = True,
                  process_group_backend: Optional[str] = None,
                  timeout: Optional[Union[timedelta, float]] = default_pg_timeout,
+                 hang_timeout: Optional[float] = 300.0,
                  start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
                  accelerator=None, parallel_devices=None, cluster_environment=None, checkpoint_io=None,
                  precision_plugin=None) -> None:
@@ -132,9 +134,13 @@ class MegaStrategy(ParallelStrategy):
         self._sync_grads = True
         self._batch_broadcast = None
         self._failures = None  # this run's notes of which rank failed first (see .failures)
+        self._hang_timeout = hang_timeout
         self._requeue = None  # SLURM's requeue signal held until every rank is at one batch (see .requeue)
         self._context = None  # cp > 1: the context-parallel run (see .context)
         self._writer = ckpt.AsyncWriter(self._timeout) if async_save else None
+        if hang_timeout is not None and not (isinstance(hang_timeout, (int, float)) and hang_timeout > 0):
+            raise ValueError(f"MegaStrategy(hang_timeout={hang_timeout!r}): give seconds > 0 (how long a rank may send no "
+                             f"heartbeat before every rank stops), or None to turn the watch off.")
         if resume not in ("auto", True, False):
             raise ValueError(f"MegaStrategy(resume={resume!r}): choose 'auto' (when torchrun or SLURM restarted the "
                              f"job), True or False.")
@@ -213,7 +219,7 @@ class MegaStrategy(ParallelStrategy):
                               **({"store": store} if store is not None else {}))
         self.mesh = build_mesh(self.tp, self.pp, device_type=self.root_device.type, ep=self.config.ep,
                                timeout=self._timeout, cp=self.config.cp)
-        self._failures = FailureNotes.open(self.mesh)
+        self._failures = FailureNotes.open(self.mesh, hang=self._hang_timeout)
         if self.config.broadcast_batch and comm.group_size(self.mesh.replica_group) > 1:
             cpu_group = self.mesh.replica_group if backend == "gloo" else gloo_twin_of_replica_group(self.mesh)
             self._batch_broadcast = BatchBroadcast(self.mesh.replica_group,

@@ -2,7 +2,7 @@
 each epoch's end, no ckpt_path. RESTART_MODE says how the first attempt fails at step RESTART_KILL_AT: "kill"
 (global rank 1 kills itself), "async" (saves are asynchronous and slowed; global rank 1 dies while the step's
 save is in flight), "elastic" (a rank of the second agent kills that agent and its workers: it never comes
-back). Each rank writes each attempt's per-step losses (and times) to $RESTART_OUT."""
+back), "stop" (global rank 1 stops itself with SIGSTOP; hang_timeout=6 s stops the others). Each rank writes each attempt's per-step losses (and times) to $RESTART_OUT."""
 
 import json
 import os
@@ -51,6 +51,9 @@ class Record(L.Callback):
         if _killed(trainer) and MODE == "kill" and trainer.global_rank == 1:
             self._write(trainer, killed=time.time())
             os.kill(os.getpid(), signal.SIGKILL)
+        if _killed(trainer) and MODE == "stop" and trainer.global_rank == 1:
+            self._write(trainer, killed=time.time())
+            os.kill(os.getpid(), signal.SIGSTOP)
         if _killed(trainer) and MODE == "elastic" and os.environ.get("GROUP_RANK") == "1" and trainer.local_rank == 0:
             self._write(trainer, killed=time.time())
             agent = os.getppid()  # a node lost: its agent, then its workers (each in a session of its own)
@@ -81,7 +84,8 @@ def main():
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "4"))
     ckpt = ModelCheckpoint(dirpath=os.path.join(OUT, "checkpoints"), every_n_epochs=1, save_top_k=-1)
     trainer = L.Trainer(devices=local, num_nodes=int(os.environ.get("WORLD_SIZE", local)) // local,
-                        strategy=MegaStrategy(tp=2, timeout=60, async_save=MODE == "async"), max_epochs=EPOCHS,
+                        strategy=MegaStrategy(tp=2, timeout=60, async_save=MODE == "async",
+                                             hang_timeout=6 if MODE == "stop" else 300), max_epochs=EPOCHS,
                         callbacks=[Record(), ckpt], **trainer_kwargs(enable_checkpointing=True))
     TRAINER.append(trainer)
     if MODE == "async":

@@ -155,3 +155,37 @@ def test_a_stopped_rank_is_named_by_its_silent_heartbeat_when_the_others_time_ou
     assert lost_peer(RuntimeError(text)), got
     assert len(notes) == 1 and "global rank 1 (host " in notes[0] and "sent no heartbeat for" in notes[0] \
         and "(its last: beginning step 1)" in notes[0], got  # it stopped as the next step began
+
+
+def test_the_watcher_stops_a_rank_whose_next_rank_is_silent_for_hang_seconds_but_not_one_that_ended(monkeypatch):
+    """Rank 0 watches rank 1: an unchanged heartbeat for longer than ``hang`` (by rank 0's clock) gives the note
+    that stops every rank (written for the others too); a heartbeat that changes, or "done", never does."""
+    import json as _json
+
+    from lightning_tp import failures
+
+    store, clock = torch.distributed.HashStore(), [100.0]
+    monkeypatch.setattr(failures.time, "monotonic", lambda: clock[0])
+    watcher = FailureNotes(store, "global rank 0", rank=0, world=2, hang=10.0)
+    other = FailureNotes(store, "global rank 1", rank=1, world=2, hang=10.0)
+    other.prefix = watcher.prefix
+    key = f"{watcher.prefix}/alive/1"
+    assert watcher._watch() is None  # no heartbeat yet: not started, not silent
+    store.set(key, _json.dumps([1.0, 3, "elsewhere", 1]))
+    assert watcher._watch() is None
+    for t in (105.0, 110.0):
+        clock[0] = t
+        assert watcher._watch() is None  # unchanged for 5 s, then 10 s: not over hang
+    store.set(key, _json.dumps([2.0, 4, "elsewhere", 1]))  # it beat again
+    clock[0] = 119.0
+    assert watcher._watch() is None
+    clock[0] = 129.5
+    note = watcher._watch()
+    assert note and "global rank 1 (host elsewhere) sent no heartbeat for 10 s (its last: beginning step 4)" in note
+    assert other._watch() == note  # the others read it and stop too
+    ended = FailureNotes(store, "global rank 0", rank=0, world=2, hang=10.0)
+    store.set(f"{ended.prefix}/alive/1", "done")
+    clock[0] = 1000.0
+    assert ended._watch() is None and ended._watch() is None
+    with pytest.raises(ValueError, match="hang_timeout=0"):
+        MegaStrategy(hang_timeout=0)

@@ -99,6 +99,24 @@ def test_a_rank_lost_during_an_asynchronous_save_resumes_from_the_checkpoint_bef
     _same_weights(tmp_path / "async", whole)
 
 
+def test_a_stopped_rank_stops_every_rank_within_hang_timeout_and_the_restarted_job_recovers(tmp_path, whole):
+    """SIGSTOP on global rank 1 at step 5 (alive, silent; the collective timeout is 60 s): its watcher, rank 0,
+    sees its heartbeat unchanged for hang_timeout=6 s and every rank stops, naming it; torchrun restarts the
+    job, which resumes step 4's checkpoint and ends as the uninterrupted run."""
+    code, log = _job(tmp_path / "stop", KILL_AT, "stop")
+    assert code == 0, log
+    assert "global rank 1 (host" in log and "sent no heartbeat" in log and "hang_timeout=6" in log, log
+    assert "resuming from" in log and "step=4" in log, log
+    first, second = _records(tmp_path / "stop", 0), _records(tmp_path / "stop", 1)
+    for r in range(4):
+        after = {int(k): v for k, v in second[r]["losses"].items()}
+        assert sorted(after) == list(range(5, STEPS + 1))
+        assert max(abs(loss - whole[0][step]) for step, loss in after.items()) < 1e-5, (r, after)
+    _same_weights(tmp_path / "stop", whole)
+    stopped = next(rec["killed"] for rec in first if "killed" in rec)
+    print(f"from the stop to training again: {min(rec['started'] for rec in second) - stopped:.1f} s")
+
+
 def _listening(port: int) -> bool:
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) == 0
