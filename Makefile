@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.installed
 STAMP4 := $(COMPAT)/.installed
 COMPAT_TESTS ?= tests/test_hf.py tests/test_experts.py tests/test_expert_load.py tests/test_selective.py tests/test_context.py
 
-.PHONY: venv demo test test-main test-compat bench clean
+.PHONY: venv demo test test-main test-compat test-fast bench clean
 
 venv: $(STAMP)
 
@@ -35,10 +35,14 @@ demo: $(STAMP)
 test: test-main test-compat
 
 test-main: $(STAMP)
-	$(PY) -m pytest tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+	$(PY) -m pytest tests --durations=30; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 test-compat: $(STAMP4)
 	$(PY4) -m pytest $(COMPAT_TESTS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+
+# the inner loop: the main environment without the tests marked slow (torchrun agents, whole scripts)
+test-fast: $(STAMP)
+	$(PY) -m pytest tests -m "not slow"; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 bench: $(STAMP)
 	$(PY) bench/overhead.py

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
 # a line of each script's table (a regular expression): a new script fails below until it has one

@@ -10,11 +10,14 @@ import sys
 import time
 
 import lightning as L
+import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 import dist
 from dist import stop_agents as _stop
+
+pytestmark = pytest.mark.slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "examples", "gpt", "config.yaml")

@@ -15,6 +15,8 @@ import torch
 
 from dist import free_port, stop_agents as _stop
 
+pytestmark = pytest.mark.slow
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOB = os.path.join(ROOT, "tests", "restart_job.py")
 KILL_AT, STEPS, TIMEOUT = 5, 8, 300
