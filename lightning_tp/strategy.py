@@ -31,6 +31,7 @@ from . import grads
 from .averaged_models import copy_averaged_models_again
 from .checkpoints.newest import newest_complete
 from .requeue import DeferredRequeue
+from .resumable_data import resumable
 from .restarts import attempt_store, keep_global_batch, restarted
 from .failures import FailureNotes, raise_on_every_rank
 from .mesh import ParallelMesh, build_mesh, gloo_twin_of_replica_group
@@ -193,6 +194,12 @@ class MegaStrategy(ParallelStrategy):
     def distributed_sampler_kwargs(self) -> dict:
         """Only data-parallel ranks see different data; tp/pp ranks of one replica see the same batch."""
         return {"num_replicas": self.mesh.dp, "rank": self.mesh.dp_rank}
+
+    def process_dataloader(self, dataloader):
+        """torch's own DataLoader made resumable mid-epoch (see .resumable_data)."""
+        def progress():  # batches of this epoch trained, and dp, as a checkpoint is saved
+            return self.lightning_module.trainer.fit_loop.epoch_loop.batch_progress.current.processed, self.mesh.dp
+        return resumable(super().process_dataloader(dataloader), progress)
 
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None

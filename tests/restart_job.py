@@ -2,7 +2,8 @@
 each epoch's end, no ckpt_path. RESTART_MODE says how the first attempt fails at step RESTART_KILL_AT: "kill"
 (global rank 1 kills itself), "async" (saves are asynchronous and slowed; global rank 1 dies while the step's
 save is in flight), "elastic" (a rank of the second agent kills that agent and its workers: it never comes
-back), "stop" (global rank 1 stops itself with SIGSTOP; hang_timeout=6 s stops the others). Each rank writes each attempt's per-step losses (and times) to $RESTART_OUT."""
+back), "stop" (global rank 1 stops itself with SIGSTOP; hang_timeout=15 s stops the others). Each rank
+writes each attempt's per-step losses (and times) to $RESTART_OUT."""
 
 import json
 import os
@@ -85,7 +86,7 @@ def main():
     ckpt = ModelCheckpoint(dirpath=os.path.join(OUT, "checkpoints"), every_n_epochs=1, save_top_k=-1)
     trainer = L.Trainer(devices=local, num_nodes=int(os.environ.get("WORLD_SIZE", local)) // local,
                         strategy=MegaStrategy(tp=2, timeout=60, async_save=MODE == "async",
-                                             hang_timeout=6 if MODE == "stop" else 300), max_epochs=EPOCHS,
+                                             hang_timeout=15 if MODE == "stop" else 300), max_epochs=EPOCHS,
                         callbacks=[Record(), ckpt], **trainer_kwargs(enable_checkpointing=True))
     TRAINER.append(trainer)
     if MODE == "async":

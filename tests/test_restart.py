@@ -103,11 +103,11 @@ def test_a_rank_lost_during_an_asynchronous_save_resumes_from_the_checkpoint_bef
 
 def test_a_stopped_rank_stops_every_rank_within_hang_timeout_and_the_restarted_job_recovers(tmp_path, whole):
     """SIGSTOP on global rank 1 at step 5 (alive, silent; the collective timeout is 60 s): its watcher, rank 0,
-    sees its heartbeat unchanged for hang_timeout=6 s and every rank stops, naming it; torchrun restarts the
-    job, which resumes step 4's checkpoint and ends as the uninterrupted run."""
+    sees its heartbeat unchanged for hang_timeout=15 s (three beats) and every rank stops, naming it; torchrun
+    restarts the job, which resumes step 4's checkpoint and ends as the uninterrupted run."""
     code, log = _job(tmp_path / "stop", KILL_AT, "stop")
     assert code == 0, log
-    assert "global rank 1 (host" in log and "sent no heartbeat" in log and "hang_timeout=6" in log, log
+    assert "global rank 1 (host" in log and "sent no heartbeat" in log and "hang_timeout=15" in log, log
     assert "resuming from" in log and "step=4" in log, log
     first, second = _records(tmp_path / "stop", 0), _records(tmp_path / "stop", 1)
     for r in range(4):
@@ -278,3 +278,43 @@ def test_a_restart_at_another_dp_scales_accumulation_to_keep_the_global_batch_or
         assert trainer.accumulate_grad_batches == want, (saved, acc, dp)
     with pytest.raises(ValueError, match=r"dp=2 with accumulate_grad_batches=1, a global batch of 2 .* dp=4"):
         keep_global_batch(SimpleNamespace(accumulate_grad_batches=1), 2, 4)
+
+
+def _mid_epoch(rank, world, root):
+    """tp=2 on 2 processes, 4 batches an epoch (shuffled by Lightning's DistributedSampler), a checkpoint every 3
+    steps; then a second fit from the step-3 checkpoint, 1 step into an epoch... its losses by global step."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_tp import MegaStrategy
+    from models import TokenData, make_model, trainer_kwargs, vocab_of
+
+    def fit(ckpt_path=None, save=False):
+        losses = {}
+
+        class Record(L.Callback):
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+                losses[trainer.global_step] = float(trainer.callback_metrics["train_loss"])
+
+        callbacks = [Record()] + ([ModelCheckpoint(dirpath=root, every_n_train_steps=3, save_top_k=-1)] if save else [])
+        model = make_model("gpt")
+        trainer = L.Trainer(devices=world, strategy=MegaStrategy(tp=2, timeout=60), max_steps=10, callbacks=callbacks,
+                            **trainer_kwargs(enable_checkpointing=save))
+        trainer.fit(model, TokenData(16, vocab_of(model), 4), ckpt_path=ckpt_path)
+        return losses
+
+    whole = fit(save=True)
+    return whole, fit(ckpt_path=os.path.join(root, "epoch=1-step=6.ckpt")), \
+        fit(ckpt_path=os.path.join(root, "epoch=0-step=3.ckpt"))
+
+
+def test_a_run_resumed_mid_epoch_trains_on_the_batches_that_follow_as_the_uninterrupted_run_did(tmp_path):
+    """Checkpoints at steps 3 and 6 of 4-batch epochs (3 and 2 batches into an epoch): each resumed run's losses
+    equal the uninterrupted run's from its step on (Lightning alone would replay the epoch from its start)."""
+    import dist
+
+    for whole, at6, at3 in dist.run(2, _mid_epoch, str(tmp_path), timeout=300):
+        assert sorted(whole) == list(range(1, 11)) and sorted(at6) == list(range(7, 11)), (whole, at6)
+        assert sorted(at3) == list(range(4, 11)), at3
+        for resumed in (at6, at3):
+            assert max(abs(loss - whole[step]) for step, loss in resumed.items()) < 1e-5, (whole, resumed)
