@@ -1,6 +1,7 @@
 """torch's ``scaled_dot_product_attention`` made context-parallel while a cp run is active: the mask
-read (causal, causal with right padding, or none), then the ring or the all-to-all. Every rank takes
-the same decision (masks are compared over the cp group), so a refusal is raised on all of them."""
+read (causal, causal with right padding, or none), then the ring or the all-to-all. The cp ranks agree
+on each attention module's reading at its first call (a refusal is raised on all of them); later calls
+check their own reading against it, with no collective."""
 
 from __future__ import annotations
 
@@ -35,10 +36,14 @@ def context_parallel_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_c
     if dropout_p:
         raise ValueError(f"MegaStrategy(cp={run.cp}): {where} uses attention dropout ({dropout_p}), which "
                          f"context-parallel attention does not apply. Set the model's attention dropout to 0.")
-    causal, kv_heads = _agree(run, attn_mask, is_causal, n, key.shape[1], query.device, where)
-    if key.shape[1] < kv_heads:  # Hugging Face repeats K/V heads where it passes a mask (padded ranks only):
-        groups = kv_heads // key.shape[1]  # every rank sends as many heads
-        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    first = where not in run.agreed
+    if first:  # one collective per attention module and run
+        run.agreed[where] = _agree(run, attn_mask, is_causal, n, key.shape[1], query.device, where)
+    causal, kv_heads = run.agreed[where]
+    if not first:  # this rank's own reading must say the same
+        _check(run, attn_mask, is_causal, n, causal, where)
+    if key.shape[1] != kv_heads:  # Hugging Face repeats K/V heads where it passes a mask (padded ranks only):
+        key, value = _heads_as(key, kv_heads), _heads_as(value, kv_heads)  # every rank sends as many
     scale = scale if scale is not None else 1.0 / math.sqrt(query.shape[-1])
     run.calls += 1
     if run.mode == "all_to_all":
@@ -51,18 +56,43 @@ def context_parallel_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_c
     return ring_attention(query, key, value, scale, causal, run.group, run.cp, run.rank, run.next, run.prev)
 
 
+def _heads_as(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """``t``'s K/V heads repeated (Hugging Face's repeat_kv: each head ``groups`` times in a row) or un-repeated
+    to ``heads``."""
+    if t.shape[1] < heads:
+        return t.repeat_interleave(heads // t.shape[1], dim=1)
+    return t[:, ::t.shape[1] // heads]
+
+
+def _check(run, mask, is_causal: bool, n: int, causal: bool, where: str) -> None:
+    """This rank's reading of a later call against the agreed one (no collective: the common case, no mask,
+    reads nothing from the device). A rank that disagrees raises; the others then lose it as a peer."""
+    if mask is None:
+        ok = bool(is_causal) == causal
+    else:
+        causal_ok, none = _read(mask, is_causal, n)
+        ok = causal_ok if causal else none
+    if not ok:
+        raise ValueError(f"MegaStrategy(cp={run.cp}): {where} gave scaled_dot_product_attention a mask that reads "
+                         f"{'causal' if not causal else 'neither causal, causal with right padding, nor empty'} on cp "
+                         f"rank {run.rank}, where its first call read {'causal' if causal else 'no mask'}: a sliding "
+                         f"window, document mask, left padding or additive bias on some batches. Context parallelism "
+                         f"supports causal attention with right padding; use cp=1 for this model.")
+
+
 def _agree(run, mask, is_causal: bool, n: int, kv_heads: int, device, where: str) -> tuple:
-    """(causal or not, K/V heads every rank sends), agreed over the cp group at each call (every rank makes the
-    same calls): a rank without padding gets no mask from Hugging Face, nor repeated K/V heads. A mask is read as
-    causal (right padding hidden from the padded rows only) or none, else refused on every rank."""
-    flags = torch.tensor(_read(mask, is_causal, n) + [-kv_heads], device=device)
+    """(causal or not, K/V heads every rank sends), agreed over the cp group at an attention module's first call
+    (every rank makes the same calls): a rank without padding gets no mask from Hugging Face, nor repeated K/V
+    heads (the fewest are sent). A mask is read as causal (right padding hidden from the padded rows only) or
+    none, else refused on every rank."""
+    flags = torch.tensor(_read(mask, is_causal, n) + [kv_heads], device=device)
     flags = comm.all_reduce(flags, run.group, op=dist.ReduceOp.MIN)
     if not flags[0] and not flags[1]:
         raise ValueError(f"MegaStrategy(cp={run.cp}): {where} gave scaled_dot_product_attention a mask that is "
                          f"neither causal, causal with right padding, nor empty (a sliding window, document mask, "
                          f"left padding or an additive bias such as ALiBi) on some cp rank. Context parallelism "
                          f"supports causal attention with right padding; use cp=1 for this model.")
-    return bool(flags[0]), -int(flags[2])
+    return bool(flags[0]), int(flags[2])
 
 
 def _read(mask, is_causal: bool, n: int) -> list:

@@ -45,6 +45,7 @@ class ContextParallel:
         self.length: Optional[int] = None
         self.calls = 0
         self.current: Optional[str] = None  # the attention module running (named in errors)
+        self.agreed: dict = {}  # per attention module: (causal, K/V heads sent), agreed over cp at its first call
         self._positions = {}
 
     def cut(self, batch):
