@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
 # a line of each script's table (a regular expression): a new script fails below until it has one
 TABLE = {
+    "checkpoint_save.py": r"async/sync blocking: [\d.]+",
     "cp.py": r"step time at \d+ tokens against cp=1",
     "export_memory.py": r"plain\s+peak .* x largest tensor",
     "kernels.py": r"needs a CUDA GPU|fused ms",  # on CPU it says so and measures nothing (the kernels: gpu_check)
