@@ -2,8 +2,9 @@
 each epoch's end, no ckpt_path. RESTART_MODE says how the first attempt fails at step RESTART_KILL_AT: "kill"
 (global rank 1 kills itself), "async" (saves are asynchronous and slowed; global rank 1 dies while the step's
 save is in flight), "elastic" (a rank of the second agent kills that agent and its workers: it never comes
-back), "stop" (global rank 1 stops itself with SIGSTOP; hang_timeout=15 s stops the others). Each rank
-writes each attempt's per-step losses (and times) to $RESTART_OUT."""
+back), "stop" (pp=2 x dp=2: global rank 1, on the first stage, stops itself with SIGSTOP inside the pipeline
+step, at its first Linear; hang_timeout=15 s stops the others). Each rank writes each attempt's per-step
+losses (and times) to $RESTART_OUT."""
 
 import json
 import os
@@ -42,9 +43,16 @@ class Record(L.Callback):
         with open(os.path.join(OUT, f"attempt{ATTEMPT}_rank{trainer.global_rank}.json"), "w") as f:
             json.dump(record, f)
 
-    def on_train_batch_start(self, trainer, *args):
+    def on_train_batch_start(self, trainer, pl_module, *args):
         if self.started is None:
             self.started = time.time()  # this attempt's first step: training again
+        if MODE == "stop" and ATTEMPT == 0 and trainer.global_step == KILL_AT - 1 and trainer.global_rank == 1:
+            def stop(module, args):  # inside the pipeline step: the stage's forward of this microbatch
+                self._write(trainer, killed=time.time())
+                os.kill(os.getpid(), signal.SIGSTOP)
+            for m in pl_module.modules():
+                if isinstance(m, torch.nn.Linear):
+                    m.register_forward_pre_hook(stop)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.losses[trainer.global_step] = float(trainer.callback_metrics["train_loss"])
@@ -52,9 +60,6 @@ class Record(L.Callback):
         if _killed(trainer) and MODE == "kill" and trainer.global_rank == 1:
             self._write(trainer, killed=time.time())
             os.kill(os.getpid(), signal.SIGKILL)
-        if _killed(trainer) and MODE == "stop" and trainer.global_rank == 1:
-            self._write(trainer, killed=time.time())
-            os.kill(os.getpid(), signal.SIGSTOP)
         if _killed(trainer) and MODE == "elastic" and os.environ.get("GROUP_RANK") == "1" and trainer.local_rank == 0:
             self._write(trainer, killed=time.time())
             agent = os.getppid()  # a node lost: its agent, then its workers (each in a session of its own)
@@ -84,9 +89,9 @@ def main():
     model = make_model("gpt")
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "4"))
     ckpt = ModelCheckpoint(dirpath=os.path.join(OUT, "checkpoints"), every_n_epochs=1, save_top_k=-1)
+    layout = dict(pp=2, microbatches=2, hang_timeout=15) if MODE == "stop" else dict(tp=2)
     trainer = L.Trainer(devices=local, num_nodes=int(os.environ.get("WORLD_SIZE", local)) // local,
-                        strategy=MegaStrategy(tp=2, timeout=60, async_save=MODE == "async",
-                                             hang_timeout=15 if MODE == "stop" else 300), max_epochs=EPOCHS,
+                        strategy=MegaStrategy(timeout=60, async_save=MODE == "async", **layout), max_epochs=EPOCHS,
                         callbacks=[Record(), ckpt], **trainer_kwargs(enable_checkpointing=True))
     TRAINER.append(trainer)
     if MODE == "async":
