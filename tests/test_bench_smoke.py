@@ -34,6 +34,7 @@ TABLE = {
 # run in their smoke mode by another test: script -> that test (bench/gpu_check.sh --cpu-dry-run)
 ELSEWHERE = {"gpu_check.py": "test_gpu_check.py", "gpu_check.sh": "test_gpu_check.py",
              "gpu_check_train.py": "test_gpu_check.py",  # gpu_check.sh's Trainer rows
+             "gpu_check_cp.py": "test_gpu_check.py",  # gpu_check.sh's context-parallel rows
              "gpu_check_2gpu.py": "test_gpu_check.py", "gpu_check_2gpu.sh": "test_gpu_check.py"}
 SCRIPTS = sorted(p.name for p in BENCH.iterdir() if p.suffix in (".py", ".sh") and not p.name.startswith("_"))
 
