@@ -40,12 +40,29 @@ def _job(out, kill_at: int, mode: str = "kill"):
         agent = subprocess.Popen(command, cwd=ROOT, env=_env(out, kill_at, mode), stdout=log, stderr=subprocess.STDOUT)
         try:
             code = agent.wait(timeout=TIMEOUT)
+            time.sleep(1)
+            left = _left_behind(out)
         except subprocess.TimeoutExpired:
-            code = None
+            code, left = None, []
         finally:
             _stop([agent])
         log.seek(0)
-        return code, log.read()
+        text = log.read()
+        assert not left, f"processes of the job left running after torchrun returned: {left}\n{text[-4000:]}"
+        return code, text
+
+
+def _left_behind(out) -> list:
+    """Pids of processes still running with this job's RESTART_OUT in their environment (Linux /proc)."""
+    mark, found = f"RESTART_OUT={out}".encode() + b"\0", []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if mark in f.read() + b"\0":
+                    found.append(int(pid))
+        except OSError:
+            continue
+    return found
 
 
 def _records(out, attempt, world=4):
@@ -71,7 +88,7 @@ def _same_weights(out, whole):
 
 
 def test_a_killed_rank_restarts_the_job_which_resumes_and_ends_as_an_uninterrupted_run(tmp_path, whole):
-    code, log = _job(tmp_path / "killed", KILL_AT)
+    code, log = _job(tmp_path / "killed", KILL_AT)  # and no process of it is left behind
     assert code == 0, log
     first, second = _records(tmp_path / "killed", 0), _records(tmp_path / "killed", 1)
     assert "resuming from" in log and "step=4" in log, log  # the checkpoint of epoch 2, the newest complete one
