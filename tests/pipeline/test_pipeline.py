@@ -624,11 +624,11 @@ def test_a_dataset_smaller_than_one_batch_trains(bad):
 ])
 def test_pipeline_bad_input_raises_on_every_rank(bad, case, words):
     for rank_result in bad:
-        message, seconds = rank_result[case]
+        message, _ = rank_result[case]
         assert message is not None, f"{case}: no error"
         for w in words:
             assert w in message, f"{case}: {w!r} not in {message!r}"
-        assert seconds < 20, f"{case}: {seconds:.1f}s"
+        # no assertion on its time: a rank that had waited for the timeout would hold a timeout's words
 
 
 @pytest.mark.parametrize("rank, words", [
@@ -636,9 +636,8 @@ def test_pipeline_bad_input_raises_on_every_rank(bad, case, words):
     (1, ["configure_optimizers failed on rank 0"]),
 ])
 def test_an_optimizer_without_parameters_on_a_frozen_stage_is_refused_on_every_rank(bad, rank, words):
-    message, seconds = bad[rank]["frozen_filtered"]
+    message, _ = bad[rank]["frozen_filtered"]
     assert message is not None and all(w in message for w in words), message
-    assert seconds < 20
 
 
 def _one_stage_refuses(rank, world, own_checkpoint):

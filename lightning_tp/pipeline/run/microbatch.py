@@ -63,13 +63,17 @@ def batches_per_epoch(module):
 
 
 def resumable_loader(module) -> bool:
-    """Whether the training loaders save their place (``state_dict``): a resumed run then goes on
-    with the epoch's next batch, whose size may rightly differ (bucketing, a short tail)."""
+    """Whether the training loaders save their place (``state_dict``) themselves: a resumed run then goes on
+    with the epoch's next batch, whose size may rightly differ (bucketing, a short tail). torch's DataLoader,
+    made resumable by the strategy, has fixed batch sizes: its resumed first batch is still checked."""
     try:
         from lightning.fabric.utilities.types import _Stateful
 
+        from ...resumable_data import ResumableDataLoader
+
         loader = module.trainer.fit_loop._combined_loader
-        return loader is not None and all(isinstance(x, _Stateful) for x in loader.flattened)
+        return loader is not None and all(isinstance(x, _Stateful) and not isinstance(x, ResumableDataLoader)
+                                          for x in loader.flattened)
     except (AttributeError, RuntimeError, ImportError):
         return False
 
