@@ -1,7 +1,6 @@
-"""torch's ``scaled_dot_product_attention`` made context-parallel while a cp run is active: the mask
-read (causal, causal with right padding, or none), then the ring or the all-to-all. The cp ranks agree
-on each attention module's reading at its first call (a refusal is raised on all of them); later calls
-check their own reading against it, with no collective."""
+"""torch's ``scaled_dot_product_attention`` made context-parallel while a cp run is active: the mask read
+(causal, causal with right padding, or none; agreed over cp at each attention module's first call, then
+checked locally), then the ring or the all-to-all."""
 
 from __future__ import annotations
 
@@ -81,10 +80,9 @@ def _check(run, mask, is_causal: bool, n: int, causal: bool, where: str) -> None
 
 
 def _agree(run, mask, is_causal: bool, n: int, kv_heads: int, device, where: str) -> tuple:
-    """(causal or not, K/V heads every rank sends), agreed over the cp group at an attention module's first call
-    (every rank makes the same calls): a rank without padding gets no mask from Hugging Face, nor repeated K/V
-    heads (the fewest are sent). A mask is read as causal (right padding hidden from the padded rows only) or
-    none, else refused on every rank."""
+    """(causal or not, K/V heads every rank sends: the fewest), agreed over the cp group at an attention module's
+    first call; a rank without padding gets no mask from Hugging Face, nor repeated K/V heads. A mask reads as
+    causal (right padding hidden from the padded rows only) or none, else it is refused on every rank."""
     flags = torch.tensor(_read(mask, is_causal, n) + [kv_heads], device=device)
     flags = comm.all_reduce(flags, run.group, op=dist.ReduceOp.MIN)
     if not flags[0] and not flags[1]:
