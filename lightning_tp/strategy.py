@@ -139,7 +139,8 @@ class MegaStrategy(ParallelStrategy):
         self._requeue = None  # SLURM's requeue signal held until every rank is at one batch (see .requeue)
         self._context = None  # cp > 1: the context-parallel run (see .context)
         self._writer = ckpt.AsyncWriter(self._timeout) if async_save else None
-        if hang_timeout is not None and not (isinstance(hang_timeout, (int, float)) and hang_timeout > 0):
+        if hang_timeout is not None and (isinstance(hang_timeout, bool) or not (isinstance(hang_timeout, (int, float))
+                                           and hang_timeout > 0)):
             raise ValueError(f"MegaStrategy(hang_timeout={hang_timeout!r}): give seconds > 0 (how long a rank may send no "
                              f"heartbeat before every rank stops), or None to turn the watch off.")
         if resume not in ("auto", True, False):
