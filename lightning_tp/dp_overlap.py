@@ -3,7 +3,7 @@ gradients become final (as DDP does). See docs/design/grads-and-dp.md."""
 
 from __future__ import annotations
 
-from .grads import BUCKET_BYTES, adopt, settle, start_all_reduce, with_flags
+from .grads import BUCKET_BYTES, adopt, chunked, settle, start_all_reduce, with_flags
 from .marks import marks_of
 
 
@@ -85,14 +85,6 @@ class DPOverlap:
 
 
 def _buckets(params: list, bucket_bytes: int) -> list:
-    """Reverse parameter order (the order backward produces gradients), one dtype a bucket."""
-    buckets, size = [[]], 0
-    for p in reversed(params):
-        nbytes = p.numel() * p.element_size()
-        last = buckets[-1]
-        if last and (size + nbytes > bucket_bytes or p.dtype != last[0].dtype):
-            buckets.append([])
-            size = 0
-        buckets[-1].append(p)
-        size += nbytes
-    return buckets
+    """Reverse parameter order (the order backward produces gradients), grads.chunked's rule (one dtype a
+    bucket); one empty bucket for no parameters."""
+    return list(chunked(params[::-1], bucket_bytes)) or [[]]

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from .grads import BUCKET_BYTES, replica_buffer_numel
+from .grads import chunked, replica_buffer_numel
 from .pipeline.cut.block_lists import block_at, block_key
 from .pipeline.schedule.schedules import build_schedule
 from .pipeline.schedule.simulate import simulate
@@ -423,14 +423,8 @@ def _rows_of(p, dp: int) -> int:
 
 
 def _chunk_count(params: list) -> int:
-    """How many flat buckets grads.average_over_dp makes of ``params`` (one dtype each, BUCKET_BYTES at most)."""
-    n, size, dtype = 0, 0, None
-    for p in params:
-        nbytes = p.numel() * p.element_size()
-        if n == 0 or size + nbytes > BUCKET_BYTES or p.dtype != dtype:
-            n, size, dtype = n + 1, 0, p.dtype
-        size += nbytes
-    return n
+    """How many flat buckets grads.average_over_dp makes of ``params`` (grads.chunked's rule)."""
+    return sum(1 for _ in chunked(params))
 
 
 def _split_experts(local: nn.Module, ep: int, declared=()) -> set:
