@@ -784,20 +784,15 @@ def _nccl_version() -> str:
     return ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
 
 
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def check_nccl():
     import torch.distributed as dist
+
+    from bench._launch import free_port
 
     if dist.is_initialized():
         raise RuntimeError("a process group already exists")
     t0 = time.perf_counter()
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
                             device_id=DEV)
     try:
         t = torch.arange(4, device=DEV, dtype=torch.float32)

@@ -25,7 +25,6 @@ _ENV_BEFORE = os.environ.get("TRITON_INTERPRET")
 if _triton_interpreted() is None:
     os.environ["TRITON_INTERPRET"] = "1"  # before importing triton / lightning_tp.kernels
 
-import socket  # noqa: E402
 import warnings  # noqa: E402
 from datetime import timedelta  # noqa: E402
 
@@ -35,6 +34,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
+from dist import free_port  # noqa: E402
 from lightning_tp import kernels as K  # noqa: E402
 from lightning_tp.kernels import _utils  # noqa: E402
 from lightning_tp.kernels import cross_entropy as ce_mod  # noqa: E402
@@ -337,12 +337,6 @@ def test_cross_entropy_module_from_module():
     assert m.state_dict().keys() == src.state_dict().keys()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _ce_worker(rank, world, port, shards):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
@@ -377,7 +371,7 @@ def _ce_worker(rank, world, port, shards):
 
 
 def test_cross_entropy_vocab_parallel_gloo():
-    torch.multiprocessing.spawn(_ce_worker, args=(2, _free_port(), (0, 51, 101)), nprocs=2, join=True)
+    torch.multiprocessing.spawn(_ce_worker, args=(2, free_port(), (0, 51, 101)), nprocs=2, join=True)
 
 
 # ------------------------------------------------------------------------------------ dispatch
