@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 
 import torch
 import torch.nn.functional as F
@@ -229,20 +228,3 @@ def check_speed(dev, dry: bool, median_ms):
         figs.append(f"cp={cp}: " + ", ".join(parts))
     return "INFO", (f"{b}x{h} heads ({hkv} K/V) x {t} tokens x {d} bf16, one rank's ring fwd+bwd (no transfer) / "
                     f"(SDPA fwd+bwd on the whole sequence {t_sdpa:.1f} ms / cp): " + "; ".join(figs))
-
-
-if __name__ == "__main__":  # a quick look on CPU: python -m bench.gpu_check_cp
-    def _rel(g, r):
-        d = (g.double() - r.double()).abs().max().item()
-        return d / max(r.double().abs().max().item(), 1e-30)
-
-    def _ms(fn, reps=3, warmup=1):
-        fn()
-        s = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        return (time.perf_counter() - s) / reps * 1e3
-
-    for row in check_ring(torch.device("cpu"), True, _rel, lambda x: f"{x:.1e}", _ms) + \
-            check_blocks(torch.device("cpu"), True, _rel, lambda x: f"{x:.1e}"):  # noqa: E501
-        print(row)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import signal
 import socket
 import sys
 import threading
@@ -102,7 +103,7 @@ class FailureNotes:
         self.store.set(stop, note)
         if host == socket.gethostname():  # a stopped process on this host: ended now, not after the launcher's
             try:                          # grace period (SIGTERM stays pending on a stopped process)
-                os.kill(pid, 9)
+                os.kill(pid, signal.SIGKILL)
             except OSError:
                 pass
         return note

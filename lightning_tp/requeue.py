@@ -19,7 +19,7 @@ class DeferredRequeue:
     def __init__(self, trainer, device):
         self.trainer, self.device = trainer, device
         self.signum, self.handler, self.noted = None, None, False
-        self.pending: Optional[tuple] = None  # (work, flag) of the all-reduce started at the last batch
+        self.pending: Optional[tuple] = None  # (work or None without a group, flag) of the last batch's all-reduce
 
     def install(self) -> bool:
         """Take the requeue signal from Lightning's handler, if Lightning set one (SLURM with auto_requeue)."""
@@ -27,8 +27,7 @@ class DeferredRequeue:
         signum = getattr(environment, "requeue_signal", None)
         current = signal.getsignal(signum) if signum is not None else None
         handlers = getattr(current, "signal_handlers", [])
-        lightning = [h for h in handlers if getattr(h, "__name__", "") == "_slurm_sigusr_handler_fn"]
-        if not lightning:
+        if not any(getattr(h, "__name__", "") == "_slurm_sigusr_handler_fn" for h in handlers):
             return False
         self.signum, self.handler = signum, current
         signal.signal(signum, self._note)
@@ -44,22 +43,17 @@ class DeferredRequeue:
             return
         if self.pending is not None:
             work, flag = self.pending
-            work.wait()
+            if work is not None:
+                work.wait()
             if flag.item():
                 self.pending, self.noted = None, False
                 self.handler(self.signum, None)
         flag = torch.tensor([1 if self.noted else 0], device=self.device)
         record("all_reduce", flag, None)
-        self.pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag) if dist.is_initialized() \
-            else (_Done(), flag)
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True) if dist.is_initialized() else None
+        self.pending = (work, flag)
 
     def close(self) -> None:
-        if self.signum is not None:
-            if self.pending is not None:
-                self.pending[0].wait()
-            self.pending = None
-
-
-class _Done:
-    def wait(self):
-        return True
+        if self.pending is not None and self.pending[0] is not None:
+            self.pending[0].wait()
+        self.pending = None

@@ -33,7 +33,7 @@ class ResumableDataLoader(DataLoader):
 
     def __iter__(self):
         it = super().__iter__()
-        skip, self._lightning_tp_skip = getattr(self, "_lightning_tp_skip", 0), 0
+        skip, self._lightning_tp_skip = self._lightning_tp_skip, 0
         return _Skipping(it, skip) if skip else it
 
     def state_dict(self) -> dict:
@@ -56,8 +56,9 @@ class ResumableDataLoader(DataLoader):
 def resumable(loader, progress: Callable[[], tuple]):
     """``loader`` made resumable mid-epoch in place (torch's own DataLoader over a map-style dataset);
     ``progress()``: (batches of this epoch trained, dp), read when Lightning saves a checkpoint."""
-    if type(loader) is not DataLoader or isinstance(loader.dataset, IterableDataset):
+    if type(loader) not in (DataLoader, ResumableDataLoader) or isinstance(loader.dataset, IterableDataset):
         return loader  # a subclass (its own __iter__, maybe its own state) or a stream: left as it is
+    # ResumableDataLoader: one made here before, and passed again (Lightning rebuilds it by its class)
     loader.__class__ = ResumableDataLoader
-    loader._lightning_tp_progress = progress
+    loader._lightning_tp_progress, loader._lightning_tp_skip = progress, 0
     return loader

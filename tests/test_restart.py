@@ -336,3 +336,21 @@ def test_a_run_resumed_mid_epoch_trains_on_the_batches_that_follow_as_the_uninte
         assert sorted(at3) == list(range(4, 11)), at3
         for resumed in (at6, at3):
             assert max(abs(loss - whole[step]) for step, loss in resumed.items()) < 1e-5, (whole, resumed)
+
+
+def test_a_resumable_loader_skips_the_batches_trained_once_and_a_rebuilt_one_is_made_resumable_again():
+    """Lightning rebuilds a loader passed to a second fit by its class: the rebuilt one gets its state too."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_tp.resumable_data import ResumableDataLoader, resumable
+
+    data = TensorDataset(torch.arange(10.0))
+    loader = resumable(DataLoader(data, batch_size=2), lambda: (3, 1))
+    rebuilt = resumable(ResumableDataLoader(data, batch_size=2), lambda: (3, 1))
+    for made in (loader, rebuilt):
+        assert made.state_dict() == {"lightning_tp_batches": 3, "replicas": 1}
+        made.load_state_dict(made.state_dict())
+        assert [b[0].tolist() for b in made] == [[6.0, 7.0], [8.0, 9.0]]  # once: the next epoch is whole
+        assert len(list(made)) == 5
+        made.load_state_dict({"lightning_tp_batches": 3, "replicas": 2})  # another dp: the epoch from its start
+        assert len(list(made)) == 5

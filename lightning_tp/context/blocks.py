@@ -8,6 +8,7 @@ import torch
 
 aten = torch.ops.aten
 LSE_ALIGN = 32  # the memory-efficient kernel pads its log-sum-exp rows to a multiple of this
+NO_RNG = torch.empty((), dtype=torch.int64)  # the CUDA backwards' random-number state: never read without dropout
 FORCE = None  # a kernel's name forces it ("math": the GPU check's reference); None picks per input
 
 
@@ -63,15 +64,13 @@ def backward(dout, q, k, v, out, lse, causal: bool, scale: float):
         grads = aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, causal,
                                                                           scale=scale)
     elif how == "flash":
-        none = torch.empty((), dtype=torch.int64)  # no dropout: the random-number state is never read
         grads = aten._scaled_dot_product_flash_attention_backward(
-            dout, q, k, v, out, lse, None, None, q.shape[-2], k.shape[-2], 0.0, causal, none, none, scale=scale)
+            dout, q, k, v, out, lse, None, None, q.shape[-2], k.shape[-2], 0.0, causal, NO_RNG, NO_RNG, scale=scale)
     else:
         pad = -q.shape[-2] % LSE_ALIGN
         lse = torch.nn.functional.pad(lse, (0, pad)) if pad else lse
-        none = torch.empty((), dtype=torch.int64)
         grads = aten._scaled_dot_product_efficient_attention_backward(
-            dout, q, k, v, None, out, lse, none, none, 0.0, [True, True, True, False], causal, scale=scale)
+            dout, q, k, v, None, out, lse, NO_RNG, NO_RNG, 0.0, [True, True, True, False], causal, scale=scale)
     return grads[:3]
 
 
