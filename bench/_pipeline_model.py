@@ -1,7 +1,7 @@
 """Worker side of bench/pipeline.py: a block model with fixed simulated cost, our executor inside a
 real Lightning Trainer, torch.distributed.pipelining on the same blocks, and small overhead probes.
 
-Everything here runs inside the 4 processes that ``bench/_launch.py`` starts; it returns raw
+Everything here runs inside the 4 processes that ``lightning_tp.testing.run_local`` starts; it returns raw
 timestamps and counters, and bench/pipeline.py turns them into the tables.
 """
 

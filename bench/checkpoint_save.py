@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT))
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 
-from bench._launch import run  # noqa: E402
+from lightning_tp.testing import run_local as run  # noqa: E402
 
 
 class StepTimes(L.Callback):

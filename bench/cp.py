@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 
-import _launch  # noqa: E402
+from lightning_tp.testing import run_local  # noqa: E402
 
 WARMUP = 2
 
@@ -59,7 +59,7 @@ def main():
     seqs, cps = [int(s) for s in args.seqs.split(",")], [int(c) for c in args.cps.split(",")]
     from lightning_tp.explain import explain
 
-    got = {(cp, seq): _launch.run(cp, _fit, seq, args.steps, args.width, args.heads, args.batch)[0]
+    got = {(cp, seq): run_local(cp, _fit, seq, args.steps, args.width, args.heads, args.batch)[0]
            for cp in cps for seq in seqs}
     print(f"example GPT (4 blocks, width {args.width}, {args.heads} heads, batch {args.batch}, fp32), "
           f"MegaStrategy(cp=N) on N processes of 1 CPU thread:")

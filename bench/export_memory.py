@@ -70,12 +70,12 @@ def main():
     args = parser.parse_args()
     if args.smoke:
         args.vocab, args.width, args.layers = 256, 32, 2
-    import _launch as dist
+    from lightning_tp.testing import run_local
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(args.keep or tmp)
         ckpt = str(root / "gpt_tp2_pp2.ckpt")
-        model = dist.run(4, _save, ckpt, args.vocab, args.width, args.layers, timeout=1800)[0]
+        model = run_local(4, _save, ckpt, args.vocab, args.width, args.layers, timeout=1800)[0]
         from transformers import GPT2Config  # any config: the export copies it beside the weights
 
         GPT2Config().save_pretrained(str(root / "hf.config"))

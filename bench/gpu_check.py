@@ -787,7 +787,7 @@ def _nccl_version() -> str:
 def check_nccl():
     import torch.distributed as dist
 
-    from bench._launch import free_port
+    from lightning_tp.testing import free_port
 
     if dist.is_initialized():
         raise RuntimeError("a process group already exists")

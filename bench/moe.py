@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 
-import _launch as dist  # noqa: E402  (bench/_launch.py: torchrun-like local processes)
+from lightning_tp.testing import run_local  # noqa: E402
 from examples.gpt.lit import LitGPT, ShakespeareData  # noqa: E402
 from lightning_tp import MegaStrategy, comm  # noqa: E402
 from lightning_tp.explain import explain  # noqa: E402
@@ -85,7 +85,7 @@ def main():
         args.steps, args.rounds = WARMUP + 2, 1
         model_args.update(n_layer=1, n_embd=32, block_size=16)
     world = 2
-    ranks = dist.run(world, _worker, args.steps, args.rounds, model_args, timeout=3600)
+    ranks = run_local(world, _worker, args.steps, args.rounds, model_args, timeout=3600)
     median = {ep: statistics.median(t for r in ranks for run in r[ep] for t in run["times"]) for ep in (1, 2)}
     per_round = [statistics.median(ranks[0][2][i]["times"]) / statistics.median(ranks[0][1][i]["times"])
                  for i in range(args.rounds)]

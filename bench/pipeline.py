@@ -6,7 +6,7 @@ the ideal step time of every schedule is known exactly from ``simulate()`` and t
 not matter (sleeping processes do not compete). Each block also multiplies a 64x256 fp32 activation
 by a learnable vector, so gradients flow and every saved activation has a known size (64 KiB).
 
-One launch of 4 local processes (bench/_launch.py) runs, for m in (8, 16): our MegaStrategy(pp=4)
+One launch of 4 local processes (lightning_tp.testing.run_local) runs, for m in (8, 16): our MegaStrategy(pp=4)
 inside a real Lightning Trainer for each schedule (a plain name: split_backward=False, the textbook
 schedule; "+drain": what the default picks, see SCHEDULES), torch's Schedule1F1B and ScheduleInterleaved1F1B
 on the same blocks in a plain loop and inside the same Trainer, a calibration of the model's own
@@ -45,7 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-import _launch as dist  # noqa: E402  (bench/_launch.py: torchrun-like local processes)
+from lightning_tp.testing import run_local  # noqa: E402
 from _pipeline_model import ROWS, WIDTH, parts, worker  # noqa: E402
 
 from lightning_tp.pipeline.schedule.landed import landed_after  # noqa: E402
@@ -321,7 +321,7 @@ def measure():
             plan.append(("probe", None, m, None))
         plan.append(("calibrate", (N_BLOCKS // P, N_BLOCKS // (2 * P)), None, None))
     # generous: 6 schedules x 3 rounds at 20 ms blocks take ~20 min; a stuck rank fails sooner (timeout=120)
-    return dist.run(P, worker, plan, TF, TB, N_BLOCKS, WARMUP, MEASURED, BLOCKS, timeout=3600)
+    return run_local(P, worker, plan, TF, TB, N_BLOCKS, WARMUP, MEASURED, BLOCKS, timeout=3600)
 
 
 def report(results):

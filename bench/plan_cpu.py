@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 
-import _launch as dist  # noqa: E402  (bench/_launch.py: torchrun-like local processes)
+from lightning_tp.testing import run_local  # noqa: E402
 
 SEQ, BATCH, WARMUP = 64, 16, 3
 PP2 = dict(pp=2, split_backward=False)
@@ -127,7 +127,7 @@ def main():
     measured = {}
     for world in worlds:
         names = [n for n, (w, _) in LAYOUTS.items() if w == world]
-        measured.update(dist.run(world, measure, names, args.width, args.layers, args.steps, args.rounds,
+        measured.update(run_local(world, measure, names, args.width, args.layers, args.steps, args.rounds,
                                  args.experts, timeout=3600)[0])
     print(f"\n{'layout':24} {'measured ms':>12} {'predicted ms':>13} {'ratio':>7}   predicted parts (ms)")
     pred = {}

@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import _launch as dist  # noqa: E402  (bench/_launch.py: torchrun-like local processes)
+from lightning_tp.testing import run_local  # noqa: E402
 
 STEP = 3  # the recorded step (after warm-up)
 
@@ -64,7 +64,7 @@ def main():
     out = Path(args.out or tempfile.mkdtemp())
     out.mkdir(parents=True, exist_ok=True)
     trace = out / f"measured_pp{args.pp}_v{args.v}.json"
-    dist.run(args.pp, work, args.pp, args.v, args.m, str(trace), width, timeout=900)
+    run_local(args.pp, work, args.pp, args.v, args.m, str(trace), width, timeout=900)
     trace_png(trace, out / f"measured_pp{args.pp}_v{args.v}.png")
     events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X" and e["tid"] == 0]
     f = statistics.median(e["dur"] for e in events if e["name"] == "F")

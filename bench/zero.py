@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 
-import _launch as dist  # noqa: E402  (bench/_launch.py: torchrun-like local processes)
+from lightning_tp.testing import run_local  # noqa: E402
 from examples.gpt.lit import LitGPT, ShakespeareData  # noqa: E402
 from lightning_tp import MegaStrategy  # noqa: E402
 from lightning_tp.local_shards import local  # noqa: E402
@@ -323,7 +323,7 @@ def main():
     started, rows = time.perf_counter(), []
     for dp in map(int, args.dp.split(",")):
         load = os.getloadavg()
-        ranks = dist.run(dp, work, models, args.steps, args.rounds, args.profile, args.bucket_mib, zeros, timeout=1800)
+        ranks = run_local(dp, work, models, args.steps, args.rounds, args.profile, args.bucket_mib, zeros, timeout=1800)
         rows += report(dp, ranks, models, args.rounds, load, zeros)
     print("\nagainst zero=0:")
     for row in rows:

@@ -139,10 +139,7 @@ def test_a_stopped_rank_is_named_by_its_silent_heartbeat_when_the_others_time_ou
     import os
     import signal
 
-    import torch.multiprocessing as mp
-
-    ctx = mp.start_processes(dist._worker, args=(2, dist.free_port(), str(tmp_path), _fit_stopping, ()), nprocs=2,
-                             join=False, start_method="spawn")
+    ctx = dist.start(2, _fit_stopping, str(tmp_path))
     deadline = time.monotonic() + 180
     try:
         while not (tmp_path / "0.pt").exists() and time.monotonic() < deadline:
@@ -151,7 +148,7 @@ def test_a_stopped_rank_is_named_by_its_silent_heartbeat_when_the_others_time_ou
         for p in ctx.processes:
             if p.is_alive():
                 os.kill(p.pid, signal.SIGKILL)
-    got = torch.load(tmp_path / "0.pt", weights_only=False)["ok"]
+    got = dist.result(tmp_path / "0.pt")["ok"]
     kind, text, notes, seconds = got
     assert lost_peer(RuntimeError(text)), got
     assert len(notes) == 1 and "global rank 1 (host " in notes[0] and "sent no heartbeat for" in notes[0] \

@@ -62,7 +62,7 @@ def test_plain_checkpoint_in_and_out(tmp_path, kind):
     expected = _single_device_first_loss(copy.deepcopy(source))
     assert all(abs(r[0] - expected) < 1e-5 for r in losses)
     fresh = make()
-    state = torch.load(tmp_path / "plain_again.ckpt", weights_only=False)["state_dict"]
+    state = torch.load(tmp_path / "plain_again.ckpt", weights_only=True)["state_dict"]
     fresh.load_state_dict(state, strict=True)
     for key, value in source.state_dict().items():
         torch.testing.assert_close(state[key], value, atol=0, rtol=0, msg=lambda m: f"{key}: {m}")
