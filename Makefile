@@ -9,7 +9,7 @@ PY4    := $(COMPAT)/bin/python
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 STAMP4 := $(COMPAT)/.installed
-COMPAT_TESTS ?= tests/test_hf.py tests/test_experts.py tests/test_expert_load.py tests/test_selective.py tests/test_context.py
+COMPAT_TESTS ?= tests/test_hf.py tests/test_experts.py tests/test_expert_load.py tests/test_selective.py tests/test_context.py tests/test_layout.py tests/test_kernels_inject.py
 
 .PHONY: venv demo test test-main test-compat test-fast bench clean
 

@@ -26,8 +26,8 @@ WARMUP = 2
 def _fit(rank, world, seq, steps, width, heads, batch):
     from examples.gpt.lit import LitGPT, ShakespeareData
     from lightning_tp import MegaStrategy, comm
-    from lightning_tp.planner.calibrate import step_times
-    from lightning_tp.planner.measure import saved_bytes
+    from lightning_tp.layout_search.calibrate import step_times
+    from lightning_tp.layout_search.measure import saved_bytes
 
     L.seed_everything(0, verbose=False)
     saved, times = saved_bytes(), step_times()
@@ -57,7 +57,7 @@ def main():
         args.width, args.heads, args.seqs, args.cps, args.budget_seq, args.time_seq, args.steps = \
             32, 2, "32", "1,2", 32, 32, WARMUP + 2
     seqs, cps = [int(s) for s in args.seqs.split(",")], [int(c) for c in args.cps.split(",")]
-    from lightning_tp.explain import explain
+    from lightning_tp.explain.estimate import explain
 
     got = {(cp, seq): run_local(cp, _fit, seq, args.steps, args.width, args.heads, args.batch)[0]
            for cp in cps for seq in seqs}

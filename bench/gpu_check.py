@@ -298,40 +298,9 @@ def kernel_cases():
         xf = up(x)
         return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
 
-    def sm_make(kind, dt):
-        if kind == "check":
-            B, H, Tq, Tk = (2, 2, 5, 9) if small else (2, 3, 300, 333)
-            km = torch.ones(B, Tk, dtype=torch.bool, device=DEV)
-            km[1, Tk - Tk // 5:] = False  # batch 1 padded at the end
-        else:
-            B, H, Tq, Tk = (2, 2, 8, 8) if small else (4, 16, 1024, 1024)
-            km = None
-        return [p(B, H, Tq, Tk, dt=dt, scale=3.0), km]
-
-    def sm_fused(s, km):
-        return K.fused_softmax(s, 0.125, causal=True, key_mask=km)
-
-    def sm_eager(s, km):
-        Tq, Tk = s.shape[-2:]
-        keep = torch.ones(Tq, Tk, dtype=torch.bool, device=s.device).tril(Tk - Tq)
-        if km is not None:
-            keep = keep & km[:, None, None, :]
-        return torch.softmax((s * 0.125).masked_fill(~keep, float("-inf")), -1)
-
     def gelu_make(kind, dt):
         n = hid(kind) if kind == "check" else (64 if small else 16384)
         return [p(rows(kind), n, dt=dt), p(n, dt=dt, scale=0.1)]
-
-    P_DROP, SEED = 0.1, 1234
-
-    def da_make(kind, dt):
-        n = hid(kind)
-        m = (7 if small else 1000) if kind == "check" else rows(kind)
-        return [p(m, n, dt=dt), p(n, dt=dt, scale=0.1), p(m, n, dt=dt)]
-
-    def da_ref(x, b, r):
-        keep = K.dropout_keep_mask(SEED, 0, x.shape, P_DROP, x.device)
-        return r + torch.where(keep, (x + b) / (1 - P_DROP), torch.zeros_like(x))
 
     def rope_make(kind, dt):
         B, H, T, D = ((1, 2, 5, 8) if small else (2, 5, 300, 64)) if kind == "check" else \
@@ -355,14 +324,10 @@ def kernel_cases():
         ("layer_norm", "layer_norm", ln_make, lambda x, w, b: K.layer_norm(x, w, b, 1e-5),
          lambda x, w, b: F.layer_norm(x, (x.shape[-1],), w, b, 1e-5), None, True),
         ("rms_norm", "rms_norm", rms_make, lambda x, w: K.rms_norm(x, w, 1e-6), rms_eager, None, True),
-        ("softmax causal+pad", "softmax", sm_make, sm_fused, sm_eager, None, True),
         ("bias_gelu tanh", "bias_gelu", gelu_make, lambda x, b: K.bias_gelu(x, b, "tanh"),
          lambda x, b: F.gelu(x + b, approximate="tanh"), None, True),
         ("bias_gelu exact", "bias_gelu", gelu_make, lambda x, b: K.bias_gelu(x, b, "none"),
          lambda x, b: F.gelu(x + b), None, True),
-        ("bias_dropout_add p=0.1", "bias_dropout_add", da_make,
-         lambda x, b, r: K.bias_dropout_add(x, b, r, P_DROP, seed=SEED, offset=0),
-         lambda x, b, r: r + F.dropout(x + b, P_DROP), da_ref, False),
         ("rotary bhtd", "rotary", rope_make, lambda q, c, s: K.apply_rotary(q, c, s, "bhtd"), rope_eager, None, True),
         ("cross_entropy", "cross_entropy", ce_make, lambda x, t: K.fused_cross_entropy(x, t),
          lambda x, t: F.cross_entropy(up(x), t), None, True),

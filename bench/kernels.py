@@ -28,10 +28,6 @@ def _cases(dev, dt):
         xf = x.float()
         return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
 
-    def softmax_eager(s):
-        causal = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
-        return torch.softmax((s * 0.088).masked_fill(~causal, float("-inf")), -1)
-
     def rope_eager(q, cos, sin):
         q1, q2 = q.chunk(2, -1)
         return q * cos[:, None] + torch.cat((-q2, q1), -1) * sin[:, None]
@@ -44,12 +40,8 @@ def _cases(dev, dt):
         ("layer_norm", f"({T}, {Hd})", lambda: (p(T, Hd), p(Hd), p(Hd)),
          lambda x, w, b: F.layer_norm(x, (Hd,), w, b), lambda x, w, b: K.layer_norm(x, w, b)),
         ("rms_norm", f"({T}, {Hd})", lambda: (p(T, Hd), p(Hd)), rms_eager, lambda x, w: K.rms_norm(x, w, 1e-6)),
-        ("softmax", "(2, 32, 2048, 2048) causal", lambda: (p(2, nh, 2048, 2048),), softmax_eager,
-         lambda s: K.fused_softmax(s, 0.088, causal=True)),
         ("bias_gelu", f"({T}, {ff})", lambda: (p(T, ff), p(ff)),
          lambda x, b: F.gelu(x + b, approximate="tanh"), lambda x, b: K.bias_gelu(x, b, "tanh")),
-        ("bias_dropout_add", f"({T}, {Hd}) p=0.1", lambda: (p(T, Hd), p(Hd), p(T, Hd)),
-         lambda x, b, r: r + F.dropout(x + b, 0.1), lambda x, b, r: K.bias_dropout_add(x, b, r, 0.1, seed=1)),
         ("rotary", "(8, 32, 2048, 128)", lambda: (p(8, nh, 2048, hd),), lambda q: rope_eager(q, cos, sin),
          lambda q: K.apply_rotary(q, cos[0], sin[0], "bhtd")),
     ]

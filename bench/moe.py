@@ -19,8 +19,8 @@ import torch  # noqa: E402
 from lightning_tp.testing import run_local  # noqa: E402
 from examples.gpt.lit import LitGPT, ShakespeareData  # noqa: E402
 from lightning_tp import MegaStrategy, comm  # noqa: E402
-from lightning_tp.explain import explain  # noqa: E402
-from lightning_tp.planner.calibrate import step_times  # noqa: E402
+from lightning_tp.explain.estimate import explain  # noqa: E402
+from lightning_tp.layout_search.calibrate import step_times  # noqa: E402
 
 MODEL = dict(n_layer=4, n_embd=128, block_size=64, n_expert=8, n_expert_per_token=2)
 BATCH, WARMUP = 16, 3

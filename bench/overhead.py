@@ -16,7 +16,7 @@ import torch  # noqa: E402
 
 from examples.gpt.lit import LitGPT, ShakespeareData  # noqa: E402
 from lightning_tp import MegaStrategy  # noqa: E402
-from lightning_tp.planner.calibrate import step_times as step_timer  # noqa: E402
+from lightning_tp.layout_search.calibrate import step_times as step_timer  # noqa: E402
 
 STEPS, WARMUP, ROUNDS = 40, 5, 3
 

@@ -52,7 +52,7 @@ def measure(rank, world, names, width, layers, steps, rounds, experts):
 
     from examples.gpt.lit import LitGPT, ShakespeareData
     from lightning_tp import MegaStrategy
-    from lightning_tp.planner.calibrate import step_times
+    from lightning_tp.layout_search.calibrate import step_times
 
     warnings.filterwarnings("ignore")
     if world > 1:
@@ -112,8 +112,8 @@ def main():
         for name in [n for n, (w, _) in LAYOUTS.items() if w not in worlds]:
             del LAYOUTS[name]
     from examples.gpt.model import GPT, GPTConfig
-    from lightning_tp.planner import plan
-    from lightning_tp.planner.calibrate import calibrate
+    from lightning_tp.layout_search import plan
+    from lightning_tp.layout_search.calibrate import calibrate
 
     clusters = {w: calibrate(w) for w in worlds}
     print("calibrated:", {w: (round(c.peak_tflops * 1e3), round(c.gemm_half_gflop, 4), round(c.hbm_gbps),

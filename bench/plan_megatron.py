@@ -20,7 +20,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from examples.gpt.model import GPT, GPTConfig  # noqa: E402
-from lightning_tp.planner import Cluster, plan  # noqa: E402
+from lightning_tp.layout_search import Cluster, plan  # noqa: E402
 
 SEQ, VOCAB = 2048, 51200
 # A100 80GB (Selene): 312 TFLOP/s fp16, NVLink 300 GB/s a direction, 8 x 200 Gbit/s HDR InfiniBand a node

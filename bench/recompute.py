@@ -23,8 +23,8 @@ import torch  # noqa: E402
 
 from examples.gpt.lit import LitGPT, ShakespeareData  # noqa: E402
 from lightning_tp import MegaStrategy  # noqa: E402
-from lightning_tp.planner.calibrate import step_times  # noqa: E402
-from lightning_tp.planner.measure import saved_bytes  # noqa: E402
+from lightning_tp.layout_search.calibrate import step_times  # noqa: E402
+from lightning_tp.layout_search.measure import saved_bytes  # noqa: E402
 
 STEPS, WARMUP, ROUNDS = 30, 5, 3
 CHOICES = (False, True, 2, "selective")

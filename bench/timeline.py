@@ -58,8 +58,8 @@ def main():
     width = 32 if args.smoke else 256
     from lightning_tp.pipeline.schedule.schedules import build_schedule
     from lightning_tp.pipeline.schedule.simulate import simulate
-    from lightning_tp.planner import trace_png
-    from lightning_tp.planner.picture import draw, schedule_rows
+    from lightning_tp.layout_search import trace_png
+    from lightning_tp.layout_search.picture import draw, schedule_rows
 
     out = Path(args.out or tempfile.mkdtemp())
     out.mkdir(parents=True, exist_ok=True)

@@ -34,7 +34,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from examples.gpt.model import Block, GPTConfig  # noqa: E402
-from lightning_tp import recompute  # noqa: E402
+from lightning_tp.recompute import full as recompute  # noqa: E402
 from lightning_tp.pipeline.run.zb import SplitBackward  # noqa: E402
 
 ROUNDS, REPS, WARMUP = 5, 6, 2

@@ -41,7 +41,7 @@ import torch  # noqa: E402
 from lightning_tp.testing import run_local  # noqa: E402
 from examples.gpt.lit import LitGPT, ShakespeareData  # noqa: E402
 from lightning_tp import MegaStrategy  # noqa: E402
-from lightning_tp.local_shards import local  # noqa: E402
+from lightning_tp.dp.zero.local_shards import local  # noqa: E402
 
 SEQ, BATCH, WARMUP = 64, 16, 3
 GPT = dict(n_layer=4, n_head=4, n_embd=256, block_size=SEQ)
@@ -137,9 +137,10 @@ class Parts:
     included), ``rs_wait`` (waiting for the reduce-scatters), ``all_gather``."""
 
     def __init__(self):
-        from lightning_tp import comm, dp_overlap
-        from lightning_tp.zero import optimizer as zopt
-        from lightning_tp.zero import shards
+        from lightning_tp import comm
+        from lightning_tp.dp import overlap as dp_overlap
+        from lightning_tp.dp.zero import optimizer as zopt
+        from lightning_tp.dp.zero import shards
 
         self.acc = {k: 0.0 for k in PARTS}
         self.patches, acc, inside = [], self.acc, {"copy": None}
@@ -214,8 +215,8 @@ def smaller_buckets(mib: float) -> None:
     default (patched in this process only), so that more than one starts during the backward."""
     import functools
 
-    from lightning_tp import dp_overlap, grads
-    from lightning_tp.zero import optimizer as zopt
+    from lightning_tp.dp import overlap as dp_overlap, grads
+    from lightning_tp.dp.zero import optimizer as zopt
 
     limit = int(mib * 2**20)
     zopt.chunked = functools.partial(grads.chunked, limit=limit)

@@ -5,14 +5,14 @@
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from .checkpoint import consolidate
+from .checkpoints.files import consolidate
 from .checkpoints.export import export
 from .experts.load import ExpertLoad
-from .explain import explain
+from .explain.estimate import explain
 from .mesh import ParallelMesh, build_mesh
-from .plain import save_consolidated
-from .planner import plan
-from .timeline import PipelineTimeline
+from .checkpoints.plain import save_consolidated
+from .layout_search import plan
+from .trainer.timeline import PipelineTimeline
 from .plans import STYLES, Plan, register_plan
 from .strategy import MegaStrategy
 

@@ -127,7 +127,7 @@ def main(argv=None) -> int:
         print(export(args.ckpt, args.out, to=args.to, config=args.config, prefix=args.prefix))
         return 0
     cli = build_cli(args.config, args.cli, extra)
-    from .explain import explain
+    from .explain.estimate import explain
 
     act, grad = _bytes(cli.trainer.precision)
     explain(cli.model, batch_shape=_batch_shape(cli, args.batch_shape), dtype_bytes=act, grad_bytes=grad,
@@ -138,7 +138,7 @@ def main(argv=None) -> int:
 def _plan(args, extra) -> int:
     import torch
 
-    from .planner import plan
+    from .layout_search import plan
 
     with torch.device("meta"):
         cli = build_cli(args.config, args.cli, extra)

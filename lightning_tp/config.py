@@ -8,14 +8,14 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
-from . import recompute
+from .recompute import full as recompute
 from .context.checks import check_context_parallel
 from .kernels.inject import kernel_names
 from .mesh import data_parallel_size
 from .pipeline.schedule.schedules import build_schedule, resolve_split_backward
 from .quant import bits_of
 from .quant.fake_quant import RANGE_MODES
-from .zero.fsdp import check_zero3
+from .dp.zero.fsdp import check_zero3
 
 P2P_MODES = ("auto", "eager", "batched")
 ZERO_STAGES = (0, 1, 3)

@@ -9,13 +9,14 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from . import grads, recompute, selective
+from .dp import grads
+from .recompute import full as recompute, selective
 from .config import ModelChoices, ParallelConfig
-from .context.model_checks import check_model
+from .layout import plan_blocks, resolve_layout
 from .context.runtime import ContextParallel
-from .dp_overlap import DPOverlap
+from .dp.overlap import DPOverlap
 from .experts import router_carry
-from .experts.apply import apply_experts, check_experts
+from .experts.apply import apply_experts
 from .kernels.inject import apply_kernels
 from .layers.attention import TPMultiheadAttention
 from .layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -25,15 +26,15 @@ from .pipeline.cut.block_lists import block_at, block_key, called_parts
 from .pipeline.run.executor import PipelineRunner
 from .pipeline.cut.placeholders import meta_twins
 from .tp_in_pp.sharded_twins import shard_twins
-from .zero import fsdp
+from .dp.zero import fsdp
 from .pipeline.run.side_inputs import SideInputCheck
 from .tp_in_pp import sp_stages
-from .pipeline.cut.split import apply_split, plan_stages
+from .pipeline.cut.split import apply_split
 from .pipeline.run.stage import install as install_stages
-from .plain import load_full
-from .plans import apply as planner
+from .checkpoints.plain import load_full
+from .plans import swap
 from .quant import apply_qat
-from .rng import BlockStreams
+from .recompute.rng import BlockStreams
 
 
 def _batched(config) -> bool:
@@ -68,48 +69,30 @@ def parallelize(config: ParallelConfig, mesh, module, device, grads_armed: Calla
     done = getattr(module, "_lightning_tp", None)
     if done is not None:
         return _reuse(config, mesh, module, done, device), None  # the strategy keeps its overlap, if any
-    # 1. every check, on every rank alike, before any collective
-    check_p2p_backend(config)
-    if config.cp > 1:
-        check_model(module, config.cp)
-    matches = planner.resolve(module, config.tp, config.sp, config.plan) if config.tp > 1 else []
-    declared = planner.expert_styles(config.plan)  # a user plan's 'experts' layers
-    if config.ep > 1 or config.moe_capacity is not None:
-        check_experts(module, config.ep, config.moe_capacity, declared)
-    layout = stage_layout(config, module)
-    carried = router_carry.carried_logits(module, layout, declared) if config.pp > 1 else None
-    if carried is not None and layout.lists:
-        raise ValueError("MegaStrategy(pp > 1): an encoder-decoder's stages cannot carry router logits for a "
-                         "load-balancing loss; set output_router_logits=False or use dp/ep.")
-    hf_modules = recompute.hf_checkpointing_modules(module, layout) if config.pp > 1 else []
-    choices = config.for_model(bool(hf_modules), bool(layout is not None and layout.lists))
-    if hf_modules:
-        _take_over_hf_checkpointing(hf_modules)
-    recomputed = recompute.targets(module, choices.recompute, layout, mesh.pp_rank,
-                                   config.pipeline_blocks or plan_blocks(module, config.plan)) \
-        if choices.recompute else []
-    core = planner.core_of(module, config.plan) if config.selective else ()
-    selected = selective.places(module, layout, mesh.pp_rank, config.pipeline_blocks or
-                                plan_blocks(module, config.plan), core) if config.selective else []
-    full_keys = list(module.state_dict().keys())
+    # 1. every check, on every rank alike, before any collective (no change to the module either)
+    plan = resolve_layout(config, module, mesh.pp_rank, nccl=config.pipelined and on_nccl())
+    layout, matches, declared, carried = plan.stages, plan.matches, plan.expert_styles, plan.carried
     # 2. one set of initial weights, then keep this rank's stage and shards
     if config.sync_init and mesh.world_size > 1:
         _broadcast_initial_weights(module, device)
+    if plan.hf_checkpointing:
+        _take_over_hf_checkpointing(plan.hf_checkpointing)
     split = apply_split(module, layout, mesh.pp_rank) if config.pp > 1 else {"silence": {}, "twins": {}}
     tied_ranks = layout.replica_ranks() if config.pp > 1 and layout.lists else ()
     if len(tied_ranks) > 1:
         use_tied_ranks(mesh, tied_ranks)
     apply_experts(module, mesh, config.pp, config.sp, config.moe_capacity, declared)
-    replaced = planner.apply(module, matches, mesh.tp_group, config.tp, mesh.tp_rank, config.sp)
+    replaced = swap.apply(module, matches, mesh.tp_group, config.tp, mesh.tp_rank, config.sp)
     if config.pp > 1 and config.tp > 1:
         shard_twins(module, layout, split, matches, config.tp, mesh.tp_rank)
     apply_kernels(module, config.kernels)
     if config.quant is not None:
         apply_qat(module, config.quant, tp_group=mesh.tp_group, dp_group=mesh.dp_group, act_range=config.quant_range)
-    if config.load_full is not None:
-        load_full(module, config.load_full, full_keys, mesh.tp_rank)
-    recompute.apply(module, recomputed, split=config.pipelined and config.zb_keep_recomputed)  # inside the stage wrappers
-    selective.apply(selective.blocks_at(module, selected), core)
+    if plan.full_state is not None:
+        load_full(module, plan.full_state, mesh.tp_rank)
+        plan.full_state = None  # the tensors were copied into this rank's shards
+    recompute.apply(module, plan.recomputed, split=config.pipelined and config.zb_keep_recomputed)  # in the stage wrappers
+    selective.apply(selective.blocks_at(module, plan.selected), plan.core)
     runner = None
     if config.pipelined:
         silence = [(module.get_submodule(name), twin, runs) for name, (twin, runs) in split["silence"].items()]
@@ -120,7 +103,7 @@ def parallelize(config: ParallelConfig, mesh, module, device, grads_armed: Calla
             router_carry.install(module, state, carried, mesh.dp_group, config.pp,
                                  mesh.tp_group if config.sp and config.tp > 1 else None, declared)
         runner = PipelineRunner(module, mesh, layout, state, config.schedule, config.microbatches,
-                                batched=_batched(config), device=device, split_backward=choices.split_backward)
+                                batched=_batched(config), device=device, split_backward=plan.choices.split_backward)
     streams = _block_streams(config, mesh, module, layout, device)
     overlap = _dp_overlap(config, mesh, module, runner, grads_armed)
     contexts = {id(m.ctx): m.ctx for m in replaced.values() if hasattr(m, "ctx")}
@@ -131,21 +114,10 @@ def parallelize(config: ParallelConfig, mesh, module, device, grads_armed: Calla
     context = ContextParallel(mesh, config.cp_attention) if config.cp > 1 else None
     if context is not None:
         context.install(module)
-    module._lightning_tp = Parallelized(config, choices, list(contexts.values()), runner, tied_ranks,
+    module._lightning_tp = Parallelized(config, plan.choices, list(contexts.values()), runner, tied_ranks,
                                         meta_twins(module, split) if config.pp > 1 else [], streams, context)
     _set_metric_groups(module, mesh.dp_group)
     return runner, overlap
-
-
-def stage_layout(config: ParallelConfig, module):
-    """The stages ``config`` cuts ``module`` into (one stage for microbatching alone), or None without a pipeline."""
-    if config.pp > 1:
-        blocks = config.pipeline_blocks or planner.blocks_path(module, config.plan)
-        return plan_stages(module, config.pp, config.virtual_stages, blocks, config.stage_layers,
-                           interleaved=config.schedule == "interleaved_1f1b")
-    if config.pipelined:  # microbatching without stages: one stage holding every block
-        return plan_stages(module, 1, 1, config.pipeline_blocks or planner.blocks_path(module, config.plan))
-    return None
 
 
 def _reuse(config, mesh, module, done: Parallelized, device):
@@ -251,15 +223,6 @@ def _share_groups_in_copies() -> None:
             kind.__deepcopy__ = lambda self, memo: self
 
 
-def check_p2p_backend(config) -> None:
-    """Pipelines on NCCL: what its P2P semantics cannot run yet is refused now, not hung on later."""
-    if not config.pipelined or not on_nccl():
-        return
-    if config.p2p == "eager":
-        raise ValueError("MegaStrategy(p2p='eager') posts receives ahead, which NCCL queues in front of later "
-                         "sends on the same stream (a deadlock); use p2p='auto' or 'batched' on GPUs.")
-
-
 def _broadcast_initial_weights(module, device) -> None:
     """Rank 0's initial weights everywhere, in flat buckets on the run's device (NCCL needs it there;
     the module itself moves only later)."""
@@ -280,7 +243,6 @@ def shard_over_dp(config: ParallelConfig, mesh, module) -> bool:
     whether they were. Call after the module has its tp layout, dtype and device."""
     if config.zero != 3 or mesh.dp == 1:
         return False
-    fsdp.check_shardable(module)
     fsdp.shard_parameters(module, mesh.device_mesh["dp"], fsdp_blocks(config, module))
     return True
 
@@ -292,15 +254,6 @@ def fsdp_blocks(config: ParallelConfig, module) -> list:
     except ValueError:
         return []
     return [block_at(module.get_submodule(path), i) for path, i in places]
-
-
-def plan_blocks(module, plan):
-    """The block list(s) a plan names, if one does and can be staged (else activation checkpointing
-    without a pipeline looks for every list of same-class blocks)."""
-    try:
-        return planner.blocks_path(module, plan)
-    except ValueError:  # a family the plan marks as not staged
-        return None
 
 
 def _set_metric_groups(module, dp_group) -> None:

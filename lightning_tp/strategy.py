@@ -1,5 +1,5 @@
-"""MegaStrategy: the Lightning glue. What it does to the model is in parallelize.py; everything
-parallel lives in mesh/comm/layers/plans/grads/pipeline."""
+"""MegaStrategy: the Lightning glue. What it does to the model is in parallelize.py; the package map is
+docs/design/README.md."""
 
 from __future__ import annotations
 
@@ -23,24 +23,24 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
-from . import checkpoint as ckpt
+from .checkpoints import files as ckpt
 from . import comm
 from .config import ParallelConfig
 from .context import runtime as context_runtime
-from . import grads
-from .averaged_models import copy_averaged_models_again
+from .dp import grads
+from .trainer.averaged_models import copy_averaged_models_again
 from .checkpoints.newest import newest_complete
-from .requeue import DeferredRequeue
-from .resumable_data import resumable
-from .restarts import attempt_store, keep_global_batch, restarted
-from .failures import FailureNotes, raise_on_every_rank
+from .faults.requeue import DeferredRequeue
+from .faults.resumable_data import resumable
+from .faults.restarts import attempt_store, keep_global_batch, restarted
+from .faults.notes import FailureNotes, raise_on_every_rank
 from .mesh import ParallelMesh, build_mesh, gloo_twin_of_replica_group
 from .pipeline.run.epoch_end import install as install_epoch_end_sync
 from .pipeline.run.executor import PipelineRunner
 from .parallelize import parallelize, shard_over_dp
-from .same_batch import BatchBroadcast
-from .zero import fsdp, shard_optimizers
-from .zero.overlap import ZeroOverlap
+from .trainer.same_batch import BatchBroadcast
+from .dp.zero import fsdp, shard_optimizers
+from .dp.zero.overlap import ZeroOverlap
 
 
 def _step_args(args, kwargs, loop_batch_idx) -> tuple:

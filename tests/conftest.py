@@ -9,3 +9,30 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 for p in (ROOT, os.path.join(ROOT, "tests")):
     if p not in sys.path:
         sys.path.insert(0, p)
+
+
+import pytest  # noqa: E402
+
+# bench scripts run by bench/_smoke.py, with their arguments (--smoke unless given after ':')
+SMOKE_ARGS = {"gpu_check.py": "--cpu-dry-run", "gpu_check_2gpu.py": "--cpu-dry-run"}
+
+
+@pytest.fixture(scope="session")
+def bench_smoke(tmp_path_factory):
+    """Every bench/ script in its smoke mode, in one launch: {script: (exit code, seconds, output)}."""
+    import subprocess
+    from pathlib import Path
+
+    bench = Path(ROOT) / "bench"
+    scripts = sorted(p.name for p in bench.glob("*.py") if not p.name.startswith("_") and "__main__" in p.read_text())
+    out = tmp_path_factory.mktemp("smoke")
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    subprocess.run([sys.executable, str(bench / "_smoke.py"), str(out)] +
+                   [f"{s}:{SMOKE_ARGS[s]}" if s in SMOKE_ARGS else s for s in scripts],
+                   cwd=ROOT, env=env, timeout=600, check=True)
+    found = {}
+    for s in scripts:
+        rc, seconds = (out / f"{s}.rc").read_text().split() if (out / f"{s}.rc").exists() else ("-1", "0")
+        log = (out / f"{s}.log").read_text() if (out / f"{s}.log").exists() else ""
+        found[s] = (int(rc), float(seconds), log)
+    return found

@@ -50,9 +50,18 @@ def train_all(rank, world, configs, ckdir):
         n = samples or steps * batch * dp * trainer_kw.get("accumulate_grad_batches", 1)
         with torch_path() if strategy_kw.get("kernels") else contextlib.nullcontext():
             trainer.fit(model, TokenData(n, vocab_of(model), batch, crops=configs[name][3].get("crops", False)))
-        if strategy_kw.get("kernels"):
+        kernels = strategy_kw.get("kernels")
+        if kernels:  # every kernel asked for took its place (True: the example GPT's norms and GeLU)
             fused = [type(m).__name__ for m in model.modules() if type(m).__name__.startswith("Fused")]
-            assert {"FusedLayerNorm", "FusedBiasGeLU"} <= set(fused), fused
+            names = {"layernorm": "FusedLayerNorm", "rmsnorm": "FusedRMSNorm", "gelu": "FusedBiasGeLU"}
+            want = {"FusedLayerNorm", "FusedBiasGeLU"} if kernels is True else {names[k] for k in kernels if k in names}
+            assert want <= set(fused), fused
+            if kernels is not True and "rotary" in kernels:
+                import sys
+
+                patched = {type(m).__module__ for m in model.modules()}
+                assert any(hasattr(getattr(sys.modules[n], "apply_rotary_pos_emb", None), "_lightning_tp_fused")
+                           for n in patched), patched
         path = f"{ckdir}/{name}.ckpt"
         trainer.save_checkpoint(path)
         replicated = {n: whole(p).detach().clone() for n, p in model.named_parameters() if marks_of(p).tp_spec is None}
@@ -113,7 +122,7 @@ def check(results, name, configs, world):
         tol = weight_tol = BF16_TOL
     if trainer_kw.get("precision") == "bf16-true":
         tol, weight_tol = BF16_TRUE_LOSS_TOL, BF16_TOL
-    # dp replicas average their gradients while backward runs (dp_overlap.py); under a pipeline, each
+    # dp replicas average their gradients while backward runs (dp/overlap.py); under a pipeline, each
     # chunk's final weight-gradient pass of the step (B, ZB-H1's W) starts the sync of the gradients it
     # finalizes: all of them (but an encoder-decoder's embedding copies, synced after), none while
     # Lightning accumulates over batches

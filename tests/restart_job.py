@@ -17,7 +17,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_tp import MegaStrategy, consolidate
-from lightning_tp.checkpoint import AsyncWriter
+from lightning_tp.checkpoints.files import AsyncWriter
 from lightning_tp.checkpoints.newest import newest_complete
 from dist import descendants
 from models import TokenData, make_model, trainer_kwargs, vocab_of

@@ -1,14 +1,15 @@
-"""Every bench/ script in its smoke mode (a tiny model, one round, a few steps): it must exit 0 and print
-its table. The scripts are collected from bench/ itself, so a new one runs here without being listed;
-nothing here looks at a timing."""
+"""Every bench/ script in its smoke mode (a tiny model, one round, a few steps; the GPU checks' CPU dry run),
+all in one launch (conftest's bench_smoke): each must exit 0 and print its table. Scripts are collected from
+bench/ itself, so a new one runs here without being listed; nothing here looks at a timing."""
 
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from models import transformers_major
 
 pytestmark = pytest.mark.slow
 
@@ -31,28 +32,33 @@ TABLE = {
     "zb_recompute.py": r"zb checkpoint\s+[\d.]+ ms",
     "zero.py": r"against zero=0:\n\s+dp=2 gpt\s+zero=1 step time",
 }
-# run in their smoke mode by another test: script -> that test (bench/gpu_check.sh --cpu-dry-run)
-ELSEWHERE = {"gpu_check.py": "test_gpu_check.py", "gpu_check.sh": "test_gpu_check.py",
-             "gpu_check_train.py": "test_gpu_check.py",  # gpu_check.sh's Trainer rows
-             "gpu_check_cp.py": "test_gpu_check.py",  # gpu_check.sh's context-parallel rows
-             "gpu_check_2gpu.py": "test_gpu_check.py", "gpu_check_2gpu.sh": "test_gpu_check.py"}
-SCRIPTS = sorted(p.name for p in BENCH.iterdir() if p.suffix in (".py", ".sh") and not p.name.startswith("_"))
+# modules a script imports, with no __main__ of their own: script -> the script that runs them
+HELPERS = {"gpu_check_train.py": "gpu_check.py", "gpu_check_cp.py": "gpu_check.py"}
+# the GPU checks' dry runs (--cpu-dry-run), whose tables the tests at the end of this file read
+ELSEWHERE = {"gpu_check.py", "gpu_check_2gpu.py"}
+SCRIPTS = sorted(p.name for p in BENCH.glob("*.py") if not p.name.startswith("_"))
 
 
-@pytest.mark.parametrize("script", [s for s in SCRIPTS if s not in ELSEWHERE])
-def test_bench_script_runs_in_smoke_mode_and_prints_its_table(script):
+@pytest.mark.parametrize("script", [s for s in SCRIPTS if s not in ELSEWHERE and s not in HELPERS])
+def test_bench_script_runs_in_smoke_mode_and_prints_its_table(script, bench_smoke):
     assert script in TABLE, f"bench/{script}: add a --smoke mode and a line of its table to TABLE here"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, str(BENCH / script), "--smoke"], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert re.search(TABLE[script], proc.stdout), proc.stdout[-4000:]
+    rc, _, out = bench_smoke[script]
+    assert rc == 0, out[-6000:]
+    assert re.search(TABLE[script], out), out[-4000:]
 
 
-def test_scripts_run_elsewhere_are_run_there():
-    for script, test in ELSEWHERE.items():
-        assert (BENCH / script).exists(), f"ELSEWHERE names bench/{script}, which is gone"
-        assert "gpu_check.sh" in (ROOT / "tests" / test).read_text(), (script, test)
+def test_helpers_are_imported_by_their_script_and_the_rest_run():
+    for helper, script in HELPERS.items():
+        assert "__main__" not in (BENCH / helper).read_text(), f"bench/{helper} runs by itself: give it a TABLE row"
+        assert helper.removesuffix(".py") in (BENCH / script).read_text(), (helper, script)
+    for script in ELSEWHERE:
+        assert f'bench_smoke["{script}"]' in Path(__file__).read_text(), script
+
+
+def test_the_smoke_set_runs_every_script_in_one_launch(bench_smoke):
+    """Each script's wall time (not asserted: machines are noisy), for the durations report."""
+    assert set(bench_smoke) == {s for s in SCRIPTS if s not in HELPERS}
+    print({s: seconds for s, (_, seconds, _) in bench_smoke.items()})
 
 
 def test_bench_does_not_import_tests():
@@ -62,3 +68,47 @@ def test_bench_does_not_import_tests():
         imported = set(re.findall(r"^\s*(?:from|import)\s+(\w+)", text, flags=re.M))
         assert not imported & test_modules, f"bench/{path.name} imports {imported & test_modules} from tests/"
         assert '"tests"' not in text, f"bench/{path.name} puts tests/ on its path"
+
+
+# ------------------------------------------------- bench/gpu_check.sh and gpu_check_2gpu.sh --cpu-dry-run
+def test_the_wrappers_pass_their_arguments_to_the_python_they_choose(tmp_path):
+    """gpu_check.sh and gpu_check_2gpu.sh with PYTHON set: they run that python on their script with the
+    arguments given (the scripts themselves run in the bench_smoke launch below)."""
+    fake = tmp_path / "python"
+    fake.write_text('#!/bin/sh\n[ "$1" = "-c" ] && exit 0\necho "ran $*"\n')
+    fake.chmod(0o755)
+    for wrapper in ("gpu_check.sh", "gpu_check_2gpu.sh"):
+        proc = subprocess.run(["bash", str(ROOT / "bench" / wrapper), "--cpu-dry-run"], cwd=ROOT, capture_output=True,
+                              env=dict(os.environ, PYTHON=str(fake)), text=True, timeout=60)
+        script = wrapper.replace(".sh", ".py")
+        assert proc.returncode == 0 and f"ran bench/{script} --cpu-dry-run" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_gpu_check_cpu_dry_run_prints_one_table_and_passes(bench_smoke):
+    rc, _, out = bench_smoke["gpu_check.py"]
+    assert rc == 0, out[-6000:]
+    rows = {line.split("|")[1].strip(): line.split("|")[2].strip() for line in out.splitlines()
+            if line.startswith("| ") and not line.startswith("| check ")}
+    for op in ("layer_norm", "rms_norm", "bias_gelu tanh", "bias_gelu exact", "rotary bhtd", "cross_entropy"):
+        assert rows[f"kernel {op} fp32"] == rows[f"kernel {op} fp16"] == "PASS", op
+        assert rows[f"kernel {op} bf16"] == rows[f"compiled {op} bf16"] == "SKIP", op
+    for check in ("int8 GEMM correctness", "gpt step kernels=True", "gpt step quant=int8", "gpt int8 convert",
+                  "trainer fit MegaStrategy(tp=1)", "trainer fit 16-mixed", "trainer fit bf16-mixed",
+                  "trainer fit microbatches=2", "trainer fit checkpointing + dropout", "trainer fit quant=int8",
+                  "checkpoint sync: resume + consolidate", "checkpoint async: resume + consolidate",
+                  "compiled layer_norm fp32 [dry run]", "cp blocks fp32 flash_cpu", "cp ring fp32 (cp=4 threads)", "total"):
+        assert rows[check] == "PASS", check
+    assert rows["nccl init (1 process)"] == "SKIP" and "skipped: no GPU" in out
+    # transformers 5's experts module behind the dispatch (4.x has none: said so)
+    assert rows["hf 5.x experts (grouped_mm) dispatched"] == ("PASS" if transformers_major() >= 5 else "SKIP")
+    assert sum(line.startswith("+-") for line in out.splitlines()) == 3  # one table: top, under the header, bottom
+
+
+def test_gpu_check_2gpu_cpu_dry_run_passes_every_row(bench_smoke):
+    """bench/gpu_check_2gpu.py --cpu-dry-run: 2 gloo processes, every collective and layout row PASS."""
+    rc, _, out = bench_smoke["gpu_check_2gpu.py"]
+    assert rc == 0, out[-6000:]
+    rows = {line.split("|")[1].strip(): line.split("|")[2].strip() for line in out.splitlines()
+            if line.startswith("| ")}
+    assert len(rows) == 5 + 11 + 4 + 1, rows  # primitives, layouts (cp=2's two among them), zero=3 resumes, total
+    assert set(rows.values()) == {"PASS"}, rows

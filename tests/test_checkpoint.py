@@ -13,7 +13,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 import dist
-import lightning_tp.checkpoint as C
+from lightning_tp.checkpoints import files as C
 from lightning_tp import MegaStrategy, consolidate
 from models import LossRecorder, TokenData, Tokens, make_model, trainer_kwargs
 

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from lightning_tp import comm
 from lightning_tp.mesh import ParallelMesh
 from lightning_tp.strategy import MegaStrategy
-from lightning_tp.zero.optimizer import ShardedOptimizer
+from lightning_tp.dp.zero.optimizer import ShardedOptimizer
 
 ROOT = torch.device("meta")
 

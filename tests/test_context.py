@@ -235,7 +235,7 @@ def _saved(rank, world):
     from lightning_tp import MegaStrategy, comm
     from models import make_model, trainer_kwargs
 
-    from lightning_tp.planner.measure import saved_bytes
+    from lightning_tp.layout_search.measure import saved_bytes
 
     saved = saved_bytes()
     trainer = L.Trainer(devices=world, strategy=MegaStrategy(cp=world, timeout=60), max_steps=2, callbacks=[saved],

@@ -16,15 +16,16 @@ from helpers import expect_error
 from lightning_tp.marks import marks_of
 from lightning_tp import MegaStrategy, comm
 from lightning_tp.mesh import build_mesh
-from lightning_tp.same_batch import BatchBroadcast
-from lightning_tp.plans import apply as planner
+from lightning_tp.trainer.same_batch import BatchBroadcast
+from lightning_tp.plans import checks as plan_checks
+from lightning_tp.plans import swap
 from models import SEQ, LossRecorder, TokenData, Tokens, make_model, reference_run, trainer_kwargs
 
 B, H = 2, 32
 
 
 def _parallelize(module, tp, sp, mesh):
-    planner.apply(module, planner.resolve(module, tp, sp), mesh.tp_group, tp, mesh.tp_rank, sp)
+    swap.apply(module, plan_checks.resolve(module, tp, sp), mesh.tp_group, tp, mesh.tp_rank, sp)
     return module
 
 
@@ -244,12 +245,13 @@ def test_sequence_parallelism_is_decided_per_forward():
     the parity checks above), with grad it is refused, and under pp (a stage cannot tell the next one)
     always; a divisible length turns SP back on."""
     from lightning_tp.layers.linear import TPContext
-    from lightning_tp.plans.apply import Match, _install_sp_boundaries
+    from lightning_tp.plans.hooks import install_sp_boundaries
+    from lightning_tp.plans.lookup import Match
     from lightning_tp.plans.base import Plan
 
     model = nn.Sequential(nn.Identity(), nn.Linear(4, 4))
     ctx = TPContext(group=None, world=2, sp=True)
-    _install_sp_boundaries(model, Match("", Plan(name="t"), sp_start="0"), ctx)
+    install_sp_boundaries(model, Match("", Plan(name="t"), sp_start="0"), ctx)
     odd = torch.randn(2, 3, 4)
     with torch.no_grad():
         model(odd)

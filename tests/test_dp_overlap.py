@@ -11,7 +11,7 @@ def _worker(rank, world):
     import torch.distributed as dist
     from torch import nn
 
-    from lightning_tp.dp_overlap import DPOverlap
+    from lightning_tp.dp.overlap import DPOverlap
 
     dist.init_process_group("gloo")
     try:
@@ -63,7 +63,7 @@ def test_overlapped_dp_all_reduce_starts_in_backward_and_averages():
 
 def _fake_launches(monkeypatch):
     """DPOverlap without processes: a launch records its grads, settle 'averages' by halving them."""
-    import lightning_tp.dp_overlap as D
+    from lightning_tp.dp import overlap as D
 
     launched = []
 
@@ -84,7 +84,7 @@ def _fake_launches(monkeypatch):
 def test_a_hook_firing_twice_counts_once_and_a_raised_step_starts_over(monkeypatch):
     from torch import nn
 
-    from lightning_tp.dp_overlap import DPOverlap
+    from lightning_tp.dp.overlap import DPOverlap
 
     launched = _fake_launches(monkeypatch)
     a, b = nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2))
@@ -107,7 +107,7 @@ def test_a_hook_firing_twice_counts_once_and_a_raised_step_starts_over(monkeypat
 def test_pipeline_merge_adds_a_kept_gradient_after_a_started_all_reduce(monkeypatch):
     from torch import nn
 
-    from lightning_tp.dp_overlap import DPOverlap
+    from lightning_tp.dp.overlap import DPOverlap
     from lightning_tp.pipeline.run.executor import PipelineRunner
 
     _fake_launches(monkeypatch)
@@ -134,7 +134,7 @@ def test_sync_reduces_parameters_the_overlap_does_not_know(monkeypatch):
 
     from torch import nn
 
-    import lightning_tp.grads as G
+    from lightning_tp.dp import grads as G
 
     reduced = []
     monkeypatch.setattr(G, "_reduce", lambda grads, group, scale=1.0: reduced.append((len(grads), group)))

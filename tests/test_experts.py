@@ -366,7 +366,7 @@ def _counted(rank, world):
 
 
 def test_explain_counts_expert_parameters_and_all_to_all_bytes_of_a_run():
-    from lightning_tp.explain import explain
+    from lightning_tp.explain.estimate import explain
 
     got = dist.run(2, _counted, timeout=300)
     est = explain(make_model("gpt", **dict(GPT_MOE, n_expert=4)), dp=2, ep=2, batch_shape=(BATCH, GPT_MOE["block_size"]),

@@ -14,9 +14,11 @@ import pytest
 import torch
 
 import dist
-from lightning_tp import MegaStrategy, comm, recompute
-from lightning_tp.explain import explain
-from lightning_tp.plans import apply as planner
+from lightning_tp import MegaStrategy, comm
+from lightning_tp.recompute import full as recompute
+from lightning_tp.explain.estimate import explain
+from lightning_tp.plans import checks
+from lightning_tp.plans import swap
 from models import SEQ, TokenData, Tokens, make_model, trainer_kwargs, transformers_major, vocab_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -107,7 +109,7 @@ class StepCounter(L.Callback):
 
 def _by_kind(phases, mesh) -> dict:
     out = dict.fromkeys(KINDS + ("other",), 0)
-    for op, numel, group in phases["step"]:  # dp all-reduces start during backward (dp_overlap.py)
+    for op, numel, group in phases["step"]:  # dp all-reduces start during backward (dp/overlap.py)
         kind = "pp" if op == "send" else "tp" if group is mesh.tp_group else "dp" if group is mesh.dp_group else "other"
         out[kind] += numel * 4  # fp32
     for op, numel, group in phases["sync"]:
@@ -242,7 +244,7 @@ def test_activation_model_against_saved_tensors(tp):
     model = make_model("gpt", n_layer=3, n_embd=64, vocab_size=63)
     estimate = explain(model, tp=tp, batch_shape=(B, SEQ), print_report=False).rank(0).act_bytes
     if tp > 1:
-        planner.apply(model, planner.resolve(model, tp, False), None, tp, 0, False)
+        swap.apply(model, checks.resolve(model, tp, False), None, tp, 0, False)
     assert _saved_bytes(model) == pytest.approx(estimate, rel=0.01)  # what is left: int64 token ids
 
 
@@ -286,7 +288,7 @@ def test_selective_recomputation_keeps_what_explain_counts_without_the_cores_sco
     """Attention dropout sends CPU SDPA down its math path, which keeps three s x s tensors per head (the
     probabilities, the dropout mask, the dropped probabilities): explain(score_copies=3). Selective
     recomputation drops exactly those, and holds one core's during its recompute."""
-    from lightning_tp import selective
+    from lightning_tp.recompute import selective
 
     kw = dict(n_layer=3, n_embd=64, vocab_size=63, dropout=0.1)
     est, measured = {}, {}
@@ -295,7 +297,7 @@ def test_selective_recomputation_keeps_what_explain_counts_without_the_cores_sco
                           activation_checkpointing="selective" if on else False).rank(0)
         model = make_model("gpt", **kw)
         if tp > 1:
-            planner.apply(model, planner.resolve(model, tp, False), None, tp, 0, False)
+            swap.apply(model, checks.resolve(model, tp, False), None, tp, 0, False)
         if on:
             assert selective.apply(selective.blocks_at(model, selective.places(model))) == 3
         measured[on] = _saved_bytes(model)
@@ -314,7 +316,7 @@ def _per_layer(rank, world, kw, sp):
     selective recomputation, on tp rank ``rank`` (``world`` > 1: a real tp group)."""
     import torch.distributed as torch_dist
 
-    from lightning_tp import selective
+    from lightning_tp.recompute import selective
 
     if world > 1:
         torch_dist.init_process_group("gloo")
@@ -324,7 +326,7 @@ def _per_layer(rank, world, kw, sp):
         for n in (2, 3):
             model = make_model("gpt", n_layer=n, **kw)
             if world > 1:
-                planner.apply(model, planner.resolve(model, world, sp), torch_dist.group.WORLD, world, rank, sp)
+                swap.apply(model, checks.resolve(model, world, sp), torch_dist.group.WORLD, world, rank, sp)
             if on:
                 selective.apply(selective.blocks_at(model, selective.places(model)))
             saved.append(_saved_bytes(model))
@@ -352,13 +354,13 @@ def _selective_under_sp(rank, world):
     """Saved bytes of one forward on tp rank ``rank`` of a real tp=2 + sp group, without and with selective."""
     import torch.distributed as torch_dist
 
-    from lightning_tp import selective
+    from lightning_tp.recompute import selective
 
     torch_dist.init_process_group("gloo")
     out = {}
     for on in (False, True):
         model = make_model("gpt", n_layer=3, n_embd=64, vocab_size=63, dropout=0.1)
-        planner.apply(model, planner.resolve(model, world, True), torch_dist.group.WORLD, world, rank, True)
+        swap.apply(model, checks.resolve(model, world, True), torch_dist.group.WORLD, world, rank, True)
         if on:
             selective.apply(selective.blocks_at(model, selective.places(model)))
         out[on] = _saved_bytes(model)

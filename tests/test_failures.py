@@ -1,6 +1,6 @@
 """An error one rank meets alone is named on the others: a bug in the loss, which under a pipeline
 runs on the last stage only, stops the first stage with gloo's "Connection closed by peer", which
-then carries the last stage's error (lightning_tp/failures.py)."""
+then carries the last stage's error (lightning_tp/faults/notes.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import dist
 from helpers import Net, net_loader
 from lightning_tp import MegaStrategy
-from lightning_tp.failures import FailureNotes, lost_peer
+from lightning_tp.faults.notes import FailureNotes, lost_peer
 
 CLOSED = "[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:5534"
 
@@ -160,7 +160,7 @@ def test_the_watcher_stops_a_rank_whose_next_rank_is_silent_for_hang_seconds_but
     that stops every rank (written for the others too); a heartbeat that changes, or "done", never does."""
     import json as _json
 
-    from lightning_tp import failures
+    from lightning_tp.faults import notes as failures
 
     store, clock = torch.distributed.HashStore(), [100.0]
     monkeypatch.setattr(failures.time, "monotonic", lambda: clock[0])

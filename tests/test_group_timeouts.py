@@ -43,7 +43,8 @@ def test_every_group_has_the_strategy_timeout():
 def test_async_checkpoint_group_has_the_strategy_timeout(monkeypatch):
     import torch.distributed as torch_dist
 
-    from lightning_tp import MegaStrategy, checkpoint
+    from lightning_tp import MegaStrategy
+    from lightning_tp.checkpoints import files as checkpoint
 
     made = []
     monkeypatch.setattr(torch_dist, "is_initialized", lambda: True)

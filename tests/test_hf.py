@@ -14,10 +14,13 @@ import torch  # noqa: E402
 
 from helpers import BATCH, check, train_launch  # noqa: E402
 from lightning_tp.marks import marks_of  # noqa: E402
-from lightning_tp.explain import explain  # noqa: E402
+from lightning_tp.explain.estimate import explain  # noqa: E402
 from lightning_tp.layers import ShardSpec, shard, unshard  # noqa: E402
 from lightning_tp.plans import Plan  # noqa: E402
-from lightning_tp.plans import apply as planner  # noqa: E402
+from lightning_tp.plans import checks, hooks  # noqa: E402
+from lightning_tp.plans.sizes import check_sizes  # noqa: E402
+from lightning_tp.plans import lookup  # noqa: E402
+from lightning_tp.plans import swap  # noqa: E402
 from models import make_model, runnable, transformers_major  # noqa: E402
 
 FAMILIES = ["hf_gpt2", "hf_llama", "hf_qwen2", "hf_mistral", "hf_qwen3", "litgpt"]
@@ -113,6 +116,8 @@ WORLD4["hf_qwen3_tp4"] = ("hf_qwen3", {}, dict(tp=4), TEN)  # and a per-head k_n
 # rank) and its fused gate_up_proj split in place; OLMoE's q/k/v gathered for its norm over all heads
 # (transformers 4.x names them colwise_rep / rowwise_rep, and gives OLMoE no plan)
 WORLD2["hf_phi3_tp2_sp"] = ("hf_phi3", {}, dict(tp=2, sp=True), TEN)
+# the fused rotary and RMSNorm kernels (the Triton interpreter here) on Llama's own functions and norms
+WORLD2["hf_llama_tp2_sp_kernels"] = ("hf_llama", {}, dict(tp=2, sp=True, kernels=["rotary", "rmsnorm"]), TEN)
 WORLD2["hf_phi3_tp2"] = ("hf_phi3", {}, dict(tp=2), TEN)
 if transformers_major() >= 5:
     WORLD2["hf_olmoe_tp2_sp"] = ("hf_olmoe", {}, dict(tp=2, sp=True), TEN)
@@ -141,7 +146,7 @@ def test_hf_parity_world4(world4, name):
 
 def test_llama_plan_comes_from_the_config():
     model = make_model("hf_llama")
-    (match,) = planner.resolve(model, 2, False)
+    (match,) = checks.resolve(model, 2, False)
     styles = {path: style for path, style, _ in match.entries}
     assert match.plan.name == "hf_LlamaForCausalLM"
     for path in ("q_proj", "k_proj", "v_proj"):
@@ -151,7 +156,7 @@ def test_llama_plan_comes_from_the_config():
 
 
 def test_config_plans_find_base_model_embedding_and_head_by_the_model():
-    gemma, neox = (planner.resolve(make_model(kind), 2, False)[0] for kind in ("hf_gemma3", "hf_gpt_neox"))
+    gemma, neox = (checks.resolve(make_model(kind), 2, False)[0] for kind in ("hf_gemma3", "hf_gpt_neox"))
     styles = {path: style for path, style, _ in gemma.entries}
     assert styles["model.model.embed_tokens"] == "vocab" and styles["model.lm_head"] == "lm_head"
     styles = {path: (style, spec) for path, style, spec in neox.entries}
@@ -160,22 +165,22 @@ def test_config_plans_find_base_model_embedding_and_head_by_the_model():
     assert styles["model.gpt_neox.layers.0.attention.query_key_value"][0] == "colwise_local"
     # its fused [q|k|v] goes out in whole heads: 2 heads cannot be split over 4 ranks
     with pytest.raises(ValueError, match="query_key_value: out_features = 96 holds 2 heads of 48"):
-        planner.resolve(make_model("hf_gpt_neox", heads=2), 4, False)
+        checks.resolve(make_model("hf_gpt_neox", heads=2), 4, False)
 
 
 def test_falcon_plans_cut_its_fused_qkv_by_its_layout():
-    entries = {kind: {path: (style, spec) for path, style, spec in planner.resolve(make_model(kind), 2, False)[0].entries}
+    entries = {kind: {path: (style, spec) for path, style, spec in checks.resolve(make_model(kind), 2, False)[0].entries}
                for kind in ("hf_falcon", "hf_falcon_mq", "hf_falcon_mha")}
     qkv = "model.transformer.h.0.self_attention.query_key_value"
     assert {kind: e[qkv][0] for kind, e in entries.items()} == dict.fromkeys(entries, "colwise_local")
     assert entries["hf_falcon_mq"]["model.transformer.word_embeddings"][0] == "vocab"
     assert entries["hf_falcon_mha"]["model.transformer.h.1.post_attention_layernorm"][0] == "sp_norm"
     with pytest.raises(ValueError, match="alibi=True: its ALiBi biases are built for every head"):
-        planner.resolve(make_model("hf_falcon_alibi"), 2, False)
+        checks.resolve(make_model("hf_falcon_alibi"), 2, False)
     # grouped: 2 key/value groups (each 2 queries, k, v: 4 heads of 8) cannot go to 4 ranks
     with pytest.raises(ValueError, match="query_key_value: out_features = 64 holds 2 heads of 32"):
-        planner.resolve(make_model("hf_falcon"), 4, False)
-    assert planner.blocks_path(make_model("hf_falcon_alibi"), "auto") == "model.transformer.h"  # pp still works
+        checks.resolve(make_model("hf_falcon"), 4, False)
+    assert lookup.blocks_path(make_model("hf_falcon_alibi"), "auto") == "model.transformer.h"  # pp still works
 
 
 def test_encoder_decoder_plans_come_from_their_layers():
@@ -185,7 +190,7 @@ def test_encoder_decoder_plans_come_from_their_layers():
                                      "model.encoder.block.0.layer.0.SelfAttention.relative_attention_bias"),
                                     ("hf_whisper", "hf_seq2seq_bart", "model.model.decoder.layers.1.encoder_attn.v_proj",
                                      None)):
-        (match,) = planner.resolve(make_model(kind), 2, False)
+        (match,) = checks.resolve(make_model(kind), 2, False)
         styles = {path: style for path, style, _ in match.entries}
         # the encoder's output enters the cross-attention's region by keyword: one entry for k and v
         region = cross.rpartition(".")[0]
@@ -194,12 +199,12 @@ def test_encoder_decoder_plans_come_from_their_layers():
         assert bias is None or styles[bias] == "embedding_cols"
         assert "lm_head" in styles.values() and "vocab" in styles.values()
     with pytest.raises(ValueError, match="SelfAttention.q: out_features = 32 holds 4 heads of 8, which tp = 8"):
-        planner.resolve(make_model("hf_t5"), 8, False)
+        checks.resolve(make_model("hf_t5"), 8, False)
     bad = dict(styles={"model.model.decoder.layers.*.encoder_attn": {"style": "region", "inputs": ["memory"]}})
     with pytest.raises(ValueError, match=r"encoder_attn is a 'region' entered by \['memory'\], which its forward"):
-        planner.resolve(make_model("hf_bart"), 2, False, bad)
+        checks.resolve(make_model("hf_bart"), 2, False, bad)
     with pytest.raises(ValueError, match="bias: embedding_dim"):  # one column per head: whole heads per rank
-        planner.check_sizes("bias", torch.nn.Embedding(32, 3), "embedding_cols", 2, {})
+        check_sizes("bias", torch.nn.Embedding(32, 3), "embedding_cols", 2, {})
 
 
 def test_every_embedding_tied_to_the_head_is_sharded_with_it():
@@ -211,18 +216,18 @@ def test_every_embedding_tied_to_the_head_is_sharded_with_it():
                                              decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
                                              max_position_embeddings=64, pad_token_id=1))
     model.resize_decoder_token_embeddings(64)
-    (match,) = planner.resolve(model, 2, False)
+    (match,) = checks.resolve(model, 2, False)
     styles = {path: style for path, style, _ in match.entries}
     assert styles["model.decoder.embed_tokens"] == "vocab" and styles["lm_head"] == "lm_head"
     # a head held under a second path too keeps its style under the path resolve() visits (the first)
     bart = make_model("hf_bart")
     bart.model.extra = bart.model.lm_head
-    (match,) = planner.resolve(bart, 2, False)
+    (match,) = checks.resolve(bart, 2, False)
     assert ("model.lm_head", "lm_head") in {(path, style) for path, style, _ in match.entries}
     # a plan that shards a head but leaves its tied embedding whole is refused before any collective
     with pytest.raises(ValueError, match=r"model.model.shared shares a parameter with model.lm_head, which the plan "
                                          r"shards \('lm_head'\), but has no style"):
-        planner.resolve(make_model("hf_bart"), 2, False, dict(styles={"model.lm_head": "lm_head"}))
+        checks.resolve(make_model("hf_bart"), 2, False, dict(styles={"model.lm_head": "lm_head"}))
 
 
 def test_layouts_seen_only_in_part_are_not_taken():
@@ -238,7 +243,7 @@ def test_layouts_seen_only_in_part_are_not_taken():
     for model in (switch, fsmt):  # expert MLPs; an attention taking (query, key): refused with a message instead
         assert not HFSeq2SeqPlan().matches(model)
         with pytest.raises(ValueError, match="no parallelization plan matches"):
-            planner.resolve(model, 2, False)
+            checks.resolve(model, 2, False)
 
 
 def test_an_embedding_with_its_own_forward_keeps_it_or_is_refused():
@@ -278,14 +283,14 @@ def test_a_region_enters_each_of_its_inputs_once():
         return t
 
     h, kv = torch.randn(2, 3), torch.randn(2, 5)
-    hook = planner._region_hook(enter, CrossAttention(), ["key_value_states"])
+    hook = hooks.region_hook(enter, CrossAttention(), ["key_value_states"])
     for args, kwargs in (((h,), dict(key_value_states=kv)), ((h, kv), {}),
                          ((), dict(key_value_states=kv, hidden_states=h, mask=torch.ones(1)))):
         entered.clear()
         hook(None, args, kwargs)
         assert [id(t) for t in entered] == [id(h), id(kv)], (args, kwargs)
     entered.clear()
-    planner._region_hook(enter, CrossAttention(), ["hidden_states"])(None, (h,), {})  # the first one, named
+    hooks.region_hook(enter, CrossAttention(), ["hidden_states"])(None, (h,), {})  # the first one, named
     assert [id(t) for t in entered] == [id(h)]
     for style in ({"style": "region", "inputs": "key_value_states"}, {"style": "colwise", "inputs": ["kv"]}):
         with pytest.raises(ValueError, match="option 'inputs' of 'attn' must be a list of argument names"):
@@ -294,9 +299,9 @@ def test_a_region_enters_each_of_its_inputs_once():
 
 def test_kv_heads_that_tp_can_neither_split_nor_copy_are_refused():
     with pytest.raises(ValueError, match="k_proj: out_features = 18 holds 3 key/value heads of 6; tp = 2 neither"):
-        planner.resolve(make_model("hf_llama", heads=6, kv_heads=3, hidden=36), 2, False)
+        checks.resolve(make_model("hf_llama", heads=6, kv_heads=3, hidden=36), 2, False)
     with pytest.raises(ValueError, match="q_proj: out_features = 32 holds 4 heads of 8, which tp = 8 cannot"):
-        planner.resolve(make_model("hf_llama"), 8, False)  # query heads are never copied
+        checks.resolve(make_model("hf_llama"), 8, False)  # query heads are never copied
 
 
 def test_replicated_kv_heads_shard_and_unshard():
@@ -313,7 +318,7 @@ def test_replicated_kv_heads_shard_and_unshard():
 
 def test_replicated_kv_heads_plan_and_explain():
     model = make_model("hf_llama", kv_heads=1)
-    planner.apply(model, planner.resolve(model, 2, False), None, 2, 1, False)
+    swap.apply(model, checks.resolve(model, 2, False), None, 2, 1, False)
     attn = model.model.model.layers[0].self_attn
     assert attn.k_proj.weight.shape == (8, 32) and attn.num_key_value_groups == 2
     assert marks_of(attn.k_proj.weight).tp_spec.replicas == (2,)

@@ -150,46 +150,6 @@ def test_norm_modules_take_over_parameters():
         _check(fr(x), m(x), torch.float32, type(m).__name__)
 
 
-# ------------------------------------------------------------------------------------- softmax
-def _softmax_ref(s, scale, causal, key_mask):
-    x = s.float() * scale
-    Tq, Tk = s.shape[-2:]
-    keep = torch.ones(Tq, Tk, dtype=torch.bool)
-    if causal:
-        keep = torch.arange(Tk)[None, :] <= torch.arange(Tq)[:, None] + (Tk - Tq)
-    keep = keep.expand(s.shape).clone()
-    if key_mask is not None:
-        keep &= key_mask.view(s.shape[0], *([1] * (s.dim() - 2)), Tk)
-    y = torch.softmax(x.masked_fill(~keep, float("-inf")), -1)
-    return torch.where(keep.any(-1, keepdim=True), y, torch.zeros_like(y))
-
-
-@pytest.mark.parametrize("dtype", FP)
-def test_softmax_causal_padding_fully_masked(dtype):
-    s = _leaf(2, 2, 5, 13, dtype=dtype, scale=3)  # Tq=5 < Tk=13: bottom-right causal
-    km = torch.rand(2, 13) > 0.3
-    km[0, -1] = True
-    km[1] = False  # batch 1: every row fully masked
-    y = K.fused_softmax(s, 0.7, causal=True, key_mask=km)
-    ref = _softmax_ref(s, 0.7, True, km)
-    assert not torch.isnan(y).any()
-    assert torch.equal(y[1], torch.zeros_like(y[1]))
-    dy = torch.randn_like(y)
-    (g,), (gr,) = _grads(y, (s,), dy), _grads(ref, (s,), dy.float())
-    _check(y, ref.to(dtype), dtype, "y")
-    _check(g, gr, dtype, "dx")
-    assert torch.equal(g[1], torch.zeros_like(g[1]))
-
-
-def test_softmax_noncontiguous_scale_only():
-    s = torch.randn(3, 11, 7).transpose(-1, -2).requires_grad_()  # (3, 7, 11) view
-    y = K.fused_softmax(s, 0.3)
-    ref = torch.softmax(s * 0.3, -1)
-    dy = torch.randn_like(y)
-    _check(y, ref, torch.float32, "y")
-    _check(_grads(y, (s,), dy)[0], _grads(ref, (s,), dy)[0], torch.float32, "dx")
-
-
 # ---------------------------------------------------------------------------------------- gelu
 @pytest.mark.parametrize("dtype,approx", [(torch.float32, "tanh"), (torch.float32, "none"), (torch.float16, "tanh")])
 def test_bias_gelu(dtype, approx):
@@ -207,49 +167,6 @@ def test_gelu_module_from_nn_gelu_noncontiguous():
     x = torch.randn(37, 5).t()
     _check(m(x), F.gelu(x, approximate="tanh"), torch.float32, "module")
     assert K.FusedBiasGeLU.from_module(nn.GELU()).approximate == "none"
-
-
-# --------------------------------------------------------------------------- bias+dropout+add
-def test_philox_torch_twin_matches_tl_rand():
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def _rand(Out, seed, offset, n, BLOCK: tl.constexpr):
-        offs = tl.arange(0, BLOCK)
-        tl.store(Out + offs, tl.rand(seed, offset + offs.to(tl.int64)), mask=offs < n)
-
-    from lightning_tp.kernels.dropout_add import philox_uniform
-
-    for seed, offset in [(1234, 0), (2**40 + 7, 2**32 - 5)]:  # a 64-bit seed; counters crossing 2**32
-        out = torch.empty(50)
-        _rand[(1,)](out, seed, offset, 50, BLOCK=64)
-        assert torch.equal(out, philox_uniform(seed, torch.arange(offset, offset + 50)))
-
-
-@pytest.mark.parametrize("dtype", FP)
-def test_bias_dropout_add(dtype):
-    x, b, r = _leaf(4, 37, dtype=dtype), _leaf(37), _leaf(4, 37, dtype=dtype)
-    p = 0.4
-    y = K.bias_dropout_add(x, b, r, p, seed=123, offset=5)
-    assert torch.equal(y, K.bias_dropout_add(x, b, r, p, seed=123, offset=5))  # reproducible
-    assert not torch.equal(y, K.bias_dropout_add(x, b, r, p, seed=124, offset=5))
-    keep = K.dropout_keep_mask(123, 5, x.shape, p)
-    assert 0.4 < keep.float().mean() < 0.8
-    ref = r.float() + torch.where(keep, (x.float() + b) / (1 - p), torch.zeros(()))
-    dy = torch.randn_like(y)
-    _check(y, ref.to(dtype), dtype, "y")
-    for a, g, n in zip(_grads(y, (x, b, r), dy), _grads(ref, (x, b, r), dy.float()), "xbr"):
-        _check(a, g, dtype, f"d{n}")
-    with K.torch_path():  # the torch twin draws the very same mask
-        _check(K.bias_dropout_add(x, b, r, p, seed=123, offset=5), y, dtype, "torch path")
-
-
-def test_dropout_p0_and_eval_equal_bias_residual():
-    x, b, r = torch.randn(3, 37), torch.randn(37), torch.randn(3, 37)
-    assert torch.equal(K.bias_dropout_add(x, b, r, 0.0, seed=1), x + b + r)
-    assert torch.equal(K.bias_dropout_add(x, b, r, 0.5, training=False), x + b + r)
-    assert torch.equal(K.bias_dropout_add(x, None, r, 1.0, seed=3), r)
 
 
 # -------------------------------------------------------------------------------------- rotary

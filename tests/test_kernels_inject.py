@@ -43,3 +43,71 @@ def test_kernel_names():
     assert kernel_names(["layernorm"]) == ("layernorm",)
     with pytest.raises(ValueError, match="unknown kernel"):
         kernel_names(["flash"])
+
+
+def _tiny_llama():
+    from models import make_model
+
+    torch.manual_seed(0)
+    return make_model("hf_llama").model  # the LlamaForCausalLM inside the LightningModule
+
+
+def test_rotary_patches_a_hf_familys_function_and_trains_alike(monkeypatch):
+    """kernels=["rotary"] swaps the modeling module's apply_rotary_pos_emb for the fused kernel (run in the
+    Triton interpreter here): the same losses and weights as the family's own, and the kernel really ran."""
+    from lightning_tp.kernels import hf_rotary, rotary
+
+    monkeypatch.setattr(_utils, "INTERPRET", True)
+    calls = []
+    real = rotary.RotaryFunction.apply
+    monkeypatch.setattr(rotary.RotaryFunction, "apply", lambda *a: calls.append(1) or real(*a))
+    runs = []
+    for fused in (False, True):
+        model = _tiny_llama()
+        module = __import__(type(model.model.layers[0].self_attn).__module__, fromlist=["x"])
+        monkeypatch.setattr(module, "apply_rotary_pos_emb", module.apply_rotary_pos_emb)  # undone after the test
+        if fused:
+            assert apply_kernels(model, ["rotary"]) == [f"{module.__name__}.apply_rotary_pos_emb"]
+            assert hasattr(module.apply_rotary_pos_emb, hf_rotary._MARK)
+            assert apply_kernels(model, ["rotary"]) == [f"{module.__name__}.apply_rotary_pos_emb"]  # once only
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        x = torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(1))
+        losses = []
+        for _ in range(2):
+            loss = model(input_ids=x, labels=x).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(loss))
+        runs.append((losses, model.state_dict()))
+    assert calls, "the fused rotary kernel did not run"
+    torch.testing.assert_close(torch.tensor(runs[1][0]), torch.tensor(runs[0][0]), atol=1e-5, rtol=0)
+    for key, value in runs[0][1].items():
+        torch.testing.assert_close(runs[1][1][key], value, atol=1e-5, rtol=0)
+
+
+def test_rotary_leaves_a_family_with_another_rotation_alone():
+    """A family whose rotation pairs neighbouring elements (GPT-J, Cohere style) is not patched."""
+    import sys
+    import types
+
+    from lightning_tp.kernels.hf_rotary import patch_hf_rotary
+
+    def interleaved(q, k, cos, sin, unsqueeze_dim=1):
+        def rot(x):
+            return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+        cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+        return q * cos + rot(q) * sin, k * cos + rot(k) * sin
+
+    fake = types.ModuleType("transformers.models.fake_interleaved.modeling")
+    fake.apply_rotary_pos_emb = interleaved
+
+    class Attention(torch.nn.Module):
+        pass
+
+    Attention.__module__ = fake.__name__
+    sys.modules[fake.__name__] = fake
+    try:
+        assert patch_hf_rotary(Attention()) == [] and fake.apply_rotary_pos_emb is interleaved
+    finally:
+        del sys.modules[fake.__name__]

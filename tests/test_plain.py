@@ -11,7 +11,7 @@ import torch
 
 import dist
 from lightning_tp import MegaStrategy, save_consolidated
-from lightning_tp.plain import read_full_state_dict
+from lightning_tp.checkpoints.plain import read_full_state_dict
 from models import LossRecorder, TokenData, make_model, trainer_kwargs
 
 
@@ -121,8 +121,8 @@ class _Runs:
 
 
 def test_a_crafted_checkpoint_is_refused_and_runs_nothing(tmp_path):
-    from lightning_tp.checkpoint import META, consolidate, safe_load
-    from lightning_tp.plain import read_full_state_dict
+    from lightning_tp.checkpoints.files import META, consolidate, safe_load
+    from lightning_tp.checkpoints.plain import read_full_state_dict
 
     marker = tmp_path / "ran"
     crafted = tmp_path / "evil.ckpt"

@@ -9,12 +9,13 @@ import pytest
 import torch
 
 from examples.gpt.model import GPT, GPTConfig
-from lightning_tp import MegaStrategy, explain
+from lightning_tp import MegaStrategy
+from lightning_tp import explain
 from lightning_tp.pipeline.schedule.schedules import build_schedule
 from lightning_tp.pipeline.schedule.simulate import simulate
-from lightning_tp.planner import Cluster, plan
-from lightning_tp.planner.estimate import pipeline_seconds
-from lightning_tp.planner.profile import profile
+from lightning_tp.layout_search import Cluster, plan
+from lightning_tp.layout_search.estimate import pipeline_seconds
+from lightning_tp.layout_search.profile import profile
 from lightning_tp.config import ParallelConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -105,7 +106,7 @@ def test_command_ranks_the_example_configs_model(capsys):
 
 
 def test_calibrating_this_machine_gives_a_cluster_plan_takes():
-    from lightning_tp.planner.calibrate import calibrate
+    from lightning_tp.layout_search.calibrate import calibrate
 
     environ = dict(os.environ)
     cluster = calibrate(world=1)
@@ -119,7 +120,7 @@ def test_calibrating_this_machine_gives_a_cluster_plan_takes():
 
 
 def test_timed_plan_uses_the_blocks_timed_here():
-    from lightning_tp.planner.timing import time_blocks
+    from lightning_tp.layout_search.timing import time_blocks
 
     model = _gpt(n_layer=4, n_head=4, n_embd=64, block_size=32, vocab_size=64)
     got = time_blocks(model, "transformer.h", 32, 64, (1, 2), (False, True), (2,), threads=1, repeat=2)
@@ -171,7 +172,7 @@ def test_experts_split_over_ep_as_explain_and_the_strategy_do():
 
 
 def test_backward_hides_the_share_of_dp_buckets_the_cluster_overlaps():
-    from lightning_tp.grads import BUCKET_BYTES
+    from lightning_tp.dp.grads import BUCKET_BYTES
 
     model = _gpt(n_layer=4, n_head=8, n_embd=512, block_size=64)  # fp32 gradients over two 25 MiB buckets
     exposed = {}

@@ -7,7 +7,7 @@ import torch
 
 import dist
 from examples.gpt.lit import LitGPT
-from lightning_tp.planner import plan
+from lightning_tp.layout_search import plan
 
 CFG = dict(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=256)  # bench/zero.py's GPT
 SEQ, MBS, STEPS = 64, 4, 3
@@ -41,7 +41,7 @@ def _fit(rank, world, runs):
     from torch.utils.data import DataLoader
 
     from lightning_tp import MegaStrategy
-    from lightning_tp.planner.measure import peak_memory
+    from lightning_tp.layout_search.measure import peak_memory
     from models import Tokens
 
     out = {}

@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_tp import MegaStrategy, recompute
+from lightning_tp import MegaStrategy
+from lightning_tp.recompute import full as recompute
 from lightning_tp.pipeline.cut.split import plan_stages
 from models import Tokens, make_model
 

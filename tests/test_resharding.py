@@ -241,7 +241,7 @@ def _from_lightning_model_parallel(rank, world, ckdir):
     from lightning.pytorch.strategies import ModelParallelStrategy
     from torch.distributed.fsdp import fully_shard
 
-    from lightning_tp.plain import read_full_state_dict
+    from lightning_tp.checkpoints.plain import read_full_state_dict
     from models import GPT_SMALL, ParityGPT
 
     class Sharded(ParityGPT):
@@ -290,7 +290,7 @@ def test_a_lightning_model_parallel_checkpoint_starts_a_run_through_load_full(tm
 
 
 def test_a_deepspeed_checkpoint_is_not_unpickled_and_the_message_says_how_to_convert_it(tmp_path):
-    from lightning_tp.plain import read_full_state_dict
+    from lightning_tp.checkpoints.plain import read_full_state_dict
 
     (tmp_path / "checkpoint").mkdir()  # what Lightning's DeepSpeedStrategy writes: DeepSpeed's own pickles
     (tmp_path / "latest").write_text("checkpoint")

@@ -272,7 +272,7 @@ def test_slurm_requeue_signal_saves_a_layout_free_checkpoint_on_every_rank_at_on
     for one agreed all-reduce, not handled mid-collective); it is a lightning_tp directory, and the requeued
     run resumes from it with the losses of the run that went on."""
     import dist
-    from lightning_tp.checkpoint import kind, read_meta
+    from lightning_tp.checkpoints.files import kind, read_meta
 
     first = dist.run(2, _slurm_fit, str(tmp_path), False, timeout=300)
     hpc = tmp_path / "hpc_ckpt_1.ckpt"
@@ -288,7 +288,7 @@ def test_slurm_requeue_signal_saves_a_layout_free_checkpoint_on_every_rank_at_on
 def test_a_restart_at_another_dp_scales_accumulation_to_keep_the_global_batch_or_refuses():
     from types import SimpleNamespace
 
-    from lightning_tp.restarts import keep_global_batch
+    from lightning_tp.faults.restarts import keep_global_batch
 
     for saved, acc, dp, want in ((2, 1, 1, 2), (4, 1, 2, 2), (1, 2, 2, 1), (2, 3, 2, 3)):
         trainer = SimpleNamespace(accumulate_grad_batches=acc)
@@ -342,7 +342,7 @@ def test_a_resumable_loader_skips_the_batches_trained_once_and_a_rebuilt_one_is_
     """Lightning rebuilds a loader passed to a second fit by its class: the rebuilt one gets its state too."""
     from torch.utils.data import DataLoader, TensorDataset
 
-    from lightning_tp.resumable_data import ResumableDataLoader, resumable
+    from lightning_tp.faults.resumable_data import ResumableDataLoader, resumable
 
     data = TensorDataset(torch.arange(10.0))
     loader = resumable(DataLoader(data, batch_size=2), lambda: (3, 1))

@@ -217,7 +217,7 @@ class _InnerCheckpointed(nn.Module):
 
 
 def test_a_checkpoint_inside_a_block_recomputes_its_split_region_with_the_forwards_masks():
-    from lightning_tp.rng import BlockStreams
+    from lightning_tp.recompute.rng import BlockStreams
 
     def grads(checkpointed):
         torch.manual_seed(0)

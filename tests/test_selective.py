@@ -85,7 +85,7 @@ def test_with_dropout_selective_gives_the_numbers_of_no_recomputation(world2, mo
 
 def _stored_bytes(model, selective_on: bool) -> int:
     """Bytes of the distinct tensors autograd keeps for backward in one training step of ``model``."""
-    from lightning_tp import selective
+    from lightning_tp.recompute import selective
     from models import Tokens
 
     if selective_on:
@@ -129,7 +129,7 @@ def test_each_family_runs_its_attention_core_under_a_checkpoint(kind, kw):
     """The example GPT, Hugging Face sdpa and eager attention, litgpt, nn.MultiheadAttention (its
     F.multi_head_attention_forward's call), BART's self- and cross-attention: one checkpointed core call
     per attention module and step."""
-    from lightning_tp import selective
+    from lightning_tp.recompute import selective
     from models import Tokens
 
     model = make_model(kind, **kw)
@@ -147,7 +147,7 @@ def test_each_family_runs_its_attention_core_under_a_checkpoint(kind, kw):
 def test_an_attention_written_out_by_hand_is_named_in_a_warning():
     """T5 (transformers 4.x) computes its attention with matmul and softmax in its own forward: nothing to
     checkpoint there."""
-    from lightning_tp import selective
+    from lightning_tp.recompute import selective
     from models import Tokens
 
     model = make_model("hf_t5")
@@ -212,9 +212,9 @@ def _hand_model(as_module=False):
 @pytest.mark.parametrize("core,as_module", [("test_selective:hand_core", False), ("core", True)],
                          ids=["function", "module"])
 def test_a_plan_names_the_core_of_a_custom_model(core, as_module):
-    from lightning_tp import selective
+    from lightning_tp.recompute import selective
     from lightning_tp.plans import Plan
-    from lightning_tp.plans.apply import core_of
+    from lightning_tp.plans.lookup import core_of
     from models import Tokens
 
     plan = Plan(name="hand", blocks="blocks", core=core)
@@ -246,7 +246,7 @@ def test_a_plan_names_the_core_of_a_custom_model(core, as_module):
 
 
 def test_a_plan_core_that_names_nothing_is_refused():
-    from lightning_tp import selective
+    from lightning_tp.recompute import selective
 
     with pytest.raises(ValueError, match="no function 'nope'"):
         selective.places(_hand_model(), name="blocks", core=("test_selective:nope",))
@@ -287,7 +287,7 @@ def test_a_plan_core_under_a_pipeline_gives_the_numbers_of_no_recomputation():
 
 def test_a_core_sdpa_runs_fused_is_not_recomputed(monkeypatch):
     """Without dropout CPU SDPA runs its flash kernel, which keeps no s x s scores: nothing is checkpointed."""
-    from lightning_tp import selective
+    from lightning_tp.recompute import selective
     from models import Tokens
 
     monkeypatch.delenv("LIGHTNING_TP_SELECTIVE_FUSED")

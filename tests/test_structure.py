@@ -158,3 +158,15 @@ def test_test_module_import_check_can_fail():
     assert _imported_test_modules(source, modules) == [
         "test_parity", "test_core", "pipeline.test_pipeline", "test_slots", "test_landed"]
     assert _imported_test_modules("import dist\nfrom models import make_model\n", modules) == []
+
+
+# the public face (strategy, CLI, exports) and the spine every subsystem imports (docs/design/README.md)
+FLAT = {"__init__", "__main__", "strategy", "config", "layout", "parallelize", "mesh", "comm", "marks"}
+
+
+def test_flat_modules_are_the_public_face_and_the_spine():
+    flat = {p.stem for p in PKG.glob("*.py")}
+    assert flat == FLAT, f"new flat module(s) {sorted(flat - FLAT)}: put each in the subsystem it belongs to"
+    tree = (ROOT / "docs" / "design" / "README.md").read_text()
+    folders = sorted(p.name for p in PKG.iterdir() if p.is_dir() and (p / "__init__.py").exists())
+    assert all(f"  {name}/" in tree for name in folders), "docs/design/README.md's tree lacks a folder"

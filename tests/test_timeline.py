@@ -10,8 +10,8 @@ import torch
 
 import dist
 from examples.gpt.model import GPT, GPTConfig
-from lightning_tp.planner import plan, trace_png
-from lightning_tp.planner.estimate import pipeline_seconds
+from lightning_tp.layout_search import plan, trace_png
+from lightning_tp.layout_search.estimate import pipeline_seconds
 
 M = 4  # microbatches a step
 

@@ -7,7 +7,7 @@ import pytest
 
 from helpers import check, train_launch
 from lightning_tp import Plan
-from lightning_tp.plans import apply as planner
+from lightning_tp.plans import checks
 from models import CUSTOM_PLAN, make_model
 
 WORLD2 = {
@@ -19,7 +19,7 @@ WORLD2 = {
 
 def test_auto_plan_refuses_and_lists_the_classes():
     with pytest.raises(ValueError) as err:
-        planner.resolve(make_model("custom"), 2, False, "auto")
+        checks.resolve(make_model("custom"), 2, False, "auto")
     for word in ("no parallelization plan", "CustomLM", "MyAttention", "MyBlock", "plan="):
         assert word in str(err.value)
 
@@ -29,7 +29,7 @@ def test_validation_reports_unmatched_globs_and_unsharded_linears():
     del plan["styles"]["blocks.*.up"]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        planner.resolve(make_model("custom"), 2, False, Plan.from_dict(plan))
+        checks.resolve(make_model("custom"), 2, False, Plan.from_dict(plan))
     text = " ".join(str(w.message) for w in caught)
     assert "blocks.*.gate" in text and "matched nothing" in text
     assert "blocks.0.up" in text and "left unsharded" in text

@@ -141,7 +141,7 @@ def _resume(rank, world, ckdir):
 
     from unittest import mock
 
-    from lightning_tp.zero.optimizer import ShardedOptimizer
+    from lightning_tp.dp.zero.optimizer import ShardedOptimizer
 
     torch_dist.init_process_group("gloo")
     with mock.patch.object(ShardedOptimizer, "state_dict", side_effect=AssertionError("a checkpoint gathered")):
@@ -176,7 +176,7 @@ def test_zero1_checkpoints_resume_exactly_with_zero0_and_at_another_dp_size(tmp_
     import dist
     import torch
 
-    from lightning_tp.checkpoint import META, safe_load
+    from lightning_tp.checkpoints.files import META, safe_load
     from lightning_tp.checkpoints import dcp_io
 
     for r in dist.run(2, _resume, str(tmp_path), timeout=300):

@@ -55,7 +55,7 @@ def _bytes(rank, world):
     import torch.distributed as torch_dist
 
     from lightning_tp import MegaStrategy
-    from lightning_tp.local_shards import local
+    from lightning_tp.dp.zero.local_shards import local
     from models import LossRecorder, TokenData, make_model, trainer_kwargs
 
     class Grads(L.Callback):

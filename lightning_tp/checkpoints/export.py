@@ -57,7 +57,7 @@ def export(ckpt, out, to: str = "plain", config=None, prefix: str | None = None)
     """Write checkpoint directory ``ckpt``'s weights to ``out``: ``to="plain"`` a safetensors file of the
     LightningModule's state dict; ``to="hf"`` a directory ``from_pretrained`` loads (``config``: a Hugging
     Face config object, a ``config.json`` or a directory holding one; ``prefix``: the module's attribute)."""
-    from ..checkpoint import read_meta
+    from .files import read_meta
 
     meta = read_meta(ckpt)
     if meta["lightning_tp"].get("format", 1) < 2:

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from ..layers.shard import spec_of
-from ..local_shards import is_sharded, local, local_range
+from ..dp.zero.local_shards import is_sharded, local, local_range
 from . import dcp_io
 from .chunks import Chunk, Chunked, chunks_of, flat_chunks_of, full_shape
 

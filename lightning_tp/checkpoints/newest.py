@@ -9,7 +9,7 @@ from typing import Optional
 
 def newest_complete(dirs) -> Optional[Path]:
     """The complete lightning_tp checkpoint under ``dirs`` with the highest global step (then the newest)."""
-    from ..checkpoint import kind, read_meta
+    from .files import kind, read_meta
     from .dcp_io import check_complete, read_index
 
     found = []

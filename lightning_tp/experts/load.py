@@ -145,7 +145,7 @@ def _order(path: str) -> tuple:
 
 def draw_heatmap(counts: torch.Tensor, path, cell: int = 24) -> None:
     """``counts`` [layers, experts] as a PNG: one row per layer, darker where an expert took more of its tokens."""
-    from ..planner.picture import write_png
+    from ..layout_search.picture import write_png
 
     rows, cols = counts.shape
     share = counts / counts.sum(1, keepdim=True).clamp(min=1)

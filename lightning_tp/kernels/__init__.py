@@ -4,12 +4,10 @@ Path choice and fallbacks: ``_utils.use_triton``; see docs/design/kernels.md."""
 
 from ._utils import HAS_TRITON, INTERPRET, torch_path
 from .cross_entropy import FusedCrossEntropyLoss, fused_cross_entropy
-from .dropout_add import bias_dropout_add, dropout_keep_mask
 from .gelu import FusedBiasGeLU, bias_gelu
 from .layernorm import FusedLayerNorm, layer_norm
 from .rmsnorm import FusedRMSNorm, rms_norm
 from .rotary import apply_rotary, apply_rotary_pos_emb
-from .softmax import fused_softmax
 
 __all__ = [
     "HAS_TRITON",
@@ -19,11 +17,8 @@ __all__ = [
     "FusedLayerNorm",
     "rms_norm",
     "FusedRMSNorm",
-    "fused_softmax",
     "bias_gelu",
     "FusedBiasGeLU",
-    "bias_dropout_add",
-    "dropout_keep_mask",
     "apply_rotary",
     "apply_rotary_pos_emb",
     "fused_cross_entropy",

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._utils import tl, triton, use_triton
-from ..backward_phase import halves
+from ..pipeline.run.backward_phase import halves
 
 BLOCK = 1024  # elements per program; constants below: sqrt(2/pi), 1/sqrt(2), 1/sqrt(2*pi), 3*0.044715
 

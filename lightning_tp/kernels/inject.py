@@ -1,11 +1,11 @@
 """Swap the user's norm, activation and loss modules for the fused ones (``MegaStrategy(kernels=...)``),
-keeping the original Parameter objects. See docs/design/kernels.md."""
+keeping the original Parameter objects, and a Hugging Face family's rotary function. See docs/design/kernels.md."""
 
 from __future__ import annotations
 
 from torch import nn
 
-KERNELS = ("layernorm", "rmsnorm", "gelu", "cross_entropy")
+KERNELS = ("layernorm", "rmsnorm", "gelu", "cross_entropy", "rotary")
 
 
 def kernel_names(kernels) -> tuple:
@@ -47,6 +47,10 @@ def apply_kernels(model: nn.Module, kernels) -> list:
     names, done = kernel_names(kernels), []
     if not names:
         return done
+    if "rotary" in names:  # a function of the family's module, not a module of the model
+        from .hf_rotary import patch_hf_rotary
+
+        done += [f"{m}.apply_rotary_pos_emb" for m in patch_hf_rotary(model)]
     for path, module in list(model.named_modules()):
         new = _fused(module, names)
         if new is not None:

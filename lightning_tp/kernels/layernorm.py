@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._utils import autocast_input, block_size, num_programs, num_warps, tl, triton, use_triton
-from ..backward_phase import halves
+from ..pipeline.run.backward_phase import halves
 
 #: Longest row kept in one block (the whole row lives in registers).
 MAX_COLS = 65536

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ._utils import autocast_input, block_size, num_programs, num_warps, tl, triton, use_triton
-from ..backward_phase import halves
+from ..pipeline.run.backward_phase import halves
 
 MAX_COLS = 65536
 

@@ -28,9 +28,9 @@ class TPContext:
     rank: int = 0
     sp: bool = False
     seq_dim: int = 1
-    seq_len: int = 0  # the whole sequence's length, as SP last started (see plans.apply._whole_outputs)
+    seq_len: int = 0  # the whole sequence's length, as SP last started (see plans.hooks.whole_outputs)
     sp_fallback: bool = True  # without grad, a length tp does not divide runs without SP (not under pp)
-    whole: bool = False  # this forward runs without SP (such a length, see plans.apply._install_sp_boundaries)
+    whole: bool = False  # this forward runs without SP (such a length, see plans.hooks.install_sp_boundaries)
     here: object = None  # an encoder-decoder under pp: path -> whether it runs for real now (see tp_in_pp.sp_stages)
 
     def sp_now(self) -> bool:
@@ -128,7 +128,7 @@ class ColumnParallelLinear(nn.Module):
         if self.gather_output is True or (self.gather_output == "eval" and not self.training):
             return self.gather(y)
         if self.gather_output == "eval":  # shards for a vocab-parallel loss; whole where the model returns them
-            self._shards = weakref.ref(y)  # (see plans.apply._whole_logits)
+            self._shards = weakref.ref(y)  # (see plans.hooks.whole_logits)
         return y
 
     def gather(self, y):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..backward_phase import halves
+from ..pipeline.run.backward_phase import halves
 
 
 class CodeLinear(torch.autograd.Function):

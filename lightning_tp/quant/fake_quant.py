@@ -12,7 +12,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .. import comm
-from ..backward_phase import halves
+from ..pipeline.run.backward_phase import halves
 
 EPS = 1e-8  # smallest scale: an all-zero row or tensor (padding, dead units) quantizes to zeros
 RANGE_MODES = ("ema", "learned", "delayed")

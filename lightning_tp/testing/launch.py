@@ -4,6 +4,7 @@ server that imported torch and lightning once (a launch costs ~0.1 s, not an imp
 
 from __future__ import annotations
 
+import datetime
 import multiprocessing
 import os
 import socket
@@ -40,17 +41,18 @@ def _worker(rank, world, port, outdir, env, fn, args):
 
 def start_local(world: int, fn, outdir: str, *args, preload=()):
     """Start fn(rank, world, *args) on world processes and return without waiting; rank r's result (or
-    traceback) is written to ``outdir/{r}.pt``. ``preload``: more modules for the server to import."""
+    traceback) is written to ``outdir/{r}.pt``. LIGHTNING_TP_LOCAL_START=fork forks them from this process."""
     multiprocessing.set_forkserver_preload(PRELOAD + list(preload))  # read when the server starts
+    method = os.environ.get("LIGHTNING_TP_LOCAL_START", "forkserver")
     return mp.start_processes(_worker, args=(world, free_port(), outdir, dict(os.environ), fn, args),
-                              nprocs=world, join=False, start_method="forkserver")
+                              nprocs=world, join=False, start_method=method)
 
 
 def load_result(path):
-    """A worker's ``{rank}.pt``: tensors, numbers, strings, containers and pipeline Action records only."""
+    """A worker's ``{rank}.pt``: tensors, numbers, strings, containers, timedeltas and pipeline Action records."""
     from ..pipeline.schedule.schedules import Action
 
-    with torch.serialization.safe_globals([Action]):
+    with torch.serialization.safe_globals([Action, datetime.timedelta]):
         return torch.load(path, weights_only=True)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..plans import apply as planner
+from ..plans import swap
 from ..pipeline.cut.block_lists import block_key
 from ..pipeline.cut.placeholders import PipelinePlaceholder
 
@@ -39,7 +39,7 @@ def _sharded(path: str, twin: nn.Module, matches: list, tp: int, rank: int) -> n
         node = child
     node.add_module(leaf, twin)
     mine = [m for m in matches if not m.prefix or path == m.prefix or path.startswith(m.prefix + ".")]
-    planner.apply(root, mine, None, tp, rank, False)
+    swap.apply(root, mine, None, tp, rank, False)
     out = root.get_submodule(path)
     if out is not twin and hasattr(twin, "_lightning_tp_name"):
         out._lightning_tp_name = twin._lightning_tp_name

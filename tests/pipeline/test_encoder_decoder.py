@@ -8,13 +8,13 @@ import torch
 from torch import nn
 
 from lightning_tp.marks import marks_of, set_marks
-from lightning_tp.explain import explain
+from lightning_tp.explain.estimate import explain
 from lightning_tp.pipeline.transport.p2p import grad_split
 from lightning_tp.pipeline.cut.placeholders import ShapeOnly, SkippedBlock
 from lightning_tp.pipeline.cut.split import apply_split, plan_stages
 from lightning_tp.pipeline.transport.messages import pack, unpack, with_grad_split
 from lightning_tp.pipeline.run.stage import StageDone, StageMap, _carried, _stop_at, install
-from lightning_tp.plans import apply as planner
+from lightning_tp.plans import lookup
 from models import make_model
 
 ENC, DEC = "model.transformer.encoder.layers", "model.transformer.decoder.layers"
@@ -22,7 +22,7 @@ ENC, DEC = "model.transformer.encoder.layers", "model.transformer.decoder.layers
 
 def _layout(pp, v=1, nlayers=2, **kw):
     model = make_model("demo_transformer", nlayers=nlayers)
-    return model, plan_stages(model, pp, v, planner.blocks_path(model, "auto"), **kw)
+    return model, plan_stages(model, pp, v, lookup.blocks_path(model, "auto"), **kw)
 
 
 def test_the_plan_names_both_lists_as_one_chain():
@@ -74,7 +74,7 @@ def test_each_rank_keeps_its_blocks_its_embedding_copy_and_the_norms_it_runs():
 ])
 def test_the_decoders_first_stage_does_not_run_what_only_the_encoders_input_uses(kind, silenced, kept):
     model = make_model(kind)
-    layout = plan_stages(model, 2, 1, planner.blocks_path(model, "auto"), [2, 2])
+    layout = plan_stages(model, 2, 1, lookup.blocks_path(model, "auto"), [2, 2])
     split = apply_split(model, layout, 1)  # holds the decoder's first block and a copy of the first stage's
     assert all(split["silence"][name][1] == {0} for name in silenced), split["silence"].keys()
     assert not any(name in split["silence"] for name in kept)
@@ -99,7 +99,7 @@ def test_interleaved_chunks_silence_what_they_do_not_run():
 @pytest.mark.parametrize("pp, v, holders", [(2, 1, (0, 1)), (2, 2, (0, 1)), (4, 1, (0, 2, 3))])
 def test_a_tied_head_makes_the_last_stage_hold_a_silent_copy(pp, v, holders):
     model = make_model("demo_transformer", tie_weights=True)
-    layout = plan_stages(model, pp, v, planner.blocks_path(model, "auto"))
+    layout = plan_stages(model, pp, v, lookup.blocks_path(model, "auto"))
     assert layout.tied_head and layout.replica_ranks() == holders
     split = apply_split(model, layout, pp - 1)
     weight = model.model.decoder.weight

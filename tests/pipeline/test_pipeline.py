@@ -368,7 +368,7 @@ def _overflow_agreement(rank):
     """fp16 GradScaler with agree_on_overflow: only rank 0 overflows in the first step, yet both
     ranks skip it and back off their scale; the second step runs on both. Then a rank whose
     optimizer got no gradient at all still follows rank 0's overflow."""
-    from lightning_tp import grads
+    from lightning_tp.dp import grads
 
     out = []
     scaler, w = torch.amp.GradScaler("cpu", init_scale=4.0), torch.nn.Parameter(torch.ones(2))
@@ -827,11 +827,12 @@ def test_unknown_p2p_mode_is_refused_at_construction():
         MegaStrategy(pp=2, p2p="fast")
 
 
-def test_nccl_refuses_what_its_p2p_cannot_run(monkeypatch):
-    from lightning_tp import parallelize
+def test_nccl_refuses_what_its_p2p_cannot_run():
+    from functools import partial
 
-    monkeypatch.setattr(parallelize.dist, "get_backend", lambda *a, **k: "nccl")
-    check = parallelize.check_p2p_backend
+    from lightning_tp.layout import check_p2p
+
+    check = partial(check_p2p, nccl=True)
     check(MegaStrategy(pp=2, schedule="interleaved_1f1b", virtual_stages=2).config)  # slotted: allowed
     with pytest.raises(ValueError, match="p2p='eager'"):
         check(MegaStrategy(pp=2, p2p="eager").config)

@@ -350,16 +350,17 @@ def test_an_nn_sequential_or_module_dict_of_blocks_is_the_block_list_where_no_mo
 
 def test_a_family_plan_names_its_blocks_at_tp1_even_with_styles_it_cannot_shard():
     transformers = pytest.importorskip("transformers")
-    from lightning_tp.plans import apply as planner
+    from lightning_tp.plans import checks
+    from lightning_tp.plans import lookup
 
     config = transformers.LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=16, num_hidden_layers=2,
                                       num_attention_heads=2, num_key_value_heads=2)
     # a style this project does not map (DeepSeek-V3's MLA projection): refused at tp > 1
     config.base_model_tp_plan = dict(config.base_model_tp_plan, **{"layers.*.self_attn.k_proj": "mla_kv_a_proj"})
     model = transformers.LlamaForCausalLM(config)
-    assert planner.blocks_path(model, "auto") == "model.layers"
+    assert lookup.blocks_path(model, "auto") == "model.layers"
     with pytest.raises(ValueError, match="mla_kv_a_proj"):
-        planner.resolve(model, 2, False)
+        checks.resolve(model, 2, False)
 
 
 @pytest.mark.parametrize("style, layout, words", [

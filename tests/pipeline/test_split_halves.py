@@ -6,7 +6,8 @@ import torch
 import torch.distributed as torch_dist
 
 import dist
-from lightning_tp import MegaStrategy, backward_phase
+from lightning_tp import MegaStrategy
+from lightning_tp.pipeline.run import backward_phase
 from models import LossRecorder, TokenData, make_model, trainer_kwargs
 
 STEPS = 3

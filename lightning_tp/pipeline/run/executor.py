@@ -10,7 +10,7 @@ from functools import partial
 
 import torch
 
-from ...rng import backward_pass
+from ...recompute.rng import backward_pass
 from ..cut.placeholders import agree_on_stand_ins, holds_nan
 from ..schedule.landed import landed_after
 from ..schedule.schedules import build_schedule, split_keys

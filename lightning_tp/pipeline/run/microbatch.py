@@ -69,7 +69,7 @@ def resumable_loader(module) -> bool:
     try:
         from lightning.fabric.utilities.types import _Stateful
 
-        from ...resumable_data import ResumableDataLoader
+        from ...faults.resumable_data import ResumableDataLoader
 
         loader = module.trainer.fit_loop._combined_loader
         return loader is not None and all(isinstance(x, _Stateful) and not isinstance(x, ResumableDataLoader)

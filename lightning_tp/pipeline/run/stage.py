@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..cut.block_lists import PIECEWISE, called_parts
+from ..cut.block_lists import called_parts
 from ..transport.messages import pack, unpack
 from ..cut.placeholders import (ShapeOnly, SkippedBlock, handed_on, hidden_name, hidden_place, passthrough,
                            stand_in_output)
@@ -115,10 +115,6 @@ def install(blocks, layout, pp_rank: int, silence=(), twins=None, side=None, com
     for k in layout.vstages_of(pp_rank):
         lo, hi = layout.ranges[k]
         for i in range(lo, hi + 1):
-            if chained and isinstance(blocks[i], PIECEWISE):
-                raise ValueError(f"pipeline: {blocks.name(i)} is an {type(blocks[i]).__name__} whose pieces your code "
-                                 f"calls one by one; an encoder-decoder pipeline needs blocks called as a whole. "
-                                 f"Use tp/dp for this model.")
             if chained:
                 _wrap_chained(blocks[i], i, stage, i == layout.decoder_start, blocks.name(i), twins.get(i))
             else:

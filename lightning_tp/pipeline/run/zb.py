@@ -10,7 +10,7 @@ import torch
 import torch.utils.checkpoint
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from ...backward_phase import in_phase, input_leaves, phase  # noqa: F401 - phase, input_leaves: read by .zb_checkpoint
+from .backward_phase import in_phase, input_leaves, phase  # noqa: F401 - phase, input_leaves: read by .zb_checkpoint
 
 
 def _post_order(root) -> tuple[list, dict]:
