@@ -31,18 +31,21 @@ $(STAMP4): pyproject.toml Makefile
 demo: $(STAMP)
 	$(PY) examples/gpt/demo.py $(ARGS)
 
-# pytest exits 5 when it collects nothing; that is not a failure of the suite.
+# pytest exits 5 when it collects nothing; that is not a failure of the suite. Two pytest workers, a test
+# file each at a time (--dist loadfile: a file's launches run once, in one worker): many tests wait on
+# processes, timeouts and restarts, so two share the 2 cores well.
+XDIST ?= -n 2 --dist loadfile
 test: test-main test-compat
 
 test-main: $(STAMP)
-	$(PY) -m pytest tests --durations=30; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+	$(PY) -m pytest tests $(XDIST) --durations=30; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 test-compat: $(STAMP4)
-	$(PY4) -m pytest $(COMPAT_TESTS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+	$(PY4) -m pytest $(COMPAT_TESTS) $(XDIST); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 # the inner loop: the main environment without the tests marked slow (torchrun agents, whole scripts)
 test-fast: $(STAMP)
-	$(PY) -m pytest tests -m "not slow"; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+	$(PY) -m pytest tests $(XDIST) -m "not slow"; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 bench: $(STAMP)
 	$(PY) bench/overhead.py

@@ -78,7 +78,7 @@ class MegaStrategy(ParallelStrategy):
         zb_keep_recomputed: with a split backward and checkpointing: recompute once, in B, and keep it for W.
         split_backward: input gradient first, weights after: "auto" (drain at pp > 1), "drain", True, False.
         p2p: pipeline transfers: "auto", "eager" (gloo) or "batched" (NCCL).
-        kernels: fused Triton norms, GeLU and cross-entropy (True, or a list of names).
+        kernels: fused Triton norms, GeLU, cross-entropy and HF rotary (True, or a list of names).
         quant: quantization-aware training: "int8" (W8A8) or "w4a8".
         quant_range: QAT activation ranges: "ema", "delayed" or "learned".
         load_full: a plain checkpoint (Lightning, state_dict, Hugging Face directory) to start from.
