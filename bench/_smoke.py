@@ -33,7 +33,8 @@ def _run_as_main(script: Path, args: list, log: Path) -> None:
     sys.argv = [str(script)] + args
     sys.path[0] = str(script.parent)
     os.environ["LIGHTNING_TP_LOCAL_START"] = "fork"  # this process runs nothing else: its workers fork from it
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 16))  # zb_recompute.py would re-exec itself for it
+    # zb_recompute.py re-execs itself to have glibc read this at start; here it only stops that (smoke figures)
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 16))
     main = types.ModuleType("__main__")
     main.__file__ = str(script)
     sys.modules["__main__"] = main

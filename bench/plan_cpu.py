@@ -1,6 +1,6 @@
-"""The planner's step time against measured CPU runs: this machine calibrated (planner.calibrate: GEMM rate and
+"""The planner's step time against measured CPU runs: this machine calibrated (layout_search.calibrate: GEMM rate and
 curve, memory bandwidth, gloo latency and bandwidth, loop overheads) and, with --timed (default), the model's
-own blocks timed at each tp's shapes (planner.timing); then the example GPT trained under each layout by a
+own blocks timed at each tp's shapes (layout_search.timing); then the example GPT trained under each layout by a
 Lightning Trainer (fp32, global batch 16 x 64), the layouts of one process count side by side in rounds (the
 order rotated each round), each step time the median after warm-up, the median over rounds; beside the
 planner's estimate of the same layout: the ratio per layout and the rank correlation.

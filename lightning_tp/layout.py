@@ -4,7 +4,7 @@ parallelize then carries it out step by step. See docs/design/strategy.md."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 from torch import nn
@@ -34,7 +34,6 @@ class Layout:
     core: tuple  # what selective recomputation recomputes in each block
     selected: list  # (list path, index) of blocks whose core is recomputed
     full_keys: list  # the whole module's state_dict keys, before any cut
-    full_state: Optional[dict] = field(default=None, repr=False)  # load_full's tensors, read and checked
 
 
 def resolve_layout(config: ParallelConfig, module: nn.Module, pp_rank: int, nccl: bool = False) -> Layout:
@@ -57,19 +56,26 @@ def resolve_layout(config: ParallelConfig, module: nn.Module, pp_rank: int, nccl
     hf_modules = recompute.hf_checkpointing_modules(module, stages) if config.pp > 1 else []
     choices = config.for_model(bool(hf_modules), bool(stages is not None and stages.lists))
     blocks = config.pipeline_blocks or plan_blocks(module, config.plan)
-    recomputed = recompute.targets(module, choices.recompute, stages, pp_rank, blocks) if choices.recompute else []
+    # every stage's blocks are checked on every rank (a refusal on one stage alone would leave the others waiting)
+    recomputed = _every_stage(config.pp, pp_rank, lambda r: recompute.targets(module, choices.recompute, stages, r,
+                                                                             blocks)) if choices.recompute else []
     core = lookup.core_of(module, config.plan) if config.selective else ()
-    selected = selective.places(module, stages, pp_rank, blocks, core) if config.selective else []
+    selected = _every_stage(config.pp, pp_rank, lambda r: selective.places(module, stages, r, blocks, core)) \
+        if config.selective else []
     if config.zero == 3 and (config.dp or 1) > 1:
         _check_zero3_shards(matches, module, config.tp)
     full_keys = list(module.state_dict().keys())
-    full_state = None
-    if config.load_full is not None:
-        from .checkpoints.plain import read_checked
+    if config.load_full is not None:  # its names only: the tensors are read after the cut, by load_full
+        from .checkpoints.plain import check_full
 
-        full_state = read_checked(config.load_full, full_keys)
-    return Layout(matches, declared, stages, carried, hf_modules, choices, recomputed, core, selected, full_keys,
-                  full_state)
+        check_full(config.load_full, full_keys)
+    return Layout(matches, declared, stages, carried, hf_modules, choices, recomputed, core, selected, full_keys)
+
+
+def _every_stage(pp: int, pp_rank: int, find):
+    """``find(rank)`` for every pipeline rank (each may refuse), returning this rank's."""
+    found = [find(r) for r in range(pp)]
+    return found[pp_rank]
 
 
 def check_p2p(config: ParallelConfig, nccl: bool) -> None:

@@ -88,9 +88,8 @@ def parallelize(config: ParallelConfig, mesh, module, device, grads_armed: Calla
     apply_kernels(module, config.kernels)
     if config.quant is not None:
         apply_qat(module, config.quant, tp_group=mesh.tp_group, dp_group=mesh.dp_group, act_range=config.quant_range)
-    if plan.full_state is not None:
-        load_full(module, plan.full_state, mesh.tp_rank)
-        plan.full_state = None  # the tensors were copied into this rank's shards
+    if config.load_full is not None:
+        load_full(module, config.load_full, plan.full_keys, mesh.tp_rank)
     recompute.apply(module, plan.recomputed, split=config.pipelined and config.zb_keep_recomputed)  # in the stage wrappers
     selective.apply(selective.blocks_at(module, plan.selected), plan.core)
     runner = None
@@ -201,7 +200,7 @@ def _block_streams(config, mesh, module, layout, device):
 
 
 def _dp_overlap(config, mesh, module, runner, grads_armed):
-    """dp > 1: the all-reduce of gradients overlapped with the backward (see :mod:`.dp_overlap`)."""
+    """dp > 1: the all-reduce of gradients overlapped with the backward (see :mod:`.dp.overlap`)."""
     if mesh.replicas == 1 or config.zero:  # zero=1: its own overlap, once the optimizer is sharded (see .zero)
         return None
     params = [p for p in module.parameters() if not marks_of(p).expert]  # experts: synced over expert-dp after

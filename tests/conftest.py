@@ -27,9 +27,17 @@ def bench_smoke(tmp_path_factory):
     scripts = sorted(p.name for p in bench.glob("*.py") if not p.name.startswith("_") and "__main__" in p.read_text())
     out = tmp_path_factory.mktemp("smoke")
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    subprocess.run([sys.executable, str(bench / "_smoke.py"), str(out)] +
-                   [f"{s}:{SMOKE_ARGS[s]}" if s in SMOKE_ARGS else s for s in scripts],
-                   cwd=ROOT, env=env, timeout=600, check=True)
+    import signal
+
+    proc = subprocess.Popen([sys.executable, str(bench / "_smoke.py"), str(out)] +
+                            [f"{s}:{SMOKE_ARGS[s]}" if s in SMOKE_ARGS else s for s in scripts],
+                            cwd=ROOT, env=env, start_new_session=True)
+    try:
+        assert proc.wait(timeout=600) == 0, "bench/_smoke.py failed"
+    finally:  # its forked children and their workers too, were it stopped by the timeout
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
     found = {}
     for s in scripts:
         rc, seconds = (out / f"{s}.rc").read_text().split() if (out / f"{s}.rc").exists() else ("-1", "0")

@@ -698,10 +698,20 @@ def trainer_kwargs(**kw):
     return base
 
 
+_REFERENCES: dict = {}
+
+
 def reference_run(kind: str, model_kw: dict, steps: int, batch: int, samples: int | None = None,
                   crops: bool = False, **trainer_kw):
     """The ground truth: the same seeded module trained by Lightning on one process (on ``samples``
-    samples, epoch after epoch, if given)."""
+    samples, epoch after epoch, if given). Trained once per set of arguments in a test process."""
+    key = repr((kind, sorted(model_kw.items()), steps, batch, samples, crops, sorted(trainer_kw.items())))
+    if key not in _REFERENCES:
+        _REFERENCES[key] = _train_reference(kind, model_kw, steps, batch, samples, crops, **trainer_kw)
+    return _REFERENCES[key]
+
+
+def _train_reference(kind, model_kw, steps, batch, samples, crops, **trainer_kw):
     model = make_model(kind, reference=True, **model_kw)
     rec = LossRecorder()
     trainer = L.Trainer(devices=1, max_steps=steps, callbacks=[rec], use_distributed_sampler=False,

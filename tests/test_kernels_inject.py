@@ -111,3 +111,38 @@ def test_rotary_leaves_a_family_with_another_rotation_alone():
         assert patch_hf_rotary(Attention()) == [] and fake.apply_rotary_pos_emb is interleaved
     finally:
         del sys.modules[fake.__name__]
+
+
+def test_rotary_takes_the_fused_path_only_for_the_calls_it_computes_exactly(monkeypatch):
+    """4.x's (q, k, cos, sin, position_ids=None, unsqueeze_dim=1) and 5.x's (q, k, cos, sin, unsqueeze_dim=1),
+    by position or keyword: fused; position_ids given, another unsqueeze_dim, cos of another dtype: the original."""
+    from lightning_tp.kernels import hf_rotary
+
+    def rotate_half(x):
+        x1, x2 = x.chunk(2, -1)
+        return torch.cat((-x2, x1), -1)
+
+    def v4(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+        cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+    def v5(q, k, cos, sin, unsqueeze_dim=1):
+        return v4(q, k, cos, sin, None, unsqueeze_dim)
+
+    fused = []
+    real = hf_rotary.fused_rotary
+    monkeypatch.setattr(hf_rotary, "fused_rotary", lambda *a: fused.append(1) or real(*a))
+    q, k, cos, sin = torch.randn(2, 3, 5, 8), torch.randn(2, 3, 5, 8), torch.randn(2, 5, 8), torch.randn(2, 5, 8)
+    cases = [(v4, (), {}, True), (v4, (None,), {}, True), (v4, (None, 1), {}, True), (v4, (), {"unsqueeze_dim": 1}, True),
+             (v4, (torch.arange(5).expand(2, 5),), {}, False), (v5, (), {}, True), (v5, (1,), {}, True),
+             (v5, (), {"unsqueeze_dim": 1}, True)]
+    for original, args, kwargs, expect_fused in cases:
+        before = len(fused)
+        got = hf_rotary._fused_twin(original)(q, k, cos, sin, *args, **kwargs)
+        assert (len(fused) > before) == expect_fused, (original.__name__, args, kwargs)
+        if not args or not torch.is_tensor(args[0]):
+            for a, b in zip(got, original(q, k, cos, sin, *args, **kwargs)):
+                torch.testing.assert_close(a, b)
+    before = len(fused)
+    out = hf_rotary._fused_twin(v5)(q.bfloat16(), k.bfloat16(), cos, sin)  # fp32 cos: promoted, as the family does
+    assert len(fused) == before and out[0].dtype == torch.float32

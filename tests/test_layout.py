@@ -27,10 +27,11 @@ class NoBlocks(nn.Module):  # no repeated blocks to cut or recompute
         self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 16)
 
 
-class NormedBlocks(nn.Module):  # blocks keeping running statistics
-    def __init__(self):
+class NormedBlocks(nn.Module):  # blocks keeping running statistics (``last``: the last block only)
+    def __init__(self, last: bool = False):
         super().__init__()
-        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8)) for _ in range(2)])
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8) if i == 3 or not last
+                                                   else nn.Identity()) for i in range(4)])
 
 
 def _llama_kv1():
@@ -52,6 +53,9 @@ CASES = {  # name: (module builder, strategy kwargs, world size, words of the re
     "no_blocks_pp": (NoBlocks, dict(pp=2), 2, ["NoBlocks", "block"]),
     "no_blocks_recompute": (NoBlocks, dict(activation_checkpointing=True), 1, ["activation_checkpointing", "blocks"]),
     "running_statistics": (NormedBlocks, dict(activation_checkpointing=True), 1, ["blocks.0.1", "running statistics"]),
+    # on the last stage only: refused on the first stage's rank too (every rank checks every stage)
+    "running_statistics_on_another_stage": (lambda: NormedBlocks(last=True), dict(
+        pp=2, activation_checkpointing=True, pipeline_blocks="blocks"), 2, ["blocks.3.1", "running statistics"]),
     "zero3_kv_heads": (_llama_kv1, dict(tp=2, zero=3), 4, ["k_proj", "key/value heads", "zero=1"]),
     "vocab_ce_without_head": (None, dict(tp=2), 2, ["model.loss_fn", "'vocab_ce' but no 'lm_head'"]),
     "load_full_unmatched": (lambda: make_model("gpt"), dict(tp=2, load_full="OTHER"), 2,

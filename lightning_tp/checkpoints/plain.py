@@ -83,33 +83,61 @@ def _prefix(loaded: set, full_keys: list) -> str:
     return best
 
 
-def read_checked(path, full_keys: list) -> dict:
-    """load_full's checkpoint read and matched to the whole module's keys (before any cut): every tensor the
-    module holds must be in it, under its name or without the module's prefix. Returns {module key: tensor}."""
+def _keys_of(path) -> set:
+    """The tensor names a plain checkpoint holds, read without its tensors where the format allows
+    (safetensors headers, an index's weight map, torch.load with mmap); otherwise the file is read."""
+    path = Path(path)
+    if kind(path) is None and (path.is_file() or path.is_dir()):
+        files = [path] if path.is_file() else [path / n for n in HF_FILES if (path / n).is_file()][:1]
+        index = [path / f"{n}.index.json" for n in HF_FILES if (path / f"{n}.index.json").is_file()]
+        if not files and index:
+            return set(json.loads(index[0].read_text())["weight_map"])
+        if files and files[0].name.endswith(".safetensors"):
+            from safetensors import safe_open
+
+            with safe_open(str(files[0]), framework="pt") as f:
+                return set(f.keys())
+        if files:
+            try:
+                obj = torch.load(files[0], map_location="cpu", weights_only=True, mmap=True)
+            except (RuntimeError, ValueError):  # not the zip format mmap needs, or not a torch file
+                obj = None
+            if isinstance(obj, dict):
+                return set(obj["state_dict"] if "state_dict" in obj else obj)
+    return set(read_full_state_dict(path))
+
+
+def check_full(path, full_keys: list) -> None:
+    """load_full's checkpoint matched to the whole module's keys before any collective: every tensor the module
+    holds must be in it, under its name or without the module's prefix (a tied head HF saves once excepted)."""
+    loaded = _keys_of(path)
+    prefix = _prefix(loaded, full_keys)
+    missing = [k for k in full_keys if (k[len(prefix):] if k.startswith(prefix) else None) not in loaded
+               and k not in loaded and not k.endswith("lm_head.weight")]
+    if missing:
+        raise ValueError(f"load_full={str(path)!r}: no tensor for {missing[:5]}{' ...' if len(missing) > 5 else ''}.")
+
+
+def load_full(module: torch.nn.Module, path, full_keys: list, tp_rank: int) -> list:
+    """Copy a full checkpoint into this rank's (sharded, staged) module. Returns the keys it set."""
     loaded = read_full_state_dict(path)
     prefix = _prefix(set(loaded), full_keys)
-    found, missing = {}, []
-    for key in full_keys:
+    tensors = module.state_dict(keep_vars=True)  # persistent tensors only, tied names included
+    done, missing = [], []
+    for key, t in tensors.items():
         source = next((s for s in (key[len(prefix):] if key.startswith(prefix) else None, key) if s in loaded), None)
         if source is None:
             missing.append(key)
-        else:
-            found[key] = loaded[source]
-    missing = [k for k in missing if not k.endswith("lm_head.weight")]  # HF saves a tied head once
+            continue
+        full = loaded[source]
+        spec = spec_of(t)
+        with torch.no_grad():
+            t.copy_(shard(full, spec, tp_rank) if spec is not None else full)
+        done.append(key)
+    tied_ok = [k for k in missing if k.endswith("lm_head.weight")]  # HF saves a tied head once
+    missing = [k for k in missing if k not in tied_ok]
     if missing:
         raise ValueError(f"load_full={str(path)!r}: no tensor for {missing[:5]}{' ...' if len(missing) > 5 else ''}.")
-    return found
-
-
-def load_full(module: torch.nn.Module, found: dict, tp_rank: int) -> list:
-    """Copy :func:`read_checked`'s tensors into this rank's (sharded, staged) module. Returns the keys it set."""
-    done = []
-    for key, t in module.state_dict(keep_vars=True).items():  # persistent tensors only, tied names included
-        if key in found:
-            spec = spec_of(t)
-            with torch.no_grad():
-                t.copy_(shard(found[key], spec, tp_rank) if spec is not None else found[key])
-            done.append(key)
     return done
 
 

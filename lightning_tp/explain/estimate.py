@@ -95,7 +95,7 @@ class Explanation:
     ranks: list = field(default_factory=list)
     actions: list = field(default_factory=list)  # under a pipeline: each pp rank's action list, as the run's
     # a split backward (pp > 1): per block class, the custom Functions B takes whole, and the weight groups
-    # deferred to W (None: the block could not run alone, decided at the first step); see .explain_split
+    # deferred to W (None: the block could not run alone, decided at the first step); see .split_backward
     split_in_b: dict = field(default_factory=dict)
     split_deferred: dict = field(default_factory=dict)
     cp_flop_per_byte: float = 0.0  # cp > 1 (ring): attention FLOPs per byte sent in one ring step (the overlap)

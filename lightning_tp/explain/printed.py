@@ -44,7 +44,7 @@ def format_memory(rep) -> list:
 
 
 def _split_note(fns, deferred) -> str:
-    """What a split backward does with one block class's weights (see .explain_split)."""
+    """What a split backward does with one block class's weights (see .split_backward)."""
     if fns is None:
         return "decided at the first step (a block did not run alone on its hidden states)"
     if fns == ["CompiledFunctionBackward"] and not deferred:

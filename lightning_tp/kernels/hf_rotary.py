@@ -4,6 +4,7 @@ math is the "both halves" rotation this kernel does. See docs/design/kernels.md.
 
 from __future__ import annotations
 
+import inspect
 import sys
 
 import torch
@@ -14,21 +15,28 @@ from .rotary import apply_rotary_pos_emb as fused_rotary
 _MARK = "_lightning_tp_fused"
 
 
-def _standard_call(q, k, cos, sin, args, kwargs) -> bool:
-    """A call the fused kernel computes exactly: (B, H, T, D) q/k, (B or 1, T, D) cos/sin, unsqueeze_dim 1."""
-    extra = dict(kwargs)
-    if args:  # 4.x: (position_ids, unsqueeze_dim); 5.x: (unsqueeze_dim,)
-        extra.update(zip(("position_ids", "unsqueeze_dim") if len(args) == 2 or args[0] is None
-                         else ("unsqueeze_dim",), args))
-    return (extra.get("position_ids") is None and extra.get("unsqueeze_dim", 1) == 1 and set(extra) <= {
-        "position_ids", "unsqueeze_dim"} and q.dim() == k.dim() == 4 and cos.dim() == sin.dim() == 3
-        and cos.shape == sin.shape and cos.shape[-1] == q.shape[-1] == k.shape[-1]
-        and cos.shape[-2] == q.shape[-2] == k.shape[-2] and cos.shape[0] in (1, q.shape[0]))
+def _standard_call(signature, q, k, cos, sin, args, kwargs) -> bool:
+    """A call the fused kernel computes exactly: (B, H, T, D) q/k and (B or 1, T, D) cos/sin of q's dtype
+    (no gradient to them), no ``position_ids``, ``unsqueeze_dim`` 1, whichever way they are passed."""
+    try:
+        bound = signature.bind(q, k, cos, sin, *args, **kwargs).arguments
+    except TypeError:
+        return False
+    extra = {name: value for name, value in bound.items() if name not in list(signature.parameters)[:4]}
+    unsqueeze = extra.pop("unsqueeze_dim", 1)
+    if extra.pop("position_ids", None) is not None or extra or type(unsqueeze) is not int or unsqueeze != 1:
+        return False
+    return (q.dim() == k.dim() == 4 and cos.dim() == sin.dim() == 3 and cos.shape == sin.shape
+            and cos.shape[-1] == q.shape[-1] == k.shape[-1] and cos.shape[-2] == q.shape[-2] == k.shape[-2]
+            and cos.shape[0] in (1, q.shape[0]) and q.dtype == k.dtype == cos.dtype == sin.dtype
+            and not (cos.requires_grad or sin.requires_grad))
 
 
 def _fused_twin(original):
+    signature = inspect.signature(original)
+
     def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
-        if _standard_call(q, k, cos, sin, args, kwargs):
+        if _standard_call(signature, q, k, cos, sin, args, kwargs):
             return fused_rotary(q, k, cos, sin)
         return original(q, k, cos, sin, *args, **kwargs)
 

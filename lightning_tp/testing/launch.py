@@ -42,7 +42,7 @@ def _worker(rank, world, port, outdir, env, fn, args):
 def start_local(world: int, fn, outdir: str, *args, preload=()):
     """Start fn(rank, world, *args) on world processes and return without waiting; rank r's result (or
     traceback) is written to ``outdir/{r}.pt``. LIGHTNING_TP_LOCAL_START=fork forks them from this process."""
-    multiprocessing.set_forkserver_preload(PRELOAD + list(preload))  # read when the server starts
+    multiprocessing.set_forkserver_preload(PRELOAD + list(preload))  # read at the server's start only
     method = os.environ.get("LIGHTNING_TP_LOCAL_START", "forkserver")
     return mp.start_processes(_worker, args=(world, free_port(), outdir, dict(os.environ), fn, args),
                               nprocs=world, join=False, start_method=method)
@@ -77,7 +77,11 @@ def run_local(world: int, fn, *args, timeout: float = 600.0, preload=()) -> list
             if not os.path.exists(path):
                 errors.append(f"rank {rank} exited without a result (exit code {ctx.processes[rank].exitcode})")
                 continue
-            out = load_result(path)
+            try:
+                out = load_result(path)
+            except Exception as e:  # noqa: BLE001 - a result weights_only cannot read, named with its rank
+                errors.append(f"rank {rank} returned what torch.load(weights_only=True) cannot read: {e}")
+                continue
             if "error" in out:
                 errors.append(f"rank {rank} failed:\n{out['error']}")
             else:

@@ -36,7 +36,7 @@ def runs_here(stage, indices: dict, path: str) -> bool:
 
 def install(layout, stage, matches, contexts, tp: int) -> None:
     """Gate each SP context's split and gather by the running stage, and tell the stages the hidden
-    states they receive are sequence shards (see ..pipeline.run.stage._wrap_chained)."""
+    states they receive are sequence shards (see ..pipeline.run.stage_chained.wrap_chained)."""
     sp = [ctx for ctx in contexts if ctx.sp]
     if not sp or not layout.lists:
         return

@@ -13,7 +13,9 @@ from lightning_tp.pipeline.transport.p2p import grad_split
 from lightning_tp.pipeline.cut.placeholders import ShapeOnly, SkippedBlock
 from lightning_tp.pipeline.cut.split import apply_split, plan_stages
 from lightning_tp.pipeline.transport.messages import pack, unpack, with_grad_split
-from lightning_tp.pipeline.run.stage import StageDone, StageMap, _carried, _stop_at, install
+from lightning_tp.pipeline.run.stage import install
+from lightning_tp.pipeline.run.stage_chained import carried_places, stop_at
+from lightning_tp.pipeline.run.stage_state import StageDone, StageMap
 from lightning_tp.plans import lookup
 from models import make_model
 
@@ -166,7 +168,7 @@ def test_only_the_parts_that_need_a_gradient_get_one_back():
 def test_a_stage_ends_at_the_next_stages_first_block_with_what_it_is_given():
     state = StageMap([(0, 0), (1, 1)], 1)
     block = nn.TransformerDecoderLayer(8, 2, 16, 0.0, batch_first=True)
-    _stop_at(block, 0, state, False)
+    stop_at(block, 0, state, False)
     hidden, memory = torch.randn(2, 3, 8, requires_grad=True), torch.randn(2, 5, 8, requires_grad=True)
     mask = torch.triu(torch.full((3, 3), -1e9), 1)
     for args, kwargs in (((hidden, memory, mask), {}),  # floating-point positional tensors, a mask too
@@ -178,11 +180,11 @@ def test_a_stage_ends_at_the_next_stages_first_block_with_what_it_is_given():
         assert torch.equal(done.value.output, torch.cat([t.reshape(-1) for t in sent]))
     # by keyword, an encoder's output of another length and width (its own d_model), batch first or second
     for h, mem in ((torch.randn(2, 3, 8), torch.randn(2, 7, 6)), (torch.randn(3, 2, 8), torch.randn(7, 2, 6))):
-        assert _carried((h,), dict(memory=mem, tgt_mask=torch.zeros(3, 3)), False) == [0, "memory"]
-        assert _carried((h,), dict(memory=mem), True) == ["memory"]  # at the decoder's start
+        assert carried_places((h,), dict(memory=mem, tgt_mask=torch.zeros(3, 3)), False) == [0, "memory"]
+        assert carried_places((h,), dict(memory=mem), True) == ["memory"]  # at the decoder's start
     # a 3-d mask by keyword ((batch x heads, T, T): its second dimension is the hidden states') stays local
     h = torch.randn(2, 5, 8)
-    assert _carried((h,), dict(memory=torch.randn(2, 7, 8), tgt_mask=torch.zeros(4, 5, 5)), False) == [0, "memory"]
+    assert carried_places((h,), dict(memory=torch.randn(2, 7, 8), tgt_mask=torch.zeros(4, 5, 5)), False) == [0, "memory"]
     state.run.vstage = 1  # the stage that holds it: the block runs
     assert block(hidden, memory).shape == hidden.shape
 

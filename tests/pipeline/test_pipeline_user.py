@@ -23,7 +23,8 @@ from lightning_tp.pipeline.cut.placeholders import OnAnotherStage
 from lightning_tp.pipeline.run.side_inputs import SideInputCheck
 from lightning_tp.pipeline.cut.outer_modules import outer_groups
 from lightning_tp.pipeline.cut.split import apply_split, plan_stages
-from lightning_tp.pipeline.run.stage import StageDone, install
+from lightning_tp.pipeline.run.stage import install
+from lightning_tp.pipeline.run.stage_state import StageDone
 
 V, H, T = NET_VOCAB, NET_HIDDEN, NET_SEQ
 

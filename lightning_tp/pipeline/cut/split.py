@@ -208,7 +208,7 @@ def apply_split(model: nn.Module, layout: StageLayout, pp_rank: int) -> dict:
             if kind != "after" and my_vstages - needed:
                 silence[name] = (meta_twin(m), needed)
             # run by two of its chunks, held without running, or an encoder-decoder's copy (parts of which
-            # its stage may not use): no one backward pass finalizes the gradient (see dp_overlap)
+            # its stage may not use): no one backward pass finalizes the gradient (see ...dp.overlap)
             if len(runs & my_vstages) != 1 or (kind == "before" and len(layout.replica_ranks()) > 1):
                 for p in m.parameters():
                     set_marks(p, pp_late_sync=True)

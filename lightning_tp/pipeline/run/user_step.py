@@ -5,7 +5,7 @@ the stage's run recorded for the block wrappers (see .stage), its logs captured.
 from __future__ import annotations
 
 from .logs import captured_logs, find_metrics, muted_metrics
-from .stage import StageDone, StageRun
+from .stage_state import StageDone, StageRun
 
 
 class UserStep:
