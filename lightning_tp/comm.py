@@ -100,6 +100,30 @@ def split(t: torch.Tensor, dim: int, group) -> torch.Tensor:
     return t.narrow(dim, group_rank(group) * (size // world), size // world).contiguous()
 
 
+
+def row_range(total: int, world: int, rank: int) -> tuple:
+    """(start, count) of ``rank``'s rows when ``total`` rows are split as evenly as they go over ``world``."""
+    base, extra = divmod(total, world)
+    return rank * base + min(rank, extra), base + (rank < extra)
+
+
+def split_rows(t: torch.Tensor, group) -> torch.Tensor:
+    """This rank's rows of ``t`` (dim 0, uneven counts allowed: the first ranks take one more)."""
+    world = group_size(group)
+    return t if world == 1 else t.narrow(0, *row_range(t.shape[0], world, group_rank(group))).contiguous()
+
+
+def gather_rows(t: torch.Tensor, total: int, group) -> torch.Tensor:
+    """Every rank's rows of a ``total``-row tensor split by :func:`split_rows`, back in order (all-gather)."""
+    world = group_size(group)
+    if world == 1:
+        return t
+    width = -(-total // world)
+    padded = torch.cat([t, t.new_zeros((width - t.shape[0],) + tuple(t.shape[1:]))]) if t.shape[0] < width else t
+    full = all_gather(padded, 0, group)
+    return torch.cat([full.narrow(0, r * width, row_range(total, world, r)[1]) for r in range(world)])
+
+
 # ---------------------------------------------------------------- autograd twins
 
 
@@ -168,6 +192,28 @@ class _ReduceScatterToSP(torch.autograd.Function):
         return all_gather(g, ctx.dim, ctx.group), None, None
 
 
+class _SplitRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.total, ctx.group = x.shape[0], group
+        return split_rows(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return gather_rows(g, ctx.total, ctx.group), None
+
+
+class _GatherRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, total, group):
+        ctx.group = group
+        return gather_rows(x, total, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return split_rows(g, ctx.group), None, None
+
+
 def _active(group) -> bool:
     return group_size(group) > 1
 
@@ -203,3 +249,13 @@ def gather_from_sp(x, group, dim: int = 1):
 
 def reduce_scatter_to_sp(x, group, dim: int = 1):
     return _ReduceScatterToSP.apply(x, dim, group) if _active(group) else x
+
+
+def scatter_to_rows(x, group):
+    """A replicated input's rows split over ``group`` (uneven allowed); backward: the full gradient again."""
+    return _SplitRows.apply(x, group) if _active(group) else x
+
+
+def gather_from_rows(x, total: int, group):
+    """Rows split by :func:`scatter_to_rows` back whole on every rank; backward: this rank's rows."""
+    return _GatherRows.apply(x, total, group) if _active(group) else x

@@ -118,9 +118,11 @@ class ParallelConfig:
         """The same options with dp set from the world size (an error saying what to set if tp*pp does not
         divide it, or ep the data-parallel size)."""
         dp = data_parallel_size(world_size, self.tp, self.pp, self.cp)
-        if dp % self.ep:
-            raise ValueError(f"MegaStrategy(ep={self.ep}) splits the experts over ep of the {dp} data-parallel ranks "
-                             f"(world {world_size} / (tp={self.tp} x pp={self.pp})): ep must divide {dp}. Change ep, "
+        stage = self.tp * self.cp * dp
+        if stage % self.ep:
+            names = "tp x dp" if self.cp == 1 else "tp x cp x dp"
+            raise ValueError(f"MegaStrategy(ep={self.ep}) splits the experts over ep of a stage's {stage} ranks "
+                             f"({names}: world {world_size} / pp={self.pp}): ep must divide {stage}. Change ep, "
                              f"or devices/num_nodes.")
         return dataclasses.replace(self, dp=dp)
 

@@ -49,9 +49,9 @@ class ParallelMesh:
     mp_group: Optional[dist.ProcessGroup] = None  # tp x pp: one full copy of the model (per cp rank)
     emb_group: Optional[dist.ProcessGroup] = None  # first + last stage: tied input/output embeddings
     emb_ranks: tuple = ()  # the pp ranks of emb_group when not (0, pp - 1) (see use_tied_ranks)
-    ep: int = 1  # expert parallel: the dp ranks ep_rank = dp_rank % ep split each layer's experts
+    ep: int = 1  # expert parallel: ep consecutive ranks of a stage (tp fastest) split each layer's experts
     ep_group: Optional[dist.ProcessGroup] = None
-    edp_group: Optional[dist.ProcessGroup] = None  # the dp ranks holding the same experts (dp / ep of them)
+    edp_group: Optional[dist.ProcessGroup] = None  # the ranks of a stage holding the same experts
     device_mesh: object = field(default=None, repr=False)
     timeout: Optional[timedelta] = None  # MegaStrategy(timeout=): every group made here honours it
 
@@ -89,21 +89,27 @@ class ParallelMesh:
         return self.dp_rank * self.cp + self.cp_rank
 
     @property
-    def ep_rank(self) -> int:
-        return self.dp_rank % self.ep
+    def stage_rank(self) -> int:
+        """This rank among its stage's tp x cp x dp ranks (tp fastest): the experts' grid."""
+        return self.rank % (self.tp * self.cp * self.dp)
 
     @property
-    def edp_rank(self) -> int:
-        return self.dp_rank // self.ep
+    def ep_rank(self) -> int:
+        return self.stage_rank % self.ep
 
     @property
     def edp_size(self) -> int:
-        """Ranks holding the same experts (edp_group): dp / ep of them, times cp."""
-        return self.dp // self.ep * self.cp
+        """Ranks holding the same experts (edp_group): a stage's tp x cp x dp ranks / ep."""
+        return self.tp * self.cp * self.dp // self.ep
 
     @property
     def edp_group_rank(self) -> int:
-        return self.edp_rank * self.cp + self.cp_rank
+        return self.stage_rank // self.ep
+
+    @property
+    def ep_folds_tp(self) -> bool:
+        """Whether an ep group spans tp ranks (experts beyond dp, Megatron's MoE parallel folding)."""
+        return self.ep > 1 and self.tp > 1
 
     def global_rank(self, tp_rank: int = 0, dp_rank: int = 0, pp_rank: int = 0, cp_rank: int = 0) -> int:
         return ((pp_rank * self.dp + dp_rank) * self.cp + cp_rank) * self.tp + tp_rank
@@ -186,22 +192,21 @@ def _replica_group(mesh: ParallelMesh, backend=None):
 
 
 def _expert_groups(mesh: ParallelMesh) -> None:
-    """ep groups (consecutive dp ranks: dp_rank // ep alike, per cp rank) and expert-data-parallel groups
-    (dp_rank % ep alike, over every cp rank too: the same experts, other tokens), per tp and pp rank. Every
-    rank creates every group in the same order (new_group is collective)."""
-    ep, edp, cp = mesh.ep, mesh.dp // mesh.ep, mesh.cp
+    """The experts' grid of each stage, apart from tp, cp and dp (Megatron's MoE parallel folding): its
+    tp x cp x dp ranks in order, tp fastest; ep groups are ep consecutive ones, expert-data-parallel groups
+    (the same experts, other tokens) every ep-th one. Every rank creates every group in the same order."""
+    ep, size = mesh.ep, mesh.tp * mesh.cp * mesh.dp
     for p in range(mesh.pp):
-        for t in range(mesh.tp):
-            for c in range(cp):
-                here = (t, p, c) == (mesh.tp_rank, mesh.pp_rank, mesh.cp_rank)
-                for j in range(edp):
-                    group = mesh.new_group([mesh.global_rank(t, j * ep + e, p, c) for e in range(ep)])
-                    if here and j == mesh.edp_rank:
-                        mesh.ep_group = group
-            for e in range(ep):
-                group = mesh.new_group([mesh.global_rank(t, j * ep + e, p, c) for j in range(edp) for c in range(cp)])
-                if (t, p) == (mesh.tp_rank, mesh.pp_rank) and e == mesh.ep_rank:
-                    mesh.edp_group = group
+        ranks = [p * size + s for s in range(size)]
+        here = mesh.pp_rank == p
+        for j in range(size // ep):
+            group = mesh.new_group(ranks[j * ep:(j + 1) * ep])
+            if here and j == mesh.edp_group_rank:
+                mesh.ep_group = group
+        for e in range(ep):
+            group = mesh.new_group(ranks[e::ep])
+            if here and e == mesh.ep_rank:
+                mesh.edp_group = group
 
 
 def gloo_twin_of_replica_group(mesh: ParallelMesh):

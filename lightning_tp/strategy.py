@@ -65,7 +65,7 @@ class MegaStrategy(ParallelStrategy):
         sp: sequence parallelism: norms, dropout and the residual stream on sequence shards (needs tp > 1).
         cp: context parallelism: each of cp ranks holds two load-balanced chunks of every sequence.
         cp_attention: how attention sees the whole sequence under cp: "ring" (K/V passed around) or "all_to_all".
-        ep: expert parallelism: mixture-of-experts experts split over ep data-parallel ranks.
+        ep: expert parallelism: mixture-of-experts experts split over ep ranks of a stage (its tp x cp x dp, tp first).
         moe_capacity: capacity factor: each expert keeps at most its share x factor of a rank's tokens (None: dropless).
         zero: 1 shards the optimizer state over data-parallel ranks; 3 parameters and gradients too (FSDP2); 0 none.
         plan: "auto" (a built-in plan by module class), or a lightning_tp.Plan / dict of yours.

@@ -5,6 +5,7 @@ import torch
 import torch.distributed as torch_dist
 
 import dist
+from lightning_tp import comm
 from lightning_tp.experts.dispatch import combine, dispatch
 from models import installed
 
@@ -94,6 +95,16 @@ def _ep2(rank, world):
     outs = [chunk @ mine[e] for e, chunk in enumerate(rows.split(per_expert))]
     y = combine(torch.cat(outs), w, d, group)
     out["capacity"] = (y - _capacity_reference(x, idx, w, weights, 3)).abs().max().item()
+    # folded: both ranks hold the same 5 tokens (tp ranks of an ep group); each dispatches its rows (3 and 2)
+    x, idx, w = _tokens(0, n=5)
+    x, w = x.requires_grad_(True), w.requires_grad_(True)
+    y = comm.gather_from_rows(_moe(comm.scatter_to_rows(x, group), comm.split_rows(idx, group),
+                                   comm.scatter_to_rows(w, group), mine, group, 0), 5, group)
+    y.square().sum().backward()
+    ref_x, ref_w = x.detach().clone().requires_grad_(True), w.detach().clone().requires_grad_(True)
+    _reference(ref_x, idx, ref_w, weights).square().sum().backward()
+    out["folded"] = ((y - _reference(x, idx, w, weights)).abs().max().item(), (x.grad - ref_x.grad).abs().max().item(),
+                     (w.grad - ref_w.grad).abs().max().item())
     return out
 
 
@@ -103,6 +114,7 @@ def test_two_ranks_match_one_process():
         assert max(got["experts"]) < 1e-12, got
         assert max(got["empty"]) < 1e-12, got
         assert got["capacity"] < 1e-12, got
+        assert max(got["folded"]) < 1e-12, got
 
 
 def _block(family):
@@ -223,6 +235,12 @@ EP_RUNS = {
                                   dict(tp=2, sp=True, ep=2)),
     "gpt_moe_pp2_ep1": (2, "gpt", dict(n_expert=4, vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32),
                         dict(pp=2, microbatches=2)),
+    # experts beyond dp (parallel folding): ep groups over a stage's tp x dp ranks, tp first; without sp an
+    # ep group's tp ranks split the tokens they share
+    "hf_mixtral_tp2_dp1_ep2": (2, "hf_mixtral", {}, dict(tp=2, ep=2)),
+    "gpt_moe_tp2_dp1_ep2": (2, "gpt", dict(n_expert=4, vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32),
+                            dict(tp=2, ep=2)),
+    "hf_mixtral_tp2_dp2_ep4": (4, "hf_mixtral", {}, dict(tp=2, ep=4)),
 }
 # Qwen3-MoE: on 4.x a known block (its config's tp plan names the experts' own layers), on 5.x fused experts
 EP_RUNS["hf_qwen3_moe_tp2_ep2"] = (4, "hf_qwen3_moe", {}, dict(tp=2, ep=2))
@@ -272,7 +290,7 @@ def test_expert_parallel_matches_one_process(tmp_path, world):
             assert diff < 1e-5, (name, diff, got["losses"], ref_losses)
         ep, pp = strategy_kw.get("ep", 1), strategy_kw.get("pp", 1)
         if ep > 1:  # each rank holds 1/ep of its stage's experts: the ep ranks of a stage hold them once
-            assert sum(r[name]["experts"] for r in results) == full * (dp // ep) * tp, name
+            assert sum(r[name]["experts"] for r in results) == full * tp * dp // ep, name
             if kind not in PARTLY_DENSE:  # every block an MoE one: each stage holds the same share
                 assert {r[name]["experts"] for r in results} == {full // (ep * pp)}, name
         weights = results[0][name]["weights"]
@@ -346,39 +364,49 @@ def test_bad_expert_layouts_fail_on_every_rank_with_a_clear_error():
             assert got[name] is not None and message in got[name], (name, got[name])
 
 
+COUNTED = {"dp2_ep2": dict(ep=2), "tp2_ep2": dict(tp=2, ep=2)}  # the second folded: each tp rank sends half the rows
+
+
 def _counted(rank, world):
     from lightning_tp import comm
 
     torch_dist.init_process_group("gloo")
-    model = make_model("gpt", **dict(GPT_MOE, n_expert=4))
-    strategy = MegaStrategy(ep=2, timeout=120)
-    trainer = L.Trainer(devices=world, strategy=strategy, max_steps=3, limit_val_batches=0, **trainer_kwargs())
-    with comm.count_collectives() as records:
-        trainer.fit(model, TokenData(3 * BATCH * world, 64, BATCH))
-    mesh = strategy.mesh
-    by = {}
-    for op, numel, group in records:
-        kind = {id(mesh.ep_group): "ep", id(mesh.dp_group): "dp"}.get(id(group), "other")
-        by[(op, kind)] = by.get((op, kind), 0) + numel
-    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
-    return dict(by={k: v / 3 for k, v in by.items()}, params=sum(p.numel() for p in model.parameters()),
-                experts=experts)
+    out = {}
+    for name, layout in COUNTED.items():
+        model = make_model("gpt", **dict(GPT_MOE, n_expert=4))
+        strategy = MegaStrategy(**layout, timeout=120)
+        trainer = L.Trainer(devices=world, strategy=strategy, max_steps=3, limit_val_batches=0, **trainer_kwargs())
+        dp = world // strategy.tp
+        with comm.count_collectives() as records:
+            trainer.fit(model, TokenData(3 * BATCH * dp, 64, BATCH))
+        mesh = strategy.mesh
+        by = {}
+        for op, numel, group in records:
+            kind = {id(mesh.ep_group): "ep", id(mesh.dp_group): "dp"}.get(id(group), "other")
+            by[(op, kind)] = by.get((op, kind), 0) + numel
+        experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+        out[name] = dict(by={k: v / 3 for k, v in by.items()}, params=sum(p.numel() for p in model.parameters()),
+                         experts=experts)
+    return out
 
 
 def test_explain_counts_expert_parameters_and_all_to_all_bytes_of_a_run():
     from lightning_tp.explain.estimate import explain
 
-    got = dist.run(2, _counted, timeout=300)
-    est = explain(make_model("gpt", **dict(GPT_MOE, n_expert=4)), dp=2, ep=2, batch_shape=(BATCH, GPT_MOE["block_size"]),
-                  print_report=False).rank(0)
-    for r in got:
-        assert r["params"] == est.params and r["experts"] == est.expert_params, (r, est)
-    rows = sum(r["by"].get(("all_to_all", "ep"), 0) for r in got) * 4  # float32 rows, both ranks
-    counts = sum(r["by"].get(("all_to_all_counts", "ep"), 0) for r in got) * 8  # int64 expert counts
-    assert rows + counts == 2 * est.ep_bytes, (rows, counts, est.ep_bytes)  # balanced per rank, exact summed
-    # the dense parameters' dp all-reduce is explain's DP grads; the experts' is not (edp = 1 here)
-    # (plus one has-a-gradient flag per parameter in each bucket, see grads.with_flags)
-    assert got[0]["by"][("all_reduce", "dp")] * 4 == pytest.approx(est.dp_bytes, rel=0.01) and est.edp_bytes == 0
+    runs = dist.run(2, _counted, timeout=300)
+    for name, layout in COUNTED.items():
+        got = [r[name] for r in runs]
+        est = explain(make_model("gpt", **dict(GPT_MOE, n_expert=4)), dp=2 // layout.get("tp", 1), **layout,
+                      batch_shape=(BATCH, GPT_MOE["block_size"]), print_report=False).rank(0)
+        for r in got:
+            assert r["params"] == est.params and r["experts"] == est.expert_params, (name, r, est)
+        rows = sum(r["by"].get(("all_to_all", "ep"), 0) for r in got) * 4  # float32 rows, both ranks
+        counts = sum(r["by"].get(("all_to_all_counts", "ep"), 0) for r in got) * 8  # int64 expert counts
+        assert rows + counts == 2 * est.ep_bytes, (name, rows, counts, est.ep_bytes)  # balanced per rank, exact summed
+        if name == "dp2_ep2":  # the dense parameters' dp all-reduce is explain's DP grads; the experts' is not (edp
+            # = 1 here) (plus one has-a-gradient flag per parameter in each bucket, see grads.with_flags)
+            assert got[0]["by"][("all_reduce", "dp")] * 4 == pytest.approx(est.dp_bytes, rel=0.01)
+            assert est.edp_bytes == 0
 
 
 def _resume_and_load_full(rank, world, ckdir):

@@ -84,6 +84,9 @@ WORLD4 = {
     "tp2_dp2_sp_clip_accumulate": ("gpt", {}, dict(tp=2, sp=True), {**CLIP, **ACCUMULATE}),
     # a parameter some replicas' batches do not reach (and, some steps, none): zeros in its bucket
     "tp2_dp2_sometimes_used": ("gpt_sometimes", {}, dict(tp=2), {}),
+    # experts beyond dp: 4 experts over the stage's 4 ranks (tp x dp), the norm clipped every step
+    "tp2_dp2_ep4_clip": ("gpt", dict(n_expert=4, vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32),
+                         dict(tp=2, ep=4), CLIP),
 }
 
 

@@ -159,8 +159,9 @@ def test_experts_split_over_ep_as_explain_and_the_strategy_do():
     p = plan(model, gpus=8, global_batch=16, seq_len=32, precision="32-true")
     found = {(c.tp, c.pp, c.dp, c.ep) for c in p.fits}
     assert {(1, 1, 8, e) for e in (1, 2, 4)} <= found and not any(e == 8 for *_, e in found)  # ep divides 4 experts
-    assert all(c.dp % c.ep == 0 and (c.zero != 3 or c.ep == 1) for c in p.fits)
-    for ep, tp in ((1, 1), (2, 1), (4, 1), (2, 2)):
+    assert all(c.tp * c.cp * c.dp % c.ep == 0 and (c.zero != 3 or c.ep == 1) for c in p.fits)  # a stage's ranks
+    assert any(c.ep > c.dp for c in p.fits)  # experts beyond dp: ep over tp ranks too
+    for ep, tp in ((1, 1), (2, 1), (4, 1), (2, 2), (4, 2), (4, 4)):
         c = p.find(tp=tp, pp=1, ep=ep, zero=0)
         r = explain(model, tp=tp, ep=ep, dp=c.dp, batch_shape=(16 // c.dp, 32), print_report=False).rank(0)
         assert c.memory["weights"] * 2 ** 30 == pytest.approx(r.params * 4)  # this rank's experts: 1/ep of them

@@ -39,6 +39,8 @@ WORLD4 = {
     "tp2_dp2_zero1_sometimes_used": ("gpt_sometimes", {}, dict(tp=2, zero=1), {}),
     # experts sharded over the 2 ranks holding the same ones (edp = 2), the rest over dp = 4
     "dp4_ep2_zero1_clip": ("gpt", MOE, dict(ep=2, zero=1), dict(gradient_clip_val=0.05)),
+    # ep groups over tp (folded), the experts' slices over the other dp rank holding them
+    "tp2_dp2_ep2_zero1_clip": ("gpt", MOE, dict(tp=2, ep=2, zero=1), dict(gradient_clip_val=0.05)),
 }
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..marks import set_marks
+from ..marks import marks_of, set_marks
 from .families import check_block, find_moe_blocks
 from . import router_statistics
 from .fused import expert_parallel_experts, gather_router_logits
@@ -49,37 +49,43 @@ def apply_experts(model: nn.Module, mesh, pp: int = 1, sp: bool = False, capacit
     statistics span the global batch (see :mod:`.router_statistics`). Returns the new blocks."""
     swapped = []
     sp = sp and mesh.tp > 1
+    fold = mesh.tp_group if mesh.ep_folds_tp and not sp else None  # an ep group's tp ranks: one copy of the tokens
     for path, block, family in find_moe_blocks(model, declared):
         if any(p.is_meta for p in block.parameters()):  # another pipeline stage's, seen through a twin
             continue
         if family.fused:
-            swapped.append(_fused(block, mesh, pp, sp, capacity))
+            swapped.append(_fused(block, mesh, pp, sp, capacity, fold))
             continue
         if family.returns_logits:
             router_statistics.install(block, mesh.dp_group, pp)
         if mesh.ep == 1 and not sp and capacity is None:
             continue
         new = expert_parallel(block, family, mesh.ep_group, mesh.ep, mesh.ep_rank,
-                              sp_group=mesh.tp_group if sp else None, capacity_factor=capacity)
+                              sp_group=mesh.tp_group if sp else None, capacity_factor=capacity, fold_group=fold)
         for p in new.experts.parameters():
             set_marks(p, expert=mesh.ep > 1)
-        if sp:
-            for p in new.parameters():
-                set_marks(p, sp_partial=True)
+        _mark_sp_partial(new, sp)
         parent, _, leaf = path.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, leaf, new)
         swapped.append(new)
     return swapped
 
 
-def _fused(block: nn.Module, mesh, pp: int, sp: bool, capacity) -> nn.Module:
+def _mark_sp_partial(block: nn.Module, sp: bool) -> None:
+    """On sequence shards the block's gradients are partial sums over tp; an expert split over ep is not
+    (its ep group spans the tp ranks: its gradient sums over its expert-data-parallel group)."""
+    for p in block.parameters() if sp else ():
+        if not marks_of(p).expert:
+            set_marks(p, sp_partial=True)
+
+
+def _fused(block: nn.Module, mesh, pp: int, sp: bool, capacity, fold) -> nn.Module:
     """A transformers 5.x block: its router and the rest stay, its ``experts`` go expert-parallel; on sequence
     shards its gradients are partial sums over tp and its router logits are gathered for the loss."""
     router_statistics.install(block.experts, mesh.dp_group, pp)
     if mesh.ep > 1 or capacity is not None:
-        expert_parallel_experts(block.experts, mesh.ep_group, mesh.ep, mesh.ep_rank, capacity)
+        expert_parallel_experts(block.experts, mesh.ep_group, mesh.ep, mesh.ep_rank, capacity, fold)
+    _mark_sp_partial(block, sp)
     if sp:
-        for p in block.parameters():
-            set_marks(p, sp_partial=True)
         gather_router_logits(block, mesh.tp_group)
     return block

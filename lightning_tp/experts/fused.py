@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .. import comm
 from ..layers.shard import ShardSpec
 from ..marks import set_marks
 from .dispatch import capacity_of, combine, dispatch
@@ -29,6 +30,11 @@ class ExpertParallelExperts:
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         ep = self._lightning_tp_ep
+        fold, total = ep["fold"], hidden_states.shape[0]
+        if fold is not None:  # tokens alike on the tp ranks of an ep group: each dispatches its share of rows
+            hidden_states, top_k_weights = comm.scatter_to_rows(hidden_states, fold), \
+                comm.scatter_to_rows(top_k_weights, fold)
+            top_k_index = comm.split_rows(top_k_index, fold)
         capacity = None if ep["capacity"] is None else \
             capacity_of(ep["capacity"], hidden_states.shape[0], top_k_index.shape[-1], ep["experts"])
         rows, per_expert, handle = dispatch(hidden_states, top_k_index, ep["experts"], ep["group"], capacity)
@@ -36,15 +42,17 @@ class ExpertParallelExperts:
                                         torch.tensor(per_expert, device=rows.device)).unsqueeze(1)
         ones = torch.ones(rows.shape[0], 1, dtype=top_k_weights.dtype, device=rows.device)
         y = super().forward(rows, local, ones)  # the family's math on its own rows, weighted after the return
-        return combine(y, top_k_weights, handle, ep["group"])
+        y = combine(y, top_k_weights, handle, ep["group"])
+        return y if fold is None else comm.gather_from_rows(y, total, fold)
 
 
 _CLASSES: dict = {}
 
 
-def expert_parallel_experts(experts: nn.Module, group, ep: int, ep_rank: int, capacity_factor=None) -> nn.Module:
+def expert_parallel_experts(experts: nn.Module, group, ep: int, ep_rank: int, capacity_factor=None,
+                            fold=None) -> nn.Module:
     """Keep experts ``[ep_rank * E/ep, (ep_rank + 1) * E/ep)`` of ``experts`` (in place: parameter names stay),
-    and make its calls expert-parallel over ``group``. Each slice is marked for checkpoints and gradients."""
+    and make its calls expert-parallel over ``group``; ``fold``: the tp group whose ranks split the tokens."""
     total, count = experts.num_experts, experts.num_experts // ep
     first = ep_rank * count
     for name, p in list(experts.named_parameters(recurse=False)):
@@ -59,7 +67,7 @@ def expert_parallel_experts(experts: nn.Module, group, ep: int, ep_rank: int, ca
         _CLASSES[kind] = type(f"ExpertParallel{kind.__name__}", (ExpertParallelExperts, kind), {})
     experts.__class__ = _CLASSES[kind]
     experts.num_experts = count  # the class's own forward sees local expert ids 0..count-1
-    experts._lightning_tp_ep = dict(experts=total, group=group, capacity=capacity_factor, first=first)
+    experts._lightning_tp_ep = dict(experts=total, group=group, capacity=capacity_factor, first=first, fold=fold)
     return experts
 
 

@@ -17,9 +17,10 @@ class ExpertParallelMoE(nn.Module):
     state-dict names stay the block's), run over the expert-parallel ``group``."""
 
     def __init__(self, block: nn.Module, family: MoEFamily, group, ep: int, ep_rank: int, sp_group=None,
-                 capacity_factor: float | None = None):
+                 capacity_factor: float | None = None, fold_group=None):
         nn.Module.__init__(self)  # not the block class's (see expert_parallel)
         self.family, self.group, self.sp_group, self.capacity_factor = family, group, sp_group, capacity_factor
+        self.fold_group = fold_group  # the tp ranks of an ep group, alike tokens: each dispatches its share
         check_block(type(block).__name__, block, family, ep)
         self.num_experts, self.top_k = family.num_experts(block), family.top_k(block)
         count = self.num_experts // ep
@@ -40,11 +41,14 @@ class ExpertParallelMoE(nn.Module):
         x = hidden_states.reshape(-1, shape[-1])
         logits = self.gate(x)
         weights, idx = self._route(logits, x.dtype)
+        mine, weights, idx = comm.scatter_to_rows(x, self.fold_group), comm.scatter_to_rows(weights, self.fold_group), \
+            comm.split_rows(idx, self.fold_group)
         capacity = None if self.capacity_factor is None else \
-            capacity_of(self.capacity_factor, x.shape[0], self.top_k, self.num_experts)
-        rows, per_expert, handle = dispatch(x, idx, self.num_experts, self.group, capacity)
+            capacity_of(self.capacity_factor, mine.shape[0], self.top_k, self.num_experts)
+        rows, per_expert, handle = dispatch(mine, idx, self.num_experts, self.group, capacity)
         outs = [expert(chunk) for expert, chunk in zip(self.experts.values(), rows.split(per_expert))]
         y = combine(torch.cat(outs) if outs else rows, weights, handle, self.group)
+        y = comm.gather_from_rows(y, x.shape[0], self.fold_group)
         if self.family.shared_expert:
             y = y + F.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         y = y.reshape(shape)
@@ -65,12 +69,12 @@ _CLASSES: dict = {}
 
 
 def expert_parallel(block: nn.Module, family: MoEFamily, group, ep: int, ep_rank: int,
-                    sp_group=None, capacity_factor: float | None = None) -> ExpertParallelMoE:
+                    sp_group=None, capacity_factor: float | None = None, fold_group=None) -> ExpertParallelMoE:
     """An :class:`ExpertParallelMoE` for ``block`` that is also an instance of the block's class, so code
     that finds MoE blocks by class (Hugging Face's router-logit recorders) still finds it."""
     kind = type(block)
     if kind not in _CLASSES:
         _CLASSES[kind] = type(f"ExpertParallel{kind.__name__}", (ExpertParallelMoE, kind), {})
     new = _CLASSES[kind].__new__(_CLASSES[kind])
-    ExpertParallelMoE.__init__(new, block, family, group, ep, ep_rank, sp_group, capacity_factor)
+    ExpertParallelMoE.__init__(new, block, family, group, ep, ep_rank, sp_group, capacity_factor, fold_group)
     return new

@@ -9,6 +9,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 
+from .. import comm
 from .dispatch import capacity_of
 from .families import family_of
 from .layer import ExpertParallelMoE
@@ -65,19 +66,21 @@ class ExpertLoad(Callback):
             else:
                 block.gate.register_forward_hook(self._gate_hook(i, block, family))
 
-    def _add(self, i: int, idx: torch.Tensor, experts: int, capacity) -> None:
+    def _add(self, i: int, idx: torch.Tensor, experts: int, capacity, fold=None) -> None:
         if _in_backward():
             return
         counts = torch.bincount(idx.reshape(-1), minlength=experts).to(torch.float64).cpu()
         self.step[i, :experts] += counts
-        if capacity is not None:
-            cap = capacity_of(capacity, idx.shape[0], idx.shape[-1], experts)
-            self.step[i, -1] += (counts - cap).clamp(min=0).sum()
+        if capacity is not None:  # a capacity counts each dispatching rank's rows (an ep group's tp ranks: a share)
+            k = idx.shape[-1]
+            for part in idx.reshape(-1, k).tensor_split(comm.group_size(fold)):
+                held = torch.bincount(part.reshape(-1), minlength=experts).to(torch.float64).cpu()
+                self.step[i, -1] += (held - capacity_of(capacity, part.shape[0], k, experts)).clamp(min=0).sum()
 
     def _fused_hook(self, i, block, family):
         def hook(module, args):
             ep = getattr(module, "_lightning_tp_ep", None)
-            self._add(i, args[1], family.num_experts(block), ep["capacity"] if ep else None)
+            self._add(i, args[1], family.num_experts(block), ep["capacity"] if ep else None, ep and ep["fold"])
         return hook
 
     def _gate_hook(self, i, block, family):
@@ -85,7 +88,8 @@ class ExpertLoad(Callback):
 
         def hook(module, args, logits):
             _, idx = route(logits, logits.dtype)
-            self._add(i, idx, family.num_experts(block), getattr(block, "capacity_factor", None))
+            self._add(i, idx, family.num_experts(block), getattr(block, "capacity_factor", None),
+                      getattr(block, "fold_group", None))
         return hook
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:

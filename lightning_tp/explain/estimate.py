@@ -357,7 +357,7 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
                                     dtype_bytes) if cp > 1 else 0,
                 expert_params=sum(p.numel() for p in params if id(p) in experts),
                 ep_bytes=_all_to_all_bytes(base, config, r, locate, times, tokens, m * acc, dtype_bytes),
-                edp_bytes=expert_trained * grad_bytes if config.ep > 1 and dp * cp > config.ep else 0,
+                edp_bytes=expert_trained * grad_bytes if config.ep > 1 and tp * dp * cp > config.ep else 0,
                 act_bytes=round((held + transient) * (B // m) * T * dtype_bytes), peak_microbatches=peaks[r],
                 recompute_bytes=round(transient * (B // m) * T * dtype_bytes),
                 zb_w_bytes=round(to_w * (B // m) * T * dtype_bytes)), **dp_costs))
@@ -372,12 +372,12 @@ def _dp_costs(params: list, experts: set, config, pp_rank: int, tp_rank: int, gr
               state_bytes: int) -> dict:
     """One rank's memory (dp rank 0's) and gradient collectives per step over dp and expert-dp, from the buckets
     the strategy's own DPOverlap (zero=0) or ShardedOptimizer (zero=1, one param group assumed) makes."""
-    dp, edp, gb = config.dp * config.cp, config.dp // config.ep * config.cp, grad_bytes  # averaged over dp x cp
+    dp, edp, gb = config.dp * config.cp, config.tp * config.cp * config.dp // config.ep, grad_bytes  # dp x cp: averaged
     trained = [p for p in params if p.requires_grad]
     dense = [p for p in trained if id(p) not in experts]  # ``experts``: those ep > 1 splits, synced over expert-dp
     whole = sum(p.numel() for p in trained)
     held, ops, out, left, slots = whole, [], {}, [p for p in trained if id(p) in experts], 0
-    if config.zero and dp > 1 and trained:
+    if config.zero and (dp > 1 or edp > 1) and trained:
         for p in left:
             set_marks(p, expert=True)  # as the strategy marks them
         mesh = ParallelMesh(tp=config.tp, pp=config.pp, dp=dp, ep=config.ep, rank=pp_rank * dp * config.tp + tp_rank)
@@ -453,10 +453,11 @@ def _split_experts(local: nn.Module, ep: int, declared=()) -> set:
 
 def _all_to_all_bytes(base, config, r: int, locate, times, tokens: int, calls: int, dtype_bytes: int) -> int:
     """Bytes rank ``r`` hands to the dispatch all-to-alls per step: per MoE layer it runs, its k rows per token
-    out and back, forward and backward (4 x tokens x k x hidden; balanced routing), and the expert counts."""
+    out and back, forward and backward (4 x tokens x k x hidden; balanced routing), and the expert counts;
+    under tp each rank dispatches 1/tp of the tokens (its sequence shard, or its share of the rows)."""
     if config.ep == 1:
         return 0
-    total = 0
+    total, tokens = 0, tokens // config.tp
     for path, block, family in find_moe_blocks(base, lookup.expert_styles(config.plan)):
         runs = times(locate(path), r)
         total += runs * (4 * tokens * family.top_k(block) * block.gate.in_features * dtype_bytes

@@ -33,7 +33,7 @@ class Candidate:
     virtual_stages: int
     activation_checkpointing: object
     zero: int
-    ep: int = 1  # experts split over ep of the dp ranks
+    ep: int = 1  # experts split over ep of a stage's tp x cp x dp ranks
     cp: int = 1  # each sequence split over cp ranks (context parallelism)
     memory_gib: float = 0.0
     memory: dict = field(default_factory=dict)
@@ -103,9 +103,9 @@ def estimate(c: Candidate, prof, cluster, global_batch: int) -> Candidate:
     layers_here = L // c.pp
     block_experts = prof.expert_params_at.get(t, 0)  # ep: a rank keeps 1/ep of each layer's experts
     params_here = layers_here * (block_p - block_experts * (1 - 1 / c.ep)) + outer_p  # the first (or last) stage
-    experts_here, edp = layers_here * block_experts / c.ep, c.dp // c.ep  # edp: ranks holding the same experts
+    experts_here, edp = layers_here * block_experts / c.ep, t * c.cp * c.dp // c.ep  # edp: holding the same experts
     # the optimizer steps (zero: its slices; dp's of the rest, the expert-dp group's of the experts)
-    stepped = (params_here - experts_here) / replicas + experts_here / (edp * c.cp) if c.zero else params_here
+    stepped = (params_here - experts_here) / replicas + experts_here / edp if c.zero else params_here
     # memory: weights, gradients, optimizer state (zero=1: state / dp; zero=3: all three / dp), activations
     shard = c.dp if c.zero == 3 else 1
     memory = dict(weights=params_here * BYTES["weight"] / shard, grads=params_here * BYTES["grad"] / shard,
@@ -152,8 +152,8 @@ def estimate(c: Candidate, prof, cluster, global_batch: int) -> Candidate:
         b = layers_here * block_b + outer_b + (1 + again) * tp_fwd
     p2p = cluster.collective_seconds("p2p", hidden_bytes / (t if c.sp else 1), 2, t * c.dp) if c.pp > 1 else 0.0
     calls, width = prof.a2a  # ep: each MoE layer's dispatch and combine, forward and backward
-    a2a = layers_here * calls * cluster.collective_seconds("all_to_all", tokens * width * act_bytes, c.ep, t) \
-        if c.ep > 1 else 0.0
+    a2a = layers_here * calls * cluster.collective_seconds(  # ep groups: consecutive ranks, tp's split the tokens
+        "all_to_all", tokens / (1 if c.sp else t) * width * act_bytes, c.ep, 1) if c.ep > 1 else 0.0
     # cp's ring: per layer K/V passed on cp - 1 times forward and again backward, dK/dV (fp32) cp times back,
     # each transfer hidden behind one block of the attention core (the core's FLOPs over cp steps)
     ring_f = ring_b = 0.0
@@ -173,7 +173,7 @@ def estimate(c: Candidate, prof, cluster, global_batch: int) -> Candidate:
 
     def over_dp(op, per_param):  # the experts' over the ranks holding the same ones (ep > 1), the rest over dp
         return cluster.collective_seconds(op, (params_here - experts_here) * per_param, replicas, t) + \
-            cluster.collective_seconds(op, experts_here * per_param, edp * c.cp, t * c.ep)
+            cluster.collective_seconds(op, experts_here * per_param, edp, c.ep)
     if c.zero:  # the reduce-scatter overlapped; the stepped slices' all-gather after the step (zero=3: the
         # weights' gathers, twice a block, inside the forward and backward)
         dp_time = over_dp("dp_reduce_scatter", BYTES["grad"])

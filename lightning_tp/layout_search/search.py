@@ -70,7 +70,7 @@ def _with_batch(prof, cluster, global_batch, zeros, recompute, t, cp, pp):
     dp = cluster.gpus // (t * cp * pp)
     if global_batch % dp:
         return
-    eps = [e for e in _divisors(dp) if prof.experts % e == 0] if prof.experts else [1]  # experts over dp
+    eps = [e for e in _divisors(t * cp * dp) if prof.experts % e == 0] if prof.experts else [1]  # a stage's ranks
     for mbs in MICROBATCH_SIZES:
         if (global_batch // dp) % mbs:
             continue
