@@ -89,8 +89,6 @@ elif os.environ.pop("TRITON_INTERPRET", "0") == "1":
     print("gpu_check: TRITON_INTERPRET=1 ignored (it would interpret the kernels on the GPU)", file=sys.stderr)
 
 sys.path.insert(0, str(ROOT))
-# bench/ itself off the path: its kernels.py would shadow the `kernels` package transformers 5 imports
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402

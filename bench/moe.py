@@ -1,9 +1,11 @@
-"""Expert parallelism on the example GPT's MoE (2 CPU processes, gloo), side by side in one run.
+"""Expert parallelism against replicated experts (2 CPU processes, gloo), side by side in one run.
 
-ep=2 (each rank 1/2 of the experts, all-to-all dispatch) against ep=1 (experts replicated, dp=2), in
-alternating rounds. Printed: median step time as a ratio to ep=1, expert parameters and optimizer
-state per rank, the dispatch all-to-all bytes per step counted against explain's formula, and the
-tokens each expert got in the last step. Usage: python bench/moe.py [--steps 20 --rounds 3]
+Rows: the example GPT's MoE, Hugging Face Mixtral and DeepSeek-V3 (transformers 5.x: experts as one module
+of 3-D weights) at ep=2 against dp=2 with every expert on both ranks, and Mixtral at tp=2 x ep=2 (the ep
+group is the tp pair: experts beyond dp) against tp=2 alone, in alternating rounds. Printed per row: median
+step time as a ratio to its baseline; for the GPT, expert parameters and optimizer state per rank, the
+dispatch all-to-all bytes per step against explain's formula, and the tokens each expert got in the last
+step. Usage: python bench/moe.py [--steps 20 --rounds 3 --rows gpt,mixtral,deepseek_v3,mixtral_tp2]
 """
 
 import argparse
@@ -24,6 +26,42 @@ from lightning_tp.layout_search.calibrate import step_times  # noqa: E402
 
 MODEL = dict(n_layer=4, n_embd=128, block_size=64, n_expert=8, n_expert_per_token=2)
 BATCH, WARMUP = 16, 3
+# Hugging Face configs of the same size: 4 layers, width 128, 8 experts, top-2, byte-level vocabulary
+HF_COMMON = dict(vocab_size=256, hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+                 max_position_embeddings=128, attention_dropout=0.0, tie_word_embeddings=False)
+HF = {"mixtral": ("MixtralConfig", dict(intermediate_size=512, num_local_experts=8, num_experts_per_tok=2,
+                                        router_jitter_noise=0.0)),
+      "deepseek_v3": ("DeepseekV3Config", dict(intermediate_size=512, moe_intermediate_size=512, n_routed_experts=8,
+                                               num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
+                                               n_shared_experts=1, q_lora_rank=64, kv_lora_rank=64, qk_rope_head_dim=16,
+                                               qk_nope_head_dim=16, v_head_dim=32, rope_scaling=None))}
+# row: (model, baseline layout, expert-parallel layout)
+ROWS = {"gpt": ("gpt", {}, dict(ep=2)), "mixtral": ("mixtral", {}, dict(ep=2)),
+        "deepseek_v3": ("deepseek_v3", {}, dict(ep=2)), "mixtral_tp2": ("mixtral", dict(tp=2), dict(tp=2, ep=2))}
+
+
+class HFCausalLM(L.LightningModule):
+    """A Hugging Face causal LM from a config (no download), as a user would wrap it."""
+
+    def __init__(self, family: str, small: bool = False):
+        super().__init__()
+        import transformers
+
+        name, kw = HF[family]
+        kw = dict(HF_COMMON, **kw)
+        if small:
+            kw.update(hidden_size=32, intermediate_size=64, num_hidden_layers=2)
+            kw.update({k: 32 for k in ("moe_intermediate_size", "q_lora_rank", "kv_lora_rank") if k in kw})
+            kw.update({k: 8 for k in ("qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim") if k in kw})
+        self.model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, name)(**kw))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self.model(input_ids=x).logits
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=3e-3)
 
 
 class TokensPerExpert(L.Callback):
@@ -44,14 +82,19 @@ class TokensPerExpert(L.Callback):
             self._handle = moe.gate.register_forward_hook(hook)
 
 
-def _fit(ep: int, steps: int, world: int, model_args: dict):
+def _model(name: str, model_args: dict, small: bool):
+    return LitGPT(**model_args) if name == "gpt" else HFCausalLM(name, small)
+
+
+def _fit(name: str, layout: dict, steps: int, world: int, model_args: dict, small: bool):
     L.seed_everything(0, verbose=False)
     timer, tokens = step_times(), TokensPerExpert()
-    strategy = MegaStrategy(ep=ep, timeout=300)
+    strategy = MegaStrategy(**layout, timeout=300)
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=steps,
-                        callbacks=[timer, tokens], logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, limit_val_batches=0)
-    model = LitGPT(**model_args)
+                        callbacks=[timer] + ([tokens] if name == "gpt" else []), logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        limit_val_batches=0)
+    model = _model(name, model_args, small)
     with comm.count_collectives() as records:
         trainer.fit(model, ShakespeareData(block_size=model_args["block_size"], batch_size=BATCH))
     a2a = sum(n * (8 if op == "all_to_all_counts" else 4) for op, n, g in records if op.startswith("all_to_all"))
@@ -61,48 +104,66 @@ def _fit(ep: int, steps: int, world: int, model_args: dict):
     return dict(times=timer.times[WARMUP:], a2a=a2a / steps, experts=experts, state=state, tokens=tokens.counts)
 
 
-def _worker(rank, world, steps, rounds, model_args):
+def _worker(rank, world, rows, steps, rounds, model_args, small):
     import lightning.pytorch.utilities.rank_zero as rz
     import logging
 
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     rz.rank_zero_info = lambda *a, **k: None
-    results = {1: [], 2: []}
+    results = {(row, side): [] for row in rows for side in (0, 1)}
     for _ in range(rounds):
-        for ep in (1, 2):
-            results[ep].append(_fit(ep, steps, world, model_args))
+        for row in rows:
+            name, base, ep = ROWS[row]
+            for side, layout in enumerate((base, ep)):
+                results[(row, side)].append(_fit(name, layout, steps, world, model_args, small))
     return results
+
+
+def _label(layout: dict) -> str:
+    return " x ".join(f"{k}={v}" for k, v in layout.items()) or "dp=2"
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rows", default=",".join(ROWS), help=f"a comma-separated choice of {list(ROWS)}")
     parser.add_argument("--smoke", action="store_true", help="a tiny model, one round, a few steps: the path, no figures")
     args = parser.parse_args()
-    model_args = dict(MODEL)
+    model_args, rows = dict(MODEL), args.rows.split(",")
     if args.smoke:
         args.steps, args.rounds = WARMUP + 2, 1
         model_args.update(n_layer=1, n_embd=32, block_size=16)
     world = 2
-    ranks = run_local(world, _worker, args.steps, args.rounds, model_args, timeout=3600)
-    median = {ep: statistics.median(t for r in ranks for run in r[ep] for t in run["times"]) for ep in (1, 2)}
-    per_round = [statistics.median(ranks[0][2][i]["times"]) / statistics.median(ranks[0][1][i]["times"])
-                 for i in range(args.rounds)]
+    ranks = run_local(world, _worker, rows, args.steps, args.rounds, model_args, args.smoke, timeout=3600)
+    import transformers
+
+    print(f"{world} processes, batch {BATCH} x {model_args['block_size']} tokens per replica, transformers "
+          f"{transformers.__version__}; median step time (all ranks, all rounds), expert-parallel / baseline")
+    print(f"{'model':<12} {'baseline':<10} {'expert-parallel':<16} {'base ms':>8} {'ep ms':>8} {'ratio':>6}   per round")
+    for row in rows:
+        name, base, ep = ROWS[row]
+        median = [statistics.median(t for r in ranks for run in r[(row, side)] for t in run["times"]) for side in (0, 1)]
+        per_round = [statistics.median(ranks[0][(row, 1)][i]["times"]) / statistics.median(ranks[0][(row, 0)][i]["times"])
+                     for i in range(args.rounds)]
+        print(f"{name:<12} {_label(base):<10} {_label(ep):<16} {median[0] * 1e3:>8.1f} {median[1] * 1e3:>8.1f} "
+              f"{median[1] / median[0]:>6.3f}   " + ", ".join(f"{x:.3f}" for x in per_round))
+    if "gpt" in rows:
+        _gpt_details(ranks, model_args, world)
+
+
+def _gpt_details(ranks, model_args, world):
     est = explain(LitGPT(**model_args), dp=world, ep=2, batch_shape=(BATCH, model_args["block_size"]), print_report=False)
-    counted = sum(r[2][-1]["a2a"] for r in ranks)
-    print(f"example GPT MoE: {model_args}, batch {BATCH} per rank, {world} processes (dp={world})")
-    print(f"step time ep=2 / ep=1 (median): {median[2] / median[1]:.3f}   per round (rank 0): "
-          + ", ".join(f"{x:.3f}" for x in per_round))
-    print(f"median step: ep=1 {median[1] * 1e3:.1f} ms, ep=2 {median[2] * 1e3:.1f} ms")
-    for ep in (1, 2):
-        run = ranks[0][ep][-1]
+    counted = sum(r[("gpt", 1)][-1]["a2a"] for r in ranks)
+    print(f"example GPT MoE: {model_args}")
+    for side, ep in ((0, 1), (1, 2)):
+        run = ranks[0][("gpt", side)][-1]
         print(f"ep={ep}: expert parameters per rank {run['experts']:,}, optimizer state per rank "
               f"{run['state'] / 2**20:.2f} MiB")
     print(f"all-to-all bytes per step, both ranks: counted {counted:,.0f}, explain {2 * est.rank(0).ep_bytes:,} "
           f"(ratio {counted / (2 * est.rank(0).ep_bytes):.4f})")
     for r, rank in enumerate(ranks):
-        print(f"tokens per expert, layer 0, last step, rank {r}: {rank[2][-1]['tokens']}")
+        print(f"tokens per expert, layer 0, last step, rank {r}: {rank[('gpt', 1)][-1]['tokens']}")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ Shapes are those of a 7B-class model step: 8 x 2048 tokens, hidden 4096, 32 head
 16384, vocab 32k and 128k, bf16. Printed as ratios (baseline / fused: > 1 means the fused kernel
 is faster or uses less memory). Needs a CUDA GPU; without one it says so and exits 0.
 
-    python bench/kernels.py [--only layer_norm,cross_entropy] [--no-compile]
+    python bench/fused_kernels.py [--only layer_norm,cross_entropy] [--no-compile]
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true", help="a tiny model, one round, a few steps: the path, no figures")
     args = ap.parse_args()
     if not torch.cuda.is_available():
-        print("bench/kernels.py needs a CUDA GPU (none found); nothing to measure.")
+        print("bench/fused_kernels.py needs a CUDA GPU (none found); nothing to measure.")
         return 0
     dev, dt = torch.device("cuda"), torch.bfloat16
     only = [o for o in args.only.split(",") if o]
