@@ -113,7 +113,7 @@ class Probe(L.Callback):
         held = [p.grad for g in optimizer.param_groups for p in g["params"]]
         held += [p.grad for p in pl_module.parameters()]  # zero=1 drops them: none left
         self.bytes["grads"] = _storages(held)
-        overlap = getattr(trainer.strategy, "_dp_overlap", None)  # private: the buckets the backward starts
+        overlap = trainer.strategy._grads.overlap  # private: the buckets the backward starts
         self.bytes["buckets"] = len(getattr(overlap, "buckets", []))
 
     def on_train_batch_end(self, trainer, pl_module, *args):

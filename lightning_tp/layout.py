@@ -34,6 +34,7 @@ class Layout:
     core: tuple  # what selective recomputation recomputes in each block
     selected: list  # (list path, index) of blocks whose core is recomputed
     full_keys: list  # the whole module's state_dict keys, before any cut
+    places: Optional[list] = None  # (list path, index) of this rank's blocks (random streams, zero=3's units)
 
 
 def resolve_layout(config: ParallelConfig, module: nn.Module, pp_rank: int, nccl: bool = False) -> Layout:
@@ -69,7 +70,18 @@ def resolve_layout(config: ParallelConfig, module: nn.Module, pp_rank: int, nccl
         from .checkpoints.plain import check_full
 
         check_full(config.load_full, full_keys)
-    return Layout(matches, declared, stages, carried, hf_modules, choices, recomputed, core, selected, full_keys)
+    places = block_places(config, module, stages, pp_rank) if config.tp > 1 or config.pp > 1 or config.zero == 3 \
+        else None
+    return Layout(matches, declared, stages, carried, hf_modules, choices, recomputed, core, selected, full_keys, places)
+
+
+def block_places(config: ParallelConfig, module, stages, pp_rank: int) -> Optional[list]:
+    """(list path, index) of the blocks rank ``pp_rank`` runs: its stages', or every block of the lists the plan
+    (or ``pipeline_blocks``) names; None when the model has no block list (only without a pipeline)."""
+    try:
+        return recompute.block_places(module, stages, pp_rank, config.pipeline_blocks or plan_blocks(module, config.plan))
+    except ValueError:
+        return None
 
 
 def _every_stage(pp: int, pp_rank: int, find):

@@ -4,7 +4,7 @@ same on every rank (every check first). See docs/design/strategy.md."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -12,21 +12,18 @@ import torch.distributed as dist
 from .dp import grads
 from .recompute import full as recompute, selective
 from .config import ModelChoices, ParallelConfig
-from .layout import plan_blocks, resolve_layout
+from .layout import resolve_layout
 from .context.runtime import ContextParallel
-from .dp.overlap import DPOverlap
 from .experts import router_carry
 from .experts.apply import apply_experts
 from .kernels.inject import apply_kernels
 from .layers.attention import TPMultiheadAttention
 from .layers.linear import ColumnParallelLinear, RowParallelLinear
-from .marks import marks_of
 from .mesh import use_tied_ranks
 from .pipeline.cut.block_lists import block_at, block_key, called_parts
 from .pipeline.run.executor import PipelineRunner
 from .pipeline.cut.placeholders import meta_twins
 from .tp_in_pp.sharded_twins import shard_twins
-from .dp.zero import fsdp
 from .pipeline.run.side_inputs import SideInputCheck
 from .tp_in_pp import sp_stages
 from .pipeline.cut.split import apply_split
@@ -59,16 +56,16 @@ class Parallelized:
     twins: list
     streams: Optional[BlockStreams]
     context: Optional[ContextParallel] = None  # cp > 1: the cp run (see .context)
+    places: Optional[list] = None  # (list path, index) of this rank's blocks (see layout.block_places)
 
 
-def parallelize(config: ParallelConfig, mesh, module, device, grads_armed: Callable[[], bool]):
-    """Make ``module`` this rank's part of ``config``'s layout on ``mesh``; ``grads_armed()`` says whether
-    a backward should start the dp gradient sync. Returns (pipeline runner or None, dp overlap or None;
-    None too for a module parallelized before, which keeps its layout and takes ``mesh``'s groups)."""
+def parallelize(config: ParallelConfig, mesh, module, device):
+    """Make ``module`` this rank's part of ``config``'s layout on ``mesh``. Returns the pipeline runner or None;
+    a module parallelized before keeps its layout and takes ``mesh``'s groups. Gradients: dp.sync.GradSync."""
     _share_groups_in_copies()
     done = getattr(module, "_lightning_tp", None)
     if done is not None:
-        return _reuse(config, mesh, module, done, device), None  # the strategy keeps its overlap, if any
+        return _reuse(config, mesh, module, done, device)
     # 1. every check, on every rank alike, before any collective (no change to the module either)
     plan = resolve_layout(config, module, mesh.pp_rank, nccl=config.pipelined and on_nccl())
     layout, matches, declared, carried = plan.stages, plan.matches, plan.expert_styles, plan.carried
@@ -103,8 +100,7 @@ def parallelize(config: ParallelConfig, mesh, module, device, grads_armed: Calla
                                  mesh.tp_group if config.sp and config.tp > 1 else None, declared)
         runner = PipelineRunner(module, mesh, layout, state, config.schedule, config.microbatches,
                                 batched=_batched(config), device=device, split_backward=plan.choices.split_backward)
-    streams = _block_streams(config, mesh, module, layout, device)
-    overlap = _dp_overlap(config, mesh, module, runner, grads_armed)
+    streams = _block_streams(config, mesh, module, layout, plan.places, device)
     contexts = {id(m.ctx): m.ctx for m in replaced.values() if hasattr(m, "ctx")}
     for ctx in contexts.values():  # a stage cannot tell the next one to leave SP for a forward
         ctx.sp_fallback = config.pp == 1
@@ -114,9 +110,10 @@ def parallelize(config: ParallelConfig, mesh, module, device, grads_armed: Calla
     if context is not None:
         context.install(module)
     module._lightning_tp = Parallelized(config, plan.choices, list(contexts.values()), runner, tied_ranks,
-                                        meta_twins(module, split) if config.pp > 1 else [], streams, context)
+                                        meta_twins(module, split) if config.pp > 1 else [], streams, context,
+                                        plan.places)
     _set_metric_groups(module, mesh.dp_group)
-    return runner, overlap
+    return runner
 
 
 def _reuse(config, mesh, module, done: Parallelized, device):
@@ -167,17 +164,14 @@ def _take_over_hf_checkpointing(modules) -> None:
                    "backward, inside the stage.")
 
 
-def _block_streams(config, mesh, module, layout, device):
-    """tp/pp > 1: this rank's blocks draw from their own random streams (see :mod:`.rng`), seeded
-    from global rank 0's seed. None where no block list is found (a model without repeated blocks)."""
+def _block_streams(config, mesh, module, layout, found, device):
+    """tp/pp > 1: this rank's blocks (``found``: their places) draw from their own random streams (see
+    :mod:`.recompute.rng`), seeded from global rank 0's seed. None without a block list."""
     if config.tp == 1 and config.pp == 1:
         return None
     seed = torch.tensor([torch.initial_seed() & ((1 << 63) - 1)], dtype=torch.int64, device=device)
     dist.broadcast(seed, src=0)
-    try:
-        found = recompute.block_places(module, layout, mesh.pp_rank,
-                                       config.pipeline_blocks or plan_blocks(module, config.plan))
-    except ValueError:  # no block list (only without a pipeline)
+    if found is None:  # no block list (only without a pipeline)
         if config.tp > 1 and any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in module.modules()):
             from lightning.pytorch.utilities import rank_zero_warn
 
@@ -197,21 +191,6 @@ def _block_streams(config, mesh, module, layout, device):
     streams = BlockStreams(int(seed.item()), mesh.pp_rank, mesh.tp_rank, config.sp, device)
     streams.install(module, blocks, enters, leaves)
     return streams
-
-
-def _dp_overlap(config, mesh, module, runner, grads_armed):
-    """dp > 1: the all-reduce of gradients overlapped with the backward (see :mod:`.dp.overlap`)."""
-    if mesh.replicas == 1 or config.zero:  # zero=1: its own overlap, once the optimizer is sharded (see .zero)
-        return None
-    params = [p for p in module.parameters() if not marks_of(p).expert]  # experts: synced over expert-dp after
-    if runner is None:
-        return DPOverlap(params, mesh.dp_group, mesh.replicas, armed=grads_armed)
-    # a pipeline's backward runs per microbatch: only its last one starts the sync, and only without
-    # accumulation over batches (then its tensor is the step's gradient, see merge_grads)
-    overlap = DPOverlap(params, mesh.dp_group, mesh.replicas, hooked=False,
-                        armed=lambda: grads_armed() and module.trainer.accumulate_grad_batches == 1)
-    runner.dp_overlap = overlap
-    return overlap
 
 
 def _share_groups_in_copies() -> None:
@@ -235,24 +214,6 @@ def _broadcast_initial_weights(module, device) -> None:
             t.copy_(synced)
         if all(t.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr() for t in bucket):
             flat.untyped_storage().resize_(0)  # freed now: gloo's worker thread keeps its last work's tensors
-
-
-def shard_over_dp(config: ParallelConfig, mesh, module) -> bool:
-    """zero=3 at dp > 1: the parameters sharded over dp with FSDP2, each block a unit (see .zero.fsdp);
-    whether they were. Call after the module has its tp layout, dtype and device."""
-    if config.zero != 3 or mesh.dp == 1:
-        return False
-    fsdp.shard_parameters(module, mesh.device_mesh["dp"], fsdp_blocks(config, module))
-    return True
-
-
-def fsdp_blocks(config: ParallelConfig, module) -> list:
-    """The blocks zero=3 shards as units of their own (none without a block list: the whole model is one)."""
-    try:
-        places = recompute.block_places(module, None, 0, config.pipeline_blocks or plan_blocks(module, config.plan))
-    except ValueError:
-        return []
-    return [block_at(module.get_submodule(path), i) for path, i in places]
 
 
 def _set_metric_groups(module, dp_group) -> None:

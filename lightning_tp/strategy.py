@@ -36,11 +36,9 @@ from .faults.restarts import attempt_store, keep_global_batch, restarted
 from .faults.notes import FailureNotes, raise_on_every_rank
 from .mesh import ParallelMesh, build_mesh, gloo_twin_of_replica_group
 from .pipeline.run.epoch_end import install as install_epoch_end_sync
-from .pipeline.run.executor import PipelineRunner
-from .parallelize import parallelize, shard_over_dp
+from .parallelize import parallelize
 from .trainer.same_batch import BatchBroadcast
-from .dp.zero import fsdp, shard_optimizers
-from .dp.zero.overlap import ZeroOverlap
+from .dp.sync import GradSync
 
 
 def _step_args(args, kwargs, loop_batch_idx) -> tuple:
@@ -125,9 +123,7 @@ class MegaStrategy(ParallelStrategy):
         if sp and not self.config.sp:
             rank_zero_warn("MegaStrategy(sp=True) needs tp > 1; sequence parallelism is off for tp=1.")
         self._runner = None
-        self._dp_overlap = None
-        self._zero = []  # zero=1: the sharded optimizers (see .zero)
-        self._fsdp = False  # zero=3: the parameters sharded over dp by FSDP2 (see .zero.fsdp)
+        self._grads = None  # how gradients cross dp: zero=0, 1 or 3 (see .dp.sync), made with the mesh
         self._process_group_backend = process_group_backend
         self._timeout = timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout
         self._start_method = start_method
@@ -249,12 +245,12 @@ class MegaStrategy(ParallelStrategy):
             self._resume_newest(trainer)
         module = self.lightning_module
         reused = getattr(module, "_lightning_tp", None) is not None
-        if not reused and self._dp_overlap is not None:
-            self._dp_overlap.remove()
-        self._runner, overlap = parallelize(self.config, self.mesh, module, self.root_device, lambda: self._sync_grads)
+        self._runner = parallelize(self.config, self.mesh, module, self.root_device)
         self._context = module._lightning_tp.context
         context_runtime.activate(self._context)  # cp > 1: torch's attention context-parallel (else torch's own)
-        self._dp_overlap = self._dp_overlap if reused else overlap
+        if self._grads is None:
+            self._grads = GradSync(self.config, self.mesh, lambda: self._sync_grads)
+        self._grads.attach(module, self._runner, reused)
         if self._runner is not None:
             install_epoch_end_sync(trainer, self._runner)
         copy_averaged_models_again(trainer, self.lightning_module)
@@ -262,8 +258,7 @@ class MegaStrategy(ParallelStrategy):
         for twin in self.lightning_module._lightning_tp.twins:  # placeholders' zeros in the model's dtype
             self.precision_plugin.convert_module(twin)
         self.model_to_device()
-        self._fsdp = fsdp.sharded_before(self.lightning_module) if reused else \
-            shard_over_dp(self.config, self.mesh, self.lightning_module)
+        self._grads.shard_module(module, module._lightning_tp.places)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             raise_on_every_rank("configure_optimizers", lambda: self.setup_optimizers(trainer), self.global_rank,
@@ -271,18 +266,10 @@ class MegaStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
-            self._zero = self._shard_optimizers()
-            if self._zero:  # its reduce-scatter overlapped with the backward (a pipeline's: each chunk's last)
-                if self._dp_overlap is not None:
-                    self._dp_overlap.remove()
-                if self._runner is None:
-                    self._dp_overlap = ZeroOverlap(self._zero, lambda: self._sync_grads)
-                else:  # only without accumulation over batches (then the step's tensor is the gradient)
-                    self._dp_overlap = self._runner.dp_overlap = ZeroOverlap(
-                        self._zero, lambda: self._sync_grads and trainer.accumulate_grad_batches == 1, hooked=False)
+            self._grads.shard_optimizers(self.optimizers, module)
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
         scaler = getattr(self.precision_plugin, "scaler", None)
-        if scaler is not None and (self.tp * self.pp > 1 or self._zero or self._fsdp):  # fp16 AMP: one skip-or-step decision
+        if scaler is not None and (self.tp * self.pp > 1 or self._grads.sharded):  # fp16 AMP: one skip-or-step decision
             # for all (under zero=1/3 each dp rank unscales only its slices)
             grads.agree_on_overflow(scaler)
 
@@ -307,20 +294,6 @@ class MegaStrategy(ParallelStrategy):
 
         connector._restore_modules_and_callbacks = restore_newest
 
-    def _shard_optimizers(self) -> list:
-        """zero=1 at dp > 1: each optimizer sharded over dp (checked on every rank first); a warning at dp = 1
-        (zero=3: FSDP2 has sharded the parameters, and so the optimizer's state, already)."""
-        if not self.config.zero:
-            return []
-        if self.mesh.replicas == 1:
-            rank_zero_warn(f"MegaStrategy(zero={self.config.zero}) shards over data-parallel ranks, but dp=1 here "
-                           f"(world {self.world_size} / (tp={self.tp} x pp={self.pp})): nothing is sharded.")
-            return []
-        if not self.lightning_module.automatic_optimization:
-            raise ValueError(f"MegaStrategy(zero={self.config.zero}) needs automatic optimization; with manual "
-                             f"optimization use zero=0.")
-        return [] if self._fsdp else shard_optimizers(self.optimizers, self.mesh)
-
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
@@ -340,7 +313,7 @@ class MegaStrategy(ParallelStrategy):
         return self._runner
 
     def training_step(self, *args, **kwargs):
-        if self._fsdp:  # through the module's call, which runs FSDP2's hooks
+        if self._grads.fsdp:  # through the module's call, which runs FSDP2's hooks
             with self.precision_plugin.train_step_context():
                 return self._forward_redirection(self.model, self.lightning_module, "training_step", *args, **kwargs)
         if self._runner is None:
@@ -398,7 +371,7 @@ class MegaStrategy(ParallelStrategy):
             self._context.done()
 
     def _eval_step_plain(self, hook, context, *args, **kwargs):
-        if self._fsdp:
+        if self._grads.fsdp:
             with context():
                 return self._forward_redirection(self.model, self.lightning_module, hook, *args, **kwargs)
         if self._runner is None:
@@ -422,7 +395,7 @@ class MegaStrategy(ParallelStrategy):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
-        PipelineRunner.merge_grads(self.lightning_module, self._dp_overlap)
+        self._grads.merge_pipeline_grads(self.lightning_module)
         closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
         self.post_backward(closure_loss)
         return closure_loss
@@ -444,23 +417,15 @@ class MegaStrategy(ParallelStrategy):
         if streams is not None:  # a refusal made while recomputing, which torch only warned about
             streams.raise_pending()
         if self._sync_grads:  # manual optimization may sync several times before its optimizer step
-            grads.sync_gradients(self.lightning_module.parameters(), self.mesh, self._dp_overlap,
-                                 repeated=not self.lightning_module.automatic_optimization, zero=self._zero)
+            self._grads.sync(self.lightning_module.parameters(), repeated=not self.lightning_module.automatic_optimization)
 
     def optimizer_step(self, optimizer, closure, model=None, **kwargs):
         out = super().optimizer_step(optimizer, closure, model, **kwargs)
-        sharded = getattr(getattr(optimizer, "_optimizer", optimizer), "_lightning_tp_zero", None)
-        if sharded is not None:  # zero=1: every rank's stepped slices back into the parameters
-            sharded.all_gather()
-        if not self.lightning_module.automatic_optimization:  # this optimizer's: another may go on accumulating
-            grads.forget_sums(p for group in optimizer.param_groups for p in group["params"])
+        self._grads.after_step(optimizer, self.lightning_module.automatic_optimization)
         return out
 
     def _clip_grad_by_norm(self, optimizer, clip_val) -> None:
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        grads.clip_grad_norm(params, float(clip_val), self.mesh,
-                            zero=getattr(getattr(optimizer, "_optimizer", optimizer), "_lightning_tp_zero", None),
-                            device=self.root_device)  # a rank without gradients (frozen stage) too
+        self._grads.clip(optimizer, float(clip_val), self.root_device)  # a rank without gradients (frozen stage) too
 
     # ------------------------------------------------------------------ collectives for Lightning
 
@@ -554,7 +519,7 @@ class MegaStrategy(ParallelStrategy):
             self._requeue = None
         if self._context is not None:
             context_runtime.activate(None)
-        if not self._fsdp:
+        if self._grads is None or not self._grads.fsdp:
             return super().teardown()
         # zero=3, as Lightning's ModelParallelStrategy: the module stays where it is (moving FSDP2's DTensors
         # would make new parameter objects, apart from the optimizer's and without their marks)

@@ -66,7 +66,7 @@ def train_all(rank, world, configs, ckdir):
         trainer.save_checkpoint(path)
         replicated = {n: whole(p).detach().clone() for n, p in model.named_parameters() if marks_of(p).tp_spec is None}
         scaler = getattr(trainer.precision_plugin, "scaler", None)
-        overlap = trainer.strategy._dp_overlap
+        overlap = trainer.strategy._grads.overlap
         out[name] = dict(losses=rec.losses, dp_overlap=overlap is not None, weights=consolidate(path) if rank == 0 else None,
                          launched_early=getattr(overlap, "launched_early", None),
                          buckets=None if overlap is None else overlap.early_buckets,

@@ -40,8 +40,10 @@ class Record(L.Callback):
 
     def _write(self, trainer, **extra):
         record = dict(losses=self.losses, started=self.started, world=trainer.world_size, **extra)
-        with open(os.path.join(OUT, f"attempt{ATTEMPT}_rank{trainer.global_rank}.json"), "w") as f:
-            json.dump(record, f)
+        path = os.path.join(OUT, f"attempt{ATTEMPT}_rank{trainer.global_rank}.json")
+        with open(path + ".tmp", "w") as f:  # then renamed: a rank killed while writing (a lost agent's other
+            json.dump(record, f)  # worker) leaves its last whole record, not an empty file
+        os.replace(path + ".tmp", path)
 
     def on_train_batch_start(self, trainer, pl_module, *args):
         if self.started is None:

@@ -21,7 +21,7 @@ TABLE = {
     "cp.py": r"step time at \d+ tokens against cp=1",
     "export_memory.py": r"plain\s+peak .* x largest tensor",
     "fused_kernels.py": r"needs a CUDA GPU|fused ms",  # on CPU it says so and measures nothing (the kernels: gpu_check)
-    "moe.py": r"deepseek_v3\s+dp=2\s+ep=2 [\s\S]* all-to-all bytes per step, both ranks: counted",
+    "moe.py": r"deepseek_v3\s+dp=2\s+ep=2[\s\S]*all-to-all bytes per step, both ranks: counted",
     "overhead.py": r"overhead ratio \(mega / single\)",
     "pipeline.py": r"1\) Our executor: measured step time",
     "plan_cpu.py": r"largest deviation .* rank correlation",

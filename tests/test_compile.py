@@ -41,7 +41,7 @@ def _fit(model, world, schedule=None, overlap=None, **options):
                         num_sanity_val_steps=0, use_distributed_sampler=False, callbacks=[seen])
     trainer.fit(model, net_loader())
     if overlap is not None:  # dp: (buckets the last step's backward started, buckets a backward may start)
-        overlap.extend([trainer.strategy._dp_overlap.launched_early, trainer.strategy._dp_overlap.early_buckets])
+        overlap.extend([trainer.strategy._grads.overlap.launched_early, trainer.strategy._grads.overlap.early_buckets])
     weights = {k: v.detach().clone() for k, v in model.state_dict().items() if k.startswith("blocks.")
                and not getattr(v, "is_meta", False) and v.numel()}
     return seen.losses, weights

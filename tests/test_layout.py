@@ -113,6 +113,6 @@ def test_parallelize_refuses_before_any_collective(name, tmp_path, monkeypatch):
     module, config, words = _case(name, tmp_path)
     mesh = types.SimpleNamespace(pp_rank=0, tp_rank=0, world_size=config.tp * config.pp * config.cp * config.dp)
     with pytest.raises(ValueError) as err:
-        P.parallelize(config, mesh, module, torch.device("cpu"), lambda: True)
+        P.parallelize(config, mesh, module, torch.device("cpu"))
     assert all(w in str(err.value) for w in words), (words, str(err.value))
 

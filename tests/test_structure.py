@@ -2,6 +2,7 @@
 the tests' shape: no test module imports another (what they share lives in helpers.py, models.py, dist.py)."""
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -170,3 +171,27 @@ def test_flat_modules_are_the_public_face_and_the_spine():
     tree = (ROOT / "docs" / "design" / "README.md").read_text()
     folders = sorted(p.name for p in PKG.iterdir() if p.is_dir() and (p / "__init__.py").exists())
     assert all(f"  {name}/" in tree for name in folders), "docs/design/README.md's tree lacks a folder"
+
+
+# what decides how gradients cross dp (zero=0, 1 or 3): made in dp/sync.py only (explain builds them to count)
+GRAD_SYNC_MAKERS = re.compile(r"(?<!_grads\.)\b(DPOverlap|ZeroOverlap|shard_optimizers|shard_parameters|fully_shard)\(")
+
+
+def _makers_outside(allowed: set) -> list:
+    found = []
+    for path in PKG.rglob("*.py"):
+        rel = str(path.relative_to(PKG))
+        for line in path.read_text().splitlines():
+            code = line.split("#")[0]
+            if GRAD_SYNC_MAKERS.search(code) and not code.lstrip().startswith(("def ", "class ")) \
+                    and rel not in allowed:
+                found.append(f"{rel}: {line.strip()}")
+    return found
+
+
+def test_one_object_owns_the_gradient_sync():
+    """GradSync (dp/sync.py) makes the overlaps, the sharded optimizers and FSDP2's units; the modules that
+    define them and explain's cost model (which builds them to count buckets) are the only others."""
+    allowed = {"dp/sync.py", "explain/estimate.py", "dp/zero/fsdp.py", "dp/zero/optimizer.py", "dp/zero/__init__.py"}
+    assert not _makers_outside(allowed)
+    assert _makers_outside(allowed - {"dp/sync.py"}), "the check found nothing to refuse"

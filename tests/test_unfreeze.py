@@ -75,7 +75,7 @@ def _fit_all(rank, world, runs, ckdir):
         trainer = L.Trainer(devices=world, strategy=strategy, max_steps=STEPS, callbacks=[rec, unfreeze],
                             **trainer_kwargs())
         trainer.fit(model, TokenData(STEPS * BATCH * world, VOCAB, BATCH))
-        overlap = trainer.strategy._dp_overlap
+        overlap = trainer.strategy._grads.overlap
         path = f"{ckdir}/{name}.ckpt"
         trainer.save_checkpoint(path)
         out[name] = dict(losses=rec.losses, weights=consolidate(path) if rank == 0 else None,

@@ -7,7 +7,6 @@ from __future__ import annotations
 import functools
 import sys
 
-import torch
 from torch import nn
 
 from .. import comm

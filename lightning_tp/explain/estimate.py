@@ -29,8 +29,8 @@ from ..context.chunks import check_length
 from ..context.costs import ring_bytes, ring_flop_per_byte
 from ..context.model_checks import check_model
 from ..mesh import ParallelMesh
-from ..layout import stage_layout
-from ..parallelize import fsdp_blocks
+from ..layout import block_places, stage_layout
+from ..dp.sync import fsdp_blocks
 from .costs import (
     cost_entries,
     saved_scores,
@@ -408,7 +408,7 @@ def _fsdp_costs(local: nn.Module, params: list, config, acc: int, gb: int, state
     """zero=3 (FSDP2): dp rank 0's shards (ceil(rows / dp) of each tensor), and per step each unit's all-gather
     (a block's twice: forward and backward; the root's once) and reduce-scatter, padded to dp x a shard."""
     dp = config.dp
-    blocks = [list(b.parameters()) for b in fsdp_blocks(config, local)]
+    blocks = [list(b.parameters()) for b in fsdp_blocks(local, block_places(config, local, None, 0))]
     in_blocks = {id(p) for b in blocks for p in b}
     root = [p for p in params if id(p) not in in_blocks]
     shard = lambda ps: sum(_rows_of(p, dp) for p in ps)  # noqa: E731
