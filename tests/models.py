@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import lightning as L
 import torch
 import torch.nn.functional as F
@@ -699,16 +701,63 @@ def trainer_kwargs(**kw):
 
 
 _REFERENCES: dict = {}
+# references kept on disk between test processes and runs, under a key that covers the code and versions
+# they may depend on (this file, examples/, lightning_tp/ for QAT references, torch, lightning, transformers,
+# litgpt); LIGHTNING_TP_REFERENCE_CACHE="" turns it off
+REFERENCE_CACHE = os.environ.get("LIGHTNING_TP_REFERENCE_CACHE",
+                                 os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                              ".cache", "references"))
 
 
 def reference_run(kind: str, model_kw: dict, steps: int, batch: int, samples: int | None = None,
                   crops: bool = False, **trainer_kw):
     """The ground truth: the same seeded module trained by Lightning on one process (on ``samples``
-    samples, epoch after epoch, if given). Trained once per set of arguments in a test process."""
+    samples, epoch after epoch, if given). Trained once per set of arguments (see REFERENCE_CACHE)."""
     key = repr((kind, sorted(model_kw.items()), steps, batch, samples, crops, sorted(trainer_kw.items())))
     if key not in _REFERENCES:
-        _REFERENCES[key] = _train_reference(kind, model_kw, steps, batch, samples, crops, **trainer_kw)
+        path = _cached_at(key)
+        if path is not None and os.path.exists(path):
+            saved = torch.load(path, weights_only=True)
+            _REFERENCES[key] = (saved["losses"], saved["weights"], saved["metrics"])
+        else:
+            _REFERENCES[key] = _train_reference(kind, model_kw, steps, batch, samples, crops, **trainer_kw)
+            if path is not None:
+                losses, weights, metrics = _REFERENCES[key]
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                torch.save(dict(losses=losses, weights=weights, metrics=metrics), f"{path}.{os.getpid()}")
+                os.replace(f"{path}.{os.getpid()}", path)  # whole or absent for a process reading it
     return _REFERENCES[key]
+
+
+_CODE: list = []
+
+
+def _cached_at(key: str):
+    if not REFERENCE_CACHE:
+        return None
+    import hashlib
+
+    if not _CODE:
+        _CODE.append(_code_and_versions())
+    return os.path.join(REFERENCE_CACHE, hashlib.sha256((_CODE[0] + key).encode()).hexdigest()[:32] + ".pt")
+
+
+def _code_and_versions() -> str:
+    import hashlib
+    import importlib.metadata
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for f in [Path(__file__).resolve()] + sorted((root / "examples").rglob("*.py")) + \
+            sorted((root / "lightning_tp").rglob("*.py")):
+        h.update(str(f.relative_to(root)).encode() + f.read_bytes())
+    for package in ("torch", "lightning", "transformers", "litgpt"):
+        try:
+            h.update(f"{package}={importlib.metadata.version(package)}".encode())
+        except importlib.metadata.PackageNotFoundError:
+            h.update(f"{package}=none".encode())
+    return h.hexdigest()
 
 
 def _train_reference(kind, model_kw, steps, batch, samples, crops, **trainer_kw):
