@@ -11,6 +11,7 @@ import torch.distributed as dist
 from lightning_tp import comm
 from lightning_tp.mesh import ParallelMesh
 from lightning_tp.strategy import MegaStrategy
+from lightning_tp.dp.sync import GradSync
 from lightning_tp.dp.zero.optimizer import ShardedOptimizer
 
 ROOT = torch.device("meta")
@@ -46,6 +47,7 @@ def test_clipping_on_a_rank_without_gradients_reduces_on_the_root_device(collect
         sharded = _zero_without_grads(torch.nn.Parameter(torch.ones(3, device=ROOT)))
         sharded.norm_parts = types.MethodType(ShardedOptimizer.norm_parts, sharded)
     optimizer = types.SimpleNamespace(param_groups=[{"params": [frozen]}], _lightning_tp_zero=sharded)
-    strategy = types.SimpleNamespace(mesh=ParallelMesh(tp=1, pp=2, dp=1, rank=0, mp_group="mp"), root_device=ROOT)
+    sync = GradSync(None, ParallelMesh(tp=1, pp=2, dp=1, rank=0, mp_group="mp"), lambda: True)
+    strategy = types.SimpleNamespace(_grads=sync, root_device=ROOT)  # the strategy hands its root device over
     MegaStrategy._clip_grad_by_norm(strategy, optimizer, 1.0)
     assert len(collectives_on_root) == (2 if zero else 1)

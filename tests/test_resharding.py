@@ -46,6 +46,10 @@ CASES = {
     # transformers 5.x: each ep rank's slice of the 3-D expert weights, then whole on each tp rank, and back
     "mixtral_ep2_to_tp2": ("hf_mixtral", {}, (2, dict(ep=2)), (2, dict(tp=2))),
     "mixtral_tp2_to_ep2": ("hf_mixtral", {}, (2, dict(tp=2)), (2, dict(ep=2))),
+    # experts beyond dp: the ep group is the tp pair (folded), resumed with it over the dp pair, and the
+    # example GPT's experts (a ModuleList: whole experts, one name each) from the tp pair to one process
+    "mixtral_tp2_ep2_to_dp2_ep2": ("hf_mixtral", {}, (2, dict(tp=2, ep=2)), (2, dict(ep=2))),
+    "gpt_moe_tp2_ep2_to_one": ("gpt", dict(n_expert=4), (2, dict(tp=2, ep=2)), (1, {})),
     "gpt_first_format": ("gpt", {}, (1, {}), (1, {})),  # saved as the first format did: still resumes
     # context parallelism changes nothing in what is saved: resumed without it, and into it
     "gpt_cp2_tp2_to_pp2": ("gpt", {}, (4, dict(cp=2, tp=2)), (2, PP)),
