@@ -40,7 +40,7 @@ SLOW_LOG ?= .slow-tests.log
 test: test-main test-compat
 
 test-main: $(STAMP)
-	@$(PY) -m pytest tests -m slow -p no:cacheprovider --basetemp=.pytest-tmp/slow --durations=10 > $(SLOW_LOG) 2>&1 & slow=$$!; \
+	@mkdir -p .pytest-tmp; $(PY) -m pytest tests -m slow -p no:cacheprovider --basetemp=.pytest-tmp/slow --durations=10 > $(SLOW_LOG) 2>&1 & slow=$$!; \
 	$(PY) -m pytest tests -m "not slow" $(XDIST) --basetemp=.pytest-tmp/main --durations=30; rc=$$?; \
 	wait $$slow; rc2=$$?; echo "---- tests marked slow ($(SLOW_LOG))"; cat $(SLOW_LOG); \
 	for r in $$rc $$rc2; do if [ $$r -ne 0 ] && [ $$r -ne 5 ]; then exit $$r; fi; done; exit 0
