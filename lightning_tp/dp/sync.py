@@ -60,7 +60,7 @@ class GradSync:
     def shard_optimizers(self, optimizers, module) -> None:
         """zero=1 at dp > 1: each optimizer sharded over dp, its reduce-scatter overlapped with the backward; a
         warning at dp = 1 (zero=3: FSDP2 has sharded the parameters, and so the optimizer's state, already)."""
-        if not self.config.zero or self.fsdp:
+        if not self.config.zero:
             return
         if self.mesh.replicas == 1:
             rank_zero_warn(f"MegaStrategy(zero={self.config.zero}) shards over data-parallel ranks, but dp=1 here "
@@ -70,7 +70,7 @@ class GradSync:
         if not module.automatic_optimization:
             raise ValueError(f"MegaStrategy(zero={self.config.zero}) needs automatic optimization; with manual "
                              f"optimization use zero=0.")
-        self.zero = shard_optimizers(optimizers, self.mesh)
+        self.zero = [] if self.fsdp else shard_optimizers(optimizers, self.mesh)
         if not self.zero:
             return
         self.remove()
