@@ -26,7 +26,7 @@ from .pipeline.cut.placeholders import meta_twins
 from .tp_in_pp.sharded_twins import shard_twins
 from .pipeline.run.side_inputs import SideInputCheck
 from .tp_in_pp import sp_stages
-from .pipeline.cut.split import apply_split
+from .pipeline.cut.split import Cut, apply_split
 from .pipeline.run.stage import install as install_stages
 from .checkpoints.plain import load_full
 from .plans import swap
@@ -74,7 +74,7 @@ def parallelize(config: ParallelConfig, mesh, module, device):
         _broadcast_initial_weights(module, device)
     if plan.hf_checkpointing:
         _take_over_hf_checkpointing(plan.hf_checkpointing)
-    split = apply_split(module, layout, mesh.pp_rank) if config.pp > 1 else {"silence": {}, "twins": {}}
+    split = apply_split(module, layout, mesh.pp_rank) if config.pp > 1 else Cut()
     tied_ranks = layout.replica_ranks() if config.pp > 1 and layout.lists else ()
     if len(tied_ranks) > 1:
         use_tied_ranks(mesh, tied_ranks)
@@ -91,10 +91,10 @@ def parallelize(config: ParallelConfig, mesh, module, device):
     selective.apply(selective.blocks_at(module, plan.selected), plan.core)
     runner = None
     if config.pipelined:
-        silence = [(module.get_submodule(name), twin, runs) for name, (twin, runs) in split["silence"].items()]
+        silence = [(module.get_submodule(name), twin, runs) for name, (twin, runs) in split.silence.items()]
         side = SideInputCheck.for_mesh(mesh, layout.pp) if config.pp > 1 else None
-        state = install_stages(layout.blocks(module), layout, mesh.pp_rank, silence, split["twins"], side,
-                               split.get("companion_twins"))
+        state = install_stages(layout.blocks(module), layout, mesh.pp_rank, silence, split.twins, side,
+                               split.companion_twins)
         if carried is not None:
             router_carry.install(module, state, carried, mesh.dp_group, config.pp,
                                  mesh.tp_group if config.sp and config.tp > 1 else None, declared)

@@ -11,20 +11,20 @@ from ..pipeline.cut.block_lists import block_key
 from ..pipeline.cut.placeholders import PipelinePlaceholder
 
 
-def shard_twins(module: nn.Module, layout, split: dict, matches: list, tp: int, rank: int) -> None:
+def shard_twins(module: nn.Module, layout, split, matches: list, tp: int, rank: int) -> None:
     """Shard every twin the split made (see :func:`..pipeline.cut.split.apply_split`) as tp rank ``rank``'s
-    modules, in place: placeholders' twins and ``split``'s "silence", "twins" and "companion_twins". After
+    modules, in place: placeholders' twins and the Cut ``split``'s silence, twins and companion_twins. After
     the model's own sharding, before the stage wrappers take the twins."""
     for name, m in module.named_modules():
         if isinstance(m, PipelinePlaceholder):
             m._twin[0] = _sharded(name, m._twin[0], matches, tp, rank)
     blocks = layout.blocks(module)
-    split["twins"] = {i: _sharded(blocks.name(i), twin, matches, tp, rank) for i, twin in split["twins"].items()}
-    split["silence"] = {name: (_sharded(name, twin, matches, tp, rank), runs)
-                        for name, (twin, runs) in split["silence"].items()}
-    split["companion_twins"] = {
+    split.twins = {i: _sharded(blocks.name(i), twin, matches, tp, rank) for i, twin in split.twins.items()}
+    split.silence = {name: (_sharded(name, twin, matches, tp, rank), runs)
+                     for name, (twin, runs) in split.silence.items()}
+    split.companion_twins = {
         (c, i): _sharded(f"{c}.{block_key(module.get_submodule(c), i)}", twin, matches, tp, rank)
-        for (c, i), twin in split.get("companion_twins", {}).items()}
+        for (c, i), twin in split.companion_twins.items()}
 
 
 def _sharded(path: str, twin: nn.Module, matches: list, tp: int, rank: int) -> nn.Module:

@@ -60,7 +60,7 @@ def test_each_rank_keeps_its_blocks_its_embedding_copy_and_the_norms_it_runs():
                           head=not isinstance(model.model.decoder, ShapeOnly),
                           encoder=[not isinstance(b, SkippedBlock) for b in t.encoder.layers],
                           decoder=[not isinstance(b, SkippedBlock) for b in t.decoder.layers],
-                          tied=sorted(marks_of(p).pp_tied for p in split["tied"]))
+                          tied=sorted(marks_of(p).pp_tied for p in split.tied))
     assert kept[0] == dict(embedding=True, encoder_norm=True, decoder_norm=False, head=False,
                            encoder=[True, True], decoder=[False, False], tied=[True])
     assert kept[1] == dict(embedding=True, encoder_norm=False, decoder_norm=True, head=True,
@@ -78,8 +78,8 @@ def test_the_decoders_first_stage_does_not_run_what_only_the_encoders_input_uses
     model = make_model(kind)
     layout = plan_stages(model, 2, 1, lookup.blocks_path(model, "auto"), [2, 2])
     split = apply_split(model, layout, 1)  # holds the decoder's first block and a copy of the first stage's
-    assert all(split["silence"][name][1] == {0} for name in silenced), split["silence"].keys()
-    assert not any(name in split["silence"] for name in kept)
+    assert all(split.silence[name][1] == {0} for name in silenced), split.silence.keys()
+    assert not any(name in split.silence for name in kept)
 
 
 def test_interleaved_chunks_silence_what_they_do_not_run():
@@ -89,13 +89,13 @@ def test_interleaved_chunks_silence_what_they_do_not_run():
     for rank in (0, 1):
         model, layout = _layout(2, 2, nlayers=3, stage_layers=[1, 1, 1, 3])
         split = apply_split(model, layout, rank)
-        silenced[rank] = {name: runs for name, (_, runs) in split["silence"].items()}
-        assert len(split["tied"]) == 1  # the embedding, copied to both ranks
+        silenced[rank] = {name: runs for name, (_, runs) in split.silence.items()}
+        assert len(split.tied) == 1  # the embedding, copied to both ranks
     assert silenced[0] == {"model.embedding": {0, 3}, "model.transformer.encoder.norm": {2}}
     assert silenced[1] == {"model.embedding": {0, 3}}
     model, layout = _layout(2, 2)  # one block a stage: both of rank 0's chunks (0, 2) use the embedding
     split = apply_split(model, layout, 0)
-    assert (split["tied"], split["silence"]) == ([], {}) and sorted(split["twins"]) == [0, 2]
+    assert (split.tied, split.silence) == ([], {}) and sorted(split.twins) == [0, 2]
 
 
 @pytest.mark.parametrize("pp, v, holders", [(2, 1, (0, 1)), (2, 2, (0, 1)), (4, 1, (0, 2, 3))])
@@ -105,9 +105,9 @@ def test_a_tied_head_makes_the_last_stage_hold_a_silent_copy(pp, v, holders):
     assert layout.tied_head and layout.replica_ranks() == holders
     split = apply_split(model, layout, pp - 1)
     weight = model.model.decoder.weight
-    assert model.model.embedding.weight is weight and split["tied"] == [weight] and marks_of(weight).pp_tied
+    assert model.model.embedding.weight is weight and split.tied == [weight] and marks_of(weight).pp_tied
     runs_there = pp - 1 in {k % pp for k in layout.runs()["before"]}  # the decoder starts on the last rank
-    assert ("model.embedding" in split["silence"]) == (not runs_there)
+    assert ("model.embedding" in split.silence) == (not runs_there)
 
 
 def test_a_message_packs_several_tensors_and_unpacks_to_the_receivers_shapes():
@@ -223,7 +223,7 @@ def _staged(base, stage_layers, x):
         layout = plan_stages(model, 2, 1, ["encoder.layers", "decoder.layers"], stage_layers)
         split = apply_split(model, layout, rank)
         state = install(layout.blocks(model), layout, rank,
-                        [(model.get_submodule(n), twin, runs) for n, (twin, runs) in split["silence"].items()])
+                        [(model.get_submodule(n), twin, runs) for n, (twin, runs) in split.silence.items()])
         state.run.vstage, state.run.activation = rank, message
         try:
             out = model(x)
@@ -275,7 +275,7 @@ def test_a_bf16_model_staged_matches_it_unstaged():
             for twin in meta_twins(model, split):
                 twin.to(torch.bfloat16)
             state = install(layout.blocks(model), layout, rank, [(model.get_submodule(n), t, r) for n, (t, r)
-                                                                 in split["silence"].items()], split["twins"])
+                                                                 in split.silence.items()], split.twins)
             state.run.vstage, state.run.activation = rank, message
             try:
                 out = run(model)

@@ -179,7 +179,7 @@ def _staged(base, x, grad=True, models=None):
         layout = plan_stages(model, 2)
         split = apply_split(model, layout, rank)
         state = install(layout.blocks(model), layout, rank,
-                        [(model.get_submodule(n), twin, runs) for n, (twin, runs) in split["silence"].items()],
+                        [(model.get_submodule(n), twin, runs) for n, (twin, runs) in split.silence.items()],
                         side=side)
         state.run.vstage, state.run.activation = rank, message
         with torch.set_grad_enabled(grad):
@@ -219,7 +219,7 @@ def test_a_stage_sends_where_it_stops_and_waits_for_its_input_at_its_first_block
         layout = plan_stages(model, 2)
         split = apply_split(model, layout, rank)
         state = install(layout.blocks(model), layout, rank,
-                        [(model.get_submodule(n), twin, runs) for n, (twin, runs) in split["silence"].items()])
+                        [(model.get_submodule(n), twin, runs) for n, (twin, runs) in split.silence.items()])
         state.run.vstage = rank
         if rank == 0:
             state.run.send_at_stop = sent.append

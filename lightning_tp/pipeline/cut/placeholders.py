@@ -53,12 +53,12 @@ class PipelinePlaceholder(nn.Module):
         return f"{self.skipped} (on another stage)"
 
 
-def meta_twins(module: nn.Module, split: dict) -> list:
+def meta_twins(module: nn.Module, split) -> list:
     """Every meta twin a split made (placeholders', silenced modules', a rank's interleaved blocks'):
     whatever changes the model's dtype (bf16-true) must change theirs too, or their stand-ins stay fp32."""
     twins = [m._twin[0] for m in module.modules() if isinstance(m, PipelinePlaceholder)]
-    return twins + [twin for twin, _ in split["silence"].values()] + list(split["twins"].values()) + \
-        list(split.get("companion_twins", {}).values())
+    return twins + [twin for twin, _ in split.silence.values()] + list(split.twins.values()) + \
+        list(split.companion_twins.values())
 
 
 class SkippedBlock(PipelinePlaceholder):

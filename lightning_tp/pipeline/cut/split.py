@@ -5,7 +5,7 @@ See docs/design/pipeline-cut.md.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import nn
 
@@ -167,9 +167,20 @@ def plan_stages(model: nn.Module, pp: int, v: int = 1, blocks=None, stage_layers
     return StageLayout(path, ranges, pp, v, lists, tied_head, companions)
 
 
-def apply_split(model: nn.Module, layout: StageLayout, pp_rank: int) -> dict:
-    """Replace what this rank does not own with placeholders. Returns {"tied", "silence", "twins",
-    "companion_twins"} (see docs/design/pipeline-cut.md)."""
+@dataclass
+class Cut:
+    """What :func:`apply_split` left on a rank: its copies of tied weights, the modules it holds without
+    running them in some chunks (name: (meta twin, runs)), and its interleaved blocks' meta twins."""
+
+    tied: list = field(default_factory=list)
+    silence: dict = field(default_factory=dict)
+    twins: dict = field(default_factory=dict)  # block index: meta twin
+    companion_twins: dict = field(default_factory=dict)  # (companion list path, index): meta twin
+
+
+def apply_split(model: nn.Module, layout: StageLayout, pp_rank: int) -> Cut:
+    """Replace what this rank does not own with placeholders; returns the :class:`Cut` (see
+    docs/design/pipeline-cut.md)."""
     blocks = layout.blocks(model)
     mine = set()
     for k in layout.vstages_of(pp_rank):
@@ -216,7 +227,7 @@ def apply_split(model: nn.Module, layout: StageLayout, pp_rank: int) -> dict:
     for p in tied:  # numbered as in the unsplit model: every copy sums in one order (see grads._sum_tied)
         set_marks(p, pp_tied=True, pp_tied_index=order[id(p)], pp_copy=bool(layout.lists))
     holds_tied = pp_rank in (layout.replica_ranks() if layout.lists else (0, layout.pp - 1))
-    return {"tied": tied if holds_tied else [], "silence": silence, "twins": twins, "companion_twins": companion_twins}
+    return Cut(tied if holds_tied else [], silence, twins, companion_twins)
 
 
 def _encoder_only(model: nn.Module, layout: StageLayout) -> set:
