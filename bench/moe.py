@@ -32,7 +32,7 @@ HF_COMMON = dict(vocab_size=256, hidden_size=128, num_hidden_layers=4, num_atten
 HF = {"mixtral": ("MixtralConfig", dict(intermediate_size=512, num_local_experts=8, num_experts_per_tok=2,
                                         router_jitter_noise=0.0)),
       "deepseek_v3": ("DeepseekV3Config", dict(intermediate_size=512, moe_intermediate_size=512, n_routed_experts=8,
-                                               num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
+                                               num_experts_per_tok=2, n_group=4, topk_group=2, first_k_dense_replace=1,
                                                n_shared_experts=1, q_lora_rank=64, kv_lora_rank=64, qk_rope_head_dim=16,
                                                qk_nope_head_dim=16, v_head_dim=32, rope_scaling=None))}
 # row: (model, baseline layout, expert-parallel layout)
