@@ -79,7 +79,8 @@ def parallelize(config: ParallelConfig, mesh, module, device):
     if len(tied_ranks) > 1:
         use_tied_ranks(mesh, tied_ranks)
     apply_experts(module, mesh, config.pp, config.sp, config.moe_capacity, declared)
-    replaced = swap.apply(module, matches, mesh.tp_group, config.tp, mesh.tp_rank, config.sp)
+    # under a pipeline a stage cannot tell the next one to leave SP for a forward: no fallback
+    replaced = swap.apply(module, matches, mesh.tp_group, config.tp, mesh.tp_rank, config.sp, sp_fallback=config.pp == 1)
     if config.pp > 1 and config.tp > 1:
         shard_twins(module, layout, split, matches, config.tp, mesh.tp_rank)
     apply_kernels(module, config.kernels)
@@ -102,8 +103,6 @@ def parallelize(config: ParallelConfig, mesh, module, device):
                                 batched=_batched(config), device=device, split_backward=plan.choices.split_backward)
     streams = _block_streams(config, mesh, module, layout, plan.places, device)
     contexts = {id(m.ctx): m.ctx for m in replaced.values() if hasattr(m, "ctx")}
-    for ctx in contexts.values():  # a stage cannot tell the next one to leave SP for a forward
-        ctx.sp_fallback = config.pp == 1
     if config.pp > 1:
         sp_stages.install(layout, runner.state, matches, contexts.values(), config.tp)
     context = ContextParallel(mesh, config.cp_attention) if config.cp > 1 else None

@@ -19,14 +19,15 @@ from .lookup import join, module_at
 from .sizes import head_replicas, set_attrs
 
 
-def apply(model: nn.Module, matches: list, group, tp: int, rank: int, sp: bool) -> dict:
-    """Replace the planned modules in place; returns {path: new module}. A module held under several
-    paths (T5's ``shared`` is also each stack's ``embed_tokens``) is replaced under all of them."""
+def apply(model: nn.Module, matches: list, group, tp: int, rank: int, sp: bool, sp_fallback: bool = True) -> dict:
+    """Replace the planned modules in place; returns {path: new module}. A module held under several paths
+    (T5's ``shared``) is replaced under all; ``sp_fallback``: see TPContext (False under a pipeline)."""
     memo, replaced, aliases = {}, {}, defaultdict(list)
     for name, module in model.named_modules(remove_duplicate=False):
         aliases[id(module)].append(name)
     for m in matches:
-        ctx = TPContext(group=group, world=tp, rank=rank, sp=sp and m.sp_start is not None, seq_dim=m.plan.seq_dim)
+        ctx = TPContext(group=group, world=tp, rank=rank, sp=sp and m.sp_start is not None, seq_dim=m.plan.seq_dim,
+                        sp_fallback=sp_fallback)
         has_ce = any(style == "vocab_ce" for _, style, _ in m.entries)
         head, head_elsewhere = None, False
         for path, style, options in m.entries:
