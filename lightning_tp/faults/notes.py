@@ -51,10 +51,11 @@ class FailureNotes:
         self.prefix = f"lightning_tp/failed/{next(_runs)}"
         self.rank, self.world, self.beat, self.step, self.hang = rank, world, beat, -1, hang
         self._seen = (None, time.monotonic())  # the watched rank's last heartbeat, and when it was new here
-        self._stop = threading.Event()
+        self._stop, self._thread = threading.Event(), None
         if beat:
             self._beat()
-            threading.Thread(target=self._beating, name="lightning_tp heartbeat", daemon=True).start()
+            self._thread = threading.Thread(target=self._beating, name="lightning_tp heartbeat", daemon=True)
+            self._thread.start()
 
     @classmethod
     def open(cls, mesh, beat: float = 5.0, hang: float | None = None):
@@ -118,7 +119,12 @@ class FailureNotes:
                 pass
 
     def close(self) -> None:
+        """Stop the heartbeat, and wait for a store call it may be in: a process must not exit, and destroy the
+        store, under a thread still using it."""
         self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=max(10.0, 2 * self.wait.total_seconds()))
+            self._thread = None
         if self.beat:
             try:
                 self.store.set(f"{self.prefix}/alive/{self.rank}", "done")  # ended, not silent
