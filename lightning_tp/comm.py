@@ -100,7 +100,6 @@ def split(t: torch.Tensor, dim: int, group) -> torch.Tensor:
     return t.narrow(dim, group_rank(group) * (size // world), size // world).contiguous()
 
 
-
 def row_range(total: int, world: int, rank: int) -> tuple:
     """(start, count) of ``rank``'s rows when ``total`` rows are split as evenly as they go over ``world``."""
     base, extra = divmod(total, world)

@@ -116,7 +116,7 @@ class ParallelConfig:
 
     def with_world(self, world_size: int) -> "ParallelConfig":
         """The same options with dp set from the world size (an error saying what to set if tp*pp does not
-        divide it, or ep the data-parallel size)."""
+        divide it, or ep a stage's tp x cp x dp ranks)."""
         dp = data_parallel_size(world_size, self.tp, self.pp, self.cp)
         stage = self.tp * self.cp * dp
         if stage % self.ep:

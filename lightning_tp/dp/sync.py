@@ -41,13 +41,8 @@ class GradSync:
         if self.mesh.replicas == 1 or self.config.zero:  # zero=1: its own overlap, once the optimizer is sharded
             return
         params = [p for p in module.parameters() if not marks_of(p).expert]  # experts: over expert-dp, after
-        if runner is None:
-            self.overlap = DPOverlap(params, self.mesh.dp_group, self.mesh.replicas, armed=self.armed)
-            return
-        trainer = module.trainer
-        self.overlap = runner.dp_overlap = DPOverlap(
-            params, self.mesh.dp_group, self.mesh.replicas, hooked=False,
-            armed=lambda: self.armed() and trainer.accumulate_grad_batches == 1)
+        self._install(module, lambda armed, hooked: DPOverlap(params, self.mesh.dp_group, self.mesh.replicas,
+                                                              armed=armed, hooked=hooked))
 
     def shard_module(self, module, places) -> None:
         """zero=3 at dp > 1: the parameters sharded over dp with FSDP2, each of ``places``' blocks a unit.
@@ -71,15 +66,19 @@ class GradSync:
             raise ValueError(f"MegaStrategy(zero={self.config.zero}) needs automatic optimization; with manual "
                              f"optimization use zero=0.")
         self.zero = [] if self.fsdp else shard_optimizers(optimizers, self.mesh)
-        if not self.zero:
-            return
-        self.remove()
+        if self.zero:
+            self.remove()
+            self._install(module, lambda armed, hooked: ZeroOverlap(self.zero, armed, hooked=hooked))
+
+    def _install(self, module, make) -> None:
+        """``make(armed, hooked)``'s overlap: hooked on the backward, or under a pipeline started by its runner's
+        last microbatch, and only without accumulation over batches (then its tensor is the step's gradient)."""
         if self.runner is None:
-            self.overlap = ZeroOverlap(self.zero, self.armed)
-        else:
-            trainer = module.trainer
-            self.overlap = self.runner.dp_overlap = ZeroOverlap(
-                self.zero, lambda: self.armed() and trainer.accumulate_grad_batches == 1, hooked=False)
+            self.overlap = make(self.armed, True)
+            return
+        trainer = module.trainer
+        self.overlap = self.runner.dp_overlap = make(
+            lambda: self.armed() and trainer.accumulate_grad_batches == 1, False)
 
     @property
     def sharded(self) -> bool:

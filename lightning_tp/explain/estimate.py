@@ -377,7 +377,7 @@ def _dp_costs(params: list, experts: set, config, pp_rank: int, tp_rank: int, gr
     dense = [p for p in trained if id(p) not in experts]  # ``experts``: those ep > 1 splits, synced over expert-dp
     whole = sum(p.numel() for p in trained)
     held, ops, out, left, slots = whole, [], {}, [p for p in trained if id(p) in experts], 0
-    if config.zero and (dp > 1 or edp > 1) and trained:
+    if config.zero and dp > 1 and trained:
         for p in left:
             set_marks(p, expert=True)  # as the strategy marks them
         mesh = ParallelMesh(tp=config.tp, pp=config.pp, dp=dp, ep=config.ep, rank=pp_rank * dp * config.tp + tp_rank)

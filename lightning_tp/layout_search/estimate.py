@@ -152,8 +152,8 @@ def estimate(c: Candidate, prof, cluster, global_batch: int) -> Candidate:
         b = layers_here * block_b + outer_b + (1 + again) * tp_fwd
     p2p = cluster.collective_seconds("p2p", hidden_bytes / (t if c.sp else 1), 2, t * c.dp) if c.pp > 1 else 0.0
     calls, width = prof.a2a  # ep: each MoE layer's dispatch and combine, forward and backward
-    a2a = layers_here * calls * cluster.collective_seconds(  # ep groups: consecutive ranks, tp's split the tokens
-        "all_to_all", tokens / (1 if c.sp else t) * width * act_bytes, c.ep, 1) if c.ep > 1 else 0.0
+    a2a = layers_here * calls * cluster.collective_seconds(  # ep groups: consecutive ranks; each tp rank sends
+        "all_to_all", tokens / t * width * act_bytes, c.ep, 1) if c.ep > 1 else 0.0  # 1/tp (sp shard or share)
     # cp's ring: per layer K/V passed on cp - 1 times forward and again backward, dK/dV (fp32) cp times back,
     # each transfer hidden behind one block of the attention core (the core's FLOPs over cp steps)
     ring_f = ring_b = 0.0
