@@ -31,6 +31,8 @@ Rows (check | result | figure):
   * ``compiled <op> bf16``: the kernel under ``torch.compile`` against the float64 reference, and
     its time against ``torch.compile`` of the eager twin. An error raised by dynamo/inductor reads
     UNSUPPORTED (not a failure); wrong numbers FAIL.
+  * ``grouped expert GEMM``: ModuleList experts (the example GPT's) behind the dispatch as one grouped GEMM
+    per projection against the same layer's loop over them.
   * ``hf 5.x experts (grouped_mm) dispatched``: a transformers 5 Mixtral block whose experts module (3-D
     weights, its own grouped_mm) runs behind the expert-parallel dispatch, against the block's own.
   * ``cp blocks <dtype>`` / ``cp ring <dtype>``: context parallelism's block kernels against its fp32 math
@@ -685,6 +687,46 @@ def check_fused_experts():
                                     f"{times['dispatched'] / times['own']:.2f} ({'bf16' if CUDA else 'fp32'})")
 
 
+def check_grouped_experts():
+    """The example GPT's ``ModuleList`` experts behind the dispatch as grouped GEMMs (``torch._grouped_mm``)
+    against the same layer looping over them: output and gradient error, time of one fwd+bwd (bf16 on GPU)."""
+    import sys as _sys
+
+    _sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from examples.gpt.model import GPTConfig, MoE
+    from lightning_tp.experts import layer as ep_layer
+    from lightning_tp.experts.families import family_of
+
+    width, tokens = (64, 64) if DRY else (1024, 4096)
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    torch.manual_seed(0)
+    block = MoE(GPTConfig(n_embd=width, n_expert=8, n_expert_per_token=2, bias=False))
+    layer = ep_layer.expert_parallel(block, family_of(block), None, 1, 0).to(DEV, dtype)
+    x = torch.randn(1, tokens, width, device=DEV, dtype=dtype)
+    policy = ep_layer.runs_grouped
+
+    def step(loop: bool):
+        ep_layer.runs_grouped = lambda rows: not loop
+        try:
+            layer.zero_grad()
+            xx = x.detach().clone().requires_grad_(True)
+            y = layer(xx)
+            y.float().square().mean().backward()
+            return y.detach().float(), xx.grad.float(), [p.grad.float() for p in layer.parameters()]
+        finally:
+            ep_layer.runs_grouped = policy
+
+    if ep_layer.grouped_forward(list(layer.experts.values()), x.reshape(-1, width)[:8], [1] * 8) is None:
+        return FAIL, f"the experts were not grouped ({dtype} on {DEV})"
+    (ya, ga, pa), (yb, gb, pb) = step(True), step(False)
+    err = max([rel_err(yb, ya), rel_err(gb, ga)] + [rel_err(b, a) for a, b in zip(pa, pb)])
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    t_loop, t_grouped = median_ms(lambda: step(True), reps=5), median_ms(lambda: step(False), reps=5)
+    return (PASS if err <= tol else FAIL), (f"{tokens} tokens x {width}, 8 experts top-2, {str(dtype)[6:]}: err "
+                                            f"{fmt_e(err)} (tol {tol:.0e}) vs the loop; t grouped/loop "
+                                            f"{t_grouped / t_loop:.2f}")
+
+
 def check_gpt_int8_convert():
     """The converted GPT on the device against CPU, in three parts (see docs/gpu.md): each layer's int8
     GEMM + dequantization on the device's own codes, the codes themselves, the logits on shared codes."""
@@ -886,6 +928,7 @@ def main() -> int:
             rep.skip(check, "skipped: --no-compile")
         else:
             rep.run(check, check_compiled, case, torch.bfloat16, compiled=True)
+    rep.run("grouped expert GEMM (ModuleList experts)", check_grouped_experts)
     rep.run("hf 5.x experts (grouped_mm) dispatched", check_fused_experts)
     from bench import gpu_check_cp as cpc  # context parallelism: the ring in threads, the block kernels
     rep.run("cp ring (cp=4 threads)", cpc.check_ring, DEV, DRY, rel_err, fmt_e, median_ms)

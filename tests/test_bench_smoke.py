@@ -20,6 +20,7 @@ TABLE = {
     "checkpoint_save.py": r"async/sync blocking: [\d.]+",
     "cp.py": r"step time at \d+ tokens against cp=1",
     "export_memory.py": r"plain\s+peak .* x largest tensor",
+    "grouped_experts.py": r"\| 16 \| 4 \| 64 \| True \| [\d.]+ \| [\d.]+ \| [\d.]+ \|",
     "fused_kernels.py": r"needs a CUDA GPU|fused ms",  # on CPU it says so and measures nothing (the kernels: gpu_check)
     "moe.py": r"deepseek_v3\s+dp=2\s+ep=2[\s\S]*all-to-all bytes per step, both ranks: counted",
     "overhead.py": r"overhead ratio \(mega / single\)",

@@ -10,6 +10,7 @@ from torch import nn
 from .. import comm
 from .dispatch import capacity_of, combine, dispatch
 from .families import MoEFamily, check_block
+from .grouped import grouped_forward, runs_grouped
 
 
 class ExpertParallelMoE(nn.Module):
@@ -46,8 +47,7 @@ class ExpertParallelMoE(nn.Module):
         capacity = None if self.capacity_factor is None else \
             capacity_of(self.capacity_factor, mine.shape[0], self.top_k, self.num_experts)
         rows, per_expert, handle = dispatch(mine, idx, self.num_experts, self.group, capacity)
-        outs = [expert(chunk) for expert, chunk in zip(self.experts.values(), rows.split(per_expert))]
-        y = combine(torch.cat(outs) if outs else rows, weights, handle, self.group)
+        y = combine(self._experts(rows, per_expert), weights, handle, self.group)
         y = comm.gather_from_rows(y, x.shape[0], self.fold_group)
         if self.family.shared_expert:
             y = y + F.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
@@ -58,6 +58,14 @@ class ExpertParallelMoE(nn.Module):
             logits = comm.gather_to_full_sp(logits.view(shape[0], shape[1], -1), self.sp_group, dim=1)
             logits = logits.reshape(-1, logits.shape[-1])
         return y, logits
+
+    def _experts(self, rows: torch.Tensor, per_expert: list) -> torch.Tensor:
+        """This rank's experts on their runs of ``rows``: grouped GEMMs where they can be and pay, else one at a time."""
+        experts = list(self.experts.values())
+        y = grouped_forward(experts, rows, per_expert) if runs_grouped(rows) else None
+        if y is None:
+            y = torch.cat([expert(chunk) for expert, chunk in zip(experts, rows.split(per_expert))])
+        return y
 
     def extra_repr(self) -> str:
         return (f"{self.family.name}: experts {self.first}..{self.first + len(self.experts) - 1} of "
