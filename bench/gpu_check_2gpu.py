@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -31,6 +30,8 @@ if ARGS.cpu_dry_run:
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 import torch  # noqa: E402
+
+from lightning_tp.testing import free_port  # noqa: E402
 
 DRY = ARGS.cpu_dry_run
 TOL = {"32-true": 1e-5, "16-mixed": 5e-3, "bf16-mixed": 2e-2, "qat": 1e-3}
@@ -157,10 +158,29 @@ def primitives(rank: int, device) -> dict:
     return out
 
 
-def worker(rank: int, port: int, outdir: str, steps: int) -> None:
+def _port(rank: int, outdir: str) -> int:
+    """The rendezvous port: rank 0 picks a free one once both processes are up, and hands it over in a file.
+    Picked in the parent, it stayed free through the processes' imports, long enough for another program
+    to take it (every init then timed out on that program's socket)."""
+    path = Path(outdir) / "port"
+    if rank == 0:
+        port = free_port()
+        path.with_suffix(".tmp").write_text(str(port))
+        path.with_suffix(".tmp").rename(path)
+        return port
+    deadline = time.monotonic() + 300
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError("rank 0 wrote no rendezvous port in 300 s")
+        time.sleep(0.05)
+    return int(path.read_text())
+
+
+def worker(rank: int, outdir: str, steps: int) -> None:
     """One of the 2 processes: the primitives, then every layout and the zero=3 checkpoints; results to a file."""
     import torch.distributed as dist
 
+    port = _port(rank, outdir)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank),
                       LOCAL_RANK=str(rank), NODE_RANK="0", PL_DISABLE_FORK="1")
     torch.set_num_threads(1)
@@ -256,11 +276,8 @@ def main() -> int:
         print("gpu_check_2gpu: needs 2 GPUs (or --cpu-dry-run)", file=sys.stderr)
         return 2
     steps, t0 = (2 if DRY else 4), time.perf_counter()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as outdir:
-        mp.start_processes(worker, args=(port, outdir, steps), nprocs=2, start_method="spawn", join=True)
+        mp.start_processes(worker, args=(outdir, steps), nprocs=2, start_method="spawn", join=True)
         res = torch.load(os.path.join(outdir, "0.pt"), weights_only=True)
     table = rows(res, steps)
     fails = sum(r[1] == "FAIL" for r in table)
