@@ -4,6 +4,9 @@ import sys
 # Triton reads this once, at its first import (lightning imports triton): the kernel tests run the
 # Triton kernels on CPU tensors in the interpreter. Dispatch elsewhere stays on the torch path.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# One intra-op thread in the pytest processes too (their launches' ranks have one each): two workers whose
+# references ran on every core spun OpenMP threads against the ranks of the other worker's launch.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 for p in (ROOT, os.path.join(ROOT, "tests")):
@@ -44,3 +47,17 @@ def bench_smoke(tmp_path_factory):
         log = (out / f"{s}.log").read_text() if (out / f"{s}.log").exists() else ""
         found[s] = (int(rc), float(seconds), log)
     return found
+
+
+# The costliest files first (worker-seconds of a run, most first), so that two xdist workers taking a file
+# at a time (make test: --dist loadfile --no-loadscope-reorder) end together: a long file started last
+# would leave the other worker idle. The torchrun restarts lead: their waits overlap the other's work.
+COSTLIEST = ("test_restart.py", "pipeline/test_pipeline.py", "test_hf.py", "test_planner.py", "test_resharding.py",
+             "test_bench_smoke.py", "test_compile.py", "test_parity.py", "test_explain.py", "test_experts.py",
+             "test_context.py", "test_checkpoint.py", "test_multinode.py", "test_zero3.py", "test_zero.py",
+             "test_failures.py", "test_planner_memory.py", "test_selective.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(COSTLIEST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0].removeprefix("tests/"), len(rank)))

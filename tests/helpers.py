@@ -7,6 +7,7 @@ pipeline model (Net) with its data."""
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 
 import lightning as L
@@ -21,7 +22,7 @@ from lightning_tp.kernels import torch_path
 from lightning_tp.marks import marks_of
 from models import LossRecorder, TokenData, make_model, reference_run, trainer_kwargs, vocab_of
 
-STEPS, BATCH, TOL = 20, 4, 1e-5
+STEPS, BATCH, TOL = int(os.environ.get("LTP_TEST_STEPS", 10)), 4, 1e-5
 QAT_LOSS_TOL, QAT_WEIGHT_TOL = 5e-4, 5e-3
 FP16_TOL = 5e-3  # fp16 autocast: the same ops, but CPU fp16 matmuls may block a microbatch differently
 FP16 = dict(fp16=True, max_steps=10)
@@ -87,7 +88,7 @@ def train_launch(world, configs, tmp_path_factory, tag):
 
 
 def steps_of(trainer_kw):
-    """A config may ask for fewer steps (``max_steps`` in its trainer kwargs; 20 by default), another
+    """A config may ask for other steps (``max_steps`` in its trainer kwargs; STEPS by default), another
     per-replica batch size (``batch``; BATCH by default) and a dataset size (``samples``, dp = 1 only:
     e.g. one that leaves each epoch a smaller last batch): all are taken out of the kwargs."""
     rest = {k: v for k, v in trainer_kw.items() if k not in ("max_steps", "batch", "samples", "crops")}

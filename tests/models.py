@@ -772,12 +772,14 @@ def _train_reference(kind, model_kw, steps, batch, samples, crops, **trainer_kw)
 
 
 def installed(kind: str) -> bool:
-    """Whether the packages model ``kind`` needs are installed: litgpt and transformers are optional extras,
-    and litgpt cannot share an environment with transformers 5.x (the suite runs in both)."""
+    """Whether model ``kind`` runs here: litgpt and transformers are optional extras, litgpt cannot share an
+    environment with transformers 5.x (the suite runs in both), and the compat run keeps model families only."""
     import importlib.util
 
     need = "litgpt" if kind.startswith("litgpt") else "transformers" if kind.startswith("hf_") else None
-    return need is None or importlib.util.find_spec(need) is not None
+    if need is None:  # this project's own models: the compat run (LTP_FAMILIES_ONLY) leaves them to the main one
+        return not os.environ.get("LTP_FAMILIES_ONLY")
+    return importlib.util.find_spec(need) is not None
 
 
 def runnable(runs: dict, kind_at: int = 0) -> dict:

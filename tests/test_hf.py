@@ -25,7 +25,7 @@ from models import make_model, runnable, transformers_major  # noqa: E402
 
 FAMILIES = ["hf_gpt2", "hf_llama", "hf_qwen2", "hf_mistral", "hf_qwen3", "litgpt"]
 PP = dict(pp=2, microbatches=2)
-TEN = dict(max_steps=10)
+TEN, TWENTY = dict(max_steps=10), dict(max_steps=20)
 
 WORLD2 = {}
 for fam in FAMILIES:
@@ -70,7 +70,7 @@ WORLD2["hf_gpt2_pp2_interleaved"] = ("hf_gpt2", dict(layers=4), dict(PP, schedul
                                                                        virtual_stages=2), TEN)
 # encoder-decoders: BART's three embedding modules and head tied to one weight (its embeddings scaled),
 # T5's one embedding module under three paths and per-head position bias, Whisper's keyword memory
-SEQ2SEQ = {"hf_bart": TEN, "hf_t5": TEN, "hf_whisper": {}}  # Whisper needs 20 steps to learn measurably
+SEQ2SEQ = {"hf_bart": TEN, "hf_t5": TEN, "hf_whisper": TWENTY}  # Whisper needs 20 steps to learn measurably
 WORLD2.update({f"{fam}_tp2": (fam, {}, dict(tp=2), steps) for fam, steps in SEQ2SEQ.items()})
 WORLD2["hf_mt5_tp2"] = ("hf_mt5", {}, dict(tp=2), TEN)  # T5's layout with a gated MLP and an untied head
 # sequence parallel: each stack's sequence split where its blocks begin, the encoder's output gathered
@@ -78,7 +78,7 @@ WORLD2["hf_mt5_tp2"] = ("hf_mt5", {}, dict(tp=2), TEN)  # T5's layout with a gat
 # (its default cross-attention mask), Whisper's spectrogram front-end before the encoder's blocks
 WORLD2.update({f"{fam}_tp2_sp": (fam, kw, dict(tp=2, sp=True), steps) for fam, kw, steps in
                (("hf_bart", dict(padded=True), TEN), ("hf_t5", {}, TEN), ("hf_mt5", {}, TEN),
-                ("hf_whisper", {}, {}))})
+                ("hf_whisper", {}, TWENTY))})
 # what the stacks return on request (hidden states, attention and cross-attention maps) is whole
 WORLD2.update({f"hf_{fam}_tp2_sp_hidden_loss": (f"hf_{fam}", dict(hidden_loss=True), dict(tp=2, sp=True), TEN)
                for fam in ("bart", "t5")})

@@ -195,3 +195,12 @@ def test_one_object_owns_the_gradient_sync():
     allowed = {"dp/sync.py", "explain/estimate.py", "dp/zero/fsdp.py", "dp/zero/optimizer.py", "dp/zero/__init__.py"}
     assert not _makers_outside(allowed)
     assert _makers_outside(allowed - {"dp/sync.py"}), "the check found nothing to refuse"
+
+
+def test_the_files_conftest_orders_first_exist():
+    """conftest.COSTLIEST names test files by path: a renamed one would silently lose its place."""
+    import conftest
+
+    tests = Path(__file__).resolve().parent
+    missing = [name for name in conftest.COSTLIEST if not (tests / name).exists()]
+    assert not missing, missing

@@ -41,6 +41,8 @@ WORLD4 = {
     "dp4_ep2_zero1_clip": ("gpt", MOE, dict(ep=2, zero=1), dict(gradient_clip_val=0.05)),
     # ep groups over tp (folded), the experts' slices over the other dp rank holding them
     "tp2_dp2_ep2_zero1_clip": ("gpt", MOE, dict(tp=2, ep=2, zero=1), dict(gradient_clip_val=0.05)),
+    # the same with two param groups (decay / no decay, another lr): experts' matrices and biases apart
+    "tp2_dp2_ep2_zero1_two_groups": ("gpt_two_groups", MOE, dict(tp=2, ep=2, zero=1), dict(gradient_clip_val=0.05)),
 }
 
 

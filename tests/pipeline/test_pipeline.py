@@ -82,7 +82,7 @@ WORLD2.update({
     "pp2_hf_t5_interleaved": ("hf_t5", {}, _pp(2, "interleaved_1f1b"), {}),
     # Whisper gives its decoder blocks encoder_hidden_states by keyword (it travels all the same); one
     # block a virtual stage cuts inside the encoder, at the decoder's start and inside the decoder
-    "pp2_hf_whisper_interleaved": ("hf_whisper", {}, _pp(2, "interleaved_1f1b"), {}),
+    "pp2_hf_whisper_interleaved": ("hf_whisper", {}, _pp(2, "interleaved_1f1b"), dict(max_steps=20)),  # learns slowly
     # bf16-true: placeholders' zeros follow the model's dtype (their meta twins are converted too); with
     # a padded source the cross-attention's mask is made from them (eager attention)
     "pp2_hf_bart_bf16_true_inside_the_decoder": ("hf_bart", dict(attention="eager", padded=True),
