@@ -86,6 +86,10 @@ class HFConfigPlan:
             inner = layers[0].get_submodule(parent.split(".*.", 1)[1]) if ".*." in parent else None
             if hasattr(inner, "num_key_value_groups"):  # read by repeat_kv: local q heads per local kv head
                 attrs[parent] = {"num_key_value_groups": f"kv_groups:{n_kv}"}
+                # older attention classes (4.x Qwen2-MoE) reshape with their own widths and head counts
+                attrs[parent].update({name: rule for name, rule in (("hidden_size", "divide"), ("num_heads", "divide"),
+                                                                    ("num_key_value_heads", "kv_heads"))
+                                      if isinstance(getattr(inner, name, None), int)})
             # per-head norms inside the region (Qwen3's q_norm/k_norm) see this rank's heads only
             for name, child in (inner.named_children() if inner is not None else ()):
                 if type(child).__name__.endswith(("Norm", "RMSNorm", "LayerNorm")):
