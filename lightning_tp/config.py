@@ -42,6 +42,7 @@ class ParallelConfig:
     cp_attention: str = "ring"
     dp: Optional[int] = None
     ep: int = 1
+    etp: int = 1
     moe_capacity: Optional[float] = None
     zero: int = 0
     microbatches: int = 1
@@ -63,7 +64,7 @@ class ParallelConfig:
     broadcast_batch: bool = True
 
     @classmethod
-    def resolve(cls, tp: int = 1, pp: int = 1, sp: bool = False, ep: int = 1, moe_capacity: Optional[float] = None,
+    def resolve(cls, tp: int = 1, pp: int = 1, sp: bool = False, ep: int = 1, etp: int = 1, moe_capacity: Optional[float] = None,
                 zero: int = 0, microbatches: Optional[int] = None,
                 schedule: str = "1f1b", virtual_stages: int = 1, split_backward="auto", pipeline_blocks=None,
                 stage_layers=None, activation_checkpointing=False, zb_keep_recomputed: bool = False,
@@ -75,10 +76,11 @@ class ParallelConfig:
         defaults; ``sp`` without tp > 1 becomes False (MegaStrategy warns about it)."""
         data_parallel_size(tp * pp if isinstance(tp, int) and isinstance(pp, int) else 1, tp, pp)  # types
         microbatches = microbatches if microbatches is not None else pp
-        for name, value in (("microbatches", microbatches), ("virtual_stages", virtual_stages), ("ep", ep), ("cp", cp)):
+        for name, value in (("microbatches", microbatches), ("virtual_stages", virtual_stages), ("ep", ep), ("etp", etp), ("cp", cp)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"MegaStrategy({name}={value!r}): {name} must be a positive integer.")
         check_context_parallel(cp, cp_attention, ep=ep, zero=zero, broadcast_batch=broadcast_batch)
+        check_expert_tp(etp, tp, zero, quant)
         if p2p not in P2P_MODES:
             raise ValueError(f"MegaStrategy(p2p={p2p!r}): choose 'auto', 'eager' or 'batched'.")
         if moe_capacity is not None and (isinstance(moe_capacity, bool) or not isinstance(moe_capacity, (int, float))
@@ -105,8 +107,8 @@ class ParallelConfig:
         recompute.check_option(activation_checkpointing, quant, schedule if pipelined else None,
                                zb_keep_recomputed, split_default)
         selective = activation_checkpointing == "selective"
-        config = cls(tp=tp, pp=pp, sp=bool(sp) and tp > 1, cp=cp, cp_attention=cp_attention, ep=ep, moe_capacity=moe_capacity, zero=zero,
-                     microbatches=microbatches, schedule=schedule,
+        config = cls(tp=tp, pp=pp, sp=bool(sp) and tp > 1, cp=cp, cp_attention=cp_attention, ep=ep, etp=etp, moe_capacity=moe_capacity,
+                     zero=zero, microbatches=microbatches, schedule=schedule,
                      virtual_stages=virtual_stages, split_backward=split_backward, pipeline_blocks=pipeline_blocks,
                      stage_layers=tuple(stage_layers) if stage_layers is not None else None,
                      activation_checkpointing=whole_blocks, selective=selective,
@@ -119,6 +121,12 @@ class ParallelConfig:
         divide it, or ep a stage's tp x cp x dp ranks)."""
         dp = data_parallel_size(world_size, self.tp, self.pp, self.cp)
         stage = self.tp * self.cp * dp
+        if self.etp > 1 and (self.cp * dp) % self.ep:
+            names = "dp" if self.cp == 1 else "cp x dp"
+            raise ValueError(f"MegaStrategy(ep={self.ep}, etp={self.etp}): with each expert split over the tp ranks, "
+                             f"ep splits the experts over a stage's {names} ranks ({self.cp * dp}: world {world_size} "
+                             f"/ (tp={self.tp} x pp={self.pp})); ep must divide {self.cp * dp}. Change ep, etp=1 (ep "
+                             f"over tp ranks too), or devices/num_nodes.")
         if stage % self.ep:
             names = "tp x dp" if self.cp == 1 else "tp x cp x dp"
             raise ValueError(f"MegaStrategy(ep={self.ep}) splits the experts over ep of a stage's {stage} ranks "
@@ -144,3 +152,14 @@ class ParallelConfig:
         recompute.check_option(blocks, self.quant, self.schedule if self.pipelined else None,
                                self.zb_keep_recomputed, split)
         return ModelChoices(recompute=blocks, hf_recompute=hf, split_backward=split)
+
+
+def check_expert_tp(etp: int, tp: int, zero: int, quant) -> None:
+    """``etp`` (each expert's MLP split over the tp ranks, Megatron's expert tensor parallelism): 1 or tp."""
+    if etp not in (1, tp):
+        raise ValueError(f"MegaStrategy(etp={etp}, tp={tp}): etp splits each expert over the tp ranks: choose etp=1 "
+                         f"(experts whole, ep may span tp ranks) or etp=tp={tp}.")
+    if etp > 1 and zero == 3:
+        raise ValueError(f"MegaStrategy(etp={etp}, zero=3): zero=3 keeps experts whole (ep=1, etp=1); use zero=1 or etp=1.")
+    if etp > 1 and quant is not None:
+        raise ValueError(f"MegaStrategy(etp={etp}, quant={quant!r}): QAT's experts are not split over tp yet; use etp=1.")

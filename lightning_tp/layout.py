@@ -45,8 +45,8 @@ def resolve_layout(config: ParallelConfig, module: nn.Module, pp_rank: int, nccl
         check_model(module, config.cp)
     matches = checks.resolve(module, config.tp, config.sp, config.plan) if config.tp > 1 else []
     declared = lookup.expert_styles(config.plan)
-    if config.ep > 1 or config.moe_capacity is not None:
-        check_experts(module, config.ep, config.moe_capacity, declared)
+    if config.ep > 1 or config.etp > 1 or config.moe_capacity is not None:
+        check_experts(module, config.ep, config.moe_capacity, declared, config.etp)
     stages = stage_layout(config, module)
     carried = router_carry.carried_logits(module, stages, declared) if config.pp > 1 else None
     if carried is not None and stages.lists:

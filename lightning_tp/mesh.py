@@ -49,7 +49,8 @@ class ParallelMesh:
     mp_group: Optional[dist.ProcessGroup] = None  # tp x pp: one full copy of the model (per cp rank)
     emb_group: Optional[dist.ProcessGroup] = None  # first + last stage: tied input/output embeddings
     emb_ranks: tuple = ()  # the pp ranks of emb_group when not (0, pp - 1) (see use_tied_ranks)
-    ep: int = 1  # expert parallel: ep consecutive ranks of a stage (tp fastest) split each layer's experts
+    ep: int = 1  # expert parallel: ep ranks of a stage split each layer's experts (see _expert_groups)
+    etp: int = 1  # expert tensor parallel: 1 (experts whole) or tp (each expert's MLP split over the tp group)
     ep_group: Optional[dist.ProcessGroup] = None
     edp_group: Optional[dist.ProcessGroup] = None  # the ranks of a stage holding the same experts
     device_mesh: object = field(default=None, repr=False)
@@ -95,21 +96,22 @@ class ParallelMesh:
 
     @property
     def ep_rank(self) -> int:
-        return self.stage_rank % self.ep
+        return self.stage_rank // self.etp % self.ep
 
     @property
     def edp_size(self) -> int:
-        """Ranks holding the same experts (edp_group): a stage's tp x cp x dp ranks / ep."""
-        return self.tp * self.cp * self.dp // self.ep
+        """Ranks holding the same experts (edp_group): a stage's tp x cp x dp ranks / (etp x ep)."""
+        return self.tp * self.cp * self.dp // (self.ep * self.etp)
 
     @property
     def edp_group_rank(self) -> int:
-        return self.stage_rank // self.ep
+        """Which of the stage's ep groups this rank is in (etp ranks apart: one per tp rank and edp index)."""
+        return self.stage_rank // (self.etp * self.ep) * self.etp + self.stage_rank % self.etp
 
     @property
     def ep_folds_tp(self) -> bool:
         """Whether an ep group spans tp ranks (experts beyond dp, Megatron's MoE parallel folding)."""
-        return self.ep > 1 and self.tp > 1
+        return self.ep > 1 and self.tp > 1 and self.etp == 1
 
     def global_rank(self, tp_rank: int = 0, dp_rank: int = 0, pp_rank: int = 0, cp_rank: int = 0) -> int:
         return ((pp_rank * self.dp + dp_rank) * self.cp + cp_rank) * self.tp + tp_rank
@@ -133,7 +135,7 @@ def _timeout_options(timeout: Optional[timedelta]) -> Optional[dict]:
 
 
 def build_mesh(tp: int = 1, pp: int = 1, device_type: str = "cpu", ep: int = 1,
-               timeout: Optional[timedelta] = None, cp: int = 1) -> ParallelMesh:
+               timeout: Optional[timedelta] = None, cp: int = 1, etp: int = 1) -> ParallelMesh:
     """Create the groups, each with ``timeout``. Every rank must call this with the same arguments
     (new_group is collective)."""
     if not (dist.is_available() and dist.is_initialized()):
@@ -149,7 +151,8 @@ def build_mesh(tp: int = 1, pp: int = 1, device_type: str = "cpu", ep: int = 1,
         override = {name: override[name] for name in names}
     device_mesh = init_device_mesh(device_type, shape, mesh_dim_names=names,
                                    **({"backend_override": override} if override else {}))
-    mesh = ParallelMesh(tp=tp, pp=pp, dp=dp, cp=cp, rank=rank, device_mesh=device_mesh, ep=ep, timeout=timeout)
+    mesh = ParallelMesh(tp=tp, pp=pp, dp=dp, cp=cp, rank=rank, device_mesh=device_mesh, ep=ep, etp=etp,
+                        timeout=timeout)
     mesh.tp_group = device_mesh.get_group("tp")
     mesh.pp_group = device_mesh.get_group("pp")
     if cp == 1:
@@ -175,7 +178,7 @@ def build_mesh(tp: int = 1, pp: int = 1, device_type: str = "cpu", ep: int = 1,
                     group = mesh.new_group([mesh.global_rank(t, d, 0, c), mesh.global_rank(t, d, pp - 1, c)])
                     if (t, d, c) == (mesh.tp_rank, mesh.dp_rank, mesh.cp_rank):
                         mesh.emb_group = group
-    if ep > 1:
+    if ep > 1 or etp > 1:
         _expert_groups(mesh)
     return mesh
 
@@ -193,20 +196,23 @@ def _replica_group(mesh: ParallelMesh, backend=None):
 
 def _expert_groups(mesh: ParallelMesh) -> None:
     """The experts' grid of each stage, apart from tp, cp and dp (Megatron's MoE parallel folding): its
-    tp x cp x dp ranks in order, tp fastest; ep groups are ep consecutive ones, expert-data-parallel groups
-    (the same experts, other tokens) every ep-th one. Every rank creates every group in the same order."""
-    ep, size = mesh.ep, mesh.tp * mesh.cp * mesh.dp
+    tp x cp x dp ranks in order (tp fastest) as etp x ep x edp, etp fastest; ep groups: ep ranks etp apart;
+    expert-data-parallel groups (the same experts, other tokens). Every rank creates every group in order."""
+    ep, etp, size = mesh.ep, mesh.etp, mesh.tp * mesh.cp * mesh.dp
+    edp = size // (ep * etp)
     for p in range(mesh.pp):
         ranks = [p * size + s for s in range(size)]
         here = mesh.pp_rank == p
-        for j in range(size // ep):
-            group = mesh.new_group(ranks[j * ep:(j + 1) * ep])
-            if here and j == mesh.edp_group_rank:
-                mesh.ep_group = group
+        for d in range(edp):
+            for t in range(etp):
+                group = mesh.new_group([ranks[t + etp * (e + ep * d)] for e in range(ep)])
+                if here and d * etp + t == mesh.edp_group_rank:
+                    mesh.ep_group = group
         for e in range(ep):
-            group = mesh.new_group(ranks[e::ep])
-            if here and e == mesh.ep_rank:
-                mesh.edp_group = group
+            for t in range(etp):
+                group = mesh.new_group([ranks[t + etp * (e + ep * d)] for d in range(edp)])
+                if here and (e, t) == (mesh.ep_rank, mesh.stage_rank % etp):
+                    mesh.edp_group = group
 
 
 def gloo_twin_of_replica_group(mesh: ParallelMesh):

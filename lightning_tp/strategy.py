@@ -64,6 +64,7 @@ class MegaStrategy(ParallelStrategy):
         cp: context parallelism: each of cp ranks holds two load-balanced chunks of every sequence.
         cp_attention: how attention sees the whole sequence under cp: "ring" (K/V passed around) or "all_to_all".
         ep: expert parallelism: mixture-of-experts experts split over ep ranks of a stage (its tp x cp x dp, tp first).
+        etp: expert tensor parallelism: 1 (each expert whole on one rank) or tp (each expert's MLP split over the tp ranks).
         moe_capacity: capacity factor: each expert keeps at most its share x factor of a rank's tokens (None: dropless).
         zero: 1 shards the optimizer state over data-parallel ranks; 3 parameters and gradients too (FSDP2); 0 none.
         plan: "auto" (a built-in plan by module class), or a lightning_tp.Plan / dict of yours.
@@ -93,8 +94,8 @@ class MegaStrategy(ParallelStrategy):
     strategy_name = "mega"
 
     def __init__(self, tp: int = 1, pp: int = 1, sp: bool = False, cp: int = 1,
-                 cp_attention: Literal["ring", "all_to_all"] = "ring", ep: int = 1, moe_capacity: Optional[float] = None,
-                 zero: Literal[0, 1, 3] = 0, plan: Any = "auto",
+                 cp_attention: Literal["ring", "all_to_all"] = "ring", ep: int = 1, etp: int = 1,
+                 moe_capacity: Optional[float] = None, zero: Literal[0, 1, 3] = 0, plan: Any = "auto",
                  microbatches: Optional[int] = None, schedule: str = "1f1b", virtual_stages: int = 1,
                  pipeline_blocks: Optional[Union[str, list[str]]] = None, stage_layers: Optional[list] = None,
                  activation_checkpointing: Union[bool, int, Literal["selective"]] = False,
@@ -114,7 +115,8 @@ class MegaStrategy(ParallelStrategy):
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
         self.config = ParallelConfig.resolve(
-            tp=tp, pp=pp, sp=sp, cp=cp, cp_attention=cp_attention, ep=ep, moe_capacity=moe_capacity, zero=zero, microbatches=microbatches,
+            tp=tp, pp=pp, sp=sp, cp=cp, cp_attention=cp_attention, ep=ep, etp=etp, moe_capacity=moe_capacity, zero=zero,
+            microbatches=microbatches,
             schedule=schedule, virtual_stages=virtual_stages,
             split_backward=split_backward, pipeline_blocks=pipeline_blocks, stage_layers=stage_layers,
             activation_checkpointing=activation_checkpointing, zb_keep_recomputed=zb_keep_recomputed, p2p=p2p,
@@ -222,7 +224,7 @@ class MegaStrategy(ParallelStrategy):
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout,
                               **({"store": store} if store is not None else {}))
         self.mesh = build_mesh(self.tp, self.pp, device_type=self.root_device.type, ep=self.config.ep,
-                               timeout=self._timeout, cp=self.config.cp)
+                               etp=self.config.etp, timeout=self._timeout, cp=self.config.cp)
         self._failures = FailureNotes.open(self.mesh, hang=self._hang_timeout)
         if self.config.broadcast_batch and comm.group_size(self.mesh.replica_group) > 1:
             cpu_group = self.mesh.replica_group if backend == "gloo" else gloo_twin_of_replica_group(self.mesh)

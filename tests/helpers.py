@@ -176,6 +176,9 @@ BAD_EXPERTS = {  # name: (model kwargs, strategy kwargs, expected message): refu
     "top_k_above_experts": (dict(GPT_MOE, n_expert=2, n_expert_per_token=4), dict(ep=2),
                             "top_k=4 of 2 experts"),
     "capacity_out_of_range": (dict(GPT_MOE, n_expert=4), dict(moe_capacity=0), "a capacity factor is a number in"),
+    "etp_not_tp": (dict(GPT_MOE, n_expert=4), dict(tp=2, etp=4), "choose etp=1 (experts whole, ep may span tp ranks) or etp=tp=2"),
+    "etp_ep_not_dividing_dp": (dict(GPT_MOE, n_expert=4), dict(tp=2, ep=2, etp=2), "ep must divide 1"),
+    "etp_without_moe": (dict(GPT_MOE), dict(tp=2, etp=2), "etp=2) applies to mixture-of-experts"),
     "capacity_without_moe": (dict(GPT_MOE), dict(moe_capacity=1.0), "moe_capacity=1.0) applies to mixture-of-experts"),
 }
 

@@ -50,6 +50,9 @@ CASES = {
     # example GPT's experts (a ModuleList: whole experts, one name each) from the tp pair to one process
     "mixtral_tp2_ep2_to_dp2_ep2": ("hf_mixtral", {}, (2, dict(tp=2, ep=2)), (2, dict(ep=2))),
     "gpt_moe_tp2_ep2_to_one": ("gpt", dict(n_expert=4), (2, dict(tp=2, ep=2)), (1, {})),
+    # each expert split over tp (etp): its slices saved as chunks, resumed whole (folded ep), and into slices
+    "gpt_moe_tp2_dp2_ep2_etp2_to_tp2_ep2": ("gpt", dict(n_expert=4), (4, dict(tp=2, ep=2, etp=2)), (2, dict(tp=2, ep=2))),
+    "gpt_moe_tp2_ep2_to_tp2_etp2": ("gpt", dict(n_expert=4), (2, dict(tp=2, ep=2)), (2, dict(tp=2, etp=2))),
     "gpt_first_format": ("gpt", {}, (1, {}), (1, {})),  # saved as the first format did: still resumes
     # context parallelism changes nothing in what is saved: resumed without it, and into it
     "gpt_cp2_tp2_to_pp2": ("gpt", {}, (4, dict(cp=2, tp=2)), (2, PP)),

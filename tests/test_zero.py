@@ -43,6 +43,8 @@ WORLD4 = {
     "tp2_dp2_ep2_zero1_clip": ("gpt", MOE, dict(tp=2, ep=2, zero=1), dict(gradient_clip_val=0.05)),
     # the same with two param groups (decay / no decay, another lr): experts' matrices and biases apart
     "tp2_dp2_ep2_zero1_two_groups": ("gpt_two_groups", MOE, dict(tp=2, ep=2, zero=1), dict(gradient_clip_val=0.05)),
+    # each expert split over the tp ranks (etp): its slices' moments over its expert-dp ranks, clipped by the whole norm
+    "tp2_dp2_ep2_etp2_zero1_clip": ("gpt", MOE, dict(tp=2, ep=2, etp=2, zero=1), dict(gradient_clip_val=0.05)),
 }
 
 

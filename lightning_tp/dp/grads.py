@@ -264,7 +264,7 @@ def global_grad_norm(params, mesh, norm_type: float = 2.0, zero=None, device=Non
             experts = comm.all_reduce(experts.clone(), mesh.ep_group, op=dist.ReduceOp.MAX)
         return comm.all_reduce(torch.maximum(mine, experts).clone(), group, op=dist.ReduceOp.MAX)
     if mesh.ep > 1:  # an ep group holds each of its stage's experts once; its tp ranks: counted on the first
-        experts = comm.all_reduce(experts, mesh.ep_group) * float(mesh.tp_rank == 0)
+        experts = comm.all_reduce(experts, mesh.ep_group) * float(mesh.tp_rank == 0 or mesh.etp > 1)  # etp: slices
     return comm.all_reduce(mine + experts, group) ** (1.0 / norm_type)
 
 
@@ -281,8 +281,9 @@ def counted(p, t: torch.Tensor, tp_rank: int, pp_rank: int) -> list:
     first holder, a weight tied over stages only on the first stage."""
     if marks_of(p).pp_tied and pp_rank > 0:
         return []
-    if marks_of(p).expert:  # one of this rank's experts: the ep group's ranks, tp ones too, hold others
-        return [t]
+    if marks_of(p).expert:  # one of this rank's experts (the ep group's ranks, tp ones too, hold others); under
+        # etp its tp slice, or a down projection's bias (summed over tp) on the first tp rank
+        return [t] if spec_of(p) is not None or not marks_of(p).sp_partial or tp_rank == 0 else []
     spec = spec_of(p)
     if spec is None:  # replicated over tp
         return [t] if tp_rank == 0 else []

@@ -9,15 +9,16 @@ from ..marks import marks_of, set_marks
 from .families import check_block, find_moe_blocks
 from . import router_statistics
 from .fused import expert_parallel_experts, gather_router_logits
+from .expert_tp import check_expert_tp, shard_experts
 from .layer import expert_parallel
 
 
-def check_experts(model: nn.Module, ep: int, capacity: float | None = None, declared=()) -> list:
-    """The model's mixture-of-experts blocks (``declared``: a user plan's 'experts' globs), checked for ``ep``;
-    a clear error where ep cannot apply."""
+def check_experts(model: nn.Module, ep: int, capacity: float | None = None, declared=(), etp: int = 1) -> list:
+    """The model's mixture-of-experts blocks (``declared``: a user plan's 'experts' globs), checked for ``ep``
+    and ``etp``; a clear error where they cannot apply."""
     blocks = find_moe_blocks(model, declared)
-    if (ep > 1 or capacity is not None) and not blocks:
-        what = f"ep={ep}" if ep > 1 else f"moe_capacity={capacity}"
+    if (ep > 1 or etp > 1 or capacity is not None) and not blocks:
+        what = f"ep={ep}" if ep > 1 else f"etp={etp}" if etp > 1 else f"moe_capacity={capacity}"
         unknown = [f"{path} ({type(m).__name__})" for path, m in model.named_modules() if path and _looks_like_moe(m)]
         hint = (f" These look like mixture-of-experts layers: {', '.join(unknown[:3])}"
                 f"{' ...' if len(unknown) > 3 else ''}; declare them in a plan, e.g. plan={{'styles': "
@@ -28,6 +29,8 @@ def check_experts(model: nn.Module, ep: int, capacity: float | None = None, decl
                          f"Qwen3-MoE, OLMoE, litgpt LLaMAMoE, the example GPT's MoE).{hint}")
     for path, block, family in blocks:
         check_block(path, block, family, ep)
+        if etp > 1:
+            check_expert_tp(path, block, family, etp)
     return blocks
 
 
@@ -50,6 +53,7 @@ def apply_experts(model: nn.Module, mesh, pp: int = 1, sp: bool = False, capacit
     swapped = []
     sp = sp and mesh.tp > 1
     fold = mesh.tp_group if mesh.ep_folds_tp and not sp else None  # an ep group's tp ranks: one copy of the tokens
+    etp = mesh.tp_group if mesh.etp > 1 else None  # each expert split over the tp ranks
     for path, block, family in find_moe_blocks(model, declared):
         if any(p.is_meta for p in block.parameters()):  # another pipeline stage's, seen through a twin
             continue
@@ -58,10 +62,12 @@ def apply_experts(model: nn.Module, mesh, pp: int = 1, sp: bool = False, capacit
             continue
         if family.returns_logits:
             router_statistics.install(block, mesh.dp_group, pp)
-        if mesh.ep == 1 and not sp and capacity is None:
+        if mesh.ep == 1 and not sp and capacity is None and etp is None:
             continue
-        new = expert_parallel(block, family, mesh.ep_group, mesh.ep, mesh.ep_rank,
-                              sp_group=mesh.tp_group if sp else None, capacity_factor=capacity, fold_group=fold)
+        new = expert_parallel(block, family, mesh.ep_group, mesh.ep, mesh.ep_rank, sp_group=mesh.tp_group if sp else None,
+                              capacity_factor=capacity, fold_group=fold, etp_group=etp)
+        if etp is not None:
+            shard_experts(new.experts.values(), mesh.etp, mesh.tp_rank)
         for p in new.experts.parameters():
             set_marks(p, expert=mesh.ep > 1)
         _mark_sp_partial(new, sp)
@@ -75,7 +81,7 @@ def _mark_sp_partial(block: nn.Module, sp: bool) -> None:
     """On sequence shards the block's gradients are partial sums over tp; an expert split over ep is not
     (its ep group spans the tp ranks: its gradient sums over its expert-data-parallel group)."""
     for p in block.parameters() if sp else ():
-        if not marks_of(p).expert:
+        if not marks_of(p).expert and marks_of(p).tp_spec is None:  # an expert split over tp (etp): whole grads
             set_marks(p, sp_partial=True)
 
 

@@ -18,10 +18,11 @@ class ExpertParallelMoE(nn.Module):
     state-dict names stay the block's), run over the expert-parallel ``group``."""
 
     def __init__(self, block: nn.Module, family: MoEFamily, group, ep: int, ep_rank: int, sp_group=None,
-                 capacity_factor: float | None = None, fold_group=None):
+                 capacity_factor: float | None = None, fold_group=None, etp_group=None):
         nn.Module.__init__(self)  # not the block class's (see expert_parallel)
         self.family, self.group, self.sp_group, self.capacity_factor = family, group, sp_group, capacity_factor
         self.fold_group = fold_group  # the tp ranks of an ep group, alike tokens: each dispatches its share
+        self.etp_group = etp_group  # the tp ranks each expert is split over (see .expert_tp): alike tokens in
         check_block(type(block).__name__, block, family, ep)
         self.num_experts, self.top_k = family.num_experts(block), family.top_k(block)
         count = self.num_experts // ep
@@ -42,13 +43,11 @@ class ExpertParallelMoE(nn.Module):
         x = hidden_states.reshape(-1, shape[-1])
         logits = self.gate(x)
         weights, idx = self._route(logits, x.dtype)
-        mine, weights, idx = comm.scatter_to_rows(x, self.fold_group), comm.scatter_to_rows(weights, self.fold_group), \
-            comm.split_rows(idx, self.fold_group)
+        mine, weights, idx = self._enter(x, weights, idx)
         capacity = None if self.capacity_factor is None else \
             capacity_of(self.capacity_factor, mine.shape[0], self.top_k, self.num_experts)
         rows, per_expert, handle = dispatch(mine, idx, self.num_experts, self.group, capacity)
-        y = combine(self._experts(rows, per_expert), weights, handle, self.group)
-        y = comm.gather_from_rows(y, x.shape[0], self.fold_group)
+        y = self._leave(combine(self._experts(rows, per_expert), weights, handle, self.group), x.shape[0])
         if self.family.shared_expert:
             y = y + F.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         y = y.reshape(shape)
@@ -58,6 +57,24 @@ class ExpertParallelMoE(nn.Module):
             logits = comm.gather_to_full_sp(logits.view(shape[0], shape[1], -1), self.sp_group, dim=1)
             logits = logits.reshape(-1, logits.shape[-1])
         return y, logits
+
+    def _enter(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> tuple:
+        """The tokens this rank dispatches: its share of the tp ranks' alike ones (folded ep); under etp the same
+        tokens on every tp rank (a sequence shard's gathered); else its own."""
+        g = self.etp_group
+        if g is None:
+            return comm.scatter_to_rows(x, self.fold_group), comm.scatter_to_rows(weights, self.fold_group), \
+                comm.split_rows(idx, self.fold_group)
+        if self.sp_group is not None:
+            return comm.gather_from_sp(x, g, 0), comm.gather_from_sp(weights, g, 0), comm.all_gather(idx, 0, g)
+        return comm.copy_to_tp(x, g), comm.copy_to_tp(weights, g), idx
+
+    def _leave(self, y: torch.Tensor, total: int) -> torch.Tensor:
+        """This rank's tokens' outputs: gathered from the folded ranks, or the etp partial sums summed over tp."""
+        g = self.etp_group
+        if g is None:
+            return comm.gather_from_rows(y, total, self.fold_group)
+        return comm.reduce_scatter_to_sp(y, g, 0) if self.sp_group is not None else comm.reduce_from_tp(y, g)
 
     def _experts(self, rows: torch.Tensor, per_expert: list) -> torch.Tensor:
         """This rank's experts on their runs of ``rows``: grouped GEMMs where they can be and pay, else one at a time."""
@@ -70,6 +87,7 @@ class ExpertParallelMoE(nn.Module):
     def extra_repr(self) -> str:
         return (f"{self.family.name}: experts {self.first}..{self.first + len(self.experts) - 1} of "
                 f"{self.num_experts} here, top_k={self.top_k}, ep={comm.group_size(self.group)}"
+                + (f", etp={comm.group_size(self.etp_group)}" if self.etp_group is not None else "")
                 + (f", capacity factor {self.capacity_factor}" if self.capacity_factor is not None else ""))
 
 
@@ -77,12 +95,13 @@ _CLASSES: dict = {}
 
 
 def expert_parallel(block: nn.Module, family: MoEFamily, group, ep: int, ep_rank: int,
-                    sp_group=None, capacity_factor: float | None = None, fold_group=None) -> ExpertParallelMoE:
+                    sp_group=None, capacity_factor: float | None = None, fold_group=None,
+                    etp_group=None) -> ExpertParallelMoE:
     """An :class:`ExpertParallelMoE` for ``block`` that is also an instance of the block's class, so code
     that finds MoE blocks by class (Hugging Face's router-logit recorders) still finds it."""
     kind = type(block)
     if kind not in _CLASSES:
         _CLASSES[kind] = type(f"ExpertParallel{kind.__name__}", (ExpertParallelMoE, kind), {})
     new = _CLASSES[kind].__new__(_CLASSES[kind])
-    ExpertParallelMoE.__init__(new, block, family, group, ep, ep_rank, sp_group, capacity_factor, fold_group)
+    ExpertParallelMoE.__init__(new, block, family, group, ep, ep_rank, sp_group, capacity_factor, fold_group, etp_group)
     return new

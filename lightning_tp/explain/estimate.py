@@ -44,6 +44,7 @@ from .costs import (
 )
 from ..experts.apply import check_experts
 from ..experts.families import find_moe_blocks
+from ..experts.expert_tp import shard_experts
 from ..experts.layer import expert_parallel
 from ..marks import marks_of, set_marks
 from ..dp.overlap import DPOverlap
@@ -178,8 +179,8 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
     if B % m:
         raise ValueError(f"microbatches={m} must divide the per-process batch size {B}.")
     base = _meta_copy(module)
-    if config.ep > 1 or config.moe_capacity is not None:  # refused as MegaStrategy refuses it
-        check_experts(base, config.ep, config.moe_capacity, lookup.expert_styles(config.plan))
+    if config.ep > 1 or config.etp > 1 or config.moe_capacity is not None:  # refused as MegaStrategy refuses it
+        check_experts(base, config.ep, config.moe_capacity, lookup.expert_styles(config.plan), config.etp)
     with warnings.catch_warnings():
         if tp == 1:
             warnings.simplefilter("ignore")  # styles shown for reference; nothing is applied at tp=1
@@ -335,7 +336,7 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
                 apply_split(local, layout, r)
             if tp > 1:
                 swap.apply(local, matches, None, tp, t, sp)
-            experts = _split_experts(local, config.ep, lookup.expert_styles(config.plan))
+            experts = _split_experts(local, config.ep, lookup.expert_styles(config.plan), config.etp, t)
             params = list(local.parameters())
             trained = sum(p.numel() for p in params if p.requires_grad and id(p) not in experts)
             expert_trained = sum(p.numel() for p in params if p.requires_grad and id(p) in experts)
@@ -357,7 +358,7 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
                                     dtype_bytes) if cp > 1 else 0,
                 expert_params=sum(p.numel() for p in params if id(p) in experts),
                 ep_bytes=_all_to_all_bytes(base, config, r, locate, times, tokens, m * acc, dtype_bytes),
-                edp_bytes=expert_trained * grad_bytes if config.ep > 1 and tp * dp * cp > config.ep else 0,
+                edp_bytes=expert_trained * grad_bytes if config.ep > 1 and tp * dp * cp > config.ep * config.etp else 0,
                 act_bytes=round((held + transient) * (B // m) * T * dtype_bytes), peak_microbatches=peaks[r],
                 recompute_bytes=round(transient * (B // m) * T * dtype_bytes),
                 zb_w_bytes=round(to_w * (B // m) * T * dtype_bytes)), **dp_costs))
@@ -372,7 +373,8 @@ def _dp_costs(params: list, experts: set, config, pp_rank: int, tp_rank: int, gr
               state_bytes: int) -> dict:
     """One rank's memory (dp rank 0's) and gradient collectives per step over dp and expert-dp, from the buckets
     the strategy's own DPOverlap (zero=0) or ShardedOptimizer (zero=1, one param group assumed) makes."""
-    dp, edp, gb = config.dp * config.cp, config.tp * config.cp * config.dp // config.ep, grad_bytes  # dp x cp: averaged
+    dp, gb = config.dp * config.cp, grad_bytes  # dp x cp: averaged
+    edp = config.tp * config.cp * config.dp // (config.ep * config.etp)
     trained = [p for p in params if p.requires_grad]
     dense = [p for p in trained if id(p) not in experts]  # ``experts``: those ep > 1 splits, synced over expert-dp
     whole = sum(p.numel() for p in trained)
@@ -380,7 +382,8 @@ def _dp_costs(params: list, experts: set, config, pp_rank: int, tp_rank: int, gr
     if config.zero and dp > 1 and trained:
         for p in left:
             set_marks(p, expert=True)  # as the strategy marks them
-        mesh = ParallelMesh(tp=config.tp, pp=config.pp, dp=dp, ep=config.ep, rank=pp_rank * dp * config.tp + tp_rank)
+        mesh = ParallelMesh(tp=config.tp, pp=config.pp, dp=dp, ep=config.ep, etp=config.etp,
+                            rank=pp_rank * dp * config.tp + tp_rank)
         buckets = ShardedOptimizer(torch.optim.AdamW(trained), mesh).buckets
         held -= sum(q.numel() for b in buckets for q in b.params) - sum(b.size for b in buckets)
         slots = sum(b.flag_slots for b in buckets)  # the slices' gradients view the reduce-scatter's output: flags too
@@ -439,12 +442,15 @@ def _chunk_count(params: list) -> int:
     return sum(1 for _ in chunked(params))
 
 
-def _split_experts(local: nn.Module, ep: int, declared=()) -> set:
-    """ids of ``local``'s expert parameters, after keeping 1/ep of each MoE layer's experts (ep > 1)."""
+def _split_experts(local: nn.Module, ep: int, declared=(), etp: int = 1, tp_rank: int = 0) -> set:
+    """ids of ``local``'s expert parameters, after keeping 1/ep of each MoE layer's experts (ep > 1), and tp
+    rank ``tp_rank``'s slice of each (etp > 1)."""
     found = set()
     for path, block, family in find_moe_blocks(local, declared):
-        if ep > 1:
+        if ep > 1 or etp > 1:
             block = expert_parallel(block, family, None, ep, 0)
+            if etp > 1:
+                shard_experts(block.experts.values(), etp, tp_rank)
             parent, _, leaf = path.rpartition(".")
             setattr(local.get_submodule(parent) if parent else local, leaf, block)
         found |= {id(p) for p in block.experts.parameters()}
@@ -454,10 +460,11 @@ def _split_experts(local: nn.Module, ep: int, declared=()) -> set:
 def _all_to_all_bytes(base, config, r: int, locate, times, tokens: int, calls: int, dtype_bytes: int) -> int:
     """Bytes rank ``r`` hands to the dispatch all-to-alls per step: per MoE layer it runs, its k rows per token
     out and back, forward and backward (4 x tokens x k x hidden; balanced routing), and the expert counts;
-    under tp each rank dispatches 1/tp of the tokens (its sequence shard, or its share of the rows)."""
+    under tp each rank dispatches 1/tp of the tokens (its sequence shard, or its share of the rows), under
+    etp all of them (alike on the tp ranks)."""
     if config.ep == 1:
         return 0
-    total, tokens = 0, tokens // config.tp
+    total, tokens = 0, tokens // (config.tp // config.etp)
     for path, block, family in find_moe_blocks(base, lookup.expert_styles(config.plan)):
         runs = times(locate(path), r)
         total += runs * (4 * tokens * family.top_k(block) * block.gate.in_features * dtype_bytes
