@@ -279,13 +279,16 @@ EP_RUNS = {
     "gpt_moe_tp2_sp_pp2_etp2": (4, "gpt", dict(n_expert=4, vocab_size=64, block_size=16, n_layer=2, n_head=4,
                                                n_embd=32), dict(tp=2, sp=True, pp=2, etp=2, microbatches=2)),
 }
-if transformers_major() < 5:  # ModuleList experts (5.x's 3-D experts are refused at etp > 1)
-    EP_RUNS.update({
-        "hf_mixtral_tp2_sp_etp2": (2, "hf_mixtral", {}, dict(tp=2, sp=True, etp=2)),
-        "hf_mixtral_aux_tp2_sp_dp2_ep2_etp2": (4, "hf_mixtral", AUX, dict(tp=2, sp=True, ep=2, etp=2)),
-        "hf_qwen2_moe_tp2_dp2_ep2_etp2": (4, "hf_qwen2_moe", {}, dict(tp=2, ep=2, etp=2)),
-        "litgpt_moe_tp2_etp2": (2, "litgpt", dict(n_expert=4), dict(tp=2, etp=2)),
-    })
+# etp on both majors: 4.x's ModuleList experts, 5.x's 3-D ones (their width sliced, experts over ep: two dims)
+EP_RUNS.update({
+    "hf_mixtral_tp2_sp_etp2": (2, "hf_mixtral", {}, dict(tp=2, sp=True, etp=2)),
+    "hf_mixtral_aux_tp2_sp_dp2_ep2_etp2": (4, "hf_mixtral", AUX, dict(tp=2, sp=True, ep=2, etp=2)),
+    "hf_qwen2_moe_tp2_dp2_ep2_etp2": (4, "hf_qwen2_moe", {}, dict(tp=2, ep=2, etp=2)),
+    "litgpt_moe_tp2_etp2": (2, "litgpt", dict(n_expert=4), dict(tp=2, etp=2)),
+})
+if transformers_major() >= 5:  # expert biases and interleaved [gate, up] pairs
+    EP_RUNS["hf_gpt_oss_tp2_etp2"] = (2, "hf_gpt_oss", {}, dict(tp=2, etp=2))
+    EP_RUNS["hf_gpt_oss_tp2_dp2_ep2_etp2"] = (4, "hf_gpt_oss", {}, dict(tp=2, ep=2, etp=2))
 # Qwen3-MoE: on 4.x a known block (its config's tp plan names the experts' own layers), on 5.x fused experts
 EP_RUNS["hf_qwen3_moe_tp2_ep2"] = (4, "hf_qwen3_moe", {}, dict(tp=2, ep=2))
 if transformers_major() >= 5:  # families whose experts are one module of 3-D weights
@@ -301,6 +304,10 @@ EP_RUNS = runnable(EP_RUNS, 1)
 PARTLY_DENSE = {"hf_deepseek_v3"}  # its first layer is dense: under pp one stage holds no experts
 
 
+def _expert_weight(name: str) -> bool:
+    return ".experts." in name and "bias" not in name.rpartition(".")[2]
+
+
 def _fit_ep(rank, world, runs, ckdir):
     torch_dist.init_process_group("gloo")
     out = {}
@@ -313,8 +320,8 @@ def _fit_ep(rank, world, runs, ckdir):
         trainer.fit(model, TokenData(STEPS * BATCH * dp, vocab_of(model), BATCH))
         path = f"{ckdir}/{name}.ckpt"
         trainer.save_checkpoint(path)
-        # the experts' matrices (a down projection's bias stays whole on each tp rank under etp)
-        experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n and p.dim() > 1)
+        # the experts' weights, not biases (a down projection's bias stays whole on each tp rank under etp)
+        experts = sum(p.numel() for n, p in model.named_parameters() if _expert_weight(n))
         out[name] = dict(losses=rec.losses, weights=consolidate(path) if rank == 0 else None, experts=experts)
     return out
 
@@ -327,7 +334,7 @@ def test_expert_parallel_matches_one_process(tmp_path, world):
         tp = strategy_kw.get("tp", 1)
         dp = world // (tp * strategy_kw.get("pp", 1))
         ref_losses, ref_weights, _ = reference_run(kind, model_kw, STEPS, BATCH * dp)
-        full = sum(v.numel() for k, v in ref_weights.items() if ".experts." in k and v.dim() > 1)
+        full = sum(v.numel() for k, v in ref_weights.items() if _expert_weight(k))
         for r in results:
             got = r[name]
             assert len(got["losses"]) == STEPS
@@ -385,8 +392,6 @@ from helpers import BAD_EXPERTS, GPT_MOE  # noqa: E402
 BAD = dict(BAD_EXPERTS, unknown_moe_layer=(dict(kind="custom_moe"), dict(ep=2), "moes.0 (TopKRouted), moes.1 "
                                            "(TopKRouted); declare them in a plan, e.g. plan={'styles': {'moes.*': "
                                            "{'style': 'experts'"))
-if transformers_major() >= 5:  # experts as 3-D parameters: not split over tp yet, refused with what to set
-    BAD["etp_fused_experts"] = (dict(kind="hf_mixtral"), dict(tp=2, etp=2), "holds its experts as 3-D parameters")
 
 
 def _bad(rank, world):
@@ -435,6 +440,20 @@ def _counted(rank, world):
         out[name] = dict(by={k: v / 3 for k, v in by.items()}, params=sum(p.numel() for p in model.parameters()),
                          experts=experts)
     return out
+
+
+def test_explain_counts_each_ranks_share_of_the_expert_weights():
+    """On 5.x a block of each 3-D weight (experts over ep by width over etp), on 4.x the list's slices."""
+    from lightning_tp.config import ParallelConfig
+    from lightning_tp.explain.estimate import explain
+
+    model = make_model("hf_mixtral")
+    full = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    for layout, share in ((dict(ep=2), 2), (dict(tp=2, ep=2, etp=2), 4), (dict(tp=2, etp=2), 2)):
+        est = explain(model, config=ParallelConfig.resolve(**layout).with_world(4), batch_shape=(4, 16),
+                      print_report=False)
+        assert {r.expert_params for r in est.ranks} == {full // share}, layout
+        assert all(r.ep_bytes > 0 for r in est.ranks) == (layout.get("ep", 1) > 1), layout
 
 
 def test_explain_counts_expert_parameters_and_all_to_all_bytes_of_a_run():

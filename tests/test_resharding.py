@@ -53,6 +53,8 @@ CASES = {
     # each expert split over tp (etp): its slices saved as chunks, resumed whole (folded ep), and into slices
     "gpt_moe_tp2_dp2_ep2_etp2_to_tp2_ep2": ("gpt", dict(n_expert=4), (4, dict(tp=2, ep=2, etp=2)), (2, dict(tp=2, ep=2))),
     "gpt_moe_tp2_ep2_to_tp2_etp2": ("gpt", dict(n_expert=4), (2, dict(tp=2, ep=2)), (2, dict(tp=2, etp=2))),
+    # on 5.x each rank's block of 3-D expert weights: its experts (ep) by its slice of their width (etp)
+    "mixtral_tp2_dp2_ep2_etp2_to_ep2": ("hf_mixtral", {}, (4, dict(tp=2, ep=2, etp=2)), (2, dict(ep=2))),
     "gpt_first_format": ("gpt", {}, (1, {}), (1, {})),  # saved as the first format did: still resumes
     # context parallelism changes nothing in what is saved: resumed without it, and into it
     "gpt_cp2_tp2_to_pp2": ("gpt", {}, (4, dict(cp=2, tp=2)), (2, PP)),
@@ -208,8 +210,10 @@ def test_a_crafted_checkpoint_index_is_refused_and_runs_nothing(runs, tmp_path):
     assert not marker.exists()
 
 
-# a checkpoint written at tp=2 x pp=2; one of experts written at ep=2 (on transformers 5.x, slices of 3-D weights)
-EXPORTS = {"gpt2_tp2_pp2": ("gpt2_tp2_pp2_to_tp2", "hf_gpt2"), "mixtral_ep2": ("mixtral_ep2_to_tp2", "hf_mixtral")}
+# a checkpoint written at tp=2 x pp=2; one of experts written at ep=2 (on transformers 5.x, slices of 3-D weights),
+# and one at tp=2 x dp=2 x ep=2 x etp=2 (blocks of them: experts by width)
+EXPORTS = {"gpt2_tp2_pp2": ("gpt2_tp2_pp2_to_tp2", "hf_gpt2"), "mixtral_ep2": ("mixtral_ep2_to_tp2", "hf_mixtral"),
+           "mixtral_tp2_ep2_etp2": ("mixtral_tp2_dp2_ep2_etp2_to_ep2", "hf_mixtral")}
 
 
 @pytest.mark.parametrize("case", list(EXPORTS))

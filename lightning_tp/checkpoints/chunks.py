@@ -34,9 +34,13 @@ class Chunked:
 
 
 def full_shape(local: torch.Tensor, spec: ShardSpec | None) -> tuple:
-    shape = list(local.shape)
-    if spec is not None:
-        shape[spec.dim] = spec.full
+    return _full(tuple(local.shape), spec)
+
+
+def _full(shape: tuple, spec: ShardSpec | None) -> tuple:
+    shape = list(shape)
+    while spec is not None:  # a spec and its inner one
+        shape[spec.dim], spec = spec.full, spec.inner
     return tuple(shape)
 
 
@@ -59,8 +63,9 @@ def _pieces(shape, spec: ShardSpec | None, rank: int) -> list:
     return out
 
 
-def _placed(offsets: tuple, view: torch.Tensor, spec, pieces: list) -> list:
-    """The chunks of the full tensor a local block (its local ``offsets``, its values ``view``) covers."""
+def _placed(offsets: tuple, view: torch.Tensor, spec, pieces: list, inner: list = ()) -> list:
+    """The chunks of the full tensor a local block (its local ``offsets``, its values ``view``) covers;
+    ``inner``: the pieces along ``spec.inner``'s dimension, placed in each chunk after ``spec``'s."""
     if spec is None:
         return [Chunk(tuple(offsets), view)]
     d, lo = spec.dim, offsets[spec.dim]
@@ -71,13 +76,21 @@ def _placed(offsets: tuple, view: torch.Tensor, spec, pieces: list) -> list:
             placed = list(offsets)
             placed[d] = full_at + a - at
             out.append(Chunk(tuple(placed), view.narrow(d, a - lo, b - a), owner))
-    return out
+    if spec.inner is None:
+        return out
+    k = spec.inner.dim  # still local in each chunk: place it along the inner dimension too
+    return [Chunk(c.offsets[:k] + p.offsets[k:k + 1] + c.offsets[k + 1:], p.view, c.owner and p.owner)
+            for c in out for p in _placed(tuple(offsets), c.view, spec.inner, inner)]
+
+
+def _inner_pieces(shape, spec: ShardSpec | None, rank: int) -> list:
+    return _pieces(shape, spec.inner, rank) if spec is not None and spec.inner is not None else []
 
 
 def chunks_of(local: torch.Tensor, spec: ShardSpec | None, rank: int) -> Chunked:
     """The chunks of the full tensor held by ``local`` on tensor-parallel ``rank``."""
-    return Chunked(full_shape(local, spec), _placed((0,) * local.dim(), local, spec,
-                                                    _pieces(local.shape, spec, rank)))
+    return Chunked(full_shape(local, spec), _placed((0,) * local.dim(), local, spec, _pieces(local.shape, spec, rank),
+                                                    _inner_pieces(local.shape, spec, rank)))
 
 
 def _blocks(shape: tuple, start: int, end: int) -> list:
@@ -101,12 +114,9 @@ def _blocks(shape: tuple, start: int, end: int) -> list:
 def flat_chunks_of(values: torch.Tensor, shape: tuple, spec: ShardSpec | None, rank: int, start: int) -> Chunked:
     """The chunks of the full tensor covered by ``values``: elements ``start``... of the (flattened) local
     tensor of ``shape`` on tensor-parallel ``rank`` (a ZeRO slice's state)."""
-    pieces, out, at = _pieces(shape, spec, rank), [], 0
+    pieces, inner, out, at = _pieces(shape, spec, rank), _inner_pieces(shape, spec, rank), [], 0
     for offsets, sizes in _blocks(tuple(shape), start, start + values.numel()):
         n = math.prod(sizes)
-        out += _placed(offsets, values[at:at + n].view(sizes), spec, pieces)
+        out += _placed(offsets, values[at:at + n].view(sizes), spec, pieces, inner)
         at += n
-    full = list(shape)
-    if spec is not None:
-        full[spec.dim] = spec.full
-    return Chunked(tuple(full), out)
+    return Chunked(_full(tuple(shape), spec), out)

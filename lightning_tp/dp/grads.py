@@ -282,8 +282,8 @@ def counted(p, t: torch.Tensor, tp_rank: int, pp_rank: int) -> list:
     if marks_of(p).pp_tied and pp_rank > 0:
         return []
     if marks_of(p).expert:  # one of this rank's experts (the ep group's ranks, tp ones too, hold others); under
-        # etp its tp slice, or a down projection's bias (summed over tp) on the first tp rank
-        return [t] if spec_of(p) is not None or not marks_of(p).sp_partial or tp_rank == 0 else []
+        # etp its tp slice, or a down projection's bias (whole on each tp rank, summed over tp) on the first
+        return [t] if not marks_of(p).sp_partial or tp_rank == 0 else []
     spec = spec_of(p)
     if spec is None:  # replicated over tp
         return [t] if tp_rank == 0 else []

@@ -58,7 +58,7 @@ def apply_experts(model: nn.Module, mesh, pp: int = 1, sp: bool = False, capacit
         if any(p.is_meta for p in block.parameters()):  # another pipeline stage's, seen through a twin
             continue
         if family.fused:
-            swapped.append(_fused(block, mesh, pp, sp, capacity, fold))
+            swapped.append(_fused(block, mesh, pp, sp, capacity, fold, etp))
             continue
         if family.returns_logits:
             router_statistics.install(block, mesh.dp_group, pp)
@@ -85,12 +85,14 @@ def _mark_sp_partial(block: nn.Module, sp: bool) -> None:
             set_marks(p, sp_partial=True)
 
 
-def _fused(block: nn.Module, mesh, pp: int, sp: bool, capacity, fold) -> nn.Module:
-    """A transformers 5.x block: its router and the rest stay, its ``experts`` go expert-parallel; on sequence
-    shards its gradients are partial sums over tp and its router logits are gathered for the loss."""
+def _fused(block: nn.Module, mesh, pp: int, sp: bool, capacity, fold, etp) -> nn.Module:
+    """A transformers 5.x block: its router and the rest stay, its ``experts`` go expert-parallel (``etp``: each
+    expert's width split over the tp ranks too); on sequence shards its gradients are partial sums over tp and
+    its router logits are gathered for the loss."""
     router_statistics.install(block.experts, mesh.dp_group, pp)
-    if mesh.ep > 1 or capacity is not None:
-        expert_parallel_experts(block.experts, mesh.ep_group, mesh.ep, mesh.ep_rank, capacity, fold)
+    if mesh.ep > 1 or capacity is not None or etp is not None:
+        expert_parallel_experts(block.experts, mesh.ep_group, mesh.ep, mesh.ep_rank, capacity, fold, etp,
+                                mesh.tp_rank, sp)
     _mark_sp_partial(block, sp)
     if sp:
         gather_router_logits(block, mesh.tp_group)

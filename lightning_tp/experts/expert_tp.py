@@ -4,9 +4,11 @@ are partial sums over tp, summed as they leave the block (see :class:`.layer.Exp
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import comm
 from ..layers.shard import ShardSpec, shard
 from ..marks import set_marks
 from .grouped import math_of
@@ -23,12 +25,38 @@ class _BiasOnFirst(nn.Linear):
         return F.linear(x, self.weight, self.bias if self.adds_bias else self.bias * 0)
 
 
+def enter(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, fold=None, etp=None, sp: bool = False) -> tuple:
+    """The tokens (rows, router weights, expert ids) a rank dispatches: its share of the tp ranks' alike ones
+    (``fold``: ep over tp); under ``etp`` the same on every tp rank (a sequence shard's gathered); else its own."""
+    if etp is None:
+        return comm.scatter_to_rows(x, fold), comm.scatter_to_rows(weights, fold), comm.split_rows(idx, fold)
+    if sp:
+        return comm.gather_from_sp(x, etp, 0), comm.gather_from_sp(weights, etp, 0), comm.all_gather(idx, 0, etp)
+    return comm.copy_to_tp(x, etp), comm.copy_to_tp(weights, etp), idx
+
+
+def leave(y: torch.Tensor, total: int, fold=None, etp=None, sp: bool = False) -> torch.Tensor:
+    """This rank's tokens' outputs: gathered from the folded ranks, or the etp partial sums summed over tp."""
+    if etp is None:
+        return comm.gather_from_rows(y, total, fold)
+    return comm.reduce_scatter_to_sp(y, etp, 0) if sp else comm.reduce_from_tp(y, etp)
+
+
+def fused_widths(experts: nn.Module) -> dict:
+    """A transformers 5.x experts module's parameters: name -> (dimension of the expert's width, equal blocks
+    along it: 2 for a concatenated [gate; up]); None for the down projection's bias (whole, first tp rank)."""
+    t, blocks = experts.is_transposed, 2 if getattr(experts, "is_concatenated", True) else 1
+    if getattr(experts, "has_gate", True):
+        widths = {"gate_up_proj": (2 if t else 1, blocks), "gate_up_proj_bias": (1, blocks)}
+    else:
+        widths = {"up_proj": (2 if t else 1, 1), "up_proj_bias": (1, 1)}
+    return dict(widths, down_proj=(1 if t else 2, 1), down_proj_bias=None)
+
+
 def check_expert_tp(path: str, block: nn.Module, family, etp: int) -> None:
     """A clear error where ``block``'s experts cannot be split over ``etp`` ranks (before any collective)."""
     if family.fused:
-        raise ValueError(f"MegaStrategy(etp={etp}): {path} ({type(block).__name__}) holds its experts as 3-D parameters "
-                         f"(transformers 5.x); splitting those over tp is not built yet (docs/experts.md). Use etp=1: "
-                         f"ep may span the tp ranks instead.")
+        return _check_fused(path, block.experts, etp)
     for i, expert in enumerate(block.experts):
         math, where = math_of(expert), f"{path}.experts.{i} ({type(expert).__name__})"
         if math is None:
@@ -48,6 +76,23 @@ def check_expert_tp(path: str, block: nn.Module, family, etp: int) -> None:
         if dropout is not None and dropout.p > 0:
             raise ValueError(f"MegaStrategy(etp={etp}): {where}.{math.dropout} drops p={dropout.p} of each partial "
                              f"sum; set its dropout to 0, or etp=1.")
+
+
+def _check_fused(path: str, experts: nn.Module, etp: int) -> None:
+    where = f"{path}.experts ({type(experts).__name__})"
+    if getattr(experts, "has_post_expert_norm", False):
+        raise ValueError(f"MegaStrategy(etp={etp}): {where} normalizes each expert's output, which a split over tp "
+                         f"leaves as partial sums; use etp=1.")
+    widths = fused_widths(experts)
+    for name, p in experts.named_parameters(recurse=False):
+        if name not in widths:
+            raise ValueError(f"MegaStrategy(etp={etp}): {where}.{name} is not a parameter this project knows how to "
+                             f"split over tp ({', '.join(widths)}); use etp=1.")
+        if widths[name] is not None:
+            dim, blocks = widths[name]
+            if p.shape[dim] % (blocks * etp):
+                raise ValueError(f"MegaStrategy(etp={etp}): {where}.{name} has {p.shape[dim] // blocks} features per "
+                                 f"expert, not divisible by etp={etp}; choose an etp that divides it, or etp=1.")
 
 
 def shard_experts(experts, etp: int, rank: int) -> None:

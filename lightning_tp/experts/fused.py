@@ -4,13 +4,17 @@ model's own router and the family's own per-expert math stay; only the experts c
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+
 import torch
 from torch import nn
 
 from .. import comm
-from ..layers.shard import ShardSpec
+from ..layers.shard import ShardSpec, shard
 from ..marks import set_marks
 from .dispatch import capacity_of, combine, dispatch
+from .expert_tp import enter, fused_widths, leave
 
 
 def is_fused_experts(module) -> bool:
@@ -30,44 +34,65 @@ class ExpertParallelExperts:
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         ep = self._lightning_tp_ep
-        fold, total = ep["fold"], hidden_states.shape[0]
-        if fold is not None:  # tokens alike on the tp ranks of an ep group: each dispatches its share of rows
-            hidden_states, top_k_weights = comm.scatter_to_rows(hidden_states, fold), \
-                comm.scatter_to_rows(top_k_weights, fold)
-            top_k_index = comm.split_rows(top_k_index, fold)
+        total, split = hidden_states.shape[0], (ep["fold"], ep["etp"], ep["sp"])
+        hidden_states, top_k_weights, top_k_index = enter(hidden_states, top_k_weights, top_k_index, *split)
         capacity = None if ep["capacity"] is None else \
             capacity_of(ep["capacity"], hidden_states.shape[0], top_k_index.shape[-1], ep["experts"])
         rows, per_expert, handle = dispatch(hidden_states, top_k_index, ep["experts"], ep["group"], capacity)
         local = torch.repeat_interleave(torch.arange(len(per_expert), device=rows.device),
                                         torch.tensor(per_expert, device=rows.device)).unsqueeze(1)
         ones = torch.ones(rows.shape[0], 1, dtype=top_k_weights.dtype, device=rows.device)
-        y = super().forward(rows, local, ones)  # the family's math on its own rows, weighted after the return
-        y = combine(y, top_k_weights, handle, ep["group"])
-        return y if fold is None else comm.gather_from_rows(y, total, fold)
+        with _bias_on_first(self, ep["adds_bias"]):
+            y = super().forward(rows, local, ones)  # the family's math on its own rows, weighted after the return
+        return leave(combine(y, top_k_weights, handle, ep["group"]), total, *split)
+
+
+@contextlib.contextmanager
+def _bias_on_first(experts: nn.Module, adds: bool):
+    """Under etp the down projection's bias is added on the first tp rank only (the outputs are partial sums):
+    elsewhere the family's math reads zeros in its place for the call (its gradient: zeros, summed over tp)."""
+    bias = experts._parameters.get("down_proj_bias")
+    if adds or bias is None:
+        yield
+        return
+    experts._parameters["down_proj_bias"] = bias * 0
+    try:
+        yield
+    finally:
+        experts._parameters["down_proj_bias"] = bias
 
 
 _CLASSES: dict = {}
 
 
 def expert_parallel_experts(experts: nn.Module, group, ep: int, ep_rank: int, capacity_factor=None,
-                            fold=None) -> nn.Module:
-    """Keep experts ``[ep_rank * E/ep, (ep_rank + 1) * E/ep)`` of ``experts`` (in place: parameter names stay),
-    and make its calls expert-parallel over ``group``; ``fold``: the tp group whose ranks split the tokens."""
+                            fold=None, etp=None, tp_rank: int = 0, sp: bool = False, etp_size: int = 0) -> nn.Module:
+    """Keep experts ``[ep_rank * E/ep, (ep_rank + 1) * E/ep)`` of ``experts`` in place, calls expert-parallel over
+    ``group``; ``fold``: the tp group splitting the tokens; ``etp``: the tp group splitting each expert's width
+    (slice ``tp_rank``; ``etp_size``: its size without a group, in explain's copies)."""
     total, count = experts.num_experts, experts.num_experts // ep
-    first = ep_rank * count
+    first, world = ep_rank * count, etp_size or comm.group_size(etp)
+    widths = fused_widths(experts)
     for name, p in list(experts.named_parameters(recurse=False)):
         if p.dim() == 0 or p.shape[0] != total:
             raise ValueError(f"{type(experts).__name__}.{name} has shape {tuple(p.shape)}: expert parallelism expects "
                              f"every parameter of a fused experts module to lead with its {total} experts.")
-        sliced = nn.Parameter(p.detach()[first:first + count].clone(), requires_grad=p.requires_grad)
         spec = ShardSpec(dim=0, world=ep, full=total, at_rank=ep_rank) if ep > 1 else None
-        setattr(experts, name, set_marks(sliced, expert=ep > 1, tp_spec=spec))
+        sliced = p.detach()[first:first + count]
+        if world > 1 and widths.get(name) is not None:  # the expert's width over the tp ranks too
+            dim, blocks = widths[name]
+            inner = ShardSpec(dim=dim, world=world, full=p.shape[dim], chunks=blocks)
+            sliced, spec = shard(sliced, inner, tp_rank), inner if spec is None else dataclasses.replace(spec, inner=inner)
+        param = nn.Parameter(sliced.clone(), requires_grad=p.requires_grad)
+        set_marks(param, expert=ep > 1, tp_spec=spec, sp_partial=world > 1 and widths.get(name, 0) is None)
+        setattr(experts, name, param)
     kind = type(experts)
     if kind not in _CLASSES:
         _CLASSES[kind] = type(f"ExpertParallel{kind.__name__}", (ExpertParallelExperts, kind), {})
     experts.__class__ = _CLASSES[kind]
     experts.num_experts = count  # the class's own forward sees local expert ids 0..count-1
-    experts._lightning_tp_ep = dict(experts=total, group=group, capacity=capacity_factor, first=first, fold=fold)
+    experts._lightning_tp_ep = dict(experts=total, group=group, capacity=capacity_factor, first=first, fold=fold,
+                                    etp=etp if world > 1 else None, sp=sp, adds_bias=tp_rank == 0 or world == 1)
     return experts
 
 

@@ -9,6 +9,7 @@ from torch import nn
 
 from .. import comm
 from .dispatch import capacity_of, combine, dispatch
+from .expert_tp import enter, leave
 from .families import MoEFamily, check_block
 from .grouped import grouped_forward, runs_grouped
 
@@ -59,22 +60,10 @@ class ExpertParallelMoE(nn.Module):
         return y, logits
 
     def _enter(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> tuple:
-        """The tokens this rank dispatches: its share of the tp ranks' alike ones (folded ep); under etp the same
-        tokens on every tp rank (a sequence shard's gathered); else its own."""
-        g = self.etp_group
-        if g is None:
-            return comm.scatter_to_rows(x, self.fold_group), comm.scatter_to_rows(weights, self.fold_group), \
-                comm.split_rows(idx, self.fold_group)
-        if self.sp_group is not None:
-            return comm.gather_from_sp(x, g, 0), comm.gather_from_sp(weights, g, 0), comm.all_gather(idx, 0, g)
-        return comm.copy_to_tp(x, g), comm.copy_to_tp(weights, g), idx
+        return enter(x, weights, idx, self.fold_group, self.etp_group, self.sp_group is not None)
 
     def _leave(self, y: torch.Tensor, total: int) -> torch.Tensor:
-        """This rank's tokens' outputs: gathered from the folded ranks, or the etp partial sums summed over tp."""
-        g = self.etp_group
-        if g is None:
-            return comm.gather_from_rows(y, total, self.fold_group)
-        return comm.reduce_scatter_to_sp(y, g, 0) if self.sp_group is not None else comm.reduce_from_tp(y, g)
+        return leave(y, total, self.fold_group, self.etp_group, self.sp_group is not None)
 
     def _experts(self, rows: torch.Tensor, per_expert: list) -> torch.Tensor:
         """This rank's experts on their runs of ``rows``: grouped GEMMs where they can be and pay, else one at a time."""

@@ -45,6 +45,7 @@ from .costs import (
 from ..experts.apply import check_experts
 from ..experts.families import find_moe_blocks
 from ..experts.expert_tp import shard_experts
+from ..experts.fused import expert_parallel_experts, router_of
 from ..experts.layer import expert_parallel
 from ..marks import marks_of, set_marks
 from ..dp.overlap import DPOverlap
@@ -447,6 +448,11 @@ def _split_experts(local: nn.Module, ep: int, declared=(), etp: int = 1, tp_rank
     rank ``tp_rank``'s slice of each (etp > 1)."""
     found = set()
     for path, block, family in find_moe_blocks(local, declared):
+        if family.fused:  # transformers 5.x: its experts module keeps its rank's block of each 3-D weight
+            if ep > 1 or etp > 1:
+                expert_parallel_experts(block.experts, None, ep, 0, tp_rank=tp_rank, etp_size=etp)
+            found |= {id(p) for p in block.experts.parameters()}
+            continue
         if ep > 1 or etp > 1:
             block = expert_parallel(block, family, None, ep, 0)
             if etp > 1:
@@ -458,15 +464,15 @@ def _split_experts(local: nn.Module, ep: int, declared=(), etp: int = 1, tp_rank
 
 
 def _all_to_all_bytes(base, config, r: int, locate, times, tokens: int, calls: int, dtype_bytes: int) -> int:
-    """Bytes rank ``r`` hands to the dispatch all-to-alls per step: per MoE layer it runs, its k rows per token
-    out and back, forward and backward (4 x tokens x k x hidden; balanced routing), and the expert counts;
-    under tp each rank dispatches 1/tp of the tokens (its sequence shard, or its share of the rows), under
-    etp all of them (alike on the tp ranks)."""
+    """Bytes rank ``r`` hands to the dispatch all-to-alls per step: per MoE layer, k rows per token out and back,
+    forward and backward (4 x tokens x k x hidden; balanced routing), and the counts; under tp 1/tp of the
+    tokens (a sequence shard, or a share of the rows), under etp all of them (alike on the tp ranks)."""
     if config.ep == 1:
         return 0
     total, tokens = 0, tokens // (config.tp // config.etp)
     for path, block, family in find_moe_blocks(base, lookup.expert_styles(config.plan)):
         runs = times(locate(path), r)
-        total += runs * (4 * tokens * family.top_k(block) * block.gate.in_features * dtype_bytes
+        hidden = (router_of(block) if family.fused else block.gate).weight.shape[-1]
+        total += runs * (4 * tokens * family.top_k(block) * hidden * dtype_bytes
                          + calls * family.num_experts(block) * 8)
     return total

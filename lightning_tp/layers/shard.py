@@ -19,6 +19,7 @@ class ShardSpec:
     sections: tuple = ()  # unequal piece sizes (overrides chunks)
     replicas: tuple = ()  # per piece: ranks holding the same slice (1 each when empty)
     at_rank: int = -1  # >= 0: the slice held whatever the tp rank (an expert-parallel rank's experts)
+    inner: "ShardSpec | None" = None  # a second sharded dimension, cut by the tp rank (an expert's width under etp)
 
     def rank(self, tp_rank: int) -> int:
         """The slice a tensor on tensor-parallel ``tp_rank`` holds."""
@@ -51,6 +52,12 @@ class ShardSpec:
 
 
 def shard(full: torch.Tensor, spec: ShardSpec, rank: int) -> torch.Tensor:
+    """Tensor-parallel ``rank``'s part of ``full`` (both dimensions of a spec with an ``inner`` one)."""
+    out = _shard_dim(full, spec, rank)
+    return out if spec.inner is None else _shard_dim(out, spec.inner, rank)
+
+
+def _shard_dim(full: torch.Tensor, spec: ShardSpec, rank: int) -> torch.Tensor:
     out, rank = [], spec.rank(rank)
     for i, piece in enumerate(spec.pieces(full)):
         size = piece.shape[spec.dim]
