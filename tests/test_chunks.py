@@ -44,3 +44,24 @@ def test_chunks_place_every_local_element_at_its_full_offset(name):
                 assert _check(full, got.chunks) == int((shard(torch.ones(shape), spec, rank) if spec else
                                                         torch.ones(shape)).reshape(-1)[a:b].sum())
     assert owned == full.numel() * (W if spec is None else 1)  # a copied slice is owned by one rank
+
+
+@pytest.mark.parametrize("blocks", [1, 2])
+def test_two_sharded_dimensions_place_each_ranks_block(blocks):
+    """A 3-D expert weight under ep x etp: experts over ep (dim 0, the ep rank), each one's width over tp
+    (dim 1, ``blocks`` equal blocks each split: a concatenated [gate; up]); every rank's block placed exactly."""
+    full = torch.randn(4, 8, 3, generator=torch.Generator().manual_seed(0))
+    seen = torch.zeros(full.shape)
+    for ep_rank in range(W):
+        spec = ShardSpec(dim=0, world=W, full=4, at_rank=ep_rank, inner=ShardSpec(dim=1, world=W, full=8, chunks=blocks))
+        for tp_rank in range(W):
+            local = shard(full, spec, tp_rank)
+            assert local.shape == (2, 4, 3)
+            chunks = chunks_of(local, spec, tp_rank)
+            assert chunks.shape == full.shape and _check(full, chunks.chunks) == local.numel()
+            for c in chunks.chunks:
+                seen[tuple(slice(o, o + n) for o, n in zip(c.offsets, c.view.shape))] += 1
+            for a, b in ((0, 5), (5, 17), (17, local.numel())):  # ZeRO slices crossing rows and blocks
+                got = flat_chunks_of(local.reshape(-1)[a:b].clone(), tuple(local.shape), spec, tp_rank, a)
+                assert _check(full, got.chunks) == b - a
+    assert torch.equal(seen, torch.ones(full.shape))  # the four blocks tile the tensor once
