@@ -2,10 +2,11 @@
 
 Rows: the example GPT's MoE, Hugging Face Mixtral and DeepSeek-V3 (transformers 5.x: experts as one module
 of 3-D weights) at ep=2 against dp=2 with every expert on both ranks, and Mixtral at tp=2 x ep=2 (the ep
-group is the tp pair: experts beyond dp) against tp=2 alone, in alternating rounds. Printed per row: median
-step time as a ratio to its baseline; for the GPT, expert parameters and optimizer state per rank, the
-dispatch all-to-all bytes per step against explain's formula, and the tokens each expert got in the last
-step. Usage: python bench/moe.py [--steps 20 --rounds 3 --rows gpt,mixtral,deepseek_v3,mixtral_tp2]
+group is the tp pair: experts beyond dp) and at tp=2 x etp=2 (each expert split over the pair) against tp=2
+alone (the GPT too), in alternating rounds. Printed per row: median step time as a ratio to its baseline;
+for the GPT, expert parameters and optimizer state per rank, the dispatch all-to-all bytes per step against
+explain's formula, and the tokens each expert got in the last step.
+Usage: python bench/moe.py [--steps 20 --rounds 3 --rows gpt,mixtral,deepseek_v3,mixtral_tp2,gpt_tp2_etp2,...]
 """
 
 import argparse
@@ -37,7 +38,9 @@ HF = {"mixtral": ("MixtralConfig", dict(intermediate_size=512, num_local_experts
                                                qk_nope_head_dim=16, v_head_dim=32, rope_scaling=None))}
 # row: (model, baseline layout, expert-parallel layout)
 ROWS = {"gpt": ("gpt", {}, dict(ep=2)), "mixtral": ("mixtral", {}, dict(ep=2)),
-        "deepseek_v3": ("deepseek_v3", {}, dict(ep=2)), "mixtral_tp2": ("mixtral", dict(tp=2), dict(tp=2, ep=2))}
+        "deepseek_v3": ("deepseek_v3", {}, dict(ep=2)), "mixtral_tp2": ("mixtral", dict(tp=2), dict(tp=2, ep=2)),
+        # each expert split over the tp pair (etp) against every tp rank running whole experts on the same tokens
+        "gpt_tp2_etp2": ("gpt", dict(tp=2), dict(tp=2, etp=2)), "mixtral_tp2_etp2": ("mixtral", dict(tp=2), dict(tp=2, etp=2))}
 
 
 class HFCausalLM(L.LightningModule):
