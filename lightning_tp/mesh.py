@@ -104,9 +104,14 @@ class ParallelMesh:
         return self.tp * self.cp * self.dp // (self.ep * self.etp)
 
     @property
-    def edp_group_rank(self) -> int:
-        """Which of the stage's ep groups this rank is in (etp ranks apart: one per tp rank and edp index)."""
-        return self.stage_rank // (self.etp * self.ep) * self.etp + self.stage_rank % self.etp
+    def edp_rank(self) -> int:
+        """This rank's place in its expert-data-parallel group (edp_group: the same experts, other tokens)."""
+        return self.stage_rank // (self.etp * self.ep)
+
+    @property
+    def ep_group_index(self) -> int:
+        """Which of the stage's ep groups this rank is in (one per edp index and, under etp, tp rank)."""
+        return self.edp_rank * self.etp + self.stage_rank % self.etp
 
     @property
     def ep_folds_tp(self) -> bool:
@@ -178,7 +183,7 @@ def build_mesh(tp: int = 1, pp: int = 1, device_type: str = "cpu", ep: int = 1,
                     group = mesh.new_group([mesh.global_rank(t, d, 0, c), mesh.global_rank(t, d, pp - 1, c)])
                     if (t, d, c) == (mesh.tp_rank, mesh.dp_rank, mesh.cp_rank):
                         mesh.emb_group = group
-    if ep > 1 or etp > 1:
+    if ep > 1:  # (at ep=1 an expert split over tp (etp) syncs over dp, as every tp-split weight)
         _expert_groups(mesh)
     return mesh
 
@@ -206,7 +211,7 @@ def _expert_groups(mesh: ParallelMesh) -> None:
         for d in range(edp):
             for t in range(etp):
                 group = mesh.new_group([ranks[t + etp * (e + ep * d)] for e in range(ep)])
-                if here and d * etp + t == mesh.edp_group_rank:
+                if here and d * etp + t == mesh.ep_group_index:
                     mesh.ep_group = group
         for e in range(ep):
             for t in range(etp):

@@ -15,7 +15,7 @@ from .config import ModelChoices, ParallelConfig
 from .layout import resolve_layout
 from .context.runtime import ContextParallel
 from .experts import router_carry
-from .experts.apply import apply_experts
+from .experts.apply import apply_experts, rebind_experts
 from .kernels.inject import apply_kernels
 from .layers.attention import TPMultiheadAttention
 from .layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -29,7 +29,7 @@ from .tp_in_pp import sp_stages
 from .pipeline.cut.split import Cut, apply_split
 from .pipeline.run.stage import install as install_stages
 from .checkpoints.plain import load_full
-from .plans import swap
+from .plans import lookup, swap
 from .quant import apply_qat
 from .recompute.rng import BlockStreams
 
@@ -118,11 +118,14 @@ def parallelize(config: ParallelConfig, mesh, module, device):
 def _reuse(config, mesh, module, done: Parallelized, device):
     """A module parallelized before: the same layout, the new strategy's groups."""
     old = done.config
-    if (old.tp, old.sp, old.pp, old.cp, old.activation_checkpointing, old.selective) != \
-            (config.tp, config.sp, config.pp, config.cp, config.activation_checkpointing, config.selective):
+    if (old.tp, old.sp, old.pp, old.cp, old.ep, old.etp, old.moe_capacity, old.activation_checkpointing,
+            old.selective) != (config.tp, config.sp, config.pp, config.cp, config.ep, config.etp, config.moe_capacity,
+                               config.activation_checkpointing, config.selective):
         raise ValueError(f"{type(module).__name__} was already parallelized with tp={old.tp}, sp={old.sp}, "
-                         f"pp={old.pp}, cp={old.cp}, activation_checkpointing={old.activation_checkpointing}; build a "
-                         f"fresh module for this layout.")
+                         f"pp={old.pp}, cp={old.cp}, ep={old.ep}, etp={old.etp}, moe_capacity={old.moe_capacity}, "
+                         f"activation_checkpointing={old.activation_checkpointing}; build a fresh module for this "
+                         f"layout.")
+    rebind_experts(module, mesh, config.pp, lookup.expert_styles(config.plan))
     if done.context is not None:  # the same hooks, the new strategy's groups
         done.context = ContextParallel(mesh, config.cp_attention)
     for ctx in done.contexts:

@@ -51,6 +51,8 @@ def _grid(tp, dp, ep, etp, pp=1):
         mesh = ParallelMesh(tp=tp, dp=dp, pp=pp, ep=ep, etp=etp, rank=rank)
         mesh.new_group = lambda ranks=None, backend=None: tuple(ranks)
         _expert_groups(mesh)
+        # each rank's place in its groups, as ZeRO-1's expert buckets and the dispatch read it
+        assert mesh.ep_group[mesh.ep_rank] == rank and mesh.edp_group[mesh.edp_rank] == rank, (rank, mesh)
         out.append((mesh.ep_group, mesh.edp_group))
     return out
 
@@ -60,6 +62,7 @@ def test_the_expert_grid_folds_ep_over_tp_and_with_etp_puts_ep_groups_tp_apart()
     assert _grid(tp=2, dp=4, ep=2, etp=1)[:3] == [((0, 1), (0, 2, 4, 6)), ((0, 1), (1, 3, 5, 7)),
                                                    ((2, 3), (0, 2, 4, 6))]
     # etp=tp=2: an ep group holds one tp rank of ep dp ranks; expert-dp: the same tp rank and experts
+    assert _grid(tp=2, dp=8, ep=2, etp=2)[5] == ((5, 7), (1, 5, 9, 13))  # etp x ep x edp = 2 x 2 x 4
     grid = _grid(tp=2, dp=4, ep=2, etp=2)
     assert grid[:6] == [((0, 2), (0, 4)), ((1, 3), (1, 5)), ((0, 2), (2, 6)), ((1, 3), (3, 7)),
                         ((4, 6), (0, 4)), ((5, 7), (1, 5))]
@@ -776,3 +779,42 @@ def test_load_full_puts_each_ranks_block_of_every_expert_in_place_under_etp(tmp_
     model_kw = dict(GPT_MOE, n_expert=4) if kind == "gpt" else {}
     for r in dist.run(4, _load_full_under_etp, str(tmp_path), kind, model_kw, timeout=600):
         assert r["worst"] == 0.0 and 4 * r["held"] == r["whole"], r
+
+
+def _fit_twice(rank, world):
+    """Mixtral with its load-balancing loss fitted by one Trainer, then by a second one with a new strategy (the
+    same layout), then a third at another ep: refused."""
+    if world > 1:
+        torch_dist.init_process_group("gloo")
+    model, losses = make_model("hf_mixtral", **AUX), []
+    dp = 2  # the global batch of the 2-process run, whole in the one-process reference
+    for _ in range(2):
+        rec = LossRecorder()
+        strategy = MegaStrategy(ep=world, timeout=120) if world > 1 else "auto"
+        trainer = L.Trainer(devices=world, strategy=strategy, max_steps=3, callbacks=[rec], **trainer_kwargs())
+        trainer.fit(model, TokenData(3 * BATCH * dp, vocab_of(model), BATCH * (dp if world == 1 else 1),
+                                     single=world == 1))
+        losses += rec.losses
+        if world > 1:  # 5.x: the experts modules' groups; 4.x: the swapped blocks'
+            groups = [getattr(m, "_lightning_tp_ep", {}).get("group", getattr(m, "group", None)) for m in model.modules()
+                      if type(m).__name__.startswith("ExpertParallel")]
+            assert groups and all(g is strategy.mesh.ep_group for g in groups), "an expert layer kept old groups"
+    refused = None
+    if world > 1:
+        try:
+            L.Trainer(devices=world, strategy=MegaStrategy(timeout=120), max_steps=1, **trainer_kwargs()).fit(
+                model, TokenData(BATCH * dp, vocab_of(model), BATCH))
+        except ValueError as e:
+            refused = str(e)
+    return dict(losses=losses, refused=refused)
+
+
+def test_a_second_trainer_fits_an_expert_parallel_module_again_with_its_own_groups():
+    """The expert layers and router statistics take the second strategy's groups (the first one's are gone);
+    the losses of both fits equal one process fitting twice; another ep is refused."""
+    got = dist.run(2, _fit_twice, timeout=600)
+    ref = dist.run(1, _fit_twice, timeout=600)[0]
+    for r in got:
+        assert len(r["losses"]) == 6
+        assert (torch.tensor(r["losses"]) - torch.tensor(ref["losses"])).abs().max() < 1e-5, (r, ref)
+        assert "already parallelized with" in r["refused"] and "ep=2" in r["refused"], r["refused"]

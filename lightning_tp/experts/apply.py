@@ -10,7 +10,7 @@ from .families import check_block, find_moe_blocks
 from . import router_statistics
 from .fused import expert_parallel_experts, gather_router_logits
 from .expert_tp import check_expert_tp, shard_experts
-from .layer import expert_parallel
+from .layer import ExpertParallelMoE, expert_parallel
 
 
 def check_experts(model: nn.Module, ep: int, capacity: float | None = None, declared=(), etp: int = 1) -> list:
@@ -97,3 +97,25 @@ def _fused(block: nn.Module, mesh, pp: int, sp: bool, capacity, fold, etp) -> nn
     if sp:
         gather_router_logits(block, mesh.tp_group)
     return block
+
+
+def rebind_experts(model: nn.Module, mesh, pp: int, declared=()) -> None:
+    """A module parallelized before, fitted again under a new strategy (the same layout): its expert layers and
+    router statistics take the new mesh's groups."""
+    tp = lambda old: mesh.tp_group if old is not None else None  # noqa: E731
+    stats = []  # modules whose modeling module's load-balancing loss reads the dp group
+    for m in model.modules():
+        ep = getattr(m, "_lightning_tp_ep", None)
+        if isinstance(m, ExpertParallelMoE):
+            m.group, m.sp_group, m.fold_group, m.etp_group = mesh.ep_group, tp(m.sp_group), tp(m.fold_group), \
+                tp(m.etp_group)
+            stats += [m] if m.family.returns_logits else []
+        elif ep is not None:
+            ep.update(group=mesh.ep_group, fold=tp(ep["fold"]), etp=tp(ep["etp"]))
+            stats.append(m)
+    for _, block, family in find_moe_blocks(model, declared):  # blocks left whole (ep=1 without sp)
+        if family.fused or family.returns_logits:
+            stats.append(block.experts if family.fused else block)
+    for m in stats:
+        source = next(c for c in type(m).__mro__ if not c.__module__.startswith(__package__))  # not our subclass
+        router_statistics.install_for(source.__module__, mesh.dp_group, pp)

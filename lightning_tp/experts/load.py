@@ -66,9 +66,13 @@ class ExpertLoad(Callback):
             else:
                 block.gate.register_forward_hook(self._gate_hook(i, block, family))
 
-    def _add(self, i: int, idx: torch.Tensor, experts: int, capacity, fold=None) -> None:
+    def _add(self, i: int, idx: torch.Tensor, experts: int, capacity, fold=None, alike=None) -> None:
         if _in_backward():
             return
+        if alike is not None:  # etp on sequence shards: the tp ranks dispatch their gathered tokens; the first counts
+            idx = comm.all_gather(idx, 0, alike)
+            if comm.group_rank(alike) > 0:
+                return
         counts = torch.bincount(idx.reshape(-1), minlength=experts).to(torch.float64).cpu()
         self.step[i, :experts] += counts
         if capacity is not None:  # a capacity counts each dispatching rank's rows (an ep group's tp ranks: a share)
@@ -80,7 +84,8 @@ class ExpertLoad(Callback):
     def _fused_hook(self, i, block, family):
         def hook(module, args):
             ep = getattr(module, "_lightning_tp_ep", None)
-            self._add(i, args[1], family.num_experts(block), ep["capacity"] if ep else None, ep and ep["fold"])
+            self._add(i, args[1], family.num_experts(block), ep["capacity"] if ep else None, ep and ep["fold"],
+                      ep["etp"] if ep and ep["sp"] else None)
         return hook
 
     def _gate_hook(self, i, block, family):
@@ -88,8 +93,9 @@ class ExpertLoad(Callback):
 
         def hook(module, args, logits):
             _, idx = route(logits, logits.dtype)
+            sp = getattr(block, "sp_group", None) is not None
             self._add(i, idx, family.num_experts(block), getattr(block, "capacity_factor", None),
-                      getattr(block, "fold_group", None))
+                      getattr(block, "fold_group", None), getattr(block, "etp_group", None) if sp else None)
         return hook
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -139,7 +145,16 @@ def _on_shards(layers: list) -> bool:
     """Whether the MoE blocks run on sequence shards (sp): each tp rank then routes its own tokens."""
     from ..marks import marks_of
 
-    return any(marks_of(p).sp_partial for _, block, _ in layers if block is not None for p in block.parameters())
+    for _, block, _ in layers:
+        if block is None:
+            continue
+        if isinstance(block, ExpertParallelMoE):
+            return block.sp_group is not None
+        ep = getattr(getattr(block, "experts", None), "_lightning_tp_ep", None)
+        if ep is not None:
+            return ep["sp"]
+        return any(marks_of(p).sp_partial for p in block.parameters())  # a block left whole: partial under sp only
+    return False
 
 
 def _order(path: str) -> tuple:

@@ -146,7 +146,7 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
             batch_shape=(8, 128), schedule: str = "1f1b", virtual_stages: int = 1, plan="auto", dp: int = 1,
             dtype_bytes: int = 4, *, grad_bytes=None, accumulate_grad_batches: int = 1, pipeline_blocks=None,
             stage_layers=None, activation_checkpointing=False, zb_keep_recomputed: bool = False,
-            split_backward="auto", ep: int = 1, zero=None, optimizer_state_bytes=None, score_copies: int = 0,
+            split_backward="auto", ep: int = 1, etp: int = 1, zero=None, optimizer_state_bytes=None, score_copies: int = 0,
             config: ParallelConfig | None = None, print_report: bool = True, cp: int = 1,
             cp_attention: str = "ring") -> Explanation:
     """Parameters, stages, communication and memory per rank of ``MegaStrategy(tp, pp, sp, ..., zero)`` with ``dp``
@@ -155,7 +155,7 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
     if getattr(module, "_lightning_tp", None) is not None:
         raise ValueError("explain() needs the user's module before MegaStrategy parallelized it.")
     if config is None:
-        config = ParallelConfig.resolve(tp=tp, pp=pp, sp=sp, ep=ep, zero=0 if zero is None else zero, microbatches=microbatches,
+        config = ParallelConfig.resolve(tp=tp, pp=pp, sp=sp, ep=ep, etp=etp, zero=0 if zero is None else zero, microbatches=microbatches,
                                         schedule=schedule, virtual_stages=virtual_stages,
                                         split_backward=split_backward, pipeline_blocks=pipeline_blocks,
                                         stage_layers=stage_layers, activation_checkpointing=activation_checkpointing,
@@ -269,7 +269,7 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
     w_grads = weight_grad_widths(base, style_of, tp, locate) if schedule == "zb_h1" else {}
     sp_on = any(sp and mt.sp_start is not None for mt in matches)
 
-    rep = Explanation(dict(tp=tp, pp=pp, dp=dp, ep=config.ep, cp=cp, cp_attention=config.cp_attention,
+    rep = Explanation(dict(tp=tp, pp=pp, dp=dp, ep=config.ep, etp=config.etp, cp=cp, cp_attention=config.cp_attention,
                            world=tp * cp * pp * dp, sp=sp, microbatches=m, schedule=schedule,
                            virtual_stages=v, batch_shape=(B, T), dtype_bytes=dtype_bytes, grad_bytes=grad_bytes,
                            accumulate_grad_batches=acc, zero=config.zero, optimizer_state_bytes=state_bytes,

@@ -117,8 +117,8 @@ def format_report(rep) -> str:
                          f"(the lower of forward and backward); the transfer hides behind the attention where the "
                          f"device's attention FLOP/s over the link's bytes/s is below that (e.g. 400 TFLOP/s over "
                          f"450 GB/s NVLink: ~900; over 50 GB/s InfiniBand: ~8,000). Longer sequences raise it.")
-    if c.get("ep", 1) > 1:
-        lines += ["", f"Experts (ep={c['ep']}): per rank, per optimizer step (all-to-all: rows out and back, forward "
+    if c.get("ep", 1) > 1 or c.get("etp", 1) > 1:
+        lines += ["", f"Experts (ep={c['ep']}{', etp=' + str(c['etp']) if c.get('etp', 1) > 1 else ''}): per rank, per optimizer step (all-to-all: rows out and back, forward "
                       f"and backward, balanced routing assumed):",
                   f"  {'stage':>5} {'tp':>3} {'expert params':>14} {'all-to-all':>11} {'expert-dp grads':>16}"]
         lines += [f"  {r.stage:>5} {r.tp_rank:>3} {r.expert_params:>14,} {size(r.ep_bytes):>11} {size(r.edp_bytes):>16}"

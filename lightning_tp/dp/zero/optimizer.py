@@ -30,7 +30,7 @@ class ShardedOptimizer:
             kept = [p for p in g["params"] if not any(p is q for q in dense + experts)]  # frozen ones: whole
             new = []
             for params, expert in ((dense, False), (experts, True)):
-                group, size, rank = (mesh.edp_group, edp, mesh.edp_group_rank) if expert else \
+                group, size, rank = (mesh.edp_group, edp, mesh.edp_rank) if expert else \
                     (mesh.dp_group, mesh.replicas, mesh.replica_rank)
                 # in the order the backward makes gradients; summed over tp or stages first: buckets of their own
                 for early in (True, False):
