@@ -80,7 +80,7 @@ class ParallelConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"MegaStrategy({name}={value!r}): {name} must be a positive integer.")
         check_context_parallel(cp, cp_attention, ep=ep, zero=zero, broadcast_batch=broadcast_batch)
-        check_expert_tp(etp, tp, zero, quant)
+        check_etp_option(etp, tp, zero, quant)
         if p2p not in P2P_MODES:
             raise ValueError(f"MegaStrategy(p2p={p2p!r}): choose 'auto', 'eager' or 'batched'.")
         if moe_capacity is not None and (isinstance(moe_capacity, bool) or not isinstance(moe_capacity, (int, float))
@@ -154,7 +154,7 @@ class ParallelConfig:
         return ModelChoices(recompute=blocks, hf_recompute=hf, split_backward=split)
 
 
-def check_expert_tp(etp: int, tp: int, zero: int, quant) -> None:
+def check_etp_option(etp: int, tp: int, zero: int, quant) -> None:
     """``etp`` (each expert's MLP split over the tp ranks, Megatron's expert tensor parallelism): 1 or tp."""
     if etp not in (1, tp):
         raise ValueError(f"MegaStrategy(etp={etp}, tp={tp}): etp splits each expert over the tp ranks: choose etp=1 "

@@ -1,11 +1,12 @@
-"""Expert tensor parallelism (``etp = tp``): each of a rank's ``ModuleList`` experts split over the tp group
-as Megatron splits a dense MLP, gate and up by output rows, down by input columns; the experts' outputs
-are partial sums over tp, summed as they leave the block (see :class:`.layer.ExpertParallelMoE`)."""
+"""Expert tensor parallelism (``etp = tp``): each of a rank's experts split over the tp group as Megatron splits
+a dense MLP, gate and up by output rows, down by input columns (``ModuleList`` experts here, 5.x ones in
+:mod:`.fused`); their outputs are partial sums over tp, summed as they leave the block."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .. import comm
@@ -14,15 +15,27 @@ from ..marks import set_marks
 from .grouped import math_of
 
 
-class _BiasOnFirst(nn.Linear):
-    """A down projection split by its input columns: its bias added on the first tp rank only (the partial
-    outputs are summed over tp), its gradient summed over tp (``sp_partial``; zeros on the others, so every
-    tp rank has one to sum)."""
+@contextlib.contextmanager
+def bias_on_first(biases, etp):
+    """Under etp a down projection's bias (``biases``: (module, parameter name) pairs) is added on the first tp
+    rank only, the outputs being partial sums: elsewhere the experts' math reads zeros in its place for the
+    call, so every tp rank has a gradient (zeros) to sum over tp (``sp_partial``)."""
+    if etp is None or comm.group_rank(etp) == 0:
+        yield
+        return
+    held = [(m, name, m._parameters[name]) for m, name in biases if m._parameters.get(name) is not None]
+    for m, name, p in held:
+        m._parameters[name] = p * 0
+    try:
+        yield
+    finally:
+        for m, name, p in held:
+            m._parameters[name] = p
 
-    adds_bias: bool = True
 
-    def forward(self, x):
-        return F.linear(x, self.weight, self.bias if self.adds_bias else self.bias * 0)
+def down_biases(experts) -> list:
+    """(down projection, "bias") of each ``ModuleList`` expert of a known class (see :func:`bias_on_first`)."""
+    return [(getattr(e, math.down), "bias") for e in experts if (math := math_of(e)) is not None]
 
 
 def enter(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, fold=None, etp=None, sp: bool = False) -> tuple:
@@ -104,9 +117,7 @@ def shard_experts(experts, etp: int, rank: int) -> None:
                 _split(getattr(expert, name), 0, etp, rank)
         down = getattr(expert, math.down)
         _split(down, 1, etp, rank)
-        if down.bias is not None:
-            down.__class__ = _BiasOnFirst
-            down.adds_bias = rank == 0
+        if down.bias is not None:  # whole on each tp rank, added on the first (see bias_on_first)
             set_marks(down.bias, sp_partial=True)
 
 

@@ -4,7 +4,6 @@ model's own router and the family's own per-expert math stay; only the experts c
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import torch
@@ -14,7 +13,7 @@ from .. import comm
 from ..layers.shard import ShardSpec, shard
 from ..marks import set_marks
 from .dispatch import capacity_of, combine, dispatch
-from .expert_tp import enter, fused_widths, leave
+from .expert_tp import bias_on_first, enter, fused_widths, leave
 
 
 def is_fused_experts(module) -> bool:
@@ -42,24 +41,9 @@ class ExpertParallelExperts:
         local = torch.repeat_interleave(torch.arange(len(per_expert), device=rows.device),
                                         torch.tensor(per_expert, device=rows.device)).unsqueeze(1)
         ones = torch.ones(rows.shape[0], 1, dtype=top_k_weights.dtype, device=rows.device)
-        with _bias_on_first(self, ep["adds_bias"]):
+        with bias_on_first([(self, "down_proj_bias")], ep["etp"]):
             y = super().forward(rows, local, ones)  # the family's math on its own rows, weighted after the return
         return leave(combine(y, top_k_weights, handle, ep["group"]), total, *split)
-
-
-@contextlib.contextmanager
-def _bias_on_first(experts: nn.Module, adds: bool):
-    """Under etp the down projection's bias is added on the first tp rank only (the outputs are partial sums):
-    elsewhere the family's math reads zeros in its place for the call (its gradient: zeros, summed over tp)."""
-    bias = experts._parameters.get("down_proj_bias")
-    if adds or bias is None:
-        yield
-        return
-    experts._parameters["down_proj_bias"] = bias * 0
-    try:
-        yield
-    finally:
-        experts._parameters["down_proj_bias"] = bias
 
 
 _CLASSES: dict = {}
@@ -92,7 +76,7 @@ def expert_parallel_experts(experts: nn.Module, group, ep: int, ep_rank: int, ca
     experts.__class__ = _CLASSES[kind]
     experts.num_experts = count  # the class's own forward sees local expert ids 0..count-1
     experts._lightning_tp_ep = dict(experts=total, group=group, capacity=capacity_factor, first=first, fold=fold,
-                                    etp=etp if world > 1 else None, sp=sp, adds_bias=tp_rank == 0 or world == 1)
+                                    etp=etp if world > 1 else None, sp=sp)
     return experts
 
 

@@ -9,7 +9,7 @@ from torch import nn
 
 from .. import comm
 from .dispatch import capacity_of, combine, dispatch
-from .expert_tp import enter, leave
+from .expert_tp import bias_on_first, down_biases, enter, leave
 from .families import MoEFamily, check_block
 from .grouped import grouped_forward, runs_grouped
 
@@ -23,7 +23,7 @@ class ExpertParallelMoE(nn.Module):
         nn.Module.__init__(self)  # not the block class's (see expert_parallel)
         self.family, self.group, self.sp_group, self.capacity_factor = family, group, sp_group, capacity_factor
         self.fold_group = fold_group  # the tp ranks of an ep group, alike tokens: each dispatches its share
-        self.etp_group = etp_group  # the tp ranks each expert is split over (see .expert_tp): alike tokens in
+        self.etp_group = etp_group  # the tp ranks each expert is split over (see .expert_tp), alike tokens
         check_block(type(block).__name__, block, family, ep)
         self.num_experts, self.top_k = family.num_experts(block), family.top_k(block)
         count = self.num_experts // ep
@@ -44,11 +44,12 @@ class ExpertParallelMoE(nn.Module):
         x = hidden_states.reshape(-1, shape[-1])
         logits = self.gate(x)
         weights, idx = self._route(logits, x.dtype)
-        mine, weights, idx = self._enter(x, weights, idx)
+        split = (self.fold_group, self.etp_group, self.sp_group is not None)
+        mine, weights, idx = enter(x, weights, idx, *split)
         capacity = None if self.capacity_factor is None else \
             capacity_of(self.capacity_factor, mine.shape[0], self.top_k, self.num_experts)
         rows, per_expert, handle = dispatch(mine, idx, self.num_experts, self.group, capacity)
-        y = self._leave(combine(self._experts(rows, per_expert), weights, handle, self.group), x.shape[0])
+        y = leave(combine(self._experts(rows, per_expert), weights, handle, self.group), x.shape[0], *split)
         if self.family.shared_expert:
             y = y + F.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         y = y.reshape(shape)
@@ -59,18 +60,13 @@ class ExpertParallelMoE(nn.Module):
             logits = logits.reshape(-1, logits.shape[-1])
         return y, logits
 
-    def _enter(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> tuple:
-        return enter(x, weights, idx, self.fold_group, self.etp_group, self.sp_group is not None)
-
-    def _leave(self, y: torch.Tensor, total: int) -> torch.Tensor:
-        return leave(y, total, self.fold_group, self.etp_group, self.sp_group is not None)
-
     def _experts(self, rows: torch.Tensor, per_expert: list) -> torch.Tensor:
         """This rank's experts on their runs of ``rows``: grouped GEMMs where they can be and pay, else one at a time."""
         experts = list(self.experts.values())
-        y = grouped_forward(experts, rows, per_expert) if runs_grouped(rows) else None
-        if y is None:
-            y = torch.cat([expert(chunk) for expert, chunk in zip(experts, rows.split(per_expert))])
+        with bias_on_first(down_biases(experts), self.etp_group):
+            y = grouped_forward(experts, rows, per_expert) if runs_grouped(rows) else None
+            if y is None:
+                y = torch.cat([expert(chunk) for expert, chunk in zip(experts, rows.split(per_expert))])
         return y
 
     def extra_repr(self) -> str:
