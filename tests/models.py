@@ -172,12 +172,12 @@ class Seq2SeqLM(L.LightningModule):
 
 
 class HFSeq2SeqLM(L.LightningModule):
-    """A Hugging Face encoder-decoder (BART, T5, mT5, Whisper) built from a config, head tied to the
-    embedding as the library does; the loss is the model's own from ``labels``. Whisper's input is a
-    spectrogram: here each source token's fixed random column of ``MELS`` features (SEQ frames)."""
+    """A Hugging Face encoder-decoder (BART, T5, mT5, Whisper, Switch Transformers) built from a config, head
+    tied to the embedding as the library does; the loss is the model's own from ``labels``. Whisper's input
+    is a spectrogram: here each source token's fixed random column of ``MELS`` features (SEQ frames)."""
 
     def __init__(self, family: str, layers: int = 2, attention: str = "sdpa", padded: bool = False,
-                 hidden_loss: bool = False):
+                 hidden_loss: bool = False, router_losses: bool = True):
         super().__init__()
         import transformers as tf
 
@@ -202,6 +202,15 @@ class HFSeq2SeqLM(L.LightningModule):
             config = tf.MT5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=layers, num_heads=4,
                                   dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0, **eager)
             self.model = tf.MT5ForConditionalGeneration(config)
+        elif family == "switch":  # T5's layout; every second block's MLP is top-1 experts with a capacity per
+            # sequence (4 of a row's 16 tokens per expert: some are dropped), its router losses in the loss
+            config = tf.SwitchTransformersConfig(
+                vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=layers, num_decoder_layers=layers, num_heads=4,
+                num_experts=4, expert_capacity=4, encoder_sparse_step=2, decoder_sparse_step=2, dropout_rate=0.0,
+                router_jitter_noise=0.0, router_z_loss_coef=0.1, router_aux_loss_coef=0.5, decoder_start_token_id=0,
+                pad_token_id=0, **eager)
+            self.model = tf.SwitchTransformersForConditionalGeneration(config)
+            self.router_losses = dict(output_router_logits=router_losses)
         else:  # its decoder blocks are given encoder_hidden_states by keyword
             config = tf.WhisperConfig(vocab_size=64, num_mel_bins=MELS, d_model=32, encoder_layers=layers,
                                       decoder_layers=layers, encoder_attention_heads=4, decoder_attention_heads=4,
@@ -228,7 +237,7 @@ class HFSeq2SeqLM(L.LightningModule):
             for maps in (out.encoder_attentions, out.decoder_attentions, out.cross_attentions):
                 loss = loss + (maps[0][:, :, -1, 0] * heads).mean()
         else:
-            loss = self.model(input_ids=x, labels=y).loss
+            loss = self.model(input_ids=x, labels=y, **getattr(self, "router_losses", {})).loss
         self.log("train_loss", loss, sync_dist=True)
         return loss
 
@@ -648,7 +657,7 @@ def _build(kind: str, **kw):
         return OwnLossGPT(**{**GPT_SMALL, **kw})
     if kind == "encoder":
         return EncoderLM(**kw)
-    if kind in ("hf_bart", "hf_t5", "hf_mt5", "hf_whisper"):
+    if kind in ("hf_bart", "hf_t5", "hf_mt5", "hf_whisper", "hf_switch"):
         return HFSeq2SeqLM(kind[3:], **kw)
     if kind.startswith("hf_"):
         return HFCausalLM(kind[3:], **kw)

@@ -6,11 +6,12 @@ from __future__ import annotations
 from torch import nn
 
 from ..marks import marks_of, set_marks
-from .families import check_block, find_moe_blocks
+from .families import SWITCH, check_block, find_moe_blocks
 from . import router_statistics
 from .fused import expert_parallel_experts, gather_router_logits
 from .expert_tp import check_expert_tp, shard_experts
 from .layer import ExpertParallelMoE, expert_parallel
+from .switch import switch_parallel
 
 
 def check_experts(model: nn.Module, ep: int, capacity: float | None = None, declared=(), etp: int = 1) -> list:
@@ -26,9 +27,14 @@ def check_experts(model: nn.Module, ep: int, capacity: float | None = None, decl
                 f"or leave ep=1." if unknown else " Leave ep=1.")
         raise ValueError(f"MegaStrategy({what}) applies to mixture-of-experts layers, but {type(model).__name__} has "
                          f"none this project knows (Hugging Face transformers 5.x experts modules, Mixtral, Qwen2-MoE, "
-                         f"Qwen3-MoE, OLMoE, litgpt LLaMAMoE, the example GPT's MoE).{hint}")
+                         f"Qwen3-MoE, OLMoE, Switch Transformers, litgpt LLaMAMoE, the example GPT's MoE).{hint}")
     for path, block, family in blocks:
         check_block(path, block, family, ep)
+        if family is SWITCH and (etp > 1 or capacity is not None):
+            what = f"etp={etp}" if etp > 1 else f"moe_capacity={capacity}"
+            raise ValueError(f"MegaStrategy({what}): {path} ({type(block).__name__}) is Switch Transformers' sparse MLP, "
+                             f"whose router caps each expert itself (config.expert_capacity) and whose experts are "
+                             f"not split over tp; leave {what.split('=')[0]} at its default.")
         if etp > 1:
             check_expert_tp(path, block, family, etp)
     return blocks
@@ -59,6 +65,10 @@ def apply_experts(model: nn.Module, mesh, pp: int = 1, sp: bool = False, capacit
             continue
         if family.fused:
             swapped.append(_fused(block, mesh, pp, sp, capacity, fold, etp))
+            continue
+        if family is SWITCH:
+            if mesh.ep > 1 or sp:
+                swapped.append(_switch(model, path, block, mesh, sp))
             continue
         if family.returns_logits:
             router_statistics.install(block, mesh.dp_group, pp)
@@ -97,6 +107,18 @@ def _fused(block: nn.Module, mesh, pp: int, sp: bool, capacity, fold, etp) -> nn
     if sp:
         gather_router_logits(block, mesh.tp_group)
     return block
+
+
+def _switch(model: nn.Module, path: str, block: nn.Module, mesh, sp: bool) -> nn.Module:
+    """Switch Transformers' block expert-parallel; under sp its router and experts see the whole sequence (the
+    tp ranks then hold the same tokens and split them, as without sp), so its gradients are whole ones."""
+    fold = mesh.tp_group if mesh.ep_folds_tp else None
+    new = switch_parallel(block, mesh.ep_group, mesh.ep, mesh.ep_rank, mesh.tp_group if sp else None, fold)
+    for p in new.experts.parameters():
+        set_marks(p, expert=mesh.ep > 1)
+    parent, _, leaf = path.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, leaf, new)
+    return new
 
 
 def rebind_experts(model: nn.Module, mesh, pp: int, declared=()) -> None:

@@ -45,18 +45,19 @@ class MoEFamily:
     shared_expert: bool = False  # Qwen2-MoE: + sigmoid(shared_expert_gate(x)) * shared_expert(x)
     jitter: bool = False  # Mixtral: multiplicative router jitter while training
     fused: bool = False  # transformers 5.x: the model's router stays, its ``experts`` module is distributed
+    calls_idle: bool = True  # its loop calls an expert no token chose (a zero gradient); False: skipped (no gradient)
 
 
 FAMILIES = {
     "MixtralSparseMoeBlock": MoEFamily(
         "hf_mixtral", lambda m: m.num_experts, lambda m: m.top_k,
-        lambda m: softmax_then_topk(m.top_k, True), jitter=True),
+        lambda m: softmax_then_topk(m.top_k, True), jitter=True, calls_idle=False),
     "Qwen2MoeSparseMoeBlock": MoEFamily(
         "hf_qwen2_moe", lambda m: m.num_experts, lambda m: m.top_k,
-        lambda m: softmax_then_topk(m.top_k, m.norm_topk_prob), shared_expert=True),
+        lambda m: softmax_then_topk(m.top_k, m.norm_topk_prob), shared_expert=True, calls_idle=False),
     "Qwen3MoeSparseMoeBlock": MoEFamily(
         "hf_qwen3_moe", lambda m: m.num_experts, lambda m: m.top_k,
-        lambda m: softmax_then_topk(m.top_k, m.norm_topk_prob)),
+        lambda m: softmax_then_topk(m.top_k, m.norm_topk_prob), calls_idle=False),
     "OlmoeSparseMoeBlock": MoEFamily(
         "hf_olmoe", lambda m: m.num_experts, lambda m: m.top_k,
         lambda m: softmax_then_topk(m.top_k, m.norm_topk_prob)),
@@ -67,6 +68,11 @@ FAMILIES = {
         "litgpt_moe", lambda m: m.config.n_expert, lambda m: m.config.n_expert_per_token,
         lambda m: topk_then_softmax(m.config.n_expert_per_token), returns_logits=False),
 }
+
+# Switch Transformers: top-1, the router's own capacity per sequence; the block runs as experts/switch.py says
+SWITCH = MoEFamily("hf_switch", lambda m: m.router.num_experts, lambda m: 1, lambda m: None, returns_logits=False,
+                   calls_idle=False)
+FAMILIES["SwitchTransformersSparseMLP"] = SWITCH
 
 
 def declared_family(options: dict) -> MoEFamily:

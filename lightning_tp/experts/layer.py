@@ -63,6 +63,10 @@ class ExpertParallelMoE(nn.Module):
     def _experts(self, rows: torch.Tensor, per_expert: list) -> torch.Tensor:
         """This rank's experts on their runs of ``rows``: grouped GEMMs where they can be and pay, else one at a time."""
         experts = list(self.experts.values())
+        if not self.family.calls_idle:  # as the family's own loop: an expert no row chose keeps no gradient
+            experts, per_expert = [e for e, n in zip(experts, per_expert) if n], [n for n in per_expert if n]
+            if not experts:
+                return rows
         with bias_on_first(down_biases(experts), self.etp_group):
             y = grouped_forward(experts, rows, per_expert) if runs_grouped(rows) else None
             if y is None:

@@ -30,20 +30,27 @@ def _kv_input(attention: nn.Module):
 
 def layout_of(module: nn.Module):
     """(encoder path, decoder path, "bart" | "t5", the cross-attention's input name) or None: a
-    layout seen in part (FSMT's attention, Switch Transformers' expert MLPs) does not match."""
+    layout seen in part (FSMT's attention) does not match."""
     lists = find_encoder_decoder(module)
     if lists is None:
         return None
     enc, dec = (module.get_submodule(p)[0] for p in lists)
     if _has(enc, "self_attn.q_proj", "fc1", "fc2") and _has(dec, "self_attn.q_proj", "encoder_attn.q_proj", "fc1"):
         kind, cross = "bart", dec.encoder_attn
-    elif _has(enc, "layer.0.SelfAttention.q", f"layer.{len(getattr(enc, 'layer', ())) - 1}.DenseReluDense.wo") \
+    elif _has(enc, "layer.0.SelfAttention.q") and _t5_mlp(enc) is not None \
             and _has(dec, "layer.0.SelfAttention.q", "layer.1.EncDecAttention.q"):
         kind, cross = "t5", dec.layer[1].EncDecAttention
     else:
         return None
     kv = _kv_input(cross)
     return (*lists, kind, kv) if kv is not None else None
+
+
+def _t5_mlp(block: nn.Module):
+    """The name of a T5-layout block's MLP in its last sub-layer: T5's ``DenseReluDense``, or Switch
+    Transformers' ``mlp`` (dense, or a sparse one of experts, left to expert parallelism); else None."""
+    last = getattr(block, "layer", [None])[-1]
+    return next((n for n in ("DenseReluDense", "mlp") if isinstance(getattr(last, n, None), nn.Module)), None)
 
 
 def _is_norm(m: nn.Module) -> bool:
@@ -99,10 +106,12 @@ def _t5(enc: str, dec: str, kv: str, module: nn.Module) -> tuple:
         styles[f"{attn}.o"] = "rowwise"
         styles[f"{attn}.relative_attention_bias"] = "embedding_cols"  # one column per head
         attrs[attn] = {"n_heads": "divide", "inner_dim": "divide"}
-        ff = f"{path}.*.layer.{len(block.layer) - 1}.DenseReluDense"
-        for name, _ in block.layer[-1].DenseReluDense.named_children():  # wi, or gated wi_0 and wi_1; wo
-            if name.startswith(("wi", "wo")):
-                styles[f"{ff}.{name}"] = "rowwise" if name == "wo" else "colwise"
+        mlp = _t5_mlp(block)
+        ff = f"{path}.*.layer.{len(block.layer) - 1}.{mlp}"
+        for each in module.get_submodule(path):  # wi, or gated wi_0 and wi_1; wo (not in a block of experts)
+            for name, _ in getattr(each.layer[-1], mlp).named_children():
+                if name.startswith(("wi", "wo")):
+                    styles[f"{ff}.{name}"] = "rowwise" if name == "wo" else "colwise"
         styles.update(_norms(module, path))
     cross = f"{dec}.*.layer.1.EncDecAttention"
     unit = module.get_submodule(dec)[0].layer[1].EncDecAttention.key_value_proj_dim

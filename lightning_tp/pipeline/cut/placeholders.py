@@ -126,8 +126,7 @@ def passthrough(twin: nn.Module, args, kwargs, side_outputs: bool, memo: dict):
         memo["plain"] = True
     if "structure" not in memo:
         try:
-            meta_args, meta_kwargs = _meta_call(args, kwargs)
-            out = twin(*meta_args, **meta_kwargs)
+            out = _meta_run(twin, args, kwargs)
         except Exception:  # noqa: BLE001 - a block that cannot run on meta: assume it returns a tensor
             out = hidden
         memo["structure"] = None if isinstance(out, torch.Tensor) else (
@@ -252,8 +251,7 @@ def stand_in_output(twin: nn.Module, args, kwargs):
     shapes = twin.__dict__.setdefault("_lightning_tp_shapes", {})
     out = shapes.get(key) if key is not None else None
     if out is None:
-        meta_args, meta_kwargs = _meta_call(args, kwargs)
-        out = twin(*meta_args, **meta_kwargs)
+        out = _meta_run(twin, args, kwargs)
         if key is not None:
             shapes[key] = out
     return tree_map(lambda t: _marked(_filled(t, device)) if isinstance(t, torch.Tensor) else t, out)
@@ -324,6 +322,23 @@ def no_cache(name: str, value):
     if is_cache(name, value):
         return None
     return False if name == "use_cache" and value else value
+
+
+def _meta_run(twin: nn.Module, args, kwargs):
+    """``twin`` called on meta copies of the arguments; a block of experts whose routing cannot run on meta
+    (Switch Transformers') answers with its output's shapes instead."""
+    from ...experts.switch import on_meta
+    from ...experts.families import SWITCH, find_moe_blocks
+
+    meta_args, meta_kwargs = _meta_call(args, kwargs)
+    stubbed = [block for _, block, family in find_moe_blocks(twin) if family is SWITCH]
+    for block in stubbed:
+        block.forward = functools.partial(on_meta, block)
+    try:
+        return twin(*meta_args, **meta_kwargs)
+    finally:
+        for block in stubbed:
+            del block.forward
 
 
 def _meta_call(args, kwargs):
