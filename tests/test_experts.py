@@ -316,6 +316,10 @@ if transformers_major() >= 5:  # families whose experts are one module of 3-D we
         "hf_olmoe_tp2_sp_ep2": (4, "hf_olmoe", {}, dict(tp=2, sp=True, ep=2)),
         "hf_qwen3_moe_aux_tp2_sp_ep2": (4, "hf_qwen3_moe", AUX, dict(tp=2, sp=True, ep=2)),
         "hf_deepseek_v3_pp2_ep2": (4, "hf_deepseek_v3", {}, dict(pp=2, ep=2, microbatches=2)),
+        # MLA under tp: q_b / kv_b split in heads, the shared latents (q_a, kv_a with the rotary key) whole on
+        # each rank with their gradients summed over tp; the shared expert split over tp, the routed ones over ep
+        "hf_deepseek_v3_tp2_ep2": (2, "hf_deepseek_v3", {}, dict(tp=2, ep=2)),
+        "hf_deepseek_v3_tp2_sp_ep2": (4, "hf_deepseek_v3", {}, dict(tp=2, sp=True, ep=2)),
     })
 # an encoder-decoder: Switch Transformers' top-1 experts in every second block, its router's capacity per
 # sequence dropping tokens, its router z-loss and load-balancing loss in the loss (not yet carried between

@@ -23,7 +23,7 @@ class HFConfigPlan:
     """Builds a Plan from a model's ``config.base_model_tp_plan`` (found by plan="auto")."""
 
     name = "hf_base_model_tp_plan"
-    supported = {"colwise", "rowwise", "colwise_gather_output", "rowwise_split_input"}
+    supported = {"colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", "mla_kv_a_proj"}
     # styles whose work the plan does another way: per-head norms inside a region are found by the scan below
     # ("partial"), the input embedding is vocab-parallel
     covered = {"replicated_with_grad_allreduce", "embedding_rowwise"}
@@ -43,7 +43,7 @@ class HFConfigPlan:
         config, base = module.config, _base(module)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         n_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        styles, parents, attrs, gathered = {}, defaultdict(list), {}, set()
+        styles, parents, attrs, gathered, latent = {}, defaultdict(list), {}, set(), set()
         layers = getattr(module, base).layers
         moe = [f"{base}.layers.*.{name}" for name, _, _ in find_moe_blocks(layers[0])]  # run by experts/, not tp
         tp_plan = {glob: ALIASES.get(style, style) for glob, style in config.base_model_tp_plan.items()}
@@ -51,6 +51,8 @@ class HFConfigPlan:
             if any(f"{base}.{glob}".startswith(m + ".") for m in moe):
                 continue
             path = f"{base}.{glob}"
+            if glob.startswith("layers.*.") and not any(_holds(layer, glob[len("layers.*."):]) for layer in layers):
+                continue  # a layer this configuration does not build (DeepSeek-V3's q_proj where it has q_lora_rank)
             if style in self.covered:
                 _check_covered(module, path, style)
                 continue
@@ -58,7 +60,10 @@ class HFConfigPlan:
                 raise ValueError(f"{type(module).__name__}: base_model_tp_plan style {style!r} for {glob!r} is not "
                                  f"supported yet; pass plan=lightning_tp.Plan(...) instead (docs/converting.md), or "
                                  f"use tp=1 with pp, dp, ep or zero.")
-            if style in ("colwise", "colwise_gather_output"):
+            if style == "mla_kv_a_proj":  # MLA's shared latent (and rotary key): whole on every rank, inside the
+                styles[path] = "partial"  # region, its gradient summed over tp (each rank's heads read it)
+                latent.add(path.rpartition(".")[0])
+            elif style in ("colwise", "colwise_gather_output"):
                 parents[path.rpartition(".")[0]].append(path)
                 if style == "colwise_gather_output" and not glob.endswith("gate_up_proj"):
                     gathered.add(path)  # whole outputs on every rank (a norm over all heads, a fused q/k/v sliced)
@@ -67,23 +72,27 @@ class HFConfigPlan:
             else:
                 styles[path] = "rowwise"
         for parent, children in parents.items():
-            styles[parent] = "region"  # one entry into the TP region for all its column layers
+            for region in _regions(parent, children, layers, base):  # one entry into the TP region for its column layers
+                styles[region] = "region"
             if gathered.intersection(children):  # every head on every rank: no head counts change, no partial norm
                 if not gathered.issuperset(children):
                     raise ValueError(f"{type(module).__name__}: base_model_tp_plan gathers the outputs of some of "
                                      f"{parent}'s projections but not of others; pass plan=lightning_tp.Plan(...).")
                 styles.update({child: {"style": "colwise_local", "gather_output": True} for child in children})
                 continue
+            inner = _first_in(layers, parent.split(".*.", 1)[1]) if ".*." in parent else None
             for child in children:
                 # GPT-NeoX's fused query_key_value holds [q|k|v] per head, one after the other
                 unit = head_dim if child.endswith(("q_proj", "k_proj", "v_proj")) else \
                     3 * head_dim if child.endswith("query_key_value") else 1
+                if parent in latent:  # MLA: q (or q_b) in heads of qk_head_dim, kv_b in heads of k_nope + v
+                    unit = inner.qk_head_dim if child.endswith(("q_proj", "q_b_proj")) else \
+                        inner.qk_nope_head_dim + inner.v_head_dim
                 styles[child] = {"style": "colwise_local", "unit": unit}
                 if child.endswith("gate_up_proj"):  # [gate | up], chunked in two by the MLP (Phi-3)
                     styles[child]["chunks"] = 2
                 if child.endswith(("k_proj", "v_proj")):  # tp > kv heads: each head copied to tp // n_kv ranks
                     styles[child]["replicate_heads"] = True
-            inner = layers[0].get_submodule(parent.split(".*.", 1)[1]) if ".*." in parent else None
             if hasattr(inner, "num_key_value_groups"):  # read by repeat_kv: local q heads per local kv head
                 attrs[parent] = {"num_key_value_groups": f"kv_groups:{n_kv}"}
                 # older attention classes (4.x Qwen2-MoE) reshape with their own widths and head counts
@@ -94,12 +103,39 @@ class HFConfigPlan:
             for name, child in (inner.named_children() if inner is not None else ()):
                 if type(child).__name__.endswith(("Norm", "RMSNorm", "LayerNorm")):
                     styles[f"{parent}.{name}"] = "partial"
+                elif parent in latent and isinstance(child, nn.Linear) and f"{parent}.{name}" not in styles \
+                        and f"{parent}.{name}" not in children:  # MLA's q_a_proj: a whole latent, as kv_a's
+                    styles[f"{parent}.{name}"] = "partial"
         styles.update(norm_paths(layers[0], f"{base}.layers.*"))
         styles.update(norm_paths(getattr(module, base), base))  # the final norm, whatever its name
         styles.update({path_of(module, module.get_input_embeddings()): "vocab",
                        path_of(module, module.get_output_embeddings()): "lm_head"})
         return Plan(name=f"hf_{type(module).__name__}", styles=styles, attrs=attrs, sp_start=f"{base}.layers.*",
                     blocks=f"{base}.layers", outputs=base)
+
+
+def _regions(parent: str, children: list, layers, base: str) -> list:
+    """Where ``parent`` enters the tp region: its glob, or the layers that hold its column layers where others do
+    not (DeepSeek-V3's dense first MLP: a region on its MoE layers' ``mlp`` would sum their replicated gradients)."""
+    if ".*." not in parent:
+        return [parent]
+    rel = parent.split(".*.", 1)[1]
+    names = [c.rpartition(".")[2] for c in children]
+    held = [i for i, layer in enumerate(layers) if any(_holds(layer, f"{rel}.{n}") for n in names)]
+    return [parent] if len(held) == len(layers) else [f"{base}.layers.{i}.{rel}" for i in held]
+
+
+def _first_in(layers, path: str):
+    """The first layer's submodule at ``path`` (DeepSeek-V3's shared experts are in its MoE layers only), or None."""
+    return next((layer.get_submodule(path) for layer in layers if _holds(layer, path)), None)
+
+
+def _holds(layer: nn.Module, path: str) -> bool:
+    try:
+        layer.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
 
 
 def _after_gate_up(plan: dict, glob: str) -> bool:

@@ -356,11 +356,11 @@ def test_a_family_plan_names_its_blocks_at_tp1_even_with_styles_it_cannot_shard(
 
     config = transformers.LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=16, num_hidden_layers=2,
                                       num_attention_heads=2, num_key_value_heads=2)
-    # a style this project does not map (DeepSeek-V3's MLA projection): refused at tp > 1
-    config.base_model_tp_plan = dict(config.base_model_tp_plan, **{"layers.*.self_attn.k_proj": "mla_kv_a_proj"})
+    # a style this project does not map (Llama-4's packed projection): refused at tp > 1
+    config.base_model_tp_plan = dict(config.base_model_tp_plan, **{"layers.*.self_attn.o_proj": "packed_rowwise"})
     model = transformers.LlamaForCausalLM(config)
     assert lookup.blocks_path(model, "auto") == "model.layers"
-    with pytest.raises(ValueError, match="mla_kv_a_proj"):
+    with pytest.raises(ValueError, match="packed_rowwise"):
         checks.resolve(model, 2, False)
 
 
