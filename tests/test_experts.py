@@ -303,9 +303,17 @@ EP_RUNS.update({
     "hf_qwen2_moe_tp2_dp2_ep2_etp2": (4, "hf_qwen2_moe", {}, dict(tp=2, ep=2, etp=2)),
     "litgpt_moe_tp2_etp2": (2, "litgpt", dict(n_expert=4), dict(tp=2, etp=2)),
 })
-if transformers_major() >= 5:  # expert biases and interleaved [gate, up] pairs
+if transformers_major() >= 5:  # expert biases and interleaved [gate, up] pairs; its attention (sinks) split over tp
     EP_RUNS["hf_gpt_oss_tp2_etp2"] = (2, "hf_gpt_oss", {}, dict(tp=2, etp=2))
+    EP_RUNS["hf_gpt_oss_tp2_ep2"] = (2, "hf_gpt_oss", {}, dict(tp=2, ep=2))
+    EP_RUNS["hf_gpt_oss_tp2_sp_ep2"] = (4, "hf_gpt_oss", {}, dict(tp=2, sp=True, ep=2))
     EP_RUNS["hf_gpt_oss_tp2_dp2_ep2_etp2"] = (4, "hf_gpt_oss", {}, dict(tp=2, ep=2, etp=2))
+# every family at tp x ep and pp x ep (with Mixtral's above): Qwen2-MoE's shared expert, OLMoE's q/k norms
+EP_RUNS.update({
+    "hf_qwen2_moe_tp2_ep2": (2, "hf_qwen2_moe", {}, dict(tp=2, ep=2)),
+    "hf_qwen2_moe_tp2_sp_ep2": (4, "hf_qwen2_moe", {}, dict(tp=2, sp=True, ep=2)),
+    "hf_olmoe_pp2_ep2": (4, "hf_olmoe", {}, dict(pp=2, ep=2, microbatches=2)),
+})
 # Qwen3-MoE: on 4.x a known block (its config's tp plan names the experts' own layers), on 5.x fused experts
 EP_RUNS["hf_qwen3_moe_tp2_ep2"] = (4, "hf_qwen3_moe", {}, dict(tp=2, ep=2))
 if transformers_major() >= 5:  # families whose experts are one module of 3-D weights
@@ -393,6 +401,7 @@ AUX_PP_RUNS = {
                                      dict(pp=2, virtual_stages=2, schedule="interleaved_1f1b", microbatches=2,
                                           activation_checkpointing=True)),
     "mixtral_pp2_ep2": (4, "hf_mixtral", AUX, dict(pp=2, ep=2, microbatches=2)),
+    "qwen2_moe_pp2_ep2": (4, "hf_qwen2_moe", AUX, dict(pp=2, ep=2, microbatches=2)),
     "mixtral_pp2_tp2_sp": (4, "hf_mixtral", AUX, dict(pp=2, tp=2, sp=True, microbatches=2)),
 }
 if transformers_major() >= 5:  # the logits come from the router module itself, the block returns hidden states

@@ -155,6 +155,25 @@ def test_llama_plan_comes_from_the_config():
     assert styles["model.model.layers.1.mlp.down_proj"] == "rowwise"
 
 
+def test_config_plans_split_what_their_config_leaves_out_and_only_where_a_layer_has_it():
+    """GPT-OSS's 5.x config plan names its embedding only: its attention is split here too, sinks by head.
+    DeepSeek-V3: MLA's latents whole inside the attention's region, which its dense first MLP enters, not its MoE
+    layers' block (whose replicated gradients a region would sum over tp)."""
+    if transformers_major() < 5:
+        return
+    (oss,) = checks.resolve(make_model("hf_gpt_oss"), 2, False)
+    styles = {path: (style, options) for path, style, options in oss.entries}
+    assert styles["model.model.layers.0.self_attn"][1].get("head_params") == ["sinks"], styles
+    assert styles["model.model.layers.1.self_attn.o_proj"][0] == "rowwise"
+    (ds,) = checks.resolve(make_model("hf_deepseek_v3"), 2, False)
+    styles = {path: style for path, style, _ in ds.entries}
+    attn = "model.model.layers.1.self_attn"
+    assert [styles.get(f"{attn}.{p}") for p in ("kv_a_proj_with_mqa", "q_a_proj", "kv_a_layernorm", "q_b_proj")] == \
+        ["partial", "partial", "partial", "colwise_local"]
+    assert styles["model.model.layers.0.mlp"] == "region" and "model.model.layers.1.mlp" not in styles
+    assert styles["model.model.layers.1.mlp.shared_experts"] == "region"
+
+
 def test_config_plans_find_base_model_embedding_and_head_by_the_model():
     gemma, neox = (checks.resolve(make_model(kind), 2, False)[0] for kind in ("hf_gemma3", "hf_gpt_neox"))
     styles = {path: style for path, style, _ in gemma.entries}

@@ -46,6 +46,8 @@ STYLE_OPTIONS = {
     "router": "for 'experts': 'softmax_topk' (softmax in fp32, then top-k; Mixtral's) or 'topk_softmax' (litgpt's)",
     "normalize": "for 'experts' with 'softmax_topk': renormalize the k weights to sum to 1 (default true)",
     "returns_logits": "for 'experts': the block returns (hidden states, router logits) (default false)",
+    "head_params": "for 'region': names of the module's own parameters with one entry per head (GPT-OSS's attention "
+                   "sinks): each rank keeps its heads' entries",
     "gather_output": "for 'colwise' and 'colwise_local': every rank gets the whole output (all-gathered; its consumer runs replicated)",
     "split_input": "for 'rowwise': the input is whole on every rank; each takes its columns first",
     "return_shards": "for 'lm_head' with 'vocab_ce': in training the model returns this rank's vocabulary "

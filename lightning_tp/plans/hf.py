@@ -17,6 +17,9 @@ def norm_paths(layer: nn.Module, glob_prefix: str) -> dict:
 
 
 ALIASES = {"colwise_rep": "colwise_gather_output", "rowwise_rep": "rowwise_split_input"}  # transformers 4.x names
+# entries a family's config plan lacks (transformers 5.x gives GPT-OSS's embedding only: its attention ran whole)
+SUPPLEMENTS = {"gpt_oss": {f"layers.*.self_attn.{p}": "colwise" for p in ("q_proj", "k_proj", "v_proj")} |
+               {"layers.*.self_attn.o_proj": "rowwise"}}
 
 
 class HFConfigPlan:
@@ -46,7 +49,8 @@ class HFConfigPlan:
         styles, parents, attrs, gathered, latent = {}, defaultdict(list), {}, set(), set()
         layers = getattr(module, base).layers
         moe = [f"{base}.layers.*.{name}" for name, _, _ in find_moe_blocks(layers[0])]  # run by experts/, not tp
-        tp_plan = {glob: ALIASES.get(style, style) for glob, style in config.base_model_tp_plan.items()}
+        tp_plan = {**SUPPLEMENTS.get(getattr(config, "model_type", None), {}), **config.base_model_tp_plan}
+        tp_plan = {glob: ALIASES.get(style, style) for glob, style in tp_plan.items()}
         for glob, style in tp_plan.items():
             if any(f"{base}.{glob}".startswith(m + ".") for m in moe):
                 continue
@@ -72,8 +76,9 @@ class HFConfigPlan:
             else:
                 styles[path] = "rowwise"
         for parent, children in parents.items():
+            heads = _head_params(_first_in(layers, parent.split(".*.", 1)[1]) if ".*." in parent else None, config)
             for region in _regions(parent, children, layers, base):  # one entry into the TP region for its column layers
-                styles[region] = "region"
+                styles[region] = {"style": "region", "head_params": heads} if heads else "region"
             if gathered.intersection(children):  # every head on every rank: no head counts change, no partial norm
                 if not gathered.issuperset(children):
                     raise ValueError(f"{type(module).__name__}: base_model_tp_plan gathers the outputs of some of "
@@ -112,6 +117,13 @@ class HFConfigPlan:
                        path_of(module, module.get_output_embeddings()): "lm_head"})
         return Plan(name=f"hf_{type(module).__name__}", styles=styles, attrs=attrs, sp_start=f"{base}.layers.*",
                     blocks=f"{base}.layers", outputs=base)
+
+
+def _head_params(module, config) -> list:
+    """Names of ``module``'s own parameters with one entry per attention head (GPT-OSS's ``sinks``)."""
+    heads = getattr(config, "num_attention_heads", None)
+    return [n for n, p in (module.named_parameters(recurse=False) if module is not None else ())
+            if p.dim() == 1 and p.shape[0] == heads]
 
 
 def _regions(parent: str, children: list, layers, base: str) -> list:

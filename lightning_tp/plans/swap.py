@@ -94,6 +94,9 @@ def _build(module, style, ctx, path, memo, has_ce, head, options):
         whole = ctx.enter_whole if options.get("whole_inputs") else ctx.enter_region
         hook = region_hook(ctx.enter_region, module, options.get("inputs", ()), whole)
         module.register_forward_pre_hook(hook, with_kwargs=True)
+        for name in options.get("head_params", ()):  # one entry per head: this rank's heads' entries
+            p = getattr(module, name)
+            setattr(module, name, shard_param(p, ShardSpec(dim=0, world=ctx.world, full=p.shape[0]), ctx, memo))
         return module
     if style in ("sp_norm", "partial"):
         if ctx.sp or style == "partial":
