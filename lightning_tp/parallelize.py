@@ -16,6 +16,7 @@ from .layout import resolve_layout
 from .context.runtime import ContextParallel
 from .experts import router_carry
 from .experts.apply import apply_experts, rebind_experts
+from .experts.switch_losses import refuse_router_losses
 from .kernels.inject import apply_kernels
 from .layers.attention import TPMultiheadAttention
 from .layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -74,6 +75,8 @@ def parallelize(config: ParallelConfig, mesh, module, device):
         _broadcast_initial_weights(module, device)
     if plan.hf_checkpointing:
         _take_over_hf_checkpointing(plan.hf_checkpointing)
+    if config.pp > 1:
+        refuse_router_losses(module)  # Switch Transformers' (not carried between an encoder-decoder's stages yet)
     split = apply_split(module, layout, mesh.pp_rank) if config.pp > 1 else Cut()
     tied_ranks = layout.replica_ranks() if config.pp > 1 and layout.lists else ()
     if len(tied_ranks) > 1:
