@@ -49,9 +49,6 @@ def resolve_layout(config: ParallelConfig, module: nn.Module, pp_rank: int, nccl
         check_experts(module, config.ep, config.moe_capacity, declared, config.etp)
     stages = stage_layout(config, module)
     carried = router_carry.carried_logits(module, stages, declared) if config.pp > 1 else None
-    if carried is not None and stages.lists:
-        raise ValueError("MegaStrategy(pp > 1): an encoder-decoder's stages cannot carry router logits for a "
-                         "load-balancing loss; set output_router_logits=False or use dp/ep.")
     if config.pp > 1 and stages.decoder_start is not None:
         _check_chained_blocks(module, stages)
     hf_modules = recompute.hf_checkpointing_modules(module, stages) if config.pp > 1 else []

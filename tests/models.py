@@ -177,7 +177,7 @@ class HFSeq2SeqLM(L.LightningModule):
     is a spectrogram: here each source token's fixed random column of ``MELS`` features (SEQ frames)."""
 
     def __init__(self, family: str, layers: int = 2, attention: str = "sdpa", padded: bool = False,
-                 hidden_loss: bool = False, router_losses: bool = True):
+                 hidden_loss: bool = False):
         super().__init__()
         import transformers as tf
 
@@ -210,7 +210,7 @@ class HFSeq2SeqLM(L.LightningModule):
                 router_jitter_noise=0.0, router_z_loss_coef=0.1, router_aux_loss_coef=0.5, decoder_start_token_id=0,
                 pad_token_id=0, **eager)
             self.model = tf.SwitchTransformersForConditionalGeneration(config)
-            self.router_losses = dict(output_router_logits=router_losses)
+            self.router_losses = dict(output_router_logits=True)
         else:  # its decoder blocks are given encoder_hidden_states by keyword
             config = tf.WhisperConfig(vocab_size=64, num_mel_bins=MELS, d_model=32, encoder_layers=layers,
                                       decoder_layers=layers, encoder_attention_heads=4, decoder_attention_heads=4,

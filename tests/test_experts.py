@@ -330,15 +330,17 @@ if transformers_major() >= 5:  # families whose experts are one module of 3-D we
         "hf_deepseek_v3_tp2_sp_ep2": (4, "hf_deepseek_v3", {}, dict(tp=2, sp=True, ep=2)),
     })
 # an encoder-decoder: Switch Transformers' top-1 experts in every second block, its router's capacity per
-# sequence dropping tokens, its router z-loss and load-balancing loss in the loss (not yet carried between
-# pipeline stages: off under pp); the T5 plan's tp with the experts whole, or folded over the tp pair
-SWITCH_NO_ROUTER_LOSS = dict(router_losses=False)
+# sequence dropping tokens, its router z-loss and load-balancing loss in the loss (per row: a microbatch's
+# equal the batch's); the T5 plan's tp with the experts whole, or folded over the tp pair; under pp each
+# stack's router logits reach the last stage behind the packed message (split inside the decoder: the
+# encoder's and the decoder's travel together)
 EP_RUNS.update({
     "hf_switch_ep2": (2, "hf_switch", {}, dict(ep=2)),
     "hf_switch_tp2_ep2": (2, "hf_switch", {}, dict(tp=2, ep=2)),
     "hf_switch_tp2_sp": (2, "hf_switch", {}, dict(tp=2, sp=True)),
+    "hf_switch_pp2_split_decoder": (2, "hf_switch", {}, dict(pp=2, microbatches=2, stage_layers=[3, 1])),
     "hf_switch_tp2_sp_ep2": (4, "hf_switch", {}, dict(tp=2, sp=True, ep=2)),
-    "hf_switch_pp2_ep2": (4, "hf_switch", SWITCH_NO_ROUTER_LOSS, dict(pp=2, ep=2, microbatches=2)),
+    "hf_switch_pp2_ep2": (4, "hf_switch", {}, dict(pp=2, ep=2, microbatches=2)),
 })
 EP_RUNS = runnable(EP_RUNS, 1)
 PARTLY_DENSE = {"hf_deepseek_v3"}  # its first layer is dense: under pp one stage holds no experts
@@ -436,10 +438,22 @@ BAD = dict(BAD_EXPERTS, unknown_moe_layer=(dict(kind="custom_moe"), dict(ep=2), 
 if installed("hf_switch"):  # Switch Transformers' router caps its experts itself; its experts stay whole over tp
     BAD.update(switch_capacity=(dict(kind="hf_switch"), dict(ep=2, moe_capacity=1.0),
                                 "encoder.block.1.layer.1.mlp (SwitchTransformersSparseMLP) is Switch Transformers'"),
-               switch_etp=(dict(kind="hf_switch"), dict(tp=2, etp=2), "leave etp at its default"),
-               # its router losses under pp (a runtime refusal on the last stage, its note on the other)
-               switch_pp_router_losses=(dict(kind="hf_switch"), dict(pp=2, microbatches=2),
-                                        "which an encoder-decoder's stages do not carry yet"))
+               switch_etp=(dict(kind="hf_switch"), dict(tp=2, etp=2), "leave etp at its default"))
+
+
+def test_switch_router_losses_refused_where_their_logits_cannot_travel():
+    """Under pp with sp the loss refuses Switch Transformers' router losses, naming what to set; without them it runs."""
+    if not installed("hf_switch"):
+        return
+    from lightning_tp.experts.switch_losses import refuse_router_losses
+
+    lm = make_model("hf_switch")
+    refuse_router_losses(lm.model)
+    x = torch.randint(0, 64, (2, 8))
+    with pytest.raises(ValueError, match=r"pp > 1, sp=True.*output_router_logits=False"):
+        lm.model(input_ids=x, labels=x, output_router_logits=True)
+    assert torch.isfinite(lm.model(input_ids=x, labels=x, output_router_logits=False).loss)
+    assert torch.isfinite(make_model("hf_switch").model(input_ids=x, labels=x, output_router_logits=True).loss)
 
 
 def _bad(rank, world):

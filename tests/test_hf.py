@@ -352,8 +352,8 @@ def test_replicated_kv_heads_plan_and_explain():
 
 
 def _switch_fit(rank, world):
-    """Switch Transformers (an encoder-decoder with top-1 expert MLPs) on ``world`` processes: pp=2 with 2
-    microbatches, or one process; its per-step losses."""
+    """Switch Transformers (an encoder-decoder with top-1 expert MLPs and router losses) on ``world`` processes:
+    pp=2 with 2 microbatches, or one process; its per-step losses."""
     import lightning as L
     import transformers as tf
 
@@ -371,8 +371,8 @@ def _switch_fit(rank, world):
             assert [b.is_sparse for b in self.model.encoder.block] == [False, True]  # experts in the second blocks
 
         def training_step(self, batch, batch_idx):
-            x, y = batch  # router losses off: not yet carried between stages (4.x computes them by default)
-            loss = self.model(input_ids=x, labels=y, output_router_logits=False).loss
+            x, y = batch  # with its router z-loss and load-balancing loss (the last stage takes the encoder's logits)
+            loss = self.model(input_ids=x, labels=y, output_router_logits=True).loss
             self.log("train_loss", loss, sync_dist=True)
             return loss
 

@@ -9,7 +9,7 @@ import torch
 from ..cut.placeholders import hidden_name, hidden_place
 from ..transport.messages import pack, unpack
 from ...tp_in_pp.sp_stages import shard_like
-from .stage_state import StageMap, StageRun, outside_stage, passthrough_of, starts_stage
+from .stage_state import StageMap, StageRun, outside_stage, packed_of, passthrough_of, starts_stage
 
 
 def carried_places(args, kwargs, list_start: bool, name=None) -> list:
@@ -61,7 +61,11 @@ def wrap_chained(block, index: int, stage: StageMap, list_start: bool, name: str
             hidden = hidden_place(args, kwargs, first)
             like = [shard_like(c, stage.sp_shards, stage.seq_dim) if p == hidden and stage.sp_shards > 1 else c
                     for p, c in zip(places, computed)]  # this rank's shard of the sequence (see ...tp_in_pp.sp_stages)
-            parts = unpack(run.activation, like)
+            message = run.activation
+            if stage.tail_stacks is not None and stage.tail(run.vstage):  # router logits behind the message
+                leads = _leads(stage.tail_stacks(run.vstage), like, places, hidden, index < stage.decoder_start)
+                message = packed_of(message, like, stage.tail(run.vstage), leads, run)
+            parts = unpack(message, like)
             # later blocks are given the side inputs again (memory), never the first block's hidden states
             run.replaced = {id(c): (c, part) for p, c, part in zip(places, computed, parts) if p != hidden}
             received = dict(zip(places, parts))
@@ -79,6 +83,15 @@ def wrap_chained(block, index: int, stage: StageMap, list_start: bool, name: str
         return original(*args, **kwargs)
 
     block.forward = forward
+
+
+def _leads(stacks: list, like: list, places: list, hidden, in_encoder: bool) -> list:
+    """The leading shape of each carried router logit: its stack's hidden states' (the encoder's: the hidden
+    states inside the encoder, else the encoder's output among the message's parts)."""
+    own = like[places.index(hidden)].shape[:-1] if hidden in places else None
+    memory = next((t.shape[:-1] for p, t in zip(places, like) if p != hidden and t.dim() == 3), own)
+    encoder = own if in_encoder else memory
+    return [tuple(encoder if s == "encoder" else own) for s in stacks]
 
 
 def _check_computed(args, kwargs, run: StageRun, name: str, first=None) -> None:

@@ -4,6 +4,7 @@ against the running stage. See docs/design/pipeline-run.md."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -72,9 +73,28 @@ class StageMap:
     # virtual stage -> the widths of the values received behind its hidden states (router logits, see
     # ...experts.router_carry), or None: nothing travels but the hidden states
     tail: object = None
+    tail_stacks: object = None  # an encoder-decoder's: virtual stage -> the stack ("encoder"/"decoder") of each
+    decoder_start: object = None  # the decoder's first chain index (with tail_stacks)
 
 
 def with_tail(output: torch.Tensor, tail: list) -> torch.Tensor:
+    """``output`` with the ``tail`` tensors behind it: along its last dimension, or flat behind an encoder-decoder's
+    packed message (a 1-d one, see ..transport.messages.pack)."""
+    if output.dim() > 1:
+        return _joined(output, tail)
+    grad = output.requires_grad
+    flat = [(t if t.requires_grad == grad else t.detach().requires_grad_(grad)).to(output.dtype).reshape(-1)
+            for t in tail]
+    split = getattr(output, "_lightning_tp_grad_split", None)
+    if split is None:
+        return torch.cat([output] + flat)
+    parts, numel = split  # the parts that take a gradient lead the message: the tail joins them
+    message = torch.cat([output[:numel]] + flat + [output[numel:]])
+    message._lightning_tp_grad_split = (parts, numel + sum(t.numel() for t in flat))
+    return message
+
+
+def _joined(output: torch.Tensor, tail: list) -> torch.Tensor:
     """``output`` with the ``tail`` tensors (each shaped like it but for the last dimension) joined behind
     it along the last dimension, in its dtype; each takes a gradient where ``output`` does."""
     for t in tail:
@@ -84,6 +104,27 @@ def with_tail(output: torch.Tensor, tail: list) -> torch.Tensor:
     grad = output.requires_grad
     return torch.cat([output] + [t.to(output.dtype) if t.requires_grad == grad else
                                  t.detach().to(output.dtype).requires_grad_(grad) for t in tail], dim=-1)
+
+
+def packed_of(received: torch.Tensor, like: list, widths: list, leads: list, run: StageRun) -> torch.Tensor:
+    """An encoder-decoder's packed message less the values behind it (``widths`` each, shaped ``leads``), which
+    (views) become ``run``'s carried and tail."""
+    run.wait_for_activation()
+    if received.dim() > 1:  # one part: the values along its last dimension, as a block list's
+        return hidden_of(received, widths, run)
+    whole, parts = getattr(received, "_lightning_tp_whole", (received, 0))  # a grad split (see ..transport.messages)
+    head = sum(t.numel() for i, t in enumerate(like) if not parts or parts >> i & 1)
+    sizes = [math.prod(lead) * w for lead, w in zip(leads, widths)]
+    if whole.numel() != sum(t.numel() for t in like) + sum(sizes):
+        raise ValueError(f"pipeline: received {whole.numel()} values for tensors of shapes "
+                         f"{[tuple(t.shape) for t in like]} and router logits {list(zip(leads, widths))}.")
+    if not run.carried:
+        run.carried = [p.view(*lead, w) for p, lead, w in zip(received[head:].split(sizes), leads, widths)]
+        run.tail = list(run.carried)
+    message = received[:head]
+    if parts:
+        message._lightning_tp_whole = (torch.cat([whole[:head], whole[head + sum(sizes):]]), parts)
+    return message
 
 
 def hidden_of(received: torch.Tensor, widths: list, run: StageRun | None) -> torch.Tensor:
