@@ -11,7 +11,7 @@ from torch import nn
 
 from .config import ModelChoices, ParallelConfig
 from .context.model_checks import check_model
-from .experts import router_carry
+from .experts.router_losses import carry as router_carry
 from .experts.apply import check_experts
 from .pipeline.cut.block_lists import PIECEWISE
 from .pipeline.cut.split import plan_stages

@@ -14,9 +14,9 @@ from .recompute import full as recompute, selective
 from .config import ModelChoices, ParallelConfig
 from .layout import resolve_layout
 from .context.runtime import ContextParallel
-from .experts import router_carry
+from .experts.router_losses import carry as router_carry
 from .experts.apply import apply_experts, rebind_experts
-from .experts.switch_losses import refuse_router_losses
+from .experts.router_losses.switch import refuse_router_losses
 from .kernels.inject import apply_kernels
 from .layers.attention import TPMultiheadAttention
 from .layers.linear import ColumnParallelLinear, RowParallelLinear

@@ -445,7 +445,7 @@ def test_switch_router_losses_refused_where_their_logits_cannot_travel():
     """Under pp with sp the loss refuses Switch Transformers' router losses, naming what to set; without them it runs."""
     if not installed("hf_switch"):
         return
-    from lightning_tp.experts.switch_losses import refuse_router_losses
+    from lightning_tp.experts.router_losses.switch import refuse_router_losses
 
     lm = make_model("hf_switch")
     refuse_router_losses(lm.model)
@@ -709,7 +709,7 @@ def test_experts_style_options_are_checked():
 def _aux_grads(rank, world):
     from transformers.models.mixtral import modeling_mixtral as mm
 
-    from lightning_tp.experts import router_statistics
+    from lightning_tp.experts.router_losses import statistics as router_statistics
 
     torch_dist.init_process_group("gloo")
     group = torch_dist.new_group([0, 1])
@@ -745,7 +745,7 @@ def test_router_loss_asked_per_call_under_a_pipeline_is_refused_clearly():
     pp > 1 without a carry says what to set."""
     from transformers.models.mixtral import modeling_mixtral as mm
 
-    from lightning_tp.experts import router_statistics
+    from lightning_tp.experts.router_losses import statistics as router_statistics
 
     router_statistics.install(_block("mixtral"), None, 2)
     try:

@@ -215,16 +215,15 @@ def test_tp_groups_stay_in_whole_nodes():
 
 
 def test_a_model_whose_tp_plan_is_refused_is_planned_without_tp():
-    """DeepSeek-V3's config plan has styles the strategy refuses at tp > 1: the other axes are ranked, and the plan
-    says which tp sizes were left out and why."""
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    """A config plan with a style the strategy refuses at tp > 1 (Llama-4's packed_rowwise): the other axes are
+    ranked, and the plan says which tp sizes were left out and why."""
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = DeepseekV3Config(vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                              num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
-                              num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=16,
-                              kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=4)
+    config.base_model_tp_plan = dict(config.base_model_tp_plan, **{"layers.*.self_attn.o_proj": "packed_rowwise"})
     with torch.device("meta"):
-        model = DeepseekV3ForCausalLM(config)
+        model = LlamaForCausalLM(config)
     with pytest.raises(ValueError, match="not supported yet"):
         explain(model, tp=2, batch_shape=(1, 64), print_report=False)  # what the strategy says at tp=2
     p = plan(model, gpus=8, global_batch=16, seq_len=64)

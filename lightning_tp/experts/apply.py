@@ -7,7 +7,7 @@ from torch import nn
 
 from ..marks import marks_of, set_marks
 from .families import SWITCH, check_block, find_moe_blocks
-from . import router_statistics
+from .router_losses import statistics as router_statistics
 from .fused import expert_parallel_experts, gather_router_logits
 from .expert_tp import check_expert_tp, shard_experts
 from .layer import ExpertParallelMoE, expert_parallel
@@ -55,7 +55,7 @@ def apply_experts(model: nn.Module, mesh, pp: int = 1, sp: bool = False, capacit
                   declared=()) -> list:
     """Replace every MoE block this rank holds (not another stage's twin) with an expert-parallel one under
     ep > 1 or sp (on sequence shards: its parameters' gradients are partial sums over tp); router
-    statistics span the global batch (see :mod:`.router_statistics`). Returns the new blocks."""
+    statistics span the global batch (see :mod:`.router_losses.statistics`). Returns the new blocks."""
     swapped = []
     sp = sp and mesh.tp > 1
     fold = mesh.tp_group if mesh.ep_folds_tp and not sp else None  # an ep group's tp ranks: one copy of the tokens

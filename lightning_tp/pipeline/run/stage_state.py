@@ -71,7 +71,7 @@ class StageMap:
     run: StageRun = field(default_factory=StageRun)
     replay: tuple | None = None  # while a backward runs: (virtual stage, its received activation)
     # virtual stage -> the widths of the values received behind its hidden states (router logits, see
-    # ...experts.router_carry), or None: nothing travels but the hidden states
+    # ...experts.router_losses.carry), or None: nothing travels but the hidden states
     tail: object = None
     tail_stacks: object = None  # an encoder-decoder's: virtual stage -> the stack ("encoder"/"decoder") of each
     decoder_start: object = None  # the decoder's first chain index (with tail_stacks)

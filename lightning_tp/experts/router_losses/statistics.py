@@ -1,6 +1,6 @@
 """A Hugging Face MoE family's load-balancing loss over the whole global batch: router logits (and the
 attention mask) gathered over dp first, under a pipeline the earlier stages' logits put first (see
-.router_carry). Installed per modeling module by :func:`install` (a Liger-style patch)."""
+.carry). Installed per modeling module by :func:`install` (a Liger-style patch)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import sys
 
 import torch
 
-from .. import comm
+from ... import comm
 
 _GROUPS: dict = {}  # modeling module name -> (dp group, pp) of the run that patched it
-_CARRIES: dict = {}  # modeling module name -> the pipeline's RouterCarry (see .router_carry), under pp > 1
+_CARRIES: dict = {}  # modeling module name -> the pipeline's RouterCarry (see .carry), under pp > 1
 
 
 def install(block: torch.nn.Module, dp_group, pp: int) -> bool:

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .families import SWITCH, find_moe_blocks
-from .switch import ExpertParallelSwitch
+from ..families import SWITCH, find_moe_blocks
+from ..switch import ExpertParallelSwitch
 
 
 class StackLogits(tuple):

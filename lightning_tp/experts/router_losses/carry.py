@@ -9,12 +9,12 @@ import sys
 
 from torch import nn
 
-from .. import comm
-from . import router_statistics
-from . import switch_losses
-from .families import SWITCH, find_moe_blocks
-from .fused import router_of
-from .layer import ExpertParallelMoE
+from ... import comm
+from . import statistics as router_statistics
+from . import switch as switch_losses
+from ..families import SWITCH, find_moe_blocks
+from ..fused import router_of
+from ..layer import ExpertParallelMoE
 
 
 def takes_logits(block: nn.Module, family) -> bool:
