@@ -11,13 +11,16 @@ from models import LossRecorder, TokenData, make_model, trainer_kwargs, transfor
 
 STEPS, BATCH = 5, 4
 BIASED = "hf_deepseek_v3" if transformers_major() >= 5 else "hf_mixtral"  # a router with a correction bias (5.x)
-# name: (world, model kind, layout); DeepSeek-V3's tp plan is refused, so tp runs Mixtral (counts only)
+# name: (world, model kind, layout); Mixtral at tp (counts only)
 LAYOUTS = {"ep2": (2, BIASED, dict(ep=2)), "pp2_ep2": (4, BIASED, dict(pp=2, ep=2, microbatches=2)),
            "tp2_sp_ep2": (4, "hf_mixtral", dict(tp=2, sp=True, ep=2)),
            # each expert split over tp: the tp ranks dispatch the same tokens (gathered under sp), counted once;
            # GPT-OSS's experts (5.x) have biases, whose gradient marks must not read as sequence shards
            "tp2_etp2": (2, "hf_gpt_oss" if transformers_major() >= 5 else "hf_mixtral", dict(tp=2, etp=2)),
-           "tp2_sp_dp2_ep2_etp2": (4, "hf_mixtral", dict(tp=2, sp=True, ep=2, etp=2))}
+           "tp2_sp_dp2_ep2_etp2": (4, "hf_mixtral", dict(tp=2, sp=True, ep=2, etp=2)),
+           # Switch Transformers: its router's own capacity drops tokens (the last column); under sp every tp rank
+           # routes the whole sequence, counted once
+           "switch_tp2_sp": (2, "hf_switch", dict(tp=2, sp=True)), "switch_tp2_ep2": (2, "hf_switch", dict(tp=2, ep=2))}
 
 
 def _rate(kind: str) -> float:

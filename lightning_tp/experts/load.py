@@ -11,7 +11,7 @@ from torch import nn
 
 from .. import comm
 from .dispatch import capacity_of
-from .families import family_of
+from .families import SWITCH, family_of
 from .layer import ExpertParallelMoE
 
 
@@ -63,6 +63,8 @@ class ExpertLoad(Callback):
                 continue  # another pipeline stage's layer, or a tp rank seeing the same tokens as rank 0
             if family.fused:
                 block.experts.register_forward_pre_hook(self._fused_hook(i, block, family))
+            elif family is SWITCH:  # its router's own capacity decides what each expert takes
+                block.router.register_forward_hook(self._switch_hook(i))
             else:
                 block.gate.register_forward_hook(self._gate_hook(i, block, family))
 
@@ -86,6 +88,15 @@ class ExpertLoad(Callback):
             ep = getattr(module, "_lightning_tp_ep", None)
             self._add(i, args[1], family.num_experts(block), ep["capacity"] if ep else None, ep and ep["fold"],
                       ep["etp"] if ep and ep["sp"] else None)
+        return hook
+
+    def _switch_hook(self, i):
+        def hook(module, args, out):
+            if _in_backward():
+                return
+            mask = out[0].reshape(-1, out[0].shape[-1])  # one-hot, zero where over its expert's capacity
+            self.step[i, :mask.shape[-1]] += mask.sum(0).to(torch.float64).cpu()
+            self.step[i, -1] += float((mask.sum(-1) == 0).sum())
         return hook
 
     def _gate_hook(self, i, block, family):
@@ -148,8 +159,8 @@ def _on_shards(layers: list) -> bool:
     for _, block, _ in layers:
         if block is None:
             continue
-        if isinstance(block, ExpertParallelMoE):
-            return block.sp_group is not None
+        if isinstance(block, ExpertParallelMoE):  # Switch Transformers' routes whole sequences even under sp
+            return block.sp_group is not None and block.family is not SWITCH
         ep = getattr(getattr(block, "experts", None), "_lightning_tp_ep", None)
         if ep is not None:
             return ep["sp"]
@@ -158,8 +169,8 @@ def _on_shards(layers: list) -> bool:
 
 
 def _order(path: str) -> tuple:
-    """A module path's place in module order (layer indices compared as numbers)."""
-    return tuple((0, int(part), "") if part.isdigit() else (1, 0, part) for part in path.split("."))
+    """A module path's place in module order (layer indices compared as numbers, an encoder before the rest)."""
+    return tuple((0, int(part), "") if part.isdigit() else (1, part != "encoder", part) for part in path.split("."))
 
 
 def draw_heatmap(counts: torch.Tensor, path, cell: int = 24) -> None:
