@@ -88,9 +88,15 @@ def expert_parallel(block: nn.Module, family: MoEFamily, group, ep: int, ep_rank
                     etp_group=None) -> ExpertParallelMoE:
     """An :class:`ExpertParallelMoE` for ``block`` that is also an instance of the block's class, so code
     that finds MoE blocks by class (Hugging Face's router-logit recorders) still finds it."""
-    kind = type(block)
+    return as_block(ExpertParallelMoE, block, family, group, ep, ep_rank, sp_group, capacity_factor, fold_group,
+                    etp_group)
+
+
+def as_block(base: type, block: nn.Module, *args) -> ExpertParallelMoE:
+    """``base(block, *args)`` (an :class:`ExpertParallelMoE` class) made an instance of ``block``'s class too."""
+    kind = (base, type(block))
     if kind not in _CLASSES:
-        _CLASSES[kind] = type(f"ExpertParallel{kind.__name__}", (ExpertParallelMoE, kind), {})
+        _CLASSES[kind] = type(f"ExpertParallel{type(block).__name__}", (base, type(block)), {})
     new = _CLASSES[kind].__new__(_CLASSES[kind])
-    ExpertParallelMoE.__init__(new, block, family, group, ep, ep_rank, sp_group, capacity_factor, fold_group, etp_group)
+    base.__init__(new, block, *args)
     return new

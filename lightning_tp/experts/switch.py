@@ -10,7 +10,7 @@ from torch import nn
 from .. import comm
 from .dispatch import combine, dispatch
 from .expert_tp import enter, leave
-from .layer import ExpertParallelMoE
+from .layer import ExpertParallelMoE, as_block
 from .families import SWITCH
 
 
@@ -47,17 +47,9 @@ class ExpertParallelSwitch(ExpertParallelMoE):
         return (y, (logits, mask.argmax(-1))) if self.returns_router else y
 
 
-_CLASSES: dict = {}
-
-
 def switch_parallel(block: nn.Module, group, ep: int, ep_rank: int, sp_group=None, fold_group=None):
     """An :class:`ExpertParallelSwitch` that is also an instance of ``block``'s class (found by class as before)."""
-    kind = type(block)
-    if kind not in _CLASSES:
-        _CLASSES[kind] = type(f"ExpertParallel{kind.__name__}", (ExpertParallelSwitch, kind), {})
-    new = _CLASSES[kind].__new__(_CLASSES[kind])
-    ExpertParallelSwitch.__init__(new, block, group, ep, ep_rank, sp_group, fold_group)
-    return new
+    return as_block(ExpertParallelSwitch, block, group, ep, ep_rank, sp_group, fold_group)
 
 
 def on_meta(block: nn.Module, hidden_states: torch.Tensor):

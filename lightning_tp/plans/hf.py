@@ -55,7 +55,7 @@ class HFConfigPlan:
             if any(f"{base}.{glob}".startswith(m + ".") for m in moe):
                 continue
             path = f"{base}.{glob}"
-            if glob.startswith("layers.*.") and not any(_holds(layer, glob[len("layers.*."):]) for layer in layers):
+            if glob.startswith("layers.*.") and not any(holds(layer, glob[len("layers.*."):]) for layer in layers):
                 continue  # a layer this configuration does not build (DeepSeek-V3's q_proj where it has q_lora_rank)
             if style in self.covered:
                 _check_covered(module, path, style)
@@ -76,7 +76,8 @@ class HFConfigPlan:
             else:
                 styles[path] = "rowwise"
         for parent, children in parents.items():
-            heads = _head_params(_first_in(layers, parent.split(".*.", 1)[1]) if ".*." in parent else None, config)
+            inner = _first_in(layers, parent.split(".*.", 1)[1]) if ".*." in parent else None
+            heads = _head_params(inner, config)
             for region in _regions(parent, children, layers, base):  # one entry into the TP region for its column layers
                 styles[region] = {"style": "region", "head_params": heads} if heads else "region"
             if gathered.intersection(children):  # every head on every rank: no head counts change, no partial norm
@@ -85,7 +86,6 @@ class HFConfigPlan:
                                      f"{parent}'s projections but not of others; pass plan=lightning_tp.Plan(...).")
                 styles.update({child: {"style": "colwise_local", "gather_output": True} for child in children})
                 continue
-            inner = _first_in(layers, parent.split(".*.", 1)[1]) if ".*." in parent else None
             for child in children:
                 # GPT-NeoX's fused query_key_value holds [q|k|v] per head, one after the other
                 unit = head_dim if child.endswith(("q_proj", "k_proj", "v_proj")) else \
@@ -133,18 +133,20 @@ def _regions(parent: str, children: list, layers, base: str) -> list:
         return [parent]
     rel = parent.split(".*.", 1)[1]
     names = [c.rpartition(".")[2] for c in children]
-    held = [i for i, layer in enumerate(layers) if any(_holds(layer, f"{rel}.{n}") for n in names)]
+    held = [i for i, layer in enumerate(layers) if any(holds(layer, f"{rel}.{n}") for n in names)]
     return [parent] if len(held) == len(layers) else [f"{base}.layers.{i}.{rel}" for i in held]
 
 
 def _first_in(layers, path: str):
     """The first layer's submodule at ``path`` (DeepSeek-V3's shared experts are in its MoE layers only), or None."""
-    return next((layer.get_submodule(path) for layer in layers if _holds(layer, path)), None)
+    return next((layer.get_submodule(path) for layer in layers if holds(layer, path)), None)
 
 
-def _holds(layer: nn.Module, path: str) -> bool:
+def holds(module: nn.Module, *paths: str) -> bool:
+    """Whether ``module`` has a submodule at every one of ``paths``."""
     try:
-        layer.get_submodule(path)
+        for path in paths:
+            module.get_submodule(path)
     except AttributeError:
         return False
     return True

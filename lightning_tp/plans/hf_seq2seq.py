@@ -9,16 +9,7 @@ from torch import nn
 
 from ..pipeline.cut.encoder_decoder import find_encoder_decoder
 from .base import Plan
-from .hf import call_getter, path_of
-
-
-def _has(module: nn.Module, *paths: str) -> bool:
-    try:
-        for path in paths:
-            module.get_submodule(path)
-    except AttributeError:
-        return False
-    return True
+from .hf import call_getter, holds, path_of
 
 
 def _kv_input(attention: nn.Module):
@@ -35,10 +26,10 @@ def layout_of(module: nn.Module):
     if lists is None:
         return None
     enc, dec = (module.get_submodule(p)[0] for p in lists)
-    if _has(enc, "self_attn.q_proj", "fc1", "fc2") and _has(dec, "self_attn.q_proj", "encoder_attn.q_proj", "fc1"):
+    if holds(enc, "self_attn.q_proj", "fc1", "fc2") and holds(dec, "self_attn.q_proj", "encoder_attn.q_proj", "fc1"):
         kind, cross = "bart", dec.encoder_attn
-    elif _has(enc, "layer.0.SelfAttention.q") and _t5_mlp(enc) is not None \
-            and _has(dec, "layer.0.SelfAttention.q", "layer.1.EncDecAttention.q"):
+    elif holds(enc, "layer.0.SelfAttention.q") and _t5_mlp(enc) is not None \
+            and holds(dec, "layer.0.SelfAttention.q", "layer.1.EncDecAttention.q"):
         kind, cross = "t5", dec.layer[1].EncDecAttention
     else:
         return None

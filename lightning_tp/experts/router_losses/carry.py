@@ -114,15 +114,17 @@ def install(model: nn.Module, stage, carried: tuple, dp_group, pp: int, sp_group
     for name in modules:  # also where this rank holds none of the blocks
         router_statistics.install_for(name, dp_group, pp)
         router_statistics.carry_for(name, carry)
+    switch = []
     for block, family in _moe_blocks(model, declared):
         if takes_logits(block, family) and not any(p.is_meta for p in block.parameters()):
+            switch += [block] if family is SWITCH else []
             if family.fused:  # transformers 5.x: the block returns hidden states only; its router has the logits
                 router_of(block).register_forward_hook(functools.partial(_keep_logits, block, 0))
             if family is SWITCH:  # its router returns (dispatch mask, weights, logits)
                 block.router.register_forward_hook(functools.partial(_keep_logits, block, 2))
             block.register_forward_hook(carry.collect, with_kwargs=True)
     if decoder_start is not None:
-        switch_losses.install(model, carry, [path for path, _ in lists])
+        switch_losses.install(model, carry, [path for path, _ in lists], switch)
     return carry
 
 

@@ -12,22 +12,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..families import SWITCH, find_moe_blocks
-from ..switch import ExpertParallelSwitch
 
 
 class StackLogits(tuple):
     """A stack's recorded router outputs, tagged with the stack and the carry that makes them whole."""
 
 
-def install(model: nn.Module, carry, lists: list) -> None:
+def install(model: nn.Module, carry, lists: list, blocks: list) -> None:
     """Tag what each stack of ``model`` (``lists``: its encoder's and decoder's block lists) returns as its router
-    outputs, and let the model's ``_unpack_router_logits`` read a tagged one from ``carry``."""
+    outputs, and let the model's ``_unpack_router_logits`` read a tagged one from ``carry``; ``blocks``: this
+    rank's Switch blocks."""
     owner = _owner(model)
     if owner is None:
         return
-    blocks = [b for _, b, family in find_moe_blocks(model) if family is SWITCH]
-    blocks += [m for m in model.modules() if isinstance(m, ExpertParallelSwitch)]
-    _patch(type(owner), next((b.router.expert_capacity for b in blocks), None))
+    _patch(type(owner))
     for stack, path in zip(("encoder", "decoder"), lists):
         module = model.get_submodule(path.rpartition(".")[0])
         for block in module.modules():
@@ -41,7 +39,7 @@ def refuse_router_losses(model: nn.Module) -> None:
     owner = _owner(model)
     if owner is None or not any(family is SWITCH for _, _, family in find_moe_blocks(model)):
         return
-    _patch(type(owner), None)
+    _patch(type(owner))
     owner._lightning_tp_refuse = True
 
 
@@ -60,7 +58,7 @@ def _tag(stack: str, carry, module, args, out):
     return out
 
 
-def _patch(cls, capacity) -> None:
+def _patch(cls) -> None:
     """``cls._unpack_router_logits`` reading a tagged stack's logits whole (transformers 4.x: each with the expert
     index its router's capacity kept, as the router returned it), or refusing them."""
     original = cls._unpack_router_logits
@@ -79,6 +77,7 @@ def _patch(cls, capacity) -> None:
         if carry is None:
             return original(self, router_outputs)
         logits = carry.stack_logits(router_outputs.stack)
+        capacity = self.config.expert_capacity
         return original(self, tuple((g, _kept_index(g, capacity)) for g in logits) if pairs else tuple(logits))
 
     _unpack_router_logits._lightning_tp = True
