@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 
 from lightning_tp.testing import free_port, load_result
 from lightning_tp.testing import run_local, start_local
@@ -25,6 +26,12 @@ def start(world: int, fn, outdir: str, *args):
 
 result = load_result
 __all__ = ["free_port", "run", "start", "result"]
+
+
+def torchrun() -> list:
+    """The command of a torchrun whose workers fork from a preloaded server (tests/torchrun_preloaded.py)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    return [sys.executable, os.path.join(here, "torchrun_preloaded.py"), "--run-path", "--start-method", "forkserver"]
 
 
 def descendants(pid: int) -> list:

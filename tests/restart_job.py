@@ -9,7 +9,6 @@ losses (and times) to $RESTART_OUT."""
 import json
 import os
 import signal
-import sys
 import time
 
 import lightning as L
@@ -64,7 +63,7 @@ class Record(L.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
         if _killed(trainer) and MODE == "elastic" and os.environ.get("GROUP_RANK") == "1" and trainer.local_rank == 0:
             self._write(trainer, killed=time.time())
-            agent = os.getppid()  # a node lost: its agent, then its workers (each in a session of its own)
+            agent = int(os.environ["LTP_TEST_AGENT_PID"])  # a node lost: its agent, then its workers
             workers = descendants(agent)
             os.kill(agent, signal.SIGKILL)
             for pid in [p for p in workers if p != os.getpid()] + [os.getpid()]:
@@ -106,4 +105,4 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()  # no sys.exit: under torchrun --run-path the worker's function must return
