@@ -51,7 +51,7 @@ def _job(out, kill_at: int, mode: str = "kill"):
 
 
 def _left_behind(out) -> list:
-    """Pids of processes still running with this job's RESTART_OUT in their environment (Linux /proc)."""
+    """(pid, command line) of each process still running with this job's RESTART_OUT in its environment (/proc)."""
     mark, found = f"RESTART_OUT={out}".encode() + b"\0", []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
