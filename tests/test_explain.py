@@ -219,6 +219,15 @@ def test_explain_gives_the_pipeline_bubble_of_the_schedule(schedule, v, m, expec
     assert f"pipeline bubble: {expected:.1%}" in str(report)
 
 
+def test_ranks_asked_for_are_counted_as_in_the_whole_report():
+    """plan()'s profile asks for stage 0's tp rank 0 alone: it must be the whole report's, and the only one."""
+    model = make_model("gpt", n_layer=4, tie_weights=True)
+    kw = dict(tp=2, pp=2, sp=True, microbatches=2, batch_shape=(B, SEQ), print_report=False)
+    whole, one = explain(model, **kw), explain(model, ranks=((1, 1),), **kw)
+    assert len(whole.ranks) == 4 and [(r.stage, r.tp_rank) for r in one.ranks] == [(1, 1)]
+    assert one.rank(1, 1) == whole.rank(1, 1) != whole.rank(1, 0)
+
+
 def test_explain_leaves_module_and_torch_distributed_alone(capsys):
     model = make_model("gpt", n_layer=4, tie_weights=True)
     state = {k: v.clone() for k, v in model.state_dict().items()}

@@ -149,10 +149,10 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
             stage_layers=None, activation_checkpointing=False, zb_keep_recomputed: bool = False,
             split_backward="auto", ep: int = 1, etp: int = 1, zero=None, optimizer_state_bytes=None, score_copies: int = 0,
             config: ParallelConfig | None = None, print_report: bool = True, cp: int = 1,
-            cp_attention: str = "ring") -> Explanation:
-    """Parameters, stages, communication and memory per rank of ``MegaStrategy(tp, pp, sp, ..., zero)`` with ``dp``
-    replicas on ``module`` (or of ``config``, with its dp) for a per-replica ``batch_shape`` (B, T) (cp ranks hold T / cp); ``score_copies``:
-    s x s tensors an attention core keeps per head (0: fused SDPA). Prints the report unless ``print_report=False``."""
+            cp_attention: str = "ring", ranks=None) -> Explanation:
+    """Parameters, stages, communication and memory per rank (``ranks``: (stage, tp_rank) pairs, default all) of
+    ``MegaStrategy(tp, pp, sp, ..., zero)`` with ``dp`` replicas on ``module`` (or of ``config``) for a per-replica ``batch_shape``
+    (B, T); ``score_copies``: s x s tensors an attention core keeps per head (0: fused SDPA). Prints unless ``print_report=False``."""
     if getattr(module, "_lightning_tp", None) is not None:
         raise ValueError("explain() needs the user's module before MegaStrategy parallelized it.")
     if config is None:
@@ -333,6 +333,8 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
         tp_elems = sum(n * w for loc, n in mine for _, w, phase in ops[loc])
         tp_again = sum(w for i in again for _, w, phase in ops[("block", i)] if phase == "fwd")
         for t in range(tp):
+            if ranks is not None and (r, t) not in ranks:
+                continue
             local = copy.deepcopy(base)  # split, then shard, as the strategy does (deepcopy drops param marks)
             if pp > 1:
                 apply_split(local, layout, r)

@@ -68,7 +68,7 @@ def _shard_dim(full: torch.Tensor, spec: ShardSpec, rank: int) -> torch.Tensor:
             piece = torch.cat([piece, piece.new_zeros(pad_shape)], dim=spec.dim)
         step = target // spec.slices(i)
         out.append(piece.narrow(spec.dim, rank // spec.replica(i) * step, step))
-    return torch.cat(out, dim=spec.dim).clone()
+    return out[0].clone() if len(out) == 1 else torch.cat(out, dim=spec.dim)
 
 
 def unshard(locals_by_rank: list[torch.Tensor], spec: ShardSpec) -> torch.Tensor:

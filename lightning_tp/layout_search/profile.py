@@ -149,7 +149,7 @@ def _read_layouts(out: ModelProfile, module: nn.Module, path: str, t: int, flash
                 with first_blocks(module, path, n):
                     r = explain(module, tp=t, sp=sp, batch_shape=(1, out.seq), dtype_bytes=act_bytes,
                                 grad_bytes=act_bytes, activation_checkpointing=mode, score_copies=copies, plan=plan,
-                                print_report=False).rank(0)
+                                print_report=False, ranks=((0, 0),)).rank(0)
                 kept.append(r.act_bytes - r.recompute_bytes)
                 transient, params, tp_bytes = r.recompute_bytes, params + [r.params], tp_bytes + [r.tp_bytes]
                 experts.append(r.expert_params)
