@@ -277,7 +277,8 @@ def main() -> int:
         return 2
     steps, t0 = (2 if DRY else 4), time.perf_counter()
     with tempfile.TemporaryDirectory() as outdir:
-        mp.start_processes(worker, args=(outdir, steps), nprocs=2, start_method="spawn", join=True)
+        # CUDA needs fresh processes; the dry run forks (the imports made once, as bench/_smoke.py's children do)
+        mp.start_processes(worker, args=(outdir, steps), nprocs=2, start_method="fork" if DRY else "spawn", join=True)
         res = torch.load(os.path.join(outdir, "0.pt"), weights_only=True)
     table = rows(res, steps)
     fails = sum(r[1] == "FAIL" for r in table)
