@@ -81,7 +81,7 @@ def apply_experts(model: nn.Module, mesh, pp: int = 1, sp: bool = False, capacit
         for p in new.experts.parameters():
             set_marks(p, expert=mesh.ep > 1)
         _mark_sp_partial(new, sp)
-        _put(model, path, new)
+        model.set_submodule(path, new)
         swapped.append(new)
     return swapped
 
@@ -115,13 +115,8 @@ def _switch(model: nn.Module, path: str, block: nn.Module, mesh, sp: bool) -> nn
     new = switch_parallel(block, mesh.ep_group, mesh.ep, mesh.ep_rank, mesh.tp_group if sp else None, fold)
     for p in new.experts.parameters():
         set_marks(p, expert=mesh.ep > 1)
-    _put(model, path, new)
+    model.set_submodule(path, new)
     return new
-
-
-def _put(model: nn.Module, path: str, new: nn.Module) -> None:
-    parent, _, leaf = path.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, leaf, new)
 
 
 def rebind_experts(model: nn.Module, mesh, pp: int, declared=()) -> None:

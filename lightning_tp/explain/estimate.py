@@ -460,8 +460,7 @@ def _split_experts(local: nn.Module, ep: int, declared=(), etp: int = 1, tp_rank
             block = switch_parallel(block, None, ep, 0) if family is SWITCH else expert_parallel(block, family, None, ep, 0)
             if etp > 1:
                 shard_experts(block.experts.values(), etp, tp_rank)
-            parent, _, leaf = path.rpartition(".")
-            setattr(local.get_submodule(parent) if parent else local, leaf, block)
+            local.set_submodule(path, block)
         found |= {id(p) for p in block.experts.parameters()}
     return found
 

@@ -54,7 +54,6 @@ def apply_kernels(model: nn.Module, kernels) -> list:
     for path, module in list(model.named_modules()):
         new = _fused(module, names)
         if new is not None:
-            parent, _, leaf = path.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, leaf, new)
+            model.set_submodule(path, new)
             done.append(path)
     return done

@@ -43,7 +43,7 @@ def apply(model: nn.Module, matches: list, group, tp: int, rank: int, sp: bool, 
                 head = new
             if new is not module:
                 for alias in aliases[id(module)] or [path]:
-                    _set_submodule(model, alias, new)
+                    model.set_submodule(alias, new)
                 replaced[path] = new
         root = model.get_submodule(m.prefix) if m.prefix else model
         for glob, rules in m.plan.attrs.items():
@@ -104,9 +104,3 @@ def _build(module, style, ctx, path, memo, has_ce, head, options):
                 mark(p, sp_partial=True)
         return module
     raise AssertionError(style)
-
-
-def _set_submodule(model: nn.Module, path: str, new: nn.Module) -> None:
-    parent_path, _, leaf = path.rpartition(".")
-    parent = model.get_submodule(parent_path) if parent_path else model
-    setattr(parent, leaf, new)

@@ -35,11 +35,6 @@ def _is_lm_head(name: str, module: nn.Module, embedding_weights: set) -> bool:
     return isinstance(module, ColumnParallelLinear) and module.gather_output is not False  # plan style lm_head
 
 
-def _set(model: nn.Module, path: str, new: nn.Module) -> None:
-    parent, _, leaf = path.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, leaf, new)
-
-
 def apply_qat(module: nn.Module, mode: str = "int8", tp_group=None, dp_group=None, *, act_range: str = "ema",
               skip_lm_head: bool = True, skip: Iterable[str] = (), momentum: float = 0.95) -> dict:
     """Swap every ``nn.Linear`` / ``ColumnParallelLinear`` / ``RowParallelLinear`` for its QAT twin, in
@@ -68,7 +63,7 @@ def apply_qat(module: nn.Module, mode: str = "int8", tp_group=None, dp_group=Non
         else:
             new = QATLinear.from_linear(m, tp_group=tp_group, **kw)
         new.train(m.training)
-        _set(module, name, new)
+        module.set_submodule(name, new)
         replaced[name] = new
     return replaced
 
@@ -120,7 +115,7 @@ def convert(module: nn.Module) -> dict:
         else:
             continue
         new.train(m.training)
-        _set(module, name, new)
+        module.set_submodule(name, new)
         replaced[name] = new
     return replaced
 

@@ -212,7 +212,7 @@ def apply_split(model: nn.Module, layout: StageLayout, pp_rank: int) -> Cut:
         owned = bool(runs & my_vstages) or (kind == "before" and pp_rank in layout.replica_ranks())
         for name, m in groups[kind]:
             if not owned:
-                _set(model, name, ShapeOnly(m, name))
+                model.set_submodule(name, ShapeOnly(m, name))
                 model.get_submodule(name).runs_in = kind
                 continue
             needed = {0} if kind == "before" and id(m) in encoder_only else runs
@@ -242,8 +242,3 @@ def _encoder_only(model: nn.Module, layout: StageLayout) -> set:
     for name, m in model.named_modules(remove_duplicate=False):
         paths.setdefault(id(m), []).append(name)
     return {i for i, names in paths.items() if all(n.startswith(encoder + ".") for n in names)}
-
-
-def _set(model: nn.Module, path: str, new: nn.Module) -> None:
-    parent, _, leaf = path.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, leaf, new)
