@@ -16,7 +16,6 @@ from .layout import resolve_layout
 from .context.runtime import ContextParallel
 from .experts.router_losses import carry as router_carry
 from .experts.apply import apply_experts, rebind_experts
-from .experts.router_losses.switch import refuse_router_losses
 from .kernels.inject import apply_kernels
 from .layers.attention import TPMultiheadAttention
 from .layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -75,9 +74,6 @@ def parallelize(config: ParallelConfig, mesh, module, device):
         _broadcast_initial_weights(module, device)
     if plan.hf_checkpointing:
         _take_over_hf_checkpointing(plan.hf_checkpointing)
-    if config.pp > 1 and layout.lists and config.sp and config.tp > 1:
-        refuse_router_losses(module)  # Switch Transformers': its logits do not travel between sp stages of a stack pair
-        carried = None
     split = apply_split(module, layout, mesh.pp_rank) if config.pp > 1 else Cut()
     tied_ranks = layout.replica_ranks() if config.pp > 1 and layout.lists else ()
     if len(tied_ranks) > 1:

@@ -341,6 +341,9 @@ EP_RUNS.update({
     "hf_switch_pp2_split_decoder": (2, "hf_switch", {}, dict(pp=2, microbatches=2, stage_layers=[3, 1])),
     "hf_switch_tp2_sp_ep2": (4, "hf_switch", {}, dict(tp=2, sp=True, ep=2)),
     "hf_switch_pp2_ep2": (4, "hf_switch", {}, dict(pp=2, ep=2, microbatches=2)),
+    # under sp the encoder's layers' logits travel as sequence shards, past the encoder's whole output
+    "hf_switch_pp2_tp2_sp_split_decoder": (4, "hf_switch", {}, dict(pp=2, tp=2, sp=True, microbatches=2,
+                                                                     stage_layers=[3, 1])),
 })
 EP_RUNS = runnable(EP_RUNS, 1)
 PARTLY_DENSE = {"hf_deepseek_v3"}  # its first layer is dense: under pp one stage holds no experts
@@ -439,21 +442,6 @@ if installed("hf_switch"):  # Switch Transformers' router caps its experts itsel
     BAD.update(switch_capacity=(dict(kind="hf_switch"), dict(ep=2, moe_capacity=1.0),
                                 "encoder.block.1.layer.1.mlp (SwitchTransformersSparseMLP) is Switch Transformers'"),
                switch_etp=(dict(kind="hf_switch"), dict(tp=2, etp=2), "leave etp at its default"))
-
-
-def test_switch_router_losses_refused_where_their_logits_cannot_travel():
-    """Under pp with sp the loss refuses Switch Transformers' router losses, naming what to set; without them it runs."""
-    if not installed("hf_switch"):
-        return
-    from lightning_tp.experts.router_losses.switch import refuse_router_losses
-
-    lm = make_model("hf_switch")
-    refuse_router_losses(lm.model)
-    x = torch.randint(0, 64, (2, 8))
-    with pytest.raises(ValueError, match=r"pp > 1, sp=True.*output_router_logits=False"):
-        lm.model(input_ids=x, labels=x, output_router_logits=True)
-    assert torch.isfinite(lm.model(input_ids=x, labels=x, output_router_logits=False).loss)
-    assert torch.isfinite(make_model("hf_switch").model(input_ids=x, labels=x, output_router_logits=True).loss)
 
 
 def _bad(rank, world):

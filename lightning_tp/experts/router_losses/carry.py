@@ -79,7 +79,10 @@ class RouterCarry:
         self.own[2].append(block.__dict__.get("_lightning_tp_stack"))
         if logits.shape[0] != lead.numel() and self.sp_group is not None:
             shard, rank = lead[1], comm.group_rank(self.sp_group)
-            logits = logits.view(lead[0], -1, logits.shape[-1])[:, rank * shard:(rank + 1) * shard]
+            logits = logits.view(lead[0], -1, logits.shape[-1])
+            # Switch's block routes the whole sequence alike on every tp rank: its router takes every shard's gradient
+            logits = comm.scatter_to_sp(logits, self.sp_group, dim=1) if getattr(block, "family", None) is SWITCH \
+                else logits[:, rank * shard:(rank + 1) * shard]
         run.tail.append(logits.reshape(*lead, logits.shape[-1]))
 
     def whole(self, gate_logits: tuple) -> tuple:
@@ -100,8 +103,8 @@ class RouterCarry:
         stages' (received), then this stage's own."""
         run, mine, stacks = self.own
         own = [g for g, s in zip(mine, stacks) if s == stack] if run is self.stage.run else []
-        carried = [c for c, s in zip(self.stage.run.carried, self.stage.tail_stacks(self.stage.run.vstage))
-                   if s == stack]
+        carried = [c if self.sp_group is None else comm.gather_to_full_sp(c, self.sp_group, dim=1)
+                   for c, s in zip(self.stage.run.carried, self.stage.tail_stacks(self.stage.run.vstage)) if s == stack]
         return carried + own
 
 

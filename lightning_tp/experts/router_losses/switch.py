@@ -1,6 +1,5 @@
 """Switch Transformers' router losses under a pipeline: the model's own loss takes each stack's router logits of
-every MoE layer, the earlier stages' carried behind the activations (see .router_carry), this stage's its own.
-Where they cannot travel (sequence parallel), its loss stops with what to set."""
+every MoE layer, the earlier stages' carried behind the activations (see .carry), this stage's its own."""
 
 from __future__ import annotations
 
@@ -10,8 +9,6 @@ import sys
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from ..families import SWITCH, find_moe_blocks
 
 
 class StackLogits(tuple):
@@ -34,15 +31,6 @@ def install(model: nn.Module, carry, lists: list, blocks: list) -> None:
         module.register_forward_hook(functools.partial(_tag, stack, carry))
 
 
-def refuse_router_losses(model: nn.Module) -> None:
-    """``model``'s Switch Transformers loss refuses its router losses (4.x computes them by default)."""
-    owner = _owner(model)
-    if owner is None or not any(family is SWITCH for _, _, family in find_moe_blocks(model)):
-        return
-    _patch(type(owner))
-    owner._lightning_tp_refuse = True
-
-
 def _owner(model: nn.Module):
     return next((m for m in model.modules() if hasattr(type(m), "_unpack_router_logits")), None)
 
@@ -60,7 +48,7 @@ def _tag(stack: str, carry, module, args, out):
 
 def _patch(cls) -> None:
     """``cls._unpack_router_logits`` reading a tagged stack's logits whole (transformers 4.x: each with the expert
-    index its router's capacity kept, as the router returned it), or refusing them."""
+    index its router's capacity kept, as the router returned it)."""
     original = cls._unpack_router_logits
     if getattr(original, "_lightning_tp", False):
         return
@@ -68,11 +56,6 @@ def _patch(cls) -> None:
 
     @functools.wraps(original)
     def _unpack_router_logits(self, router_outputs):
-        if getattr(self, "_lightning_tp_refuse", False):
-            raise ValueError(f"MegaStrategy(pp > 1, sp=True): {type(self).__name__}'s router z-loss and load-balancing "
-                             f"loss need every MoE layer's router logits on the last stage, which an encoder-decoder's "
-                             f"stages do not carry under sp. Pass output_router_logits=False to the model (transformers "
-                             f"4.x computes them by default), or use sp=False.")
         carry = getattr(router_outputs, "carry", None)
         if carry is None:
             return original(self, router_outputs)

@@ -63,7 +63,8 @@ def wrap_chained(block, index: int, stage: StageMap, list_start: bool, name: str
                     for p, c in zip(places, computed)]  # this rank's shard of the sequence (see ...tp_in_pp.sp_stages)
             message = run.activation
             if stage.tail_stacks is not None and stage.tail(run.vstage):  # router logits behind the message
-                leads = _leads(stage.tail_stacks(run.vstage), like, places, hidden, index < stage.decoder_start)
+                leads = _leads(stage.tail_stacks(run.vstage), like, places, hidden, index < stage.decoder_start,
+                               stage.sp_shards, stage.seq_dim)
                 message = packed_of(message, like, stage.tail(run.vstage), leads, run)
             parts = unpack(message, like)
             # later blocks are given the side inputs again (memory), never the first block's hidden states
@@ -85,12 +86,14 @@ def wrap_chained(block, index: int, stage: StageMap, list_start: bool, name: str
     block.forward = forward
 
 
-def _leads(stacks: list, like: list, places: list, hidden, in_encoder: bool) -> list:
+def _leads(stacks: list, like: list, places: list, hidden, in_encoder: bool, sp_shards: int = 1, seq_dim: int = 1) -> list:
     """The leading shape of each carried router logit: its stack's hidden states' (the encoder's: the hidden
-    states inside the encoder, else the encoder's output among the message's parts)."""
+    states inside the encoder, else the encoder's output among the message's parts), a sequence shard under sp."""
     own = like[places.index(hidden)].shape[:-1] if hidden in places else None
     memory = next((t.shape[:-1] for p, t in zip(places, like) if p != hidden and t.dim() == 3), own)
-    encoder = own if in_encoder else memory
+    encoder = list(own if in_encoder else memory)
+    if not in_encoder and sp_shards > 1:  # the encoder's output travels whole, its layers' logits as shards
+        encoder[seq_dim] //= sp_shards
     return [tuple(encoder if s == "encoder" else own) for s in stacks]
 
 
