@@ -2,6 +2,7 @@
 imported torch, lightning and transformers once), two at a time: ``python bench/_smoke.py OUT a.py
 b.py:--cpu-dry-run`` (args after ':', else --smoke) writes OUT/<script>.log and OUT/<script>.rc."""
 
+import gc
 import os
 import sys
 import time
@@ -27,6 +28,7 @@ except ImportError:  # pragma: no cover
 
 def _run_as_main(script: Path, args: list, log: Path) -> None:
     """In the forked child: the script as __main__ with args, its output to log; never returns."""
+    gc.freeze()  # the imports made once here are never garbage: the collector leaves them alone
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(fd, 1)
     os.dup2(fd, 2)

@@ -61,3 +61,10 @@ COSTLIEST = ("test_restart.py", "pipeline/test_pipeline.py", "test_hf.py", "test
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(COSTLIEST)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0].removeprefix("tests/"), len(rank)))
+
+
+def pytest_collection_finish(session):
+    """What collection imported (torch, lightning, transformers) is never garbage: the collector leaves it alone."""
+    import gc
+
+    gc.freeze()

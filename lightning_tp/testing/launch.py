@@ -5,6 +5,7 @@ server that imported torch and lightning once (a launch costs ~0.1 s, not an imp
 from __future__ import annotations
 
 import datetime
+import gc
 import multiprocessing
 import os
 import socket
@@ -26,6 +27,7 @@ def free_port() -> int:
 
 
 def _worker(rank, world, port, outdir, env, fn, args):
+    gc.freeze()  # what the server imported is never garbage: the collector leaves it alone (~10% of a short fit's CPU)
     os.environ.clear()  # the caller's environment at launch, not the one the server started with
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),
