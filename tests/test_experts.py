@@ -316,12 +316,12 @@ EP_RUNS.update({
 })
 # Qwen3-MoE: on 4.x a known block (its config's tp plan names the experts' own layers), on 5.x fused experts
 EP_RUNS["hf_qwen3_moe_tp2_ep2"] = (4, "hf_qwen3_moe", {}, dict(tp=2, ep=2))
+EP_RUNS["hf_olmoe_tp2_sp_ep2"] = (4, "hf_olmoe", {}, dict(tp=2, sp=True, ep=2))  # 4.x: this project's plan
 if transformers_major() >= 5:  # families whose experts are one module of 3-D weights
     EP_RUNS.update({
         "hf_qwen3_moe_ep2": (2, "hf_qwen3_moe", {}, dict(ep=2)),
         "hf_deepseek_v3_ep2": (2, "hf_deepseek_v3", {}, dict(ep=2)),
         "hf_gpt_oss_ep2": (2, "hf_gpt_oss", {}, dict(ep=2)),
-        "hf_olmoe_tp2_sp_ep2": (4, "hf_olmoe", {}, dict(tp=2, sp=True, ep=2)),
         "hf_qwen3_moe_aux_tp2_sp_ep2": (4, "hf_qwen3_moe", AUX, dict(tp=2, sp=True, ep=2)),
         "hf_deepseek_v3_pp2_ep2": (4, "hf_deepseek_v3", {}, dict(pp=2, ep=2, microbatches=2)),
         # MLA under tp: q_b / kv_b split in heads, the shared latents (q_a, kv_a with the rotary key) whole on

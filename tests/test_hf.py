@@ -114,13 +114,12 @@ WORLD4["hf_llama_tp4_sp"] = ("hf_llama", {}, dict(tp=4, sp=True), TEN)  # 2 kv h
 WORLD4["hf_qwen3_tp4"] = ("hf_qwen3", {}, dict(tp=4), TEN)  # and a per-head k_norm on the copies
 # transformers 5.x plan styles: Phi-3's fused qkv_proj gathered whole (its attention runs on every head per
 # rank) and its fused gate_up_proj split in place; OLMoE's q/k/v gathered for its norm over all heads
-# (transformers 4.x names them colwise_rep / rowwise_rep, and gives OLMoE no plan)
+# (transformers 4.x names them colwise_rep / rowwise_rep, and gives OLMoE no plan: it gets 5.x's)
 WORLD2["hf_phi3_tp2_sp"] = ("hf_phi3", {}, dict(tp=2, sp=True), TEN)
 # the fused rotary and RMSNorm kernels (the Triton interpreter here) on Llama's own functions and norms
 WORLD2["hf_llama_tp2_sp_kernels"] = ("hf_llama", {}, dict(tp=2, sp=True, kernels=["rotary", "rmsnorm"]), TEN)
 WORLD2["hf_phi3_tp2"] = ("hf_phi3", {}, dict(tp=2), TEN)
-if transformers_major() >= 5:
-    WORLD2["hf_olmoe_tp2_sp"] = ("hf_olmoe", {}, dict(tp=2, sp=True), TEN)
+WORLD2["hf_olmoe_tp2_sp"] = ("hf_olmoe", {}, dict(tp=2, sp=True), TEN)
 WORLD2, WORLD4 = runnable(WORLD2), runnable(WORLD4)  # litgpt only where it is installed (transformers 4.x)
 
 

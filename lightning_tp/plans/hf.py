@@ -19,7 +19,15 @@ def norm_paths(layer: nn.Module, glob_prefix: str) -> dict:
 ALIASES = {"colwise_rep": "colwise_gather_output", "rowwise_rep": "rowwise_split_input"}  # transformers 4.x names
 # entries a family's config plan lacks (transformers 5.x gives GPT-OSS's embedding only: its attention ran whole)
 SUPPLEMENTS = {"gpt_oss": {f"layers.*.self_attn.{p}": "colwise" for p in ("q_proj", "k_proj", "v_proj")} |
-               {"layers.*.self_attn.o_proj": "rowwise"}}
+               {"layers.*.self_attn.o_proj": "rowwise"},
+               # transformers 4.x gives OLMoE no plan: 5.x's (q/k/v gathered for its norm over all heads)
+               "olmoe": {f"layers.*.self_attn.{p}": "colwise_gather_output" for p in ("q_proj", "k_proj", "v_proj")} |
+               {"layers.*.self_attn.o_proj": "rowwise_split_input"}}
+
+
+def config_plan(config) -> dict:
+    """A config's ``base_model_tp_plan`` with what this project supplies for its family (SUPPLEMENTS)."""
+    return {**SUPPLEMENTS.get(getattr(config, "model_type", None), {}), **(getattr(config, "base_model_tp_plan", None) or {})}
 
 
 class HFConfigPlan:
@@ -33,7 +41,7 @@ class HFConfigPlan:
 
     def matches(self, module: nn.Module) -> bool:
         config = getattr(module, "config", None)
-        plan = getattr(config, "base_model_tp_plan", None)
+        plan = config_plan(config)
         base = _base(module)
         return (bool(plan) and base is not None and path_of(module, call_getter(module, "get_output_embeddings")) is not None
                 and hasattr(getattr(module, base), "layers") and hasattr(config, "num_attention_heads")
@@ -49,7 +57,7 @@ class HFConfigPlan:
         styles, parents, attrs, gathered, latent = {}, defaultdict(list), {}, set(), set()
         layers = getattr(module, base).layers
         moe = [f"{base}.layers.*.{name}" for name, _, _ in find_moe_blocks(layers[0])]  # run by experts/, not tp
-        tp_plan = {**SUPPLEMENTS.get(getattr(config, "model_type", None), {}), **config.base_model_tp_plan}
+        tp_plan = config_plan(config)
         tp_plan = {glob: ALIASES.get(style, style) for glob, style in tp_plan.items()}
         for glob, style in tp_plan.items():
             if any(f"{base}.{glob}".startswith(m + ".") for m in moe):
