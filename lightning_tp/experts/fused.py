@@ -49,6 +49,14 @@ class ExpertParallelExperts:
 _CLASSES: dict = {}
 
 
+def both(base: type, kind: type) -> type:
+    """The class ``ExpertParallel<kind>`` deriving from ``base`` and ``kind`` (made once per pair): an expert-parallel
+    module is still an instance of the family's class, for code that finds it by class."""
+    if (base, kind) not in _CLASSES:
+        _CLASSES[base, kind] = type(f"ExpertParallel{kind.__name__}", (base, kind), {})
+    return _CLASSES[base, kind]
+
+
 def expert_parallel_experts(experts: nn.Module, group, ep: int, ep_rank: int, capacity_factor=None,
                             fold=None, etp=None, tp_rank: int = 0, sp: bool = False, etp_size: int = 0) -> nn.Module:
     """Keep experts ``[ep_rank * E/ep, (ep_rank + 1) * E/ep)`` of ``experts`` in place, calls expert-parallel over
@@ -70,10 +78,7 @@ def expert_parallel_experts(experts: nn.Module, group, ep: int, ep_rank: int, ca
         param = nn.Parameter(sliced.clone(), requires_grad=p.requires_grad)
         set_marks(param, expert=ep > 1, tp_spec=spec, sp_partial=world > 1 and widths.get(name, 0) is None)
         setattr(experts, name, param)
-    kind = type(experts)
-    if kind not in _CLASSES:
-        _CLASSES[kind] = type(f"ExpertParallel{kind.__name__}", (ExpertParallelExperts, kind), {})
-    experts.__class__ = _CLASSES[kind]
+    experts.__class__ = both(ExpertParallelExperts, type(experts))
     experts.num_experts = count  # the class's own forward sees local expert ids 0..count-1
     experts._lightning_tp_ep = dict(experts=total, group=group, capacity=capacity_factor, first=first, fold=fold,
                                     etp=etp if world > 1 else None, sp=sp)

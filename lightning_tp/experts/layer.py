@@ -11,6 +11,7 @@ from .. import comm
 from .dispatch import capacity_of, combine, dispatch
 from .expert_tp import bias_on_first, down_biases, enter, leave
 from .families import MoEFamily, check_block
+from .fused import both
 from .grouped import grouped_forward, runs_grouped
 
 
@@ -80,9 +81,6 @@ class ExpertParallelMoE(nn.Module):
                 + (f", capacity factor {self.capacity_factor}" if self.capacity_factor is not None else ""))
 
 
-_CLASSES: dict = {}
-
-
 def expert_parallel(block: nn.Module, family: MoEFamily, group, ep: int, ep_rank: int,
                     sp_group=None, capacity_factor: float | None = None, fold_group=None,
                     etp_group=None) -> ExpertParallelMoE:
@@ -94,9 +92,7 @@ def expert_parallel(block: nn.Module, family: MoEFamily, group, ep: int, ep_rank
 
 def as_block(base: type, block: nn.Module, *args) -> ExpertParallelMoE:
     """``base(block, *args)`` (an :class:`ExpertParallelMoE` class) made an instance of ``block``'s class too."""
-    kind = (base, type(block))
-    if kind not in _CLASSES:
-        _CLASSES[kind] = type(f"ExpertParallel{type(block).__name__}", (base, type(block)), {})
-    new = _CLASSES[kind].__new__(_CLASSES[kind])
+    cls = both(base, type(block))
+    new = cls.__new__(cls)
     base.__init__(new, block, *args)
     return new
