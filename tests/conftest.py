@@ -68,3 +68,10 @@ def pytest_collection_finish(session):
     import gc
 
     gc.freeze()
+
+
+def pytest_unconfigure(config):
+    """Hand the frozen objects back before the interpreter ends (else nanobind's Triton types report leaks)."""
+    import gc
+
+    gc.unfreeze()

@@ -462,16 +462,17 @@ def test_report_without_a_pipeline_prints_no_pipeline_notes():
     assert "holds a copy of the first stage's modules for the decoder's input" in out
 
 
-def test_command_checks_the_world_size_first_and_documents_its_config():
+def test_command_checks_the_world_size_first_and_documents_its_config(capsys):
+    """The command's own main, in this process (test_command_on_the_example_config runs `python -m lightning_tp`)."""
+    from lightning_tp.__main__ import main
+
     config = os.path.join(ROOT, "examples", "gpt", "config.yaml")
-    env = {**os.environ, "PYTHONPATH": ROOT}
-    run = subprocess.run([sys.executable, "-m", "lightning_tp", "explain", "--config", config,
-                          "--trainer.strategy.init_args.tp", "3"], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=300)
-    assert run.returncode != 0 and "world size divisible by tp*pp=3" in run.stderr, run.stderr[-2000:]
-    run = subprocess.run([sys.executable, "-m", "lightning_tp", "explain", "--help"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=300)
-    assert "trainer.strategy" in run.stdout and "trainer.devices" in run.stdout, run.stdout
+    with pytest.raises(ValueError, match=r"world size divisible by tp\*pp=3"):
+        main(["explain", "--config", config, "--trainer.strategy.init_args.tp", "3"])
+    with pytest.raises(SystemExit) as done:
+        main(["explain", "--help"])
+    out = capsys.readouterr().out
+    assert done.value.code == 0 and "trainer.strategy" in out and "trainer.devices" in out, out
 
 
 ODD = dict(n_embd=33, n_head=3, vocab_size=63, tie_weights=True)  # 29,667 parameters: one element of padding
