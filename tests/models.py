@@ -249,11 +249,12 @@ class HFCausalLM(L.LightningModule):
     """A minimal LightningModule around a Hugging Face causal LM built from a config (no download)."""
 
     def __init__(self, family: str, layers: int = 2, padded: bool = False, heads: int = 4, kv_heads: int = 2,
-                 hidden_loss: bool = False, grad_ckpt: bool = False, config_kw: dict | None = None, hidden: int = 32):
+                 hidden_loss: bool = False, grad_ckpt: bool = False, config_kw: dict | None = None, hidden: int = 32,
+                 two_groups: bool = False):
         super().__init__()
         import transformers as T
 
-        self.padded, self.hidden_loss = padded, hidden_loss
+        self.padded, self.hidden_loss, self.two_groups = padded, hidden_loss, two_groups
         common = dict(vocab_size=64, hidden_size=hidden, intermediate_size=64, num_hidden_layers=layers,
                       num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=SEQ * 2,
                       attention_dropout=0.0, tie_word_embeddings=False)
@@ -356,7 +357,13 @@ class HFCausalLM(L.LightningModule):
         return loss
 
     def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=3e-3, eps=ADAM_EPS)
+        if not self.two_groups:
+            return torch.optim.AdamW(self.parameters(), lr=3e-3, eps=ADAM_EPS)
+        # the LM recipe's two groups (as TwoGroupGPT): matrices (5.x's 3-D experts too) decayed, the rest not
+        decay = [p for p in self.parameters() if p.dim() >= 2]
+        rest = [p for p in self.parameters() if p.dim() < 2]
+        return torch.optim.AdamW([dict(params=decay, weight_decay=0.1), dict(params=rest, weight_decay=0.0, lr=9e-3)],
+                                 lr=3e-3, eps=ADAM_EPS)
 
 
 class ResidualGelu(nn.Module):

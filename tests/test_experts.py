@@ -263,6 +263,8 @@ EP_RUNS = {
     "hf_mixtral_aux_dp2": (2, "hf_mixtral", dict(config_kw=dict(output_router_logits=True, router_aux_loss_coef=0.5)),
                            dict()),
     "hf_olmoe_ep2": (2, "hf_olmoe", {}, dict(ep=2)),
+    # two param groups (decayed matrices, the rest at another rate): the sliced experts are the optimizer's
+    "hf_mixtral_tp2_ep2_two_groups": (2, "hf_mixtral", dict(two_groups=True), dict(tp=2, ep=2)),
     "litgpt_moe_ep2": (2, "litgpt", dict(n_expert=4), dict(ep=2)),
     # 4 processes: 2 stages, each with its experts split over its 2 dp ranks
     "hf_mixtral_pp2_ep2": (4, "hf_mixtral", {}, dict(pp=2, ep=2, microbatches=2)),
