@@ -187,3 +187,28 @@ def test_the_watcher_stops_a_rank_whose_next_rank_is_silent_for_hang_seconds_but
     assert ended._watch() is None and ended._watch() is None
     with pytest.raises(ValueError, match="hang_timeout=0"):
         MegaStrategy(hang_timeout=0)
+
+
+def _init_only(rank, world):
+    torch.distributed.init_process_group("gloo")
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    return rank
+
+
+def test_a_launch_whose_port_was_taken_starts_again_on_another(monkeypatch):
+    """run_local: a port another process took after free_port() gave it (EADDRINUSE at the store's bind) is
+    launched again on another, not reported as the caller's failure."""
+    import socket
+
+    from lightning_tp.testing import launch
+
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    ports, real = iter([held.getsockname()[1]]), launch.free_port
+    monkeypatch.setattr(launch, "free_port", lambda: next(ports, None) or real())
+    try:
+        assert launch.run_local(2, _init_only, timeout=120, preload=dist.PRELOAD) == [0, 1]
+    finally:
+        held.close()

@@ -59,7 +59,17 @@ def load_result(path):
 
 
 def run_local(world: int, fn, *args, timeout: float = 600.0, preload=()) -> list:
-    """fn(rank, world, *args) on every rank; returns the per-rank results, raises a worker's traceback."""
+    """fn(rank, world, *args) on every rank; returns the per-rank results, raises a worker's traceback. A launch
+    whose port was taken between free_port() and the store's bind (EADDRINUSE) is started again on another."""
+    for attempt in range(3):
+        try:
+            return _run_once(world, fn, args, timeout, preload)
+        except RuntimeError as e:
+            if "EADDRINUSE" not in str(e) or attempt == 2:
+                raise
+
+
+def _run_once(world: int, fn, args, timeout: float, preload) -> list:
     with tempfile.TemporaryDirectory() as outdir:
         ctx = start_local(world, fn, outdir, *args, preload=preload)
         deadline = time.monotonic() + timeout
