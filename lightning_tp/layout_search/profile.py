@@ -81,17 +81,15 @@ def _heads(block: nn.Module) -> int:
 @contextlib.contextmanager
 def first_blocks(module: nn.Module, path: str, n: int):
     """``module`` with its block list at ``path`` cut to the first ``n`` blocks, for the ``with`` body."""
-    parent_path, _, leaf = path.rpartition(".")
-    parent = module.get_submodule(parent_path) if parent_path else module
-    blocks = getattr(parent, leaf)
+    blocks = module.get_submodule(path)
     if not isinstance(blocks, (nn.ModuleList, nn.Sequential)):
         raise ValueError(f"plan(): the blocks at {path} are a {type(blocks).__name__}; an nn.ModuleList or "
                          f"nn.Sequential is needed.")
-    setattr(parent, leaf, type(blocks)(list(blocks)[:n]))
+    module.set_submodule(path, type(blocks)(list(blocks)[:n]))
     try:
         yield module
     finally:
-        setattr(parent, leaf, blocks)
+        module.set_submodule(path, blocks)
 
 
 def profile(module: nn.Module, seq: int, tps, flash: bool = True, plan="auto",
