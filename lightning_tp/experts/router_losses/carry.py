@@ -92,9 +92,7 @@ class RouterCarry:
         mine = mine if run is self.stage.run else []
         own = tuple(g for g in gate_logits if any(g is m for m in mine))
         carried = []
-        for c in self.stage.run.carried:
-            if self.sp_group is not None:
-                c = comm.gather_to_full_sp(c, self.sp_group, dim=1)
+        for c in map(self._whole_sequence, self.stage.run.carried):
             carried.append(c.reshape(-1, c.shape[-1]).to(own[0].dtype if own else c.dtype))
         return tuple(carried) + own
 
@@ -103,9 +101,13 @@ class RouterCarry:
         stages' (received), then this stage's own."""
         run, mine, stacks = self.own
         own = [g for g, s in zip(mine, stacks) if s == stack] if run is self.stage.run else []
-        carried = [c if self.sp_group is None else comm.gather_to_full_sp(c, self.sp_group, dim=1)
+        carried = [self._whole_sequence(c)
                    for c, s in zip(self.stage.run.carried, self.stage.tail_stacks(self.stage.run.vstage)) if s == stack]
         return carried + own
+
+    def _whole_sequence(self, carried):
+        """A received logit over the whole sequence (under sp it travelled as this rank's shard)."""
+        return carried if self.sp_group is None else comm.gather_to_full_sp(carried, self.sp_group, dim=1)
 
 
 def install(model: nn.Module, stage, carried: tuple, dp_group, pp: int, sp_group=None, declared=()) -> RouterCarry:
