@@ -80,7 +80,7 @@ class ParallelConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"MegaStrategy({name}={value!r}): {name} must be a positive integer.")
         check_context_parallel(cp, cp_attention, ep=ep, zero=zero, broadcast_batch=broadcast_batch)
-        check_etp_option(etp, tp, zero, quant)
+        check_etp_option(etp, tp, zero, quant, ep)
         if p2p not in P2P_MODES:
             raise ValueError(f"MegaStrategy(p2p={p2p!r}): choose 'auto', 'eager' or 'batched'.")
         if moe_capacity is not None and (isinstance(moe_capacity, bool) or not isinstance(moe_capacity, (int, float))
@@ -121,12 +121,13 @@ class ParallelConfig:
         divide it, or ep a stage's tp x cp x dp ranks)."""
         dp = data_parallel_size(world_size, self.tp, self.pp, self.cp)
         stage = self.tp * self.cp * dp
-        if self.etp > 1 and (self.cp * dp) % self.ep:
+        if self.etp > 1 and (stage // self.etp) % self.ep:
             names = "dp" if self.cp == 1 else "cp x dp"
-            raise ValueError(f"MegaStrategy(ep={self.ep}, etp={self.etp}): with each expert split over the tp ranks, "
-                             f"ep splits the experts over a stage's {names} ranks ({self.cp * dp}: world {world_size} "
-                             f"/ (tp={self.tp} x pp={self.pp})); ep must divide {self.cp * dp}. Change ep, etp=1 (ep "
-                             f"over tp ranks too), or devices/num_nodes.")
+            names = names if self.etp == self.tp else f"tp / etp x {names}"
+            raise ValueError(f"MegaStrategy(ep={self.ep}, etp={self.etp}): with each expert split over etp tp ranks, "
+                             f"ep splits the experts over a stage's {names} ranks ({stage // self.etp}: world "
+                             f"{world_size} / (etp={self.etp} x pp={self.pp})); ep must divide {stage // self.etp}. "
+                             f"Change ep, etp=1 (ep over tp ranks too), or devices/num_nodes.")
         if stage % self.ep:
             names = "tp x dp" if self.cp == 1 else "tp x cp x dp"
             raise ValueError(f"MegaStrategy(ep={self.ep}) splits the experts over ep of a stage's {stage} ranks "
@@ -154,11 +155,15 @@ class ParallelConfig:
         return ModelChoices(recompute=blocks, hf_recompute=hf, split_backward=split)
 
 
-def check_etp_option(etp: int, tp: int, zero: int, quant) -> None:
-    """``etp`` (each expert's MLP split over the tp ranks, Megatron's expert tensor parallelism): 1 or tp."""
-    if etp not in (1, tp):
-        raise ValueError(f"MegaStrategy(etp={etp}, tp={tp}): etp splits each expert over the tp ranks: choose etp=1 "
-                         f"(experts whole, ep may span tp ranks) or etp=tp={tp}.")
+def check_etp_option(etp: int, tp: int, zero: int, quant, ep: int = 1) -> None:
+    """``etp`` (each expert's MLP split over etp of the tp ranks, Megatron's expert tensor parallelism): a
+    divisor of tp; below tp only with ep > 1 (the other tp ranks then hold other experts or other tokens)."""
+    if tp % etp:
+        raise ValueError(f"MegaStrategy(etp={etp}, tp={tp}): etp splits each expert over etp of the tp ranks: choose "
+                         f"etp=1 (experts whole, ep may span tp ranks), etp=tp={tp} or another divisor of tp.")
+    if 1 < etp < tp and ep == 1:
+        raise ValueError(f"MegaStrategy(etp={etp}, tp={tp}, ep=1): an etp below tp folds the other tp ranks into "
+                         f"expert parallelism; set ep > 1 (ep x etp ranks hold one copy of the experts), or etp={tp}.")
     if etp > 1 and zero == 3:
         raise ValueError(f"MegaStrategy(etp={etp}, zero=3): zero=3 keeps experts whole (ep=1, etp=1); use zero=1 or etp=1.")
     if etp > 1 and quant is not None:

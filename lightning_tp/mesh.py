@@ -50,8 +50,10 @@ class ParallelMesh:
     emb_group: Optional[dist.ProcessGroup] = None  # first + last stage: tied input/output embeddings
     emb_ranks: tuple = ()  # the pp ranks of emb_group when not (0, pp - 1) (see use_tied_ranks)
     ep: int = 1  # expert parallel: ep ranks of a stage split each layer's experts (see _expert_groups)
-    etp: int = 1  # expert tensor parallel: 1 (experts whole) or tp (each expert's MLP split over the tp group)
+    etp: int = 1  # expert tensor parallel: each expert's MLP split over etp consecutive tp ranks (etp divides tp)
     ep_group: Optional[dist.ProcessGroup] = None
+    etp_group: Optional[dist.ProcessGroup] = None  # the etp consecutive tp ranks splitting each expert (etp > 1)
+    fold_group: Optional[dist.ProcessGroup] = None  # the tp ranks etp apart: each dispatches a share of the tokens
     edp_group: Optional[dist.ProcessGroup] = None  # the ranks of a stage holding the same experts
     device_mesh: object = field(default=None, repr=False)
     timeout: Optional[timedelta] = None  # MegaStrategy(timeout=): every group made here honours it
@@ -116,7 +118,7 @@ class ParallelMesh:
     @property
     def ep_folds_tp(self) -> bool:
         """Whether an ep group spans tp ranks (experts beyond dp, Megatron's MoE parallel folding)."""
-        return self.ep > 1 and self.tp > 1 and self.etp == 1
+        return self.ep > 1 and self.tp > self.etp
 
     def global_rank(self, tp_rank: int = 0, dp_rank: int = 0, pp_rank: int = 0, cp_rank: int = 0) -> int:
         return ((pp_rank * self.dp + dp_rank) * self.cp + cp_rank) * self.tp + tp_rank
@@ -185,7 +187,32 @@ def build_mesh(tp: int = 1, pp: int = 1, device_type: str = "cpu", ep: int = 1,
                         mesh.emb_group = group
     if ep > 1:  # (at ep=1 an expert split over tp (etp) syncs over dp, as every tp-split weight)
         _expert_groups(mesh)
+    if etp > 1 or ep > 1:
+        _tp_subgroups(mesh)
     return mesh
+
+
+def _tp_subgroups(mesh: ParallelMesh) -> None:
+    """Each tp group cut two ways for the experts: etp consecutive ranks (``etp_group``) and the ranks etp apart
+    (``fold_group``); a cut of the whole tp group reuses it. Every rank creates every group in order."""
+    tp, etp = mesh.tp, mesh.etp
+    mesh.etp_group = mesh.tp_group if etp == tp else None
+    mesh.fold_group = mesh.tp_group if etp == 1 else None
+    if etp in (1, tp):
+        return
+    for p in range(mesh.pp):
+        for d in range(mesh.dp):
+            for c in range(mesh.cp):
+                ranks = [mesh.global_rank(t, d, p, c) for t in range(tp)]
+                here = (p, d, c) == (mesh.pp_rank, mesh.dp_rank, mesh.cp_rank)
+                for k in range(tp // etp):
+                    group = mesh.new_group(ranks[k * etp:(k + 1) * etp])
+                    if here and mesh.tp_rank // etp == k:
+                        mesh.etp_group = group
+                for k in range(etp):
+                    group = mesh.new_group(ranks[k::etp])
+                    if here and mesh.tp_rank % etp == k:
+                        mesh.fold_group = group
 
 
 def _replica_group(mesh: ParallelMesh, backend=None):

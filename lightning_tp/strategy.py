@@ -64,7 +64,7 @@ class MegaStrategy(ParallelStrategy):
         cp: context parallelism: each of cp ranks holds two load-balanced chunks of every sequence.
         cp_attention: how attention sees the whole sequence under cp: "ring" (K/V passed around) or "all_to_all".
         ep: expert parallelism: mixture-of-experts experts split over ep ranks of a stage (its tp x cp x dp, tp first).
-        etp: expert tensor parallelism: 1 (each expert whole on one rank) or tp (each expert's MLP split over the tp ranks).
+        etp: expert tensor parallelism: each expert's MLP split over etp tp ranks (1: whole; a divisor of tp; below tp with ep > 1).
         moe_capacity: capacity factor: each expert keeps at most its share x factor of a rank's tokens (None: dropless).
         zero: 1 shards the optimizer state over data-parallel ranks; 3 parameters and gradients too (FSDP2); 0 none.
         plan: "auto" (a built-in plan by module class), or a lightning_tp.Plan / dict of yours.

@@ -70,6 +70,29 @@ def test_the_expert_grid_folds_ep_over_tp_and_with_etp_puts_ep_groups_tp_apart()
     assert _grid(tp=2, dp=2, ep=1, etp=2) == [((0,), (0, 2)), ((1,), (1, 3)), ((2,), (0, 2)), ((3,), (1, 3))]
     # a second stage's groups are its own ranks
     assert _grid(tp=2, dp=2, ep=2, etp=2, pp=2)[4:] == [((4, 6), (4,)), ((5, 7), (5,)), ((4, 6), (6,)), ((5, 7), (7,))]
+    # etp=2 below tp=4: an ep group takes one slice of the tp group's other half; tp=8: two copies in a tp group
+    assert _grid(tp=4, dp=1, ep=2, etp=2) == [((0, 2), (0,)), ((1, 3), (1,)), ((0, 2), (2,)), ((1, 3), (3,))]
+    assert _grid(tp=8, dp=1, ep=2, etp=2)[5] == ((5, 7), (1, 5))
+
+
+def _tp_cuts(tp, dp, etp, ep=2):
+    """Every rank's (etp group, fold group) as _tp_subgroups makes them (groups recorded as rank tuples)."""
+    from lightning_tp.mesh import ParallelMesh, _tp_subgroups
+
+    out = []
+    for rank in range(tp * dp):
+        mesh = ParallelMesh(tp=tp, dp=dp, ep=ep, etp=etp, rank=rank, tp_group="tp")
+        mesh.new_group = lambda ranks=None, backend=None: tuple(ranks)
+        _tp_subgroups(mesh)
+        out.append((mesh.etp_group, mesh.fold_group))
+    return out
+
+
+def test_an_etp_below_tp_cuts_each_tp_group_into_etp_neighbours_and_ranks_etp_apart():
+    # the etp ranks splitting an expert are neighbours; the ranks etp apart share the tokens and fold them
+    assert _tp_cuts(tp=4, dp=2, etp=2)[4:] == [((4, 5), (4, 6)), ((4, 5), (5, 7)), ((6, 7), (4, 6)), ((6, 7), (5, 7))]
+    # etp=1: the whole tp group folds; etp=tp: the whole tp group splits each expert
+    assert _tp_cuts(tp=4, dp=1, etp=1)[0] == (None, "tp") and _tp_cuts(tp=4, dp=1, etp=4)[3] == ("tp", None)
 
 
 def test_one_process_matches_the_loop():
@@ -297,6 +320,10 @@ EP_RUNS = {
                                                 n_embd=32), dict(tp=2, ep=2, etp=2)),
     "gpt_moe_tp2_sp_pp2_etp2": (4, "gpt", dict(n_expert=4, vocab_size=64, block_size=16, n_layer=2, n_head=4,
                                                n_embd=32), dict(tp=2, sp=True, pp=2, etp=2, microbatches=2)),
+    # etp below tp: each expert over a tp pair, the experts over the pairs (ep=2 folded over tp); without sp the
+    # ranks two apart split the tokens they share; the down bias added on each pair's first, summed over the pair
+    "gpt_moe_tp4_ep2_etp2": (4, "gpt", dict(n_expert=4, vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32),
+                             dict(tp=4, ep=2, etp=2)),
 }
 # etp on both majors: 4.x's ModuleList experts, 5.x's 3-D ones (their width sliced, experts over ep: two dims)
 EP_RUNS.update({
@@ -304,12 +331,14 @@ EP_RUNS.update({
     "hf_mixtral_aux_tp2_sp_dp2_ep2_etp2": (4, "hf_mixtral", AUX, dict(tp=2, sp=True, ep=2, etp=2)),
     "hf_qwen2_moe_tp2_dp2_ep2_etp2": (4, "hf_qwen2_moe", {}, dict(tp=2, ep=2, etp=2)),
     "litgpt_moe_tp2_etp2": (2, "litgpt", dict(n_expert=4), dict(tp=2, etp=2)),
+    "hf_mixtral_tp4_sp_ep2_etp2": (4, "hf_mixtral", dict(kv_heads=4), dict(tp=4, sp=True, ep=2, etp=2)),
 })
 if transformers_major() >= 5:  # expert biases and interleaved [gate, up] pairs; its attention (sinks) split over tp
     EP_RUNS["hf_gpt_oss_tp2_etp2"] = (2, "hf_gpt_oss", {}, dict(tp=2, etp=2))
     EP_RUNS["hf_gpt_oss_tp2_ep2"] = (2, "hf_gpt_oss", {}, dict(tp=2, ep=2))
     EP_RUNS["hf_gpt_oss_tp2_sp_ep2"] = (4, "hf_gpt_oss", {}, dict(tp=2, sp=True, ep=2))
     EP_RUNS["hf_gpt_oss_tp2_dp2_ep2_etp2"] = (4, "hf_gpt_oss", {}, dict(tp=2, ep=2, etp=2))
+    EP_RUNS["hf_gpt_oss_tp4_sp_ep2_etp2"] = (4, "hf_gpt_oss", dict(kv_heads=4), dict(tp=4, sp=True, ep=2, etp=2))
 # every family at tp x ep and pp x ep (with Mixtral's above): Qwen2-MoE's shared expert, OLMoE's q/k norms
 EP_RUNS.update({
     "hf_qwen2_moe_tp2_ep2": (2, "hf_qwen2_moe", {}, dict(tp=2, ep=2)),
@@ -346,6 +375,10 @@ EP_RUNS.update({
     # under sp the encoder's layers' logits travel as sequence shards, past the encoder's whole output
     "hf_switch_pp2_tp2_sp_split_decoder": (4, "hf_switch", {}, dict(pp=2, tp=2, sp=True, microbatches=2,
                                                                      stage_layers=[3, 1])),
+    # split inside the encoder (4 blocks a stack): the first stage's encoder logits travel past its half-done
+    # encoder's output, the encoder's rest and the decoder on the second stage
+    "hf_switch_pp2_tp2_sp_split_encoder": (4, "hf_switch", dict(layers=4), dict(pp=2, tp=2, sp=True, microbatches=2,
+                                                                                stage_layers=[2, 6])),
 })
 EP_RUNS = runnable(EP_RUNS, 1)
 PARTLY_DENSE = {"hf_deepseek_v3"}  # its first layer is dense: under pp one stage holds no experts

@@ -70,7 +70,8 @@ CASES = {  # name: (module builder, strategy kwargs, world size, words of the re
 }
 CASES.update({f"experts_{name}": ((lambda kw=model_kw: make_model("gpt", **kw)), strategy_kw, 2, [message])
               for name, (model_kw, strategy_kw, message) in BAD_EXPERTS.items()
-              if name not in ("ep_not_dividing_dp", "capacity_out_of_range", "etp_not_tp", "etp_ep_not_dividing_dp")})
+              if name not in ("ep_not_dividing_dp", "capacity_out_of_range", "etp_not_tp", "etp_ep_not_dividing_dp",
+                            "etp_below_tp_without_ep")})
 # (those: refused at construction)
 
 

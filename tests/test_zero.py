@@ -45,6 +45,8 @@ WORLD4 = {
     "tp2_dp2_ep2_zero1_two_groups": ("gpt_two_groups", MOE, dict(tp=2, ep=2, zero=1), dict(gradient_clip_val=0.05)),
     # each expert split over the tp ranks (etp): its slices' moments over its expert-dp ranks, clipped by the whole norm
     "tp2_dp2_ep2_etp2_zero1_clip": ("gpt", MOE, dict(tp=2, ep=2, etp=2, zero=1), dict(gradient_clip_val=0.05)),
+    # etp below tp: a tp group holds each expert's two slices once (the norm), the biases summed over a pair
+    "tp4_ep2_etp2_zero1_clip": ("gpt", MOE, dict(tp=4, ep=2, etp=2, zero=1), dict(gradient_clip_val=0.05)),
 }
 
 

@@ -90,7 +90,10 @@ def sync_gradients(params, mesh, dp_overlap=None, repeated: bool = False, zero=(
     summed = [p for p in params if marks_of(p).sp_partial or _replicated_pieces(p, 0)] \
         if repeated else []  # (found only where a step syncs more than once: manual optimization)
     before = _summed_before(summed)
-    _reduce([local(p.grad) for p in params if marks_of(p).sp_partial], mesh.tp_group)  # zero=3: shards alike
+    _reduce([local(p.grad) for p in params if marks_of(p).sp_partial and not marks_of(p).expert], mesh.tp_group)
+    # (zero=3: shards alike) an expert's bias, added on the first of its etp ranks: summed over them alone
+    _reduce([local(p.grad) for p in params if marks_of(p).sp_partial and marks_of(p).expert],
+            mesh.etp_group if mesh.etp_group is not None else mesh.tp_group)
     _sum_replicas(params, mesh)
     if repeated:
         _remember_summed(summed, before)
@@ -253,7 +256,8 @@ def global_grad_norm(params, mesh, norm_type: float = 2.0, zero=None, device=Non
     parts = []
     for experts in (False, True):  # an ep group's ranks hold different experts: each counted once
         parts.append(norm_part([g.detach() for p in params if marks_of(p).expert == experts
-                                for g in counted(p, local(p.grad), mesh.tp_rank, mesh.pp_rank)], norm_type, device))
+                                for g in counted(p, local(p.grad), mesh.tp_rank, mesh.pp_rank, mesh.etp)], norm_type,
+                               device))
     for i, part in enumerate(sliced):
         if part is not None:
             parts[i] = torch.maximum(parts[i], part) if math.isinf(norm_type) else parts[i] + part
@@ -263,8 +267,8 @@ def global_grad_norm(params, mesh, norm_type: float = 2.0, zero=None, device=Non
         if mesh.ep > 1:
             experts = comm.all_reduce(experts.clone(), mesh.ep_group, op=dist.ReduceOp.MAX)
         return comm.all_reduce(torch.maximum(mine, experts).clone(), group, op=dist.ReduceOp.MAX)
-    if mesh.ep > 1:  # an ep group holds each of its stage's experts once; its tp ranks: counted on the first
-        experts = comm.all_reduce(experts, mesh.ep_group) * float(mesh.tp_rank == 0 or mesh.etp > 1)  # etp: slices
+    if mesh.ep > 1:  # an ep group holds each of its stage's experts once (at one etp slice): counted on the first
+        experts = comm.all_reduce(experts, mesh.ep_group) * float(mesh.tp_rank < mesh.etp)  # ep group of each slice
     return comm.all_reduce(mine + experts, group) ** (1.0 / norm_type)
 
 
@@ -276,14 +280,14 @@ def norm_part(tensors: list, norm_type: float, device) -> torch.Tensor:
     return sum((t.float().norm(norm_type) ** norm_type for t in tensors), torch.zeros((), device=device))
 
 
-def counted(p, t: torch.Tensor, tp_rank: int, pp_rank: int) -> list:
+def counted(p, t: torch.Tensor, tp_rank: int, pp_rank: int, etp: int = 1) -> list:
     """The parts of ``t`` (shaped like ``p``: its grad) this rank counts in the norm: a tp replica only on its
     first holder, a weight tied over stages only on the first stage."""
     if marks_of(p).pp_tied and pp_rank > 0:
         return []
     if marks_of(p).expert:  # one of this rank's experts (the ep group's ranks, tp ones too, hold others); under
-        # etp its tp slice, or a down projection's bias (whole on each tp rank, summed over tp) on the first
-        return [t] if not marks_of(p).sp_partial or tp_rank == 0 else []
+        # etp its slice, or a down projection's bias (whole on each etp rank, summed over them) on the first
+        return [t] if not marks_of(p).sp_partial or tp_rank % etp == 0 else []
     spec = spec_of(p)
     if spec is None:  # replicated over tp
         return [t] if tp_rank == 0 else []

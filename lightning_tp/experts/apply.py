@@ -58,8 +58,8 @@ def apply_experts(model: nn.Module, mesh, pp: int = 1, sp: bool = False, capacit
     statistics span the global batch (see :mod:`.router_losses.statistics`). Returns the new blocks."""
     swapped = []
     sp = sp and mesh.tp > 1
-    fold = mesh.tp_group if mesh.ep_folds_tp and not sp else None  # an ep group's tp ranks: one copy of the tokens
-    etp = mesh.tp_group if mesh.etp > 1 else None  # each expert split over the tp ranks
+    fold = mesh.fold_group if mesh.ep_folds_tp and not sp else None  # tp ranks with alike tokens: each a share
+    etp = mesh.etp_group if mesh.etp > 1 else None  # each expert split over etp of the tp ranks
     for path, block, family in find_moe_blocks(model, declared):
         if any(p.is_meta for p in block.parameters()):  # another pipeline stage's, seen through a twin
             continue
@@ -77,7 +77,7 @@ def apply_experts(model: nn.Module, mesh, pp: int = 1, sp: bool = False, capacit
         new = expert_parallel(block, family, mesh.ep_group, mesh.ep, mesh.ep_rank, sp_group=mesh.tp_group if sp else None,
                               capacity_factor=capacity, fold_group=fold, etp_group=etp)
         if etp is not None:
-            shard_experts(new.experts.values(), mesh.etp, mesh.tp_rank)
+            shard_experts(new.experts.values(), mesh.etp, mesh.tp_rank % mesh.etp)
         for p in new.experts.parameters():
             set_marks(p, expert=mesh.ep > 1)
         _mark_sp_partial(new, sp)
@@ -101,7 +101,7 @@ def _fused(block: nn.Module, mesh, pp: int, sp: bool, capacity, fold, etp) -> nn
     router_statistics.install(block.experts, mesh.dp_group, pp)
     if mesh.ep > 1 or capacity is not None or etp is not None:
         expert_parallel_experts(block.experts, mesh.ep_group, mesh.ep, mesh.ep_rank, capacity, fold, etp,
-                                mesh.tp_rank, sp)
+                                mesh.tp_rank % mesh.etp, sp)
     _mark_sp_partial(block, sp)
     if sp:
         gather_router_logits(block, mesh.tp_group)
@@ -111,7 +111,7 @@ def _fused(block: nn.Module, mesh, pp: int, sp: bool, capacity, fold, etp) -> nn
 def _switch(model: nn.Module, path: str, block: nn.Module, mesh, sp: bool) -> nn.Module:
     """Switch Transformers' block expert-parallel; under sp its router and experts see the whole sequence (the
     tp ranks then hold the same tokens and split them, as without sp), so its gradients are whole ones."""
-    fold = mesh.tp_group if mesh.ep_folds_tp else None
+    fold = mesh.fold_group if mesh.ep_folds_tp else None
     new = switch_parallel(block, mesh.ep_group, mesh.ep, mesh.ep_rank, mesh.tp_group if sp else None, fold)
     for p in new.experts.parameters():
         set_marks(p, expert=mesh.ep > 1)
@@ -123,15 +123,17 @@ def rebind_experts(model: nn.Module, mesh, pp: int, declared=()) -> None:
     """A module parallelized before, fitted again under a new strategy (the same layout): its expert layers and
     router statistics take the new mesh's groups."""
     tp = lambda old: mesh.tp_group if old is not None else None  # noqa: E731
+    fold = lambda old: mesh.fold_group if old is not None else None  # noqa: E731
+    etp = lambda old: mesh.etp_group if old is not None else None  # noqa: E731
     stats = []  # modules whose modeling module's load-balancing loss reads the dp group
     for m in model.modules():
         ep = getattr(m, "_lightning_tp_ep", None)
         if isinstance(m, ExpertParallelMoE):
-            m.group, m.sp_group, m.fold_group, m.etp_group = mesh.ep_group, tp(m.sp_group), tp(m.fold_group), \
-                tp(m.etp_group)
+            m.group, m.sp_group, m.fold_group, m.etp_group = mesh.ep_group, tp(m.sp_group), fold(m.fold_group), \
+                etp(m.etp_group)
             stats += [m] if m.family.returns_logits else []
         elif ep is not None:
-            ep.update(group=mesh.ep_group, fold=tp(ep["fold"]), etp=tp(ep["etp"]))
+            ep.update(group=mesh.ep_group, fold=fold(ep["fold"]), etp=etp(ep["etp"]))
             stats.append(m)
     for _, block, family in find_moe_blocks(model, declared):  # blocks left whole (ep=1 without sp)
         if family.fused or family.returns_logits:

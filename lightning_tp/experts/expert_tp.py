@@ -1,4 +1,4 @@
-"""Expert tensor parallelism (``etp = tp``): each of a rank's experts split over the tp group as Megatron splits
+"""Expert tensor parallelism (``etp``): each of a rank's experts split over etp tp ranks as Megatron splits
 a dense MLP, gate and up by output rows, down by input columns (``ModuleList`` experts here, 5.x ones in
 :mod:`.fused`); their outputs are partial sums over tp, summed as they leave the block."""
 
@@ -39,20 +39,22 @@ def down_biases(experts) -> list:
 
 
 def enter(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, fold=None, etp=None, sp: bool = False) -> tuple:
-    """The tokens (rows, router weights, expert ids) a rank dispatches: its share of the tp ranks' alike ones
-    (``fold``: ep over tp); under ``etp`` the same on every tp rank (a sequence shard's gathered); else its own."""
+    """The tokens (rows, router weights, expert ids) a rank dispatches: its share of the ``fold`` ranks' alike
+    ones (ep over tp), then under ``etp`` the same on each of the etp ranks (sequence shards gathered)."""
+    x, weights, idx = comm.scatter_to_rows(x, fold), comm.scatter_to_rows(weights, fold), comm.split_rows(idx, fold)
     if etp is None:
-        return comm.scatter_to_rows(x, fold), comm.scatter_to_rows(weights, fold), comm.split_rows(idx, fold)
+        return x, weights, idx
     if sp:
         return comm.gather_from_sp(x, etp, 0), comm.gather_from_sp(weights, etp, 0), comm.all_gather(idx, 0, etp)
     return comm.copy_to_tp(x, etp), comm.copy_to_tp(weights, etp), idx
 
 
 def leave(y: torch.Tensor, total: int, fold=None, etp=None, sp: bool = False) -> torch.Tensor:
-    """This rank's tokens' outputs: gathered from the folded ranks, or the etp partial sums summed over tp."""
-    if etp is None:
-        return comm.gather_from_rows(y, total, fold)
-    return comm.reduce_scatter_to_sp(y, etp, 0) if sp else comm.reduce_from_tp(y, etp)
+    """This rank's tokens' outputs: the etp partial sums summed over the etp ranks, then gathered from the
+    ``fold`` ranks (``total``: the rows before :func:`enter`'s share)."""
+    if etp is not None:
+        y = comm.reduce_scatter_to_sp(y, etp, 0) if sp else comm.reduce_from_tp(y, etp)
+    return comm.gather_from_rows(y, total, fold)
 
 
 def fused_widths(experts: nn.Module) -> dict:
@@ -109,7 +111,7 @@ def _check_fused(path: str, experts: nn.Module, etp: int) -> None:
 
 
 def shard_experts(experts, etp: int, rank: int) -> None:
-    """Keep tp rank ``rank``'s slice of each expert in ``experts`` (in place: parameter names stay)."""
+    """Keep slice ``rank`` (of ``etp``) of each expert in ``experts`` (in place: parameter names stay)."""
     for expert in experts:
         math = math_of(expert)
         for name in (math.gate, math.up):
@@ -122,11 +124,12 @@ def shard_experts(experts, etp: int, rank: int) -> None:
 
 
 def _split(linear: nn.Linear, dim: int, world: int, rank: int) -> None:
-    """``linear``'s weight (and, along its output, bias) cut along ``dim`` into ``world`` slices; slice ``rank`` kept."""
-    spec = ShardSpec(dim=dim, world=world, full=linear.weight.shape[dim])
+    """``linear``'s weight (and, along its output, bias) cut along ``dim`` into ``world`` slices; slice ``rank`` kept
+    (named in the spec: under an etp below tp, tp ranks etp apart hold the same slice)."""
+    spec = ShardSpec(dim=dim, world=world, full=linear.weight.shape[dim], at_rank=rank)
     linear.weight = _param(linear.weight, spec, rank)
     if dim == 0 and linear.bias is not None:
-        linear.bias = _param(linear.bias, ShardSpec(dim=0, world=world, full=linear.bias.shape[0]), rank)
+        linear.bias = _param(linear.bias, ShardSpec(dim=0, world=world, full=linear.bias.shape[0], at_rank=rank), rank)
     linear.in_features, linear.out_features = linear.weight.shape[1], linear.weight.shape[0]
 
 

@@ -60,8 +60,8 @@ def both(base: type, kind: type) -> type:
 def expert_parallel_experts(experts: nn.Module, group, ep: int, ep_rank: int, capacity_factor=None,
                             fold=None, etp=None, tp_rank: int = 0, sp: bool = False, etp_size: int = 0) -> nn.Module:
     """Keep experts ``[ep_rank * E/ep, (ep_rank + 1) * E/ep)`` of ``experts`` in place, calls expert-parallel over
-    ``group``; ``fold``: the tp group splitting the tokens; ``etp``: the tp group splitting each expert's width
-    (slice ``tp_rank``; ``etp_size``: its size without a group, in explain's copies)."""
+    ``group``; ``fold``: the tp ranks splitting the tokens; ``etp``: the tp ranks splitting each expert's width
+    (slice ``tp_rank`` of them; ``etp_size``: their count without a group, in explain's copies)."""
     total, count = experts.num_experts, experts.num_experts // ep
     first, world = ep_rank * count, etp_size or comm.group_size(etp)
     widths = fused_widths(experts)
@@ -73,7 +73,7 @@ def expert_parallel_experts(experts: nn.Module, group, ep: int, ep_rank: int, ca
         sliced = p.detach()[first:first + count]
         if world > 1 and widths.get(name) is not None:  # the expert's width over the tp ranks too
             dim, blocks = widths[name]
-            inner = ShardSpec(dim=dim, world=world, full=p.shape[dim], chunks=blocks)
+            inner = ShardSpec(dim=dim, world=world, full=p.shape[dim], chunks=blocks, at_rank=tp_rank)
             sliced, spec = shard(sliced, inner, tp_rank), inner if spec is None else dataclasses.replace(spec, inner=inner)
         param = nn.Parameter(sliced.clone(), requires_grad=p.requires_grad)
         set_marks(param, expert=ep > 1, tp_spec=spec, sp_partial=world > 1 and widths.get(name, 0) is None)

@@ -340,7 +340,7 @@ def explain(module: nn.Module, tp: int = 1, pp: int = 1, sp: bool = False, micro
                 apply_split(local, layout, r)
             if tp > 1:
                 swap.apply(local, matches, None, tp, t, sp)
-            experts = _split_experts(local, config.ep, lookup.expert_styles(config.plan), config.etp, t)
+            experts = _split_experts(local, config.ep, lookup.expert_styles(config.plan), config.etp, t % config.etp)
             params = list(local.parameters())
             trained = sum(p.numel() for p in params if p.requires_grad and id(p) not in experts)
             expert_trained = sum(p.numel() for p in params if p.requires_grad and id(p) in experts)
@@ -447,8 +447,8 @@ def _chunk_count(params: list) -> int:
 
 
 def _split_experts(local: nn.Module, ep: int, declared=(), etp: int = 1, tp_rank: int = 0) -> set:
-    """ids of ``local``'s expert parameters, after keeping 1/ep of each MoE layer's experts (ep > 1), and tp
-    rank ``tp_rank``'s slice of each (etp > 1)."""
+    """ids of ``local``'s expert parameters, after keeping 1/ep of each MoE layer's experts (ep > 1), and slice
+    ``tp_rank`` of etp of each (etp > 1)."""
     found = set()
     for path, block, family in find_moe_blocks(local, declared):
         if family.fused:  # transformers 5.x: its experts module keeps its rank's block of each 3-D weight
@@ -468,7 +468,7 @@ def _split_experts(local: nn.Module, ep: int, declared=(), etp: int = 1, tp_rank
 def _all_to_all_bytes(base, config, r: int, locate, times, tokens: int, calls: int, dtype_bytes: int) -> int:
     """Bytes rank ``r`` hands to the dispatch all-to-alls per step: per MoE layer, k rows per token out and back,
     forward and backward (4 x tokens x k x hidden; balanced routing), and the counts; under tp 1/tp of the
-    tokens (a sequence shard, or a share of the rows), under etp all of them (alike on the tp ranks)."""
+    tokens (a sequence shard, or a share of the rows), under etp etp/tp of them (alike on the etp ranks)."""
     if config.ep == 1:
         return 0
     total, tokens = 0, tokens // (config.tp // config.etp)
