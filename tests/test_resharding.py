@@ -55,6 +55,10 @@ CASES = {
     "gpt_moe_tp2_ep2_to_tp2_etp2": ("gpt", dict(n_expert=4), (2, dict(tp=2, ep=2)), (2, dict(tp=2, etp=2))),
     # on 5.x each rank's block of 3-D expert weights: its experts (ep) by its slice of their width (etp)
     "mixtral_tp2_dp2_ep2_etp2_to_ep2": ("hf_mixtral", {}, (4, dict(tp=2, ep=2, etp=2)), (2, dict(ep=2))),
+    # etp below tp: slices held by tp ranks etp apart saved once, resumed folded; and whole experts into such slices
+    "mixtral_tp4_ep2_etp2_to_ep2": ("hf_mixtral", dict(kv_heads=4), (4, dict(tp=4, ep=2, etp=2)), (2, dict(ep=2))),
+    "gpt_moe_tp2_dp2_ep2_to_tp4_ep2_etp2": ("gpt", dict(n_expert=4), (4, dict(tp=2, ep=2)),
+                                            (4, dict(tp=4, ep=2, etp=2))),
     "gpt_first_format": ("gpt", {}, (1, {}), (1, {})),  # saved as the first format did: still resumes
     # context parallelism changes nothing in what is saved: resumed without it, and into it
     "gpt_cp2_tp2_to_pp2": ("gpt", {}, (4, dict(cp=2, tp=2)), (2, PP)),
