@@ -331,8 +331,9 @@ EP_RUNS.update({
     "hf_mixtral_aux_tp2_sp_dp2_ep2_etp2": (4, "hf_mixtral", AUX, dict(tp=2, sp=True, ep=2, etp=2)),
     "hf_qwen2_moe_tp2_dp2_ep2_etp2": (4, "hf_qwen2_moe", {}, dict(tp=2, ep=2, etp=2)),
     "litgpt_moe_tp2_etp2": (2, "litgpt", dict(n_expert=4), dict(tp=2, etp=2)),
-    "hf_mixtral_tp4_sp_ep2_etp2": (4, "hf_mixtral", dict(kv_heads=4), dict(tp=4, sp=True, ep=2, etp=2)),
 })
+if transformers_major() < 5:  # etp below tp on sequence shards: 4.x's ModuleList experts (5.x's: GPT-OSS below)
+    EP_RUNS["hf_mixtral_tp4_sp_ep2_etp2"] = (4, "hf_mixtral", dict(kv_heads=4), dict(tp=4, sp=True, ep=2, etp=2))
 if transformers_major() >= 5:  # expert biases and interleaved [gate, up] pairs; its attention (sinks) split over tp
     EP_RUNS["hf_gpt_oss_tp2_etp2"] = (2, "hf_gpt_oss", {}, dict(tp=2, etp=2))
     EP_RUNS["hf_gpt_oss_tp2_ep2"] = (2, "hf_gpt_oss", {}, dict(tp=2, ep=2))
