@@ -167,6 +167,10 @@ def _gpt_details(ranks, model_args, world):
           f"(ratio {counted / (2 * est.rank(0).ep_bytes):.4f})")
     for r, rank in enumerate(ranks):
         print(f"tokens per expert, layer 0, last step, rank {r}: {rank[('gpt', 1)][-1]['tokens']}")
+    counts = [sum(c) for c in zip(*(rank[("gpt", 1)][-1]["tokens"] for rank in ranks))]
+    held = [sum(counts[i * len(counts) // 2:(i + 1) * len(counts) // 2]) for i in range(2)]  # ep=2: experts in halves
+    print(f"rows each ep rank's experts ran, layer 0, last step: {held} (max / mean {max(held) * 2 / sum(held):.3f}: "
+          f"the slower rank's expert work against balanced routing)")
 
 
 if __name__ == "__main__":
