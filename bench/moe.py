@@ -1,12 +1,13 @@
 """Expert parallelism against replicated experts (2 CPU processes, gloo), side by side in one run.
 
-Rows: the example GPT's MoE, Hugging Face Mixtral and DeepSeek-V3 (transformers 5.x: experts as one module
-of 3-D weights) at ep=2 against dp=2 with every expert on both ranks, and Mixtral at tp=2 x ep=2 (the ep
+Rows: the example GPT's MoE (also with round-robin routing), Hugging Face Mixtral and DeepSeek-V3
+(transformers 5.x: experts as one module of 3-D weights) at ep=2 against dp=2 with every expert on both
+ranks, and Mixtral at tp=2 x ep=2 (the ep
 group is the tp pair: experts beyond dp) and at tp=2 x etp=2 (each expert split over the pair) against tp=2
 alone (the GPT too), in alternating rounds. Printed per row: median step time as a ratio to its baseline;
 for the GPT, expert parameters and optimizer state per rank, the dispatch all-to-all bytes per step against
 explain's formula, and the tokens each expert got in the last step.
-Usage: python bench/moe.py [--steps 20 --rounds 3 --rows gpt,mixtral,deepseek_v3,mixtral_tp2,gpt_tp2_etp2,...]
+Usage: python bench/moe.py [--steps 20 --rounds 3 --rows gpt,gpt_balanced,mixtral,deepseek_v3,mixtral_tp2,...]
 """
 
 import argparse
@@ -38,6 +39,9 @@ HF = {"mixtral": ("MixtralConfig", dict(intermediate_size=512, num_local_experts
                                                qk_nope_head_dim=16, v_head_dim=32, rope_scaling=None))}
 # row: (model, baseline layout, expert-parallel layout)
 ROWS = {"gpt": ("gpt", {}, dict(ep=2)), "mixtral": ("mixtral", {}, dict(ep=2)),
+        # the GPT with its router's logits pushed to round-robin routing (each expert the same rows): the
+        # exchange's own cost, apart from the untrained router's skew
+        "gpt_balanced": ("gpt_balanced", {}, dict(ep=2)),
         "deepseek_v3": ("deepseek_v3", {}, dict(ep=2)), "mixtral_tp2": ("mixtral", dict(tp=2), dict(tp=2, ep=2)),
         # each expert split over the tp pair (etp) against every tp rank running whole experts on the same tokens
         "gpt_tp2_etp2": ("gpt", dict(tp=2), dict(tp=2, etp=2)), "mixtral_tp2_etp2": ("mixtral", dict(tp=2), dict(tp=2, etp=2))}
@@ -85,8 +89,21 @@ class TokensPerExpert(L.Callback):
             self._handle = moe.gate.register_forward_hook(hook)
 
 
+def _round_robin(module, args, logits):
+    """Token r's logits pushed up at experts r % E and (r + 3) % E: every expert takes the same rows."""
+    n, e = logits.shape
+    rows, push = torch.arange(n), torch.zeros_like(logits)
+    push[rows, rows % e] = push[rows, (rows + 3) % e] = 10.0
+    return logits + push
+
+
 def _model(name: str, model_args: dict, small: bool):
-    return LitGPT(**model_args) if name == "gpt" else HFCausalLM(name, small)
+    if name.startswith("gpt"):
+        model = LitGPT(**model_args)
+        for block in model.model.transformer.h if name == "gpt_balanced" else ():
+            block.mlp.gate.register_forward_hook(_round_robin)
+        return model
+    return HFCausalLM(name, small)
 
 
 def _fit(name: str, layout: dict, steps: int, world: int, model_args: dict, small: bool):
