@@ -553,7 +553,8 @@ def test_explain_counts_each_ranks_share_of_the_expert_weights():
 
     model = make_model("hf_mixtral")
     full = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
-    for layout, share in ((dict(ep=2), 2), (dict(tp=2, ep=2, etp=2), 4), (dict(tp=2, etp=2), 2)):
+    for layout, share in ((dict(ep=2), 2), (dict(tp=2, ep=2, etp=2), 4), (dict(tp=2, etp=2), 2),
+                          (dict(tp=4, ep=2, etp=2), 4)):
         est = explain(model, config=ParallelConfig.resolve(**layout).with_world(4), batch_shape=(4, 16),
                       print_report=False)
         assert {r.expert_params for r in est.ranks} == {full // share}, layout
