@@ -20,10 +20,12 @@ LAYOUTS = {"ep2": (2, BIASED, dict(ep=2)), "pp2_ep2": (4, BIASED, dict(pp=2, ep=
            "tp2_sp_dp2_ep2_etp2": (4, "hf_mixtral", dict(tp=2, sp=True, ep=2, etp=2)),
            # Switch Transformers: its router's own capacity drops tokens (the last column); under sp every tp rank
            # routes the whole sequence, counted once
-           "switch_tp2_sp": (2, "hf_switch", dict(tp=2, sp=True)), "switch_tp2_ep2": (2, "hf_switch", dict(tp=2, ep=2))}
+           "switch_tp2_sp": (2, "hf_switch", dict(tp=2, sp=True)), "switch_tp2_ep2": (2, "hf_switch", dict(tp=2, ep=2)),
+           # etp below tp: on sequence shards the first of each pair counts the pair's gathered tokens
+           "tp4_sp_ep2_etp2": (4, ("hf_mixtral", dict(kv_heads=4)), dict(tp=4, sp=True, ep=2, etp=2))}
 
 
-def _rate(kind: str) -> float:
+def _rate(kind) -> float:
     return 0.002 if kind == "hf_deepseek_v3" else 0.0
 
 
@@ -43,7 +45,8 @@ class BiasTrace(L.Callback):
 
 
 def _fit(kind, trainer, dp, heatmap=None):
-    model = make_model(kind)
+    kind, kw = kind if isinstance(kind, tuple) else (kind, {})  # (model kind, its kwargs)
+    model = make_model(kind, **kw)
     load, rec, trace = ExpertLoad(every_n_steps=2, heatmap=heatmap, bias_rate=_rate(kind)), LossRecorder(), BiasTrace()
     trainer.callbacks += [load, rec, trace]
     single = trainer.world_size == 1
