@@ -444,6 +444,9 @@ AUX_PP_RUNS = {
     "mixtral_pp2_ep2": (4, "hf_mixtral", AUX, dict(pp=2, ep=2, microbatches=2)),
     "qwen2_moe_pp2_ep2": (4, "hf_qwen2_moe", AUX, dict(pp=2, ep=2, microbatches=2)),
     "mixtral_pp2_tp2_sp": (4, "hf_mixtral", AUX, dict(pp=2, tp=2, sp=True, microbatches=2)),
+    # the other families with a load-balancing loss at pp=2 x ep=2: OLMoE (its q/k norms), Qwen3-MoE
+    "olmoe_pp2_ep2": (4, "hf_olmoe", AUX, dict(pp=2, ep=2, microbatches=2)),
+    "qwen3_moe_pp2_ep2": (4, "hf_qwen3_moe", AUX, dict(pp=2, ep=2, microbatches=2)),
 }
 if transformers_major() >= 5:  # the logits come from the router module itself, the block returns hidden states
     AUX_PP_RUNS.update({"qwen3_moe_pp2": (2, "hf_qwen3_moe", AUX, dict(pp=2, microbatches=2)),
