@@ -142,7 +142,7 @@ def test_sync_reduces_parameters_the_overlap_does_not_know(monkeypatch):
     known, later = nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2))  # later: unfrozen after setup
     known.grad, later.grad = torch.ones(2), torch.ones(2)
     overlap = SimpleNamespace(finish=lambda: None, bucket_of={id(known): 0})
-    mesh = SimpleNamespace(world_size=2, emb_group=None, pp_rank=0, pp=1, tp_group=None, dp_group="dp", dp=2, replicas=2,
-                           tp_rank=0)
+    mesh = SimpleNamespace(world_size=2, emb_group=None, pp_rank=0, pp=1, tp_group=None, etp_group=None, dp_group="dp",
+                           dp=2, replicas=2, tp_rank=0)
     G.sync_gradients([known, later], mesh, overlap)
     assert (1, "dp") in reduced  # the unfrozen parameter is averaged over dp too

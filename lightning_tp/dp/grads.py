@@ -93,7 +93,7 @@ def sync_gradients(params, mesh, dp_overlap=None, repeated: bool = False, zero=(
     _reduce([local(p.grad) for p in params if marks_of(p).sp_partial and not marks_of(p).expert], mesh.tp_group)
     # (zero=3: shards alike) an expert's bias, added on the first of its etp ranks: summed over them alone
     biases = [local(p.grad) for p in params if marks_of(p).sp_partial and marks_of(p).expert]
-    _reduce(biases, mesh.etp_group if biases and mesh.etp_group is not None else mesh.tp_group)
+    _reduce(biases, mesh.etp_group if mesh.etp_group is not None else mesh.tp_group)
     _sum_replicas(params, mesh)
     if repeated:
         _remember_summed(summed, before)

@@ -122,18 +122,16 @@ def _switch(model: nn.Module, path: str, block: nn.Module, mesh, sp: bool) -> nn
 def rebind_experts(model: nn.Module, mesh, pp: int, declared=()) -> None:
     """A module parallelized before, fitted again under a new strategy (the same layout): its expert layers and
     router statistics take the new mesh's groups."""
-    tp = lambda old: mesh.tp_group if old is not None else None  # noqa: E731
-    fold = lambda old: mesh.fold_group if old is not None else None  # noqa: E731
-    etp = lambda old: mesh.etp_group if old is not None else None  # noqa: E731
+    like = lambda old, group: group if old is not None else None  # noqa: E731 (a group where one was)
     stats = []  # modules whose modeling module's load-balancing loss reads the dp group
     for m in model.modules():
         ep = getattr(m, "_lightning_tp_ep", None)
         if isinstance(m, ExpertParallelMoE):
-            m.group, m.sp_group, m.fold_group, m.etp_group = mesh.ep_group, tp(m.sp_group), fold(m.fold_group), \
-                etp(m.etp_group)
+            m.group, m.sp_group = mesh.ep_group, like(m.sp_group, mesh.tp_group)
+            m.fold_group, m.etp_group = like(m.fold_group, mesh.fold_group), like(m.etp_group, mesh.etp_group)
             stats += [m] if m.family.returns_logits else []
         elif ep is not None:
-            ep.update(group=mesh.ep_group, fold=fold(ep["fold"]), etp=etp(ep["etp"]))
+            ep.update(group=mesh.ep_group, fold=like(ep["fold"], mesh.fold_group), etp=like(ep["etp"], mesh.etp_group))
             stats.append(m)
     for _, block, family in find_moe_blocks(model, declared):  # blocks left whole (ep=1 without sp)
         if family.fused or family.returns_logits:
