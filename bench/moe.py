@@ -6,7 +6,8 @@ ranks, and Mixtral at tp=2 x ep=2 (the ep
 group is the tp pair: experts beyond dp) and at tp=2 x etp=2 (each expert split over the pair) against tp=2
 alone (the GPT too), in alternating rounds. Printed per row: median step time as a ratio to its baseline;
 for the GPT, expert parameters and optimizer state per rank, the dispatch all-to-all bytes per step against
-explain's formula, and the tokens each expert got in the last step.
+explain's formula, the tokens each expert got in the last step, and (both GPT rows) the expert rows the
+busier ep rank ran against the balanced share, every layer of every timed step.
 Usage: python bench/moe.py [--steps 20 --rounds 3 --rows gpt,gpt_balanced,mixtral,deepseek_v3,mixtral_tp2,...]
 """
 
@@ -72,21 +73,25 @@ class HFCausalLM(L.LightningModule):
 
 
 class TokensPerExpert(L.Callback):
-    """Tokens routed to each expert of the first MoE layer in the last training step (this rank's batch)."""
+    """Tokens routed to each expert of every MoE layer, one list of layers per training step (this rank's batch)."""
 
     def __init__(self):
-        self.counts = None
+        self.steps, self._hooked = [], False
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        moe = pl_module.model.transformer.h[0].mlp
-        top_k, experts = moe.top_k, moe.num_experts
+        self.steps.append([])
+        if self._hooked:
+            return
+        self._hooked = True
+        for block in pl_module.model.transformer.h:
+            moe = block.mlp
+            top_k, experts = moe.top_k, moe.num_experts
 
-        def hook(module, args, out):
-            chosen = torch.topk(torch.softmax(out.detach(), -1), top_k, dim=-1).indices
-            self.counts = torch.bincount(chosen.flatten(), minlength=experts).tolist()
+            def hook(module, args, out, top_k=top_k, experts=experts):
+                chosen = torch.topk(torch.softmax(out.detach(), -1), top_k, dim=-1).indices
+                self.steps[-1].append(torch.bincount(chosen.flatten(), minlength=experts).tolist())
 
-        if getattr(self, "_handle", None) is None:
-            self._handle = moe.gate.register_forward_hook(hook)
+            moe.gate.register_forward_hook(hook)
 
 
 def _round_robin(module, args, logits):
@@ -111,7 +116,7 @@ def _fit(name: str, layout: dict, steps: int, world: int, model_args: dict, smal
     timer, tokens = step_times(), TokensPerExpert()
     strategy = MegaStrategy(**layout, timeout=300)
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=steps,
-                        callbacks=[timer] + ([tokens] if name == "gpt" else []), logger=False,
+                        callbacks=[timer] + ([tokens] if name.startswith("gpt") else []), logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         limit_val_batches=0)
     model = _model(name, model_args, small)
@@ -121,7 +126,7 @@ def _fit(name: str, layout: dict, steps: int, world: int, model_args: dict, smal
     experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     state = sum(t.numel() * t.element_size() for s in trainer.optimizers[0].state.values()
                 for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
-    return dict(times=timer.times[WARMUP:], a2a=a2a / steps, experts=experts, state=state, tokens=tokens.counts)
+    return dict(times=timer.times[WARMUP:], a2a=a2a / steps, experts=experts, state=state, tokens=tokens.steps[WARMUP:])
 
 
 def _worker(rank, world, rows, steps, rounds, model_args, small):
@@ -170,6 +175,9 @@ def main():
               f"{median[1] / median[0]:>6.3f}   " + ", ".join(f"{x:.3f}" for x in per_round))
     if "gpt" in rows:
         _gpt_details(ranks, model_args, world)
+    for row in ("gpt", "gpt_balanced"):
+        if row in rows:
+            _skew(row, [rank[(row, 1)][-1]["tokens"] for rank in ranks])
 
 
 def _gpt_details(ranks, model_args, world):
@@ -183,11 +191,26 @@ def _gpt_details(ranks, model_args, world):
     print(f"all-to-all bytes per step, both ranks: counted {counted:,.0f}, explain {2 * est.rank(0).ep_bytes:,} "
           f"(ratio {counted / (2 * est.rank(0).ep_bytes):.4f})")
     for r, rank in enumerate(ranks):
-        print(f"tokens per expert, layer 0, last step, rank {r}: {rank[('gpt', 1)][-1]['tokens']}")
-    counts = [sum(c) for c in zip(*(rank[("gpt", 1)][-1]["tokens"] for rank in ranks))]
-    held = [sum(counts[i * len(counts) // 2:(i + 1) * len(counts) // 2]) for i in range(2)]  # ep=2: experts in halves
-    print(f"rows each ep rank's experts ran, layer 0, last step: {held} (max / mean {max(held) * 2 / sum(held):.3f}: "
-          f"the slower rank's expert work against balanced routing)")
+        print(f"tokens per expert, layer 0, last step, rank {r}: {rank[('gpt', 1)][-1]['tokens'][-1][0]}")
+
+
+def _skew(row: str, per_rank: list):
+    """Rows each ep rank's experts ran (ep=2: experts in halves), every layer of every timed step of the last
+    round: the step waits at each layer for the busier rank, so the sum of per-layer maxima against the
+    balanced share is the expert work the routing puts on a step's critical path."""
+    held = []  # [step][layer] -> rows per ep rank, both source ranks summed
+    for steps in zip(*per_rank):
+        held.append([])
+        for layers in zip(*steps):
+            counts = [sum(c) for c in zip(*layers)]
+            half = len(counts) // 2
+            held[-1].append([sum(counts[:half]), sum(counts[half:])])
+    busiest = sum(max(h) for step in held for h in step)
+    balanced = sum(sum(h) / 2 for step in held for h in step)
+    layers = [sum(max(step[i]) for step in held) / sum(sum(step[i]) / 2 for step in held) for i in range(len(held[0]))]
+    print(f"{row}: rows each ep rank's experts ran, layer 0, last step: {held[-1][0]}; busier rank / balanced share, "
+          f"summed over layers and timed steps: {busiest / balanced:.3f} (per layer: "
+          + ", ".join(f"{x:.3f}" for x in layers) + ")")
 
 
 if __name__ == "__main__":

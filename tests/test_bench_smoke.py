@@ -22,7 +22,7 @@ TABLE = {
     "export_memory.py": r"plain\s+peak .* x largest tensor",
     "grouped_experts.py": r"\| 16 \| 4 \| 64 \| True \| [\d.]+ \| [\d.]+ \| [\d.]+ \|",
     "fused_kernels.py": r"needs a CUDA GPU|fused ms",  # on CPU it says so and measures nothing (the kernels: gpu_check)
-    "moe.py": r"deepseek_v3\s+dp=2\s+ep=2[\s\S]*all-to-all bytes per step, both ranks: counted",
+    "moe.py": r"deepseek_v3\s+dp=2\s+ep=2[\s\S]*all-to-all bytes per step, both ranks: counted[\s\S]*gpt_balanced: .*busier rank / balanced share, summed over layers and timed steps: 1\.000",
     "overhead.py": r"overhead ratio \(mega / single\)",
     "pipeline.py": r"1\) Our executor: measured step time",
     "plan_cpu.py": r"largest deviation .* rank correlation",
