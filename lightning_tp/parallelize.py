@@ -96,6 +96,7 @@ def parallelize(config: ParallelConfig, mesh, module, device):
         side = SideInputCheck.for_mesh(mesh, layout.pp) if config.pp > 1 else None
         state = install_stages(layout.blocks(module), layout, mesh.pp_rank, silence, split.twins, side,
                                split.companion_twins)
+        state.device = device
         if carried is not None:
             router_carry.install(module, state, carried, mesh.dp_group, config.pp,
                                  mesh.tp_group if config.sp and config.tp > 1 else None, declared)

@@ -287,6 +287,10 @@ class HFCausalLM(L.LightningModule):
                                                       v_head_dim=8, n_shared_experts=1, rope_scaling=None),
             "gpt_oss": lambda: T.GptOssConfig(**common, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
                                               sliding_window=4),
+            # Llama 4: its router's sigmoid scales each expert's input, a shared expert, experts in 3-D weights of
+            # its own layout; a dense first layer (MoE every second), per-head L2 norms, chunked attention
+            "llama4": lambda: T.Llama4TextConfig(**common, head_dim=8, intermediate_size_mlp=64, num_local_experts=4,
+                                                 num_experts_per_tok=2, interleave_moe_layer_step=2),
             "qwen3": lambda: T.Qwen3Config(**common, head_dim=8),  # per-head q_norm / k_norm
             "phi3": lambda: T.Phi3Config(**common, pad_token_id=0),  # fused qkv_proj and gate_up_proj
             # its base model under `model` though its prefix says `language_model`; scaled embedding

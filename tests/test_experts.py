@@ -361,6 +361,16 @@ if transformers_major() >= 5:  # families whose experts are one module of 3-D we
         "hf_deepseek_v3_tp2_ep2": (2, "hf_deepseek_v3", {}, dict(tp=2, ep=2)),
         "hf_deepseek_v3_tp2_sp_ep2": (4, "hf_deepseek_v3", {}, dict(tp=2, sp=True, ep=2)),
     })
+# a dense layer after an MoE one (Qwen2-MoE's mlp_only_layers): its MLP split over tp by the config's plan, not left
+# whole (whole, its gradients were one sequence shard's under sp)
+EP_RUNS["hf_qwen2_moe_dense_second_tp2_sp"] = (2, "hf_qwen2_moe", dict(config_kw=dict(mlp_only_layers=[1])),
+                                               dict(tp=2, sp=True))
+# Llama 4 (5.x): its own block (experts/llama4.py); a dense first layer beside the MoE one, split over tp under sp;
+# under pp its first stage holds no experts and the second computes its side inputs from a placeholder's meta weight
+if transformers_major() >= 5:
+    EP_RUNS.update({"hf_llama4_ep2": (2, "hf_llama4", {}, dict(ep=2)),
+                    "hf_llama4_tp2_sp_ep2": (4, "hf_llama4", {}, dict(tp=2, sp=True, ep=2)),
+                    "hf_llama4_pp2_ep2": (4, "hf_llama4", {}, dict(pp=2, ep=2, microbatches=2))})
 # an encoder-decoder: Switch Transformers' top-1 experts in every second block, its router's capacity per
 # sequence dropping tokens, its router z-loss and load-balancing loss in the loss (per row: a microbatch's
 # equal the batch's); the T5 plan's tp with the experts whole, or folded over the tp pair; under pp each
@@ -382,7 +392,7 @@ EP_RUNS.update({
                                                                                 stage_layers=[2, 6])),
 })
 EP_RUNS = runnable(EP_RUNS, 1)
-PARTLY_DENSE = {"hf_deepseek_v3"}  # its first layer is dense: under pp one stage holds no experts
+PARTLY_DENSE = {"hf_deepseek_v3", "hf_llama4"}  # their first layer is dense: under pp one stage holds no experts
 
 
 def _expert_weight(name: str) -> bool:
@@ -481,6 +491,9 @@ if installed("hf_switch"):  # Switch Transformers' router caps its experts itsel
     BAD.update(switch_capacity=(dict(kind="hf_switch"), dict(ep=2, moe_capacity=1.0),
                                 "encoder.block.1.layer.1.mlp (SwitchTransformersSparseMLP) is Switch Transformers'"),
                switch_etp=(dict(kind="hf_switch"), dict(tp=2, etp=2), "leave etp at its default"))
+if transformers_major() >= 5:  # Llama 4's experts are not split over tp (its own layout of 3-D weights)
+    BAD["llama4_etp"] = (dict(kind="hf_llama4"), dict(tp=2, etp=2), "model.model.layers.1.feed_forward (Llama4TextMoe) is "
+                                                                    "Llama 4's mixture of experts")
 
 
 def _bad(rank, world):

@@ -6,11 +6,12 @@ from __future__ import annotations
 from torch import nn
 
 from ..marks import marks_of, set_marks
-from .families import SWITCH, check_block, find_moe_blocks
+from .families import LLAMA4, SWITCH, check_block, find_moe_blocks
 from .router_losses import statistics as router_statistics
 from .fused import expert_parallel_experts, gather_router_logits
 from .expert_tp import check_expert_tp, shard_experts
 from .layer import ExpertParallelMoE, expert_parallel
+from .llama4 import llama4_parallel
 from .switch import switch_parallel
 
 
@@ -27,7 +28,7 @@ def check_experts(model: nn.Module, ep: int, capacity: float | None = None, decl
                 f"or leave ep=1." if unknown else " Leave ep=1.")
         raise ValueError(f"MegaStrategy({what}) applies to mixture-of-experts layers, but {type(model).__name__} has "
                          f"none this project knows (Hugging Face transformers 5.x experts modules, Mixtral, Qwen2-MoE, "
-                         f"Qwen3-MoE, OLMoE, Switch Transformers, litgpt LLaMAMoE, the example GPT's MoE).{hint}")
+                         f"Qwen3-MoE, OLMoE, Llama 4, Switch Transformers, litgpt LLaMAMoE, the example GPT's MoE).{hint}")
     for path, block, family in blocks:
         check_block(path, block, family, ep)
         if family is SWITCH and (etp > 1 or capacity is not None):
@@ -35,6 +36,11 @@ def check_experts(model: nn.Module, ep: int, capacity: float | None = None, decl
             raise ValueError(f"MegaStrategy({what}): {path} ({type(block).__name__}) is Switch Transformers' sparse MLP, "
                              f"whose router caps each expert itself (config.expert_capacity) and whose experts are "
                              f"not split over tp; leave {what.split('=')[0]} at its default.")
+        if family is LLAMA4 and (etp > 1 or capacity is not None):
+            what = f"etp={etp}" if etp > 1 else f"moe_capacity={capacity}"
+            raise ValueError(f"MegaStrategy({what}): {path} ({type(block).__name__}) is Llama 4's mixture of experts, "
+                             f"whose experts are not split over tp nor capped yet; leave {what.split('=')[0]} at its "
+                             f"default (ep splits its experts).")
         if etp > 1:
             check_expert_tp(path, block, family, etp)
     return blocks
@@ -69,6 +75,9 @@ def apply_experts(model: nn.Module, mesh, pp: int = 1, sp: bool = False, capacit
         if family is SWITCH:
             if mesh.ep > 1 or sp:
                 swapped.append(_switch(model, path, block, mesh, sp))
+            continue
+        if family is LLAMA4:
+            swapped.append(_llama4(model, path, block, mesh, sp, fold))
             continue
         if family.returns_logits:
             router_statistics.install(block, mesh.dp_group, pp)
@@ -117,6 +126,16 @@ def _switch(model: nn.Module, path: str, block: nn.Module, mesh, sp: bool) -> nn
         set_marks(p, expert=mesh.ep > 1)
     model.set_submodule(path, new)
     return new
+
+
+def _llama4(model: nn.Module, path: str, block: nn.Module, mesh, sp: bool, fold) -> nn.Module:
+    """Llama 4's block expert-parallel under ep > 1 (else left whole); on sequence shards each rank routes its own
+    tokens and the block's gradients are partial sums over tp."""
+    if mesh.ep > 1:
+        block = llama4_parallel(block, mesh.ep_group, mesh.ep, mesh.ep_rank, mesh.tp_group if sp else None, fold)
+        model.set_submodule(path, block)
+    _mark_sp_partial(block, sp)
+    return block
 
 
 def rebind_experts(model: nn.Module, mesh, pp: int, declared=()) -> None:

@@ -33,6 +33,14 @@ def topk_then_softmax(k: int):
     return route
 
 
+def topk_then_sigmoid(k: int):
+    """Llama 4's rule: top-k of the logits, the sigmoid of each (it scales the expert's input, not its output)."""
+    def route(logits: torch.Tensor, dtype):
+        top, idx = torch.topk(logits, k, dim=1)
+        return torch.sigmoid(top.float()).to(dtype), idx
+    return route
+
+
 @dataclass(frozen=True)
 class MoEFamily:
     """One block class: its expert count, top-k and routing rule read from an instance."""
@@ -68,6 +76,10 @@ FAMILIES = {
         "litgpt_moe", lambda m: m.config.n_expert, lambda m: m.config.n_expert_per_token,
         lambda m: topk_then_softmax(m.config.n_expert_per_token), returns_logits=False),
 }
+
+# Llama 4: a router returning (scores, logits), a shared expert, experts in 3-D weights; runs as experts/llama4.py says
+LLAMA4 = MoEFamily("hf_llama4", lambda m: m.num_experts, lambda m: m.top_k, lambda m: topk_then_sigmoid(m.top_k))
+FAMILIES["Llama4TextMoe"] = LLAMA4
 
 # Switch Transformers: top-1, the router's own capacity per sequence; the block runs as experts/switch.py says
 SWITCH = MoEFamily("hf_switch", lambda m: m.router.num_experts, lambda m: 1, lambda m: None, returns_logits=False,

@@ -12,6 +12,7 @@ from torch import nn
 from .. import comm
 from .dispatch import capacity_of
 from .families import SWITCH, family_of
+from .fused import router_of
 from .layer import ExpertParallelMoE
 
 
@@ -65,8 +66,8 @@ class ExpertLoad(Callback):
                 block.experts.register_forward_pre_hook(self._fused_hook(i, block, family))
             elif family is SWITCH:  # its router's own capacity decides what each expert takes
                 block.router.register_forward_hook(self._switch_hook(i))
-            else:
-                block.gate.register_forward_hook(self._gate_hook(i, block, family))
+            else:  # a router Linear (gate), or Llama 4's returning (scores, logits)
+                router_of(block).register_forward_hook(self._gate_hook(i, block, family))
 
     def _add(self, i: int, idx: torch.Tensor, experts: int, capacity, fold=None, alike=None) -> None:
         if _in_backward():
@@ -103,6 +104,7 @@ class ExpertLoad(Callback):
         route = block._route if isinstance(block, ExpertParallelMoE) else family.route(block)
 
         def hook(module, args, logits):
+            logits = logits[-1] if isinstance(logits, tuple) else logits
             _, idx = route(logits, logits.dtype)
             sp = getattr(block, "sp_group", None) is not None
             self._add(i, idx, family.num_experts(block), getattr(block, "capacity_factor", None),

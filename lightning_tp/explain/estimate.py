@@ -43,10 +43,11 @@ from .costs import (
     width_in,
 )
 from ..experts.apply import check_experts
-from ..experts.families import SWITCH, find_moe_blocks
+from ..experts.families import LLAMA4, SWITCH, find_moe_blocks
 from ..experts.expert_tp import shard_experts
 from ..experts.fused import expert_parallel_experts, router_of
 from ..experts.layer import expert_parallel
+from ..experts.llama4 import llama4_parallel
 from ..experts.switch import switch_parallel
 from ..marks import marks_of, set_marks
 from ..dp.overlap import DPOverlap
@@ -457,7 +458,8 @@ def _split_experts(local: nn.Module, ep: int, declared=(), etp: int = 1, tp_rank
             found |= {id(p) for p in block.experts.parameters()}
             continue
         if ep > 1 or etp > 1:
-            block = switch_parallel(block, None, ep, 0) if family is SWITCH else expert_parallel(block, family, None, ep, 0)
+            block = switch_parallel(block, None, ep, 0) if family is SWITCH else llama4_parallel(block, None, ep, 0) \
+                if family is LLAMA4 else expert_parallel(block, family, None, ep, 0)
             if etp > 1:
                 shard_experts(block.experts.values(), etp, tp_rank)
             local.set_submodule(path, block)
@@ -474,7 +476,7 @@ def _all_to_all_bytes(base, config, r: int, locate, times, tokens: int, calls: i
     total, tokens = 0, tokens // (config.tp // config.etp)
     for path, block, family in find_moe_blocks(base, lookup.expert_styles(config.plan)):
         runs = times(locate(path), r)
-        router = router_of(block) if family.fused else block.router.classifier if family is SWITCH else block.gate
+        router = block.router.classifier if family is SWITCH else router_of(block)
         hidden = router.weight.shape[-1]
         total += runs * (4 * tokens * family.top_k(block) * hidden * dtype_bytes
                          + calls * family.num_experts(block) * 8)

@@ -56,11 +56,10 @@ class HFConfigPlan:
         n_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         styles, parents, attrs, gathered, latent = {}, defaultdict(list), {}, set(), set()
         layers = getattr(module, base).layers
-        moe = [f"{base}.layers.*.{name}" for name, _, _ in find_moe_blocks(layers[0])]  # run by experts/, not tp
         tp_plan = config_plan(config)
         tp_plan = {glob: ALIASES.get(style, style) for glob, style in tp_plan.items()}
         for glob, style in tp_plan.items():
-            if any(f"{base}.{glob}".startswith(m + ".") for m in moe):
+            if glob.startswith("layers.*.") and _run_by_experts(layers, glob[len("layers.*."):]):
                 continue
             path = f"{base}.{glob}"
             if glob.startswith("layers.*.") and not any(holds(layer, glob[len("layers.*."):]) for layer in layers):
@@ -148,6 +147,20 @@ def _regions(parent: str, children: list, layers, base: str) -> list:
 def _first_in(layers, path: str):
     """The first layer's submodule at ``path`` (DeepSeek-V3's shared experts are in its MoE layers only), or None."""
     return next((layer.get_submodule(path) for layer in layers if holds(layer, path)), None)
+
+
+def _run_by_experts(layers, path: str) -> bool:
+    """Whether every layer holding ``path`` has it inside a mixture-of-experts block that experts/ runs, not tp: anywhere
+    in a block whose forward it replaces, under ``experts`` in a transformers 5.x block (whose own forward runs). A
+    dense layer's MLP at the same path (Llama 4 interleaves them) stays in the plan."""
+    def inside(layer) -> bool:
+        for name, _, family in find_moe_blocks(layer):
+            if path.startswith(name + ".") and (not family.fused or path[len(name) + 1:].split(".")[0] == "experts"):
+                return True
+        return False
+
+    holding = [layer for layer in layers if holds(layer, path)]
+    return bool(holding) and all(inside(layer) for layer in holding)
 
 
 def holds(module: nn.Module, *paths: str) -> bool:

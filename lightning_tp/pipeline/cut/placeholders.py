@@ -210,7 +210,7 @@ class ShapeOnly(PipelinePlaceholder):
             _check_place(self, self.stage)
             if not self.stage.run.blocks_begun:
                 self.stage.run.called_before_blocks.add(self.skipped)
-        return stand_in_output(self._twin[0], args, kwargs)
+        return stand_in_output(self._twin[0], args, kwargs, getattr(self.stage, "device", None))
 
 
 def _check_place(placeholder: "ShapeOnly", stage) -> None:
@@ -243,10 +243,11 @@ def _check_place(placeholder: "ShapeOnly", stage) -> None:
                          f"use tp/dp for this model.")
 
 
-def stand_in_output(twin: nn.Module, args, kwargs):
+def stand_in_output(twin: nn.Module, args, kwargs, home=None):
     """What a module another stage holds returns here: tensors of the original output's shape and dtype,
-    NaN where floating-point (else zeros), shapes cached per argument signature. See docs/design/pipeline-cut.md."""
-    device = next((t.device for t in _tensors(args, kwargs)), torch.device("cpu"))
+    NaN where floating-point (else zeros), on its inputs' device (``home`` where they sit on meta), shapes cached
+    per argument signature. See docs/design/pipeline-cut.md."""
+    device = next((t.device for t in _tensors(args, kwargs) if not t.is_meta), home or torch.device("cpu"))
     key = _signature(args, {k: v for k, v in kwargs.items() if not is_cache(k, v)})  # T5 passes its cache
     shapes = twin.__dict__.setdefault("_lightning_tp_shapes", {})
     out = shapes.get(key) if key is not None else None

@@ -75,6 +75,9 @@ class StageMap:
     tail: object = None
     tail_stacks: object = None  # an encoder-decoder's: virtual stage -> the stack ("encoder"/"decoder") of each
     decoder_start: object = None  # the decoder's first chain index (with tail_stacks)
+    # this rank's device: where a placeholder's stand-ins go when its inputs sit on meta (a model that moved them
+    # to its embedding's weight's device, which another stage holds: Llama 4)
+    device: object = None
 
 
 def with_tail(output: torch.Tensor, tail: list) -> torch.Tensor:
