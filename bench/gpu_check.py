@@ -576,7 +576,7 @@ def check_expert_layer():
     _sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from examples.gpt.model import GPTConfig, MoE
     from lightning_tp.experts.families import family_of
-    from lightning_tp.experts.layer import expert_parallel
+    from lightning_tp.experts.blocks.layer import expert_parallel
 
     width, tokens = (64, 64) if DRY else (1024, 4096)
     torch.manual_seed(0)
@@ -644,7 +644,7 @@ def check_fused_experts():
         return SKIP, f"transformers {transformers.__version__}: experts are a ModuleList (see the row above)"
     from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
-    from lightning_tp.experts.fused import expert_parallel_experts
+    from lightning_tp.experts.blocks.fused import expert_parallel_experts
 
     width, tokens = (32, 64) if DRY else (1024, 4096)
     config = transformers.MixtralConfig(hidden_size=width, intermediate_size=2 * width, num_local_experts=8,
@@ -694,7 +694,7 @@ def check_grouped_experts():
 
     _sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from examples.gpt.model import GPTConfig, MoE
-    from lightning_tp.experts import layer as ep_layer
+    from lightning_tp.experts.blocks import layer as ep_layer
     from lightning_tp.experts.families import family_of
 
     width, tokens = (64, 64) if DRY else (1024, 4096)

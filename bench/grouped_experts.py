@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from examples.gpt.model import MLP, GPTConfig  # noqa: E402
-from lightning_tp.experts.grouped import grouped_forward  # noqa: E402
+from lightning_tp.experts.blocks.grouped import grouped_forward  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEV == "cuda" else torch.float32

@@ -242,10 +242,10 @@ def test_families_one_process_match_the_blocks():
     import copy
 
     from lightning_tp.experts.families import family_of
-    from lightning_tp.experts.layer import ExpertParallelMoE
+    from lightning_tp.experts.blocks.layer import ExpertParallelMoE
 
-    from lightning_tp.experts.fused import expert_parallel_experts
-    from lightning_tp.experts.switch import switch_parallel
+    from lightning_tp.experts.blocks.fused import expert_parallel_experts
+    from lightning_tp.experts.blocks.switch import switch_parallel
 
     for family in FAMILIES + ("switch",):
         if not installed(family):
@@ -805,9 +805,9 @@ def test_router_jitter_applies_in_training_only_and_draws_as_the_block_does():
     import transformers as T
 
     from lightning_tp.experts.families import family_of
-    from lightning_tp.experts.layer import ExpertParallelMoE
+    from lightning_tp.experts.blocks.layer import ExpertParallelMoE
 
-    from lightning_tp.experts.fused import expert_parallel_experts
+    from lightning_tp.experts.blocks.fused import expert_parallel_experts
 
     torch.manual_seed(0)
     block = MixtralSparseMoeBlock(T.MixtralConfig(hidden_size=8, intermediate_size=12, num_experts_per_tok=2,

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from examples.gpt.model import MLP, GPTConfig
-from lightning_tp.experts.grouped import grouped_forward
+from lightning_tp.experts.blocks.grouped import grouped_forward
 
 COUNTS = [5, 0, 3, 8]  # an expert without rows among them
 
@@ -107,7 +107,7 @@ def test_the_expert_parallel_layer_gives_the_same_numbers_grouped_and_looped(mon
     """The layer's choice (grouped on CUDA, the loop on CPU) changes no number: the example GPT's MoE block
     behind the dispatch (one process), grouped forced on against the loop."""
     from examples.gpt.model import MoE
-    from lightning_tp.experts import layer as ep_layer
+    from lightning_tp.experts.blocks import layer as ep_layer
     from lightning_tp.experts.families import family_of
 
     torch.manual_seed(0)

@@ -8,11 +8,11 @@ from torch import nn
 from ..marks import marks_of, set_marks
 from .families import LLAMA4, SWITCH, check_block, find_moe_blocks
 from .router_losses import statistics as router_statistics
-from .fused import expert_parallel_experts, gather_router_logits
+from .blocks.fused import expert_parallel_experts, gather_router_logits
 from .expert_tp import check_expert_tp, shard_experts
-from .layer import ExpertParallelMoE, expert_parallel
-from .llama4 import llama4_parallel
-from .switch import switch_parallel
+from .blocks.layer import ExpertParallelMoE, expert_parallel
+from .blocks.llama4 import llama4_parallel
+from .blocks.switch import switch_parallel
 
 
 def check_experts(model: nn.Module, ep: int, capacity: float | None = None, declared=(), etp: int = 1) -> list:

@@ -12,7 +12,7 @@ from torch import nn
 from .. import comm
 from ..layers.shard import ShardSpec, shard
 from ..marks import set_marks
-from .grouped import math_of
+from .blocks.grouped import math_of
 
 
 @contextlib.contextmanager

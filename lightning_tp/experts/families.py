@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .fused import is_fused_experts, router_of
+from .blocks.fused import is_fused_experts, router_of
 
 
 def softmax_then_topk(k: int, normalize: bool):
@@ -77,11 +77,11 @@ FAMILIES = {
         lambda m: topk_then_softmax(m.config.n_expert_per_token), returns_logits=False),
 }
 
-# Llama 4: a router returning (scores, logits), a shared expert, experts in 3-D weights; runs as experts/llama4.py says
+# Llama 4: a router returning (scores, logits), a shared expert, experts in 3-D weights; runs as experts/blocks/llama4.py says
 LLAMA4 = MoEFamily("hf_llama4", lambda m: m.num_experts, lambda m: m.top_k, lambda m: topk_then_sigmoid(m.top_k))
 FAMILIES["Llama4TextMoe"] = LLAMA4
 
-# Switch Transformers: top-1, the router's own capacity per sequence; the block runs as experts/switch.py says
+# Switch Transformers: top-1, the router's own capacity per sequence; the block runs as experts/blocks/switch.py says
 SWITCH = MoEFamily("hf_switch", lambda m: m.router.num_experts, lambda m: 1, lambda m: None, returns_logits=False,
                    calls_idle=False)
 FAMILIES["SwitchTransformersSparseMLP"] = SWITCH

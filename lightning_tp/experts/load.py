@@ -12,8 +12,8 @@ from torch import nn
 from .. import comm
 from .dispatch import capacity_of
 from .families import SWITCH, family_of
-from .fused import router_of
-from .layer import ExpertParallelMoE
+from .blocks.fused import router_of
+from .blocks.layer import ExpertParallelMoE
 
 
 def moe_layers(model: nn.Module) -> list:

@@ -45,10 +45,10 @@ from .costs import (
 from ..experts.apply import check_experts
 from ..experts.families import LLAMA4, SWITCH, find_moe_blocks
 from ..experts.expert_tp import shard_experts
-from ..experts.fused import expert_parallel_experts, router_of
-from ..experts.layer import expert_parallel
-from ..experts.llama4 import llama4_parallel
-from ..experts.switch import switch_parallel
+from ..experts.blocks.fused import expert_parallel_experts, router_of
+from ..experts.blocks.layer import expert_parallel
+from ..experts.blocks.llama4 import llama4_parallel
+from ..experts.blocks.switch import switch_parallel
 from ..marks import marks_of, set_marks
 from ..dp.overlap import DPOverlap
 from ..dp.zero import ShardedOptimizer

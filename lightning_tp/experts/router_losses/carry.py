@@ -13,8 +13,8 @@ from ... import comm
 from . import statistics as router_statistics
 from . import switch as switch_losses
 from ..families import SWITCH, find_moe_blocks
-from ..fused import router_of
-from ..layer import ExpertParallelMoE
+from ..blocks.fused import router_of
+from ..blocks.layer import ExpertParallelMoE
 
 
 def takes_logits(block: nn.Module, family) -> bool:

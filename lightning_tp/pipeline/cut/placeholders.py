@@ -328,7 +328,7 @@ def no_cache(name: str, value):
 def _meta_run(twin: nn.Module, args, kwargs):
     """``twin`` called on meta copies of the arguments; a block of experts whose routing cannot run on meta
     (Switch Transformers') answers with its output's shapes instead."""
-    from ...experts.switch import on_meta
+    from ...experts.blocks.switch import on_meta
     from ...experts.families import SWITCH, find_moe_blocks
 
     meta_args, meta_kwargs = _meta_call(args, kwargs)

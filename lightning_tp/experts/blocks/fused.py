@@ -9,11 +9,11 @@ import dataclasses
 import torch
 from torch import nn
 
-from .. import comm
-from ..layers.shard import ShardSpec, shard
-from ..marks import set_marks
-from .dispatch import capacity_of, combine, dispatch
-from .expert_tp import bias_on_first, enter, fused_widths, leave
+from ... import comm
+from ...layers.shard import ShardSpec, shard
+from ...marks import set_marks
+from ..dispatch import capacity_of, combine, dispatch
+from ..expert_tp import bias_on_first, enter, fused_widths, leave
 
 
 def is_fused_experts(module) -> bool:
@@ -88,7 +88,7 @@ def expert_parallel_experts(experts: nn.Module, group, ep: int, ep_rank: int, ca
 def gather_router_logits(block: nn.Module, sp_group) -> None:
     """On sequence shards: the router logits a loss records (output 0 of the router) span the whole sequence,
     as one device's do; the routing itself stays on this rank's tokens."""
-    from .. import comm
+    from ... import comm
 
     router, lead = router_of(block), {}
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .. import comm
-from .dispatch import combine, dispatch
-from .expert_tp import enter, leave
+from ... import comm
+from ..dispatch import combine, dispatch
+from ..expert_tp import enter, leave
 from .layer import ExpertParallelMoE, as_block
-from .families import SWITCH
+from ..families import SWITCH
 
 
 class ExpertParallelSwitch(ExpertParallelMoE):

@@ -7,11 +7,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..layers.shard import ShardSpec
-from ..marks import set_marks
-from .dispatch import combine, dispatch
-from .expert_tp import enter, leave
-from .families import LLAMA4
+from ...layers.shard import ShardSpec
+from ...marks import set_marks
+from ..dispatch import combine, dispatch
+from ..expert_tp import enter, leave
+from ..families import LLAMA4
 from .layer import ExpertParallelMoE, as_block
 
 

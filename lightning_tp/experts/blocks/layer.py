@@ -7,10 +7,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import comm
-from .dispatch import capacity_of, combine, dispatch
-from .expert_tp import bias_on_first, down_biases, enter, leave
-from .families import MoEFamily, check_block
+from ... import comm
+from ..dispatch import capacity_of, combine, dispatch
+from ..expert_tp import bias_on_first, down_biases, enter, leave
+from ..families import MoEFamily, check_block
 from .fused import both
 from .grouped import grouped_forward, runs_grouped
 
