@@ -291,6 +291,17 @@ class HFCausalLM(L.LightningModule):
             # its own layout; a dense first layer (MoE every second), per-head L2 norms, chunked attention
             "llama4": lambda: T.Llama4TextConfig(**common, head_dim=8, intermediate_size_mlp=64, num_local_experts=4,
                                                  num_experts_per_tok=2, interleave_moe_layer_step=2),
+            # hybrids: Qwen3-Next's gated delta-net layers (their out_proj planned colwise_gather_output) beside full
+            # attention; MiniMax's lightning attention beside full attention at the same path; Jamba's Mamba layers
+            "qwen3_next": lambda: T.Qwen3NextConfig(**dict(common, num_hidden_layers=2), head_dim=8, num_experts=4,
+                                                    num_experts_per_tok=2, moe_intermediate_size=32,
+                                                    shared_expert_intermediate_size=32,
+                                                    layer_types=["linear_attention", "full_attention"]),
+            "minimax": lambda: T.MiniMaxConfig(**dict(common, num_hidden_layers=2), head_dim=8, num_local_experts=4,
+                                               num_experts_per_tok=2, layer_types=["full_attention", "linear_attention"]),
+            "jamba": lambda: T.JambaConfig(**dict(common, num_hidden_layers=2), num_experts=4, num_experts_per_tok=2,
+                                           attn_layer_period=2, attn_layer_offset=1, expert_layer_period=1,
+                                           expert_layer_offset=0, use_mamba_kernels=False),
             "qwen3": lambda: T.Qwen3Config(**common, head_dim=8),  # per-head q_norm / k_norm
             "phi3": lambda: T.Phi3Config(**common, pad_token_id=0),  # fused qkv_proj and gate_up_proj
             # its base model under `model` though its prefix says `language_model`; scaled embedding

@@ -120,6 +120,10 @@ WORLD2["hf_phi3_tp2_sp"] = ("hf_phi3", {}, dict(tp=2, sp=True), TEN)
 WORLD2["hf_llama_tp2_sp_kernels"] = ("hf_llama", {}, dict(tp=2, sp=True, kernels=["rotary", "rmsnorm"]), TEN)
 WORLD2["hf_phi3_tp2"] = ("hf_phi3", {}, dict(tp=2), TEN)
 WORLD2["hf_olmoe_tp2_sp"] = ("hf_olmoe", {}, dict(tp=2, sp=True), TEN)
+if transformers_major() >= 5:  # hybrid layers: Qwen3-Next's gated delta-net (its out_proj split by its input) under
+    # tp + sp; MiniMax's lightning attention left whole at tp (the full attention's head counts set there only)
+    WORLD2["hf_qwen3_next_tp2_sp"] = ("hf_qwen3_next", {}, dict(tp=2, sp=True), TEN)
+    WORLD2["hf_minimax_tp2"] = ("hf_minimax", {}, dict(tp=2), TEN)
 WORLD2, WORLD4 = runnable(WORLD2), runnable(WORLD4)  # litgpt only where it is installed (transformers 4.x)
 
 
@@ -171,6 +175,18 @@ def test_config_plans_split_what_their_config_leaves_out_and_only_where_a_layer_
         ["partial", "partial", "partial", "colwise_local"]
     assert styles["model.model.layers.0.mlp"] == "region" and "model.model.layers.1.mlp" not in styles
     assert styles["model.model.layers.1.mlp.shared_experts"] == "region"
+
+
+def test_sp_refuses_a_layer_that_mixes_the_sequence_outside_the_plan():
+    """Jamba's Mamba mixer has no plan entry: under sp it would see a sequence shard (tp alone keeps it whole).
+    transformers 4.x gives Jamba no config plan (no tp at all: refused as any unplanned model)."""
+    if transformers_major() < 5:
+        return
+    model = make_model("hf_jamba")
+    checks.resolve(model, 2, False)
+    with pytest.raises(ValueError, match=r"model.model.layers.0.mamba \(JambaMambaMixer\) mixes tokens along the "
+                                         r"sequence and no plan entry splits it"):
+        checks.resolve(model, 2, True)
 
 
 def test_config_plans_find_base_model_embedding_and_head_by_the_model():

@@ -80,10 +80,33 @@ def resolve(model: nn.Module, tp: int, sp: bool, plan="auto") -> list:
     if sp and tp > 1:
         for m in matches:
             check_layerdrop(model.get_submodule(m.prefix) if m.prefix else model, m)
+            check_sequence_mixers(model.get_submodule(m.prefix) if m.prefix else model, m, tp)
             if m.sp_start is None and m.entries:
                 warnings.warn(f"lightning_tp: plan {m.plan.name!r} has no sp_start; {m.prefix or 'the model'} runs "
                               f"without sequence parallelism.")
     return matches
+
+
+MIXERS = ("Attention", "Mamba", "ShortConv", "GatedDeltaNet")  # in a class name: mixes tokens along the sequence
+
+
+def check_sequence_mixers(root: nn.Module, m: Match, tp: int) -> None:
+    """Under sp a block's modules see a sequence shard: refuse one that mixes tokens along the sequence (attention,
+    a convolution over it, a state-space layer) unless the plan covers it (a region, or split layers inside)."""
+    starts, covered = m.plan.sp_starts(), [full for full, _, _ in m.entries]
+    for name, module in root.named_modules():
+        parts = name.split(".")
+        if not any(path_matches(g, ".".join(parts[:i])) for g in starts for i in range(1, len(parts))):
+            continue  # outside the sequence-parallel span
+        if not (any(isinstance(c, nn.Conv1d) for c in module.children()) or
+                any(k in type(module).__name__ for k in MIXERS)):
+            continue
+        full = join(m.prefix, name)
+        if any(full == c or full.startswith(c + ".") or c.startswith(full + ".") for c in covered):
+            continue  # inside a region, or its projections split (a colwise layer gathers the sequence)
+        raise ValueError(f"MegaStrategy(tp={tp}, sp=True): {full} ({type(module).__name__}) mixes tokens along the "
+                         f"sequence and no plan entry splits it, so under sp it would see one rank's sequence shard. "
+                         f"Use sp=False (tp keeps it whole on every rank), or a plan that makes it a 'region'.")
 
 
 def check_layerdrop(root: nn.Module, m: Match) -> None:

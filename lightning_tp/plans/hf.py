@@ -17,6 +17,7 @@ def norm_paths(layer: nn.Module, glob_prefix: str) -> dict:
 
 
 ALIASES = {"colwise_rep": "colwise_gather_output", "rowwise_rep": "rowwise_split_input"}  # transformers 4.x names
+OUTPUT_PROJECTIONS = (".out_proj", ".o_proj")  # a module's last projection, the one that leaves the tp region
 # entries a family's config plan lacks (transformers 5.x gives GPT-OSS's embedding only: its attention ran whole)
 SUPPLEMENTS = {"gpt_oss": {f"layers.*.self_attn.{p}": "colwise" for p in ("q_proj", "k_proj", "v_proj")} |
                {"layers.*.self_attn.o_proj": "rowwise"},
@@ -74,6 +75,10 @@ class HFConfigPlan:
             if style == "mla_kv_a_proj":  # MLA's shared latent (and rotary key): whole on every rank, inside the
                 styles[path] = "partial"  # region, its gradient summed over tp (each rank's heads read it)
                 latent.add(path.rpartition(".")[0])
+            elif style == "colwise_gather_output" and glob.endswith(OUTPUT_PROJECTIONS):
+                # an output projection (Qwen3-Next's linear attention) reads what its module computed whole on every
+                # rank: split by its input instead, its partial outputs summed (reduce-scattered under sp)
+                styles[path] = {"style": "rowwise", "split_input": True}
             elif style in ("colwise", "colwise_gather_output"):
                 parents[path.rpartition(".")[0]].append(path)
                 if style == "colwise_gather_output" and not glob.endswith("gate_up_proj"):
@@ -83,7 +88,8 @@ class HFConfigPlan:
             else:
                 styles[path] = "rowwise"
         for parent, children in parents.items():
-            inner = _first_in(layers, parent.split(".*.", 1)[1]) if ".*." in parent else None
+            inner = _first_in(layers, parent.split(".*.", 1)[1], [c.rpartition(".")[2] for c in children]) \
+                if ".*." in parent else None
             heads = _head_params(inner, config)
             for region in _regions(parent, children, layers, base):  # one entry into the TP region for its column layers
                 styles[region] = {"style": "region", "head_params": heads} if heads else "region"
@@ -106,11 +112,12 @@ class HFConfigPlan:
                 if child.endswith(("k_proj", "v_proj")):  # tp > kv heads: each head copied to tp // n_kv ranks
                     styles[child]["replicate_heads"] = True
             if hasattr(inner, "num_key_value_groups"):  # read by repeat_kv: local q heads per local kv head
-                attrs[parent] = {"num_key_value_groups": f"kv_groups:{n_kv}"}
+                rules = {"num_key_value_groups": f"kv_groups:{n_kv}"}
                 # older attention classes (4.x Qwen2-MoE) reshape with their own widths and head counts
-                attrs[parent].update({name: rule for name, rule in (("hidden_size", "divide"), ("num_heads", "divide"),
-                                                                    ("num_key_value_heads", "kv_heads"))
-                                      if isinstance(getattr(inner, name, None), int)})
+                rules.update({name: rule for name, rule in (("hidden_size", "divide"), ("num_heads", "divide"),
+                                                            ("num_key_value_heads", "kv_heads"))
+                              if isinstance(getattr(inner, name, None), int)})
+                attrs.update({region: rules for region in _regions(parent, children, layers, base)})
             # per-head norms inside the region (Qwen3's q_norm/k_norm) see this rank's heads only
             for name, child in (inner.named_children() if inner is not None else ()):
                 if type(child).__name__.endswith(("Norm", "RMSNorm", "LayerNorm")):
@@ -144,9 +151,11 @@ def _regions(parent: str, children: list, layers, base: str) -> list:
     return [parent] if len(held) == len(layers) else [f"{base}.layers.{i}.{rel}" for i in held]
 
 
-def _first_in(layers, path: str):
-    """The first layer's submodule at ``path`` (DeepSeek-V3's shared experts are in its MoE layers only), or None."""
-    return next((layer.get_submodule(path) for layer in layers if holds(layer, path)), None)
+def _first_in(layers, path: str, children=()):
+    """The first layer's submodule at ``path`` (DeepSeek-V3's shared experts are in its MoE layers only) holding one
+    of ``children`` where given (MiniMax's full attention, not its lightning attention at the same path), or None."""
+    return next((layer.get_submodule(path) for layer in layers if holds(layer, path)
+                 and (not children or any(holds(layer, f"{path}.{c}") for c in children))), None)
 
 
 def _run_by_experts(layers, path: str) -> bool:
