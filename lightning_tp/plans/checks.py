@@ -87,7 +87,7 @@ def resolve(model: nn.Module, tp: int, sp: bool, plan="auto") -> list:
     return matches
 
 
-MIXERS = ("Attention", "Mamba", "ShortConv", "GatedDeltaNet")  # in a class name: mixes tokens along the sequence
+MIXERS = ("Attention", "MLA", "Mamba", "ShortConv", "GatedDeltaNet")  # in a class name: mixes tokens along the sequence
 
 
 def check_sequence_mixers(root: nn.Module, m: Match, tp: int) -> None:
