@@ -57,10 +57,11 @@ class HFConfigPlan:
         n_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         styles, parents, attrs, gathered, latent = {}, defaultdict(list), {}, set(), set()
         layers = getattr(module, base).layers
+        moe = [find_moe_blocks(layer) for layer in layers]  # per layer: (path, block, family) of its MoE blocks
         tp_plan = config_plan(config)
         tp_plan = {glob: ALIASES.get(style, style) for glob, style in tp_plan.items()}
         for glob, style in tp_plan.items():
-            if glob.startswith("layers.*.") and _run_by_experts(layers, glob[len("layers.*."):]):
+            if glob.startswith("layers.*.") and _run_by_experts(layers, moe, glob[len("layers.*."):]):
                 continue
             path = f"{base}.{glob}"
             if glob.startswith("layers.*.") and not any(holds(layer, glob[len("layers.*."):]) for layer in layers):
@@ -91,7 +92,8 @@ class HFConfigPlan:
             inner = _first_in(layers, parent.split(".*.", 1)[1], [c.rpartition(".")[2] for c in children]) \
                 if ".*." in parent else None
             heads = _head_params(inner, config)
-            for region in _regions(parent, children, layers, base):  # one entry into the TP region for its column layers
+            regions = _regions(parent, children, layers, base)
+            for region in regions:  # one entry into the TP region for its column layers
                 styles[region] = {"style": "region", "head_params": heads} if heads else "region"
             if gathered.intersection(children):  # every head on every rank: no head counts change, no partial norm
                 if not gathered.issuperset(children):
@@ -117,7 +119,7 @@ class HFConfigPlan:
                 rules.update({name: rule for name, rule in (("hidden_size", "divide"), ("num_heads", "divide"),
                                                             ("num_key_value_heads", "kv_heads"))
                               if isinstance(getattr(inner, name, None), int)})
-                attrs.update({region: rules for region in _regions(parent, children, layers, base)})
+                attrs.update({region: rules for region in regions})
             # per-head norms inside the region (Qwen3's q_norm/k_norm) see this rank's heads only
             for name, child in (inner.named_children() if inner is not None else ()):
                 if type(child).__name__.endswith(("Norm", "RMSNorm", "LayerNorm")):
@@ -158,18 +160,16 @@ def _first_in(layers, path: str, children=()):
                  and (not children or any(holds(layer, f"{path}.{c}") for c in children))), None)
 
 
-def _run_by_experts(layers, path: str) -> bool:
-    """Whether every layer holding ``path`` has it inside a mixture-of-experts block that experts/ runs, not tp: anywhere
-    in a block whose forward it replaces, under ``experts`` in a transformers 5.x block (whose own forward runs). A
-    dense layer's MLP at the same path (Llama 4 interleaves them) stays in the plan."""
-    def inside(layer) -> bool:
-        for name, _, family in find_moe_blocks(layer):
-            if path.startswith(name + ".") and (not family.fused or path[len(name) + 1:].split(".")[0] == "experts"):
-                return True
-        return False
+def _run_by_experts(layers, moe: list, path: str) -> bool:
+    """Whether every layer holding ``path`` has it inside one of its MoE blocks (``moe[i]``: layer i's) that experts/
+    runs, not tp: anywhere in a block whose forward it replaces, under ``experts`` in a transformers 5.x block (whose
+    own forward runs). A dense layer's MLP at the same path (Llama 4 interleaves them) stays in the plan."""
+    def inside(blocks) -> bool:
+        return any(path.startswith(name + ".") and (not family.fused or path[len(name) + 1:].split(".")[0] == "experts")
+                   for name, _, family in blocks)
 
-    holding = [layer for layer in layers if holds(layer, path)]
-    return bool(holding) and all(inside(layer) for layer in holding)
+    holding = [blocks for layer, blocks in zip(layers, moe) if holds(layer, path)]
+    return bool(holding) and all(inside(blocks) for blocks in holding)
 
 
 def holds(module: nn.Module, *paths: str) -> bool:

@@ -57,6 +57,14 @@ def both(base: type, kind: type) -> type:
     return _CLASSES[base, kind]
 
 
+def expert_slice(p: torch.Tensor, ep: int, ep_rank: int) -> tuple:
+    """Rank ``ep_rank``'s experts of a 3-D parameter ``[E, ...]`` (a view) and where they sit in the whole one
+    (None at ep=1), for checkpoints written as chunks of the single-device tensor."""
+    count = p.shape[0] // ep
+    spec = ShardSpec(dim=0, world=ep, full=p.shape[0], at_rank=ep_rank) if ep > 1 else None
+    return p.detach()[ep_rank * count:(ep_rank + 1) * count], spec
+
+
 def expert_parallel_experts(experts: nn.Module, group, ep: int, ep_rank: int, capacity_factor=None,
                             fold=None, etp=None, tp_rank: int = 0, sp: bool = False, etp_size: int = 0) -> nn.Module:
     """Keep experts ``[ep_rank * E/ep, (ep_rank + 1) * E/ep)`` of ``experts`` in place, calls expert-parallel over
@@ -69,8 +77,7 @@ def expert_parallel_experts(experts: nn.Module, group, ep: int, ep_rank: int, ca
         if p.dim() == 0 or p.shape[0] != total:
             raise ValueError(f"{type(experts).__name__}.{name} has shape {tuple(p.shape)}: expert parallelism expects "
                              f"every parameter of a fused experts module to lead with its {total} experts.")
-        spec = ShardSpec(dim=0, world=ep, full=total, at_rank=ep_rank) if ep > 1 else None
-        sliced = p.detach()[first:first + count]
+        sliced, spec = expert_slice(p, ep, ep_rank)
         if world > 1 and widths.get(name) is not None:  # the expert's width over the tp ranks too
             dim, blocks = widths[name]
             inner = ShardSpec(dim=dim, world=world, full=p.shape[dim], chunks=blocks, at_rank=tp_rank)

@@ -7,11 +7,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ...layers.shard import ShardSpec
 from ...marks import set_marks
 from ..dispatch import combine, dispatch
 from ..expert_tp import enter, leave
 from ..families import LLAMA4
+from .fused import expert_slice
 from .layer import ExpertParallelMoE, as_block
 
 
@@ -29,8 +29,8 @@ class ExpertParallelLlama4(ExpertParallelMoE):
         self.router, self.shared_expert, self.experts = block.router, block.shared_expert, block.experts
         self._route = LLAMA4.route(block)
         for name, p in list(self.experts.named_parameters(recurse=False)):
-            spec = ShardSpec(dim=0, world=ep, full=self.num_experts, at_rank=ep_rank) if ep > 1 else None
-            param = nn.Parameter(p.detach()[self.first:self.first + count].clone(), requires_grad=p.requires_grad)
+            sliced, spec = expert_slice(p, ep, ep_rank)
+            param = nn.Parameter(sliced.clone(), requires_grad=p.requires_grad)
             set_marks(param, expert=ep > 1, tp_spec=spec)
             setattr(self.experts, name, param)
         self.experts.num_experts = count
